@@ -1,0 +1,1 @@
+"""Command-line interface: a thin shell over `infer.runtime`."""

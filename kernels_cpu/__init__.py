@@ -1,0 +1,1 @@
+"""CPU kernels (see issue 4)."""

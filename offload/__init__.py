@@ -1,0 +1,1 @@
+"""Flash/SSD offloading (see issue 5)."""

@@ -1,0 +1,1 @@
+"""Quantized formats (see issue 3)."""

@@ -1,0 +1,1 @@
+"""The model runtime: loaders, models, tokenizer, generation."""

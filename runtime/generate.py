@@ -1,0 +1,121 @@
+"""Token generation: a sampler factory and one generator that yields token ids.
+
+Detokenizing, stop tokens, timing and printing belong to the callers (cli/, bench).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .errors import InferError
+from .llama import Transformer
+
+Sampler = Callable[[torch.Tensor], int]
+
+
+def make_sampler(
+    temperature: float = 0.8,
+    top_k: int = 40,
+    top_p: float = 0.95,
+    min_p: float = 0.05,
+    seed: int | None = None,
+) -> Sampler:
+    """Return logits (vocab,) -> token id. Temperature 0 is greedy and deterministic."""
+    if temperature <= 0:
+        return lambda logits: int(torch.argmax(logits))
+    generator = torch.Generator()
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+
+    def sample(logits: torch.Tensor) -> int:
+        logits = logits.float() / temperature
+        if 0 < top_k < logits.shape[-1]:
+            logits, ids = torch.topk(logits, top_k)  # sorted, descending
+        else:
+            logits, ids = torch.sort(logits, descending=True)
+        probs = torch.softmax(logits, dim=-1)
+        keep = torch.ones_like(probs, dtype=torch.bool)
+        if top_p < 1.0:
+            # Keep the smallest prefix whose mass reaches top_p (always the first token).
+            keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p
+        if min_p > 0.0:
+            keep &= probs >= min_p * probs[0]
+        probs = torch.where(keep, probs, 0.0)
+        choice = torch.multinomial(probs, 1, generator=generator)
+        return int(ids[choice])
+
+    return sample
+
+
+def apply_repeat_penalty(logits: torch.Tensor, recent: list[int], penalty: float) -> torch.Tensor:
+    """CTRL-style penalty (as llama.cpp): shrink the logits of recently seen tokens."""
+    if penalty == 1.0 or not recent:
+        return logits
+    ids = torch.tensor(sorted(set(recent)))
+    seen = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, prompt: list[int], chunk: int = 512) -> torch.Tensor:
+    """Bring the KV cache to hold `prompt`; return the logits (vocab,) after its last token.
+
+    The cache keeps the longest common prefix with what it already holds (a chat
+    turn re-sends the whole conversation; only the new part is computed).
+    """
+    if not prompt:
+        raise InferError("empty prompt")
+    if len(prompt) > model.max_seq_len:
+        raise InferError(
+            f"prompt is {len(prompt)} tokens, longer than the context of "
+            f"{model.max_seq_len} (raise --ctx)"
+        )
+    cached = model.cached_tokens
+    n = 0
+    limit = min(len(cached), len(prompt) - 1)  # recompute at least one token for its logits
+    while n < limit and cached[n] == prompt[n]:
+        n += 1
+    del cached[n:]
+    logits = None
+    for start in range(n, len(prompt), chunk):
+        piece = prompt[start : start + chunk]
+        logits = model(torch.tensor([piece]), start)
+        cached.extend(piece)
+    return logits[0, -1]
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    prompt: list[int],
+    sampler: Sampler,
+    max_tokens: int,
+    repeat_penalty: float = 1.0,
+    repeat_last_n: int = 64,
+    prefill_chunk: int = 512,
+) -> Iterator[int]:
+    """Yield up to `max_tokens` sampled token ids following `prompt`.
+
+    Stops early only when the context is full; the caller stops at end-of-turn
+    tokens by closing the generator. The KV cache always matches
+    `model.cached_tokens`, so a stopped or interrupted answer can be continued.
+    """
+    logits = prefill(model, prompt, prefill_chunk)
+    history = list(prompt)
+    max_tokens = min(max_tokens, model.max_seq_len - len(prompt) + 1)
+    for i in range(max_tokens):
+        logits = apply_repeat_penalty(logits, history[-repeat_last_n:], repeat_penalty)
+        token = sampler(logits)
+        yield token
+        history.append(token)
+        if i + 1 == max_tokens:
+            break
+        pos = len(model.cached_tokens)
+        logits = model(torch.tensor([[token]]), pos)[0, -1]
+        model.cached_tokens.append(token)

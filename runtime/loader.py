@@ -1,0 +1,155 @@
+"""Turn a model path (a GGUF file or a Hugging Face directory) into a ready Transformer.
+
+The model is built on the meta device and the checkpoint's tensors are assigned
+into it, so weights exist once: mapped straight from the file where the dtype
+already matches, converted (or dequantized, for GGUF blocks) exactly once otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelArgs
+from .errors import InferError
+from .gguf_file import GGUFFile
+from .llama import Transformer
+from .safetensors_file import read_header, read_safetensors
+from .tokenizer import Tokenizer
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class ModelInfo:
+    """What a checkpoint is, read from its metadata without loading weights."""
+
+    path: Path
+    format: str  # "gguf" | "safetensors"
+    config: dict  # Hugging Face config.json-style
+    args: ModelArgs
+    quantization: str  # the dominant weight type, e.g. "Q4_1", "BF16"
+    file_bytes: int
+    gguf: GGUFFile | None = None  # the open reader, for a GGUF file
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    info: ModelInfo
+    dtype: torch.dtype
+    load_seconds: float
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.model.args
+
+
+def model_format(path: Path) -> str:
+    """Tell a GGUF file from a Hugging Face directory by content, not by name."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InferError(f"{path}: not a model directory (no config.json)")
+        return "safetensors"
+    if not path.exists():
+        raise InferError(f"{path}: no such file or directory")
+    with open(path, "rb") as f:
+        if f.read(4) == GGUF_MAGIC:
+            return "gguf"
+    raise InferError(f"{path}: not a GGUF file or a Hugging Face model directory")
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError):
+            raise InferError(f"{index}: corrupt safetensors index") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise InferError(f"{path}: missing weight shards {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = list(path.glob("*.bin")) + list(path.glob("*.pt"))
+        hint = " (pickled .bin/.pt weights are never loaded: convert to safetensors)" if pickles else ""
+        raise InferError(f"{path}: no .safetensors weights{hint}")
+    return files
+
+
+def inspect_model(path: Path) -> ModelInfo:
+    """Read a checkpoint's config and weight types without touching its weights."""
+    path = Path(path)
+    fmt = model_format(path)
+    if fmt == "gguf":
+        gguf = GGUFFile(path)
+        config = gguf.config()
+        types = Counter(t.ggml_type.name for t in gguf.tensors.values() if len(t.shape) == 2)
+        return ModelInfo(path, fmt, config, ModelArgs.from_dict(config),
+                         types.most_common(1)[0][0] if types else "F32", gguf.file_bytes, gguf)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise InferError(f"{path / 'config.json'}: invalid JSON ({e})") from None
+    files = _safetensors_files(path)
+    types = Counter()
+    for f in files:
+        header, _ = read_header(f)
+        types.update(v["dtype"] for k, v in header.items() if k != "__metadata__")
+    return ModelInfo(path, fmt, config, ModelArgs.from_dict(config),
+                     types.most_common(1)[0][0] if types else "?",
+                     sum(f.stat().st_size for f in files))
+
+
+def _state_dict(info: ModelInfo, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    if info.gguf is not None:
+        return info.gguf.hf_state_dict(dtype)
+    sd = {}
+    for f in _safetensors_files(info.path):
+        tensors, _ = read_safetensors(f)
+        sd.update(tensors)
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+
+
+def load_tokenizer(info: ModelInfo) -> Tokenizer:
+    if info.gguf is not None:
+        return Tokenizer.from_gguf_metadata(info.gguf.metadata)
+    return Tokenizer.from_hf_dir(info.path)
+
+
+def load_weights(info: ModelInfo, dtype: torch.dtype, max_seq_len: int | None = None) -> Transformer:
+    """Build the Transformer on the meta device and assign the checkpoint's tensors."""
+    args = info.args
+    sd = Transformer.sanitize(_state_dict(info, dtype), args)
+    with torch.device("meta"):
+        model = Transformer(args)
+    try:
+        model.load_state_dict(sd, strict=True, assign=True)
+    except RuntimeError as e:
+        lines = str(e).strip().splitlines()
+        detail = lines[1].strip() if len(lines) > 1 else lines[0]
+        raise InferError(f"{info.path}: weights do not match the config: {detail}") from None
+    if args.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.setup_caches(min(max_seq_len or args.max_seq_len, args.max_seq_len), dtype)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(
+    path: Path, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None
+) -> LoadedModel:
+    """Load weights, tokenizer and caches. `max_seq_len` defaults to the model's context."""
+    t0 = time.perf_counter()
+    info = inspect_model(path)
+    model = load_weights(info, dtype, max_seq_len)
+    tokenizer = load_tokenizer(info)
+    return LoadedModel(model, tokenizer, info, dtype, time.perf_counter() - t0)

@@ -1,0 +1,94 @@
+"""Tiny random models of each supported architecture, written as Hugging Face directories.
+
+transformers builds and saves them (it is the test oracle); our loader reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 320  # 256 byte tokens + specials, rounded up
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=0,
+    eos_token_id=2,
+)
+
+# name -> (transformers config class name, extra config fields)
+ARCHS = {
+    "llama": ("LlamaConfig", dict(rope_theta=10000.0)),
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "smollm2": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=100000.0)),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "mistral_window": ("MistralConfig", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+}
+
+
+def write_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer with no merges: one token per byte, plus ChatML specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = {ch: i + len(SPECIALS) for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab.update({s: i for i, s in enumerate(SPECIALS)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    config = dict(
+        bos_token=None,
+        eos_token="<|im_end|>",
+        chat_template=CHATML,
+        tokenizer_class="PreTrainedTokenizerFast",
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def make_hf_model(arch: str, path: Path, seed: int = 0):
+    """Save a random `arch` model (float32) with a tokenizer to `path`; return the HF model."""
+    import transformers
+
+    cls_name, extra = ARCHS[arch]
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Random init leaves norm weights at 1: perturb them so the norms are really tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path)
+    return model

@@ -1,0 +1,589 @@
+"""Read GGUF files: header, key/values and tensor infos parsed here, tensor data memory-mapped.
+
+Layout (GGUF v2/v3, little-endian; https://github.com/ggml-org/ggml/blob/master/docs/gguf.md):
+
+    magic "GGUF" | u32 version | u64 tensor_count | u64 kv_count
+    kv_count x   (string key, u32 value_type, value)
+    tensor_count x (string name, u32 n_dims, u64 dims[n_dims], u32 ggml_type, u64 offset)
+    padding to `general.alignment` (default 32)
+    tensor data; each tensor at data_start + offset, offsets aligned
+
+A string is a u64 byte length followed by UTF-8 bytes; an array is u32 element type,
+u64 count, then the elements (arrays may nest). GGUF lists dims innermost first, so
+torch shapes are the reversed dims.
+
+We parse the header ourselves rather than with gguf.GGUFReader, which builds a numpy
+view per field and takes ~2 s to open the default model (ours: a few tens of ms). The
+`gguf` package is used only for its type constants and, for K-quants and other types
+dequantized nowhere else here, `gguf.quants.dequantize`.
+"""
+
+import itertools
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from .errors import InferError
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 8  # arrays of arrays; garbage could otherwise recurse without bound
+
+SUPPORTED_ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# ---------------------------------------------------------------------------------------
+# Key/value parsing
+# ---------------------------------------------------------------------------------------
+
+# GGUF value types (gguf.GGUFValueType) -> (struct format, numpy dtype) for fixed-size scalars.
+_SCALARS = {
+    0: ("<B", np.dtype("<u1")),  # UINT8
+    1: ("<b", np.dtype("<i1")),  # INT8
+    2: ("<H", np.dtype("<u2")),  # UINT16
+    3: ("<h", np.dtype("<i2")),  # INT16
+    4: ("<I", np.dtype("<u4")),  # UINT32
+    5: ("<i", np.dtype("<i4")),  # INT32
+    6: ("<f", np.dtype("<f4")),  # FLOAT32
+    7: ("<?", np.dtype("?")),  # BOOL
+    10: ("<Q", np.dtype("<u8")),  # UINT64
+    11: ("<q", np.dtype("<i8")),  # INT64
+    12: ("<d", np.dtype("<f8")),  # FLOAT64
+}
+_STRING = 8
+_ARRAY = 9
+# The fewest bytes one element of each value type takes, to reject absurd array counts early.
+_MIN_SIZE = {**{t: dt.itemsize for t, (_, dt) in _SCALARS.items()}, _STRING: 8, _ARRAY: 12}
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+class _HeaderReader:
+    """A cursor over the file's bytes that raises InferError instead of reading past the end."""
+
+    def __init__(self, buf: memoryview, path: Path):
+        self.buf = buf
+        self.size = len(buf)
+        self.pos = 0
+        self.path = path
+
+    def fail(self, problem: str) -> InferError:
+        return InferError(f"{self.path}: {problem}")
+
+    def need(self, n: int, what: str) -> None:
+        if self.pos + n > self.size:
+            raise self.fail(f"truncated GGUF file: {what} runs past the end of the file")
+
+    def u32(self, what: str) -> int:
+        self.need(4, what)
+        (v,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return v
+
+    def u64(self, what: str) -> int:
+        self.need(8, what)
+        (v,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def string(self, what: str) -> str:
+        n = self.u64(what)
+        self.need(n, what)
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8") from None
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype in _SCALARS:
+            fmt, dt = _SCALARS[vtype]
+            self.need(dt.itemsize, what)
+            (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+            self.pos += dt.itemsize
+            return v
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _ARRAY:
+            return self.array(what, depth=1)
+        raise self.fail(f"{what} has unknown value type {vtype}")
+
+    def array(self, what: str, depth: int) -> list:
+        if depth > MAX_ARRAY_DEPTH:
+            raise self.fail(f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
+        etype = self.u32(what)
+        count = self.u64(what)
+        if etype not in _MIN_SIZE:
+            raise self.fail(f"{what} is an array of unknown value type {etype}")
+        if count * _MIN_SIZE[etype] > self.size - self.pos:
+            raise self.fail(
+                f"truncated GGUF file: {what} claims {count} elements, more than the file holds"
+            )
+        if etype in _SCALARS:
+            # Numeric arrays (token scores, token types) in one read.
+            dt = _SCALARS[etype][1]
+            arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos)
+            self.pos += count * dt.itemsize
+            return arr.tolist()
+        if etype == _STRING:
+            return self._string_array(count, what)
+        return [self.array(what, depth + 1) for _ in range(count)]
+
+    def _string_array(self, count: int, what: str) -> list[str]:
+        # The vocabulary and merges: ~100k strings, so the loop is inlined for speed.
+        buf, pos, size = self.buf, self.pos, self.size
+        unpack = _U64.unpack_from
+        out = []
+        try:
+            for _ in range(count):
+                if pos + 8 > size:
+                    raise self.fail(f"truncated GGUF file: {what} runs past the end of the file")
+                (n,) = unpack(buf, pos)
+                pos += 8
+                if pos + n > size:
+                    raise self.fail(f"truncated GGUF file: {what} runs past the end of the file")
+                out.append(str(buf[pos : pos + n], "utf-8"))
+                pos += n
+        except UnicodeDecodeError:
+            raise self.fail(f"{what}: element {len(out)} is not valid UTF-8") from None
+        self.pos = pos
+        return out
+
+
+# ---------------------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------------------
+
+# Types stored as plain arrays; everything else is stored as blocks of bytes.
+# BF16 has no numpy dtype: its data is the raw uint16 bit patterns.
+_PLAIN_DTYPES = {
+    GGMLQuantizationType.F32: np.dtype("<f4"),
+    GGMLQuantizationType.F16: np.dtype("<f2"),
+    GGMLQuantizationType.BF16: np.dtype("<u2"),
+    GGMLQuantizationType.F64: np.dtype("<f8"),
+    GGMLQuantizationType.I8: np.dtype("<i1"),
+    GGMLQuantizationType.I16: np.dtype("<i2"),
+    GGMLQuantizationType.I32: np.dtype("<i4"),
+    GGMLQuantizationType.I64: np.dtype("<i8"),
+}
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor of a GGUF file, its data a view of the file's map (or a reordered copy)."""
+
+    name: str  # GGUF name, e.g. "blk.0.attn_q.weight"
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order (rows, cols) = reversed GGUF dims
+    # Plain types: the typed array in `shape` (BF16 as uint16 bits). Block-quantized types:
+    # uint8 of shape (*shape[:-1], bytes_per_row), the raw ggml blocks of each row.
+    data: np.ndarray
+    offset: int = -1  # absolute byte offset in the file; -1 for a copy (un-permuted rows)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def _block_bytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Byte shape of a block-quantized tensor: each row of `cols` values is cols/block blocks."""
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    return (*shape[:-1], shape[-1] // block_size * type_size)
+
+
+# ---------------------------------------------------------------------------------------
+# Names: the one GGUF -> Hugging Face name map
+# ---------------------------------------------------------------------------------------
+
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs.weight",  # llama 3.1 rope scaling factors, no HF tensor
+}
+# blk.N.<key>.<weight|bias> -> model.layers.N.<value>.<weight|bias>
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _unpermute_rows(rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (HF rotate-half -> interleaved pairs).
+
+    convert_hf_to_gguf.py LlamaModel.permute writes
+        w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+    so GGUF row (h, j, s) holds HF row (h, s, j). HF row (h, s, j) is therefore GGUF row
+    (h, j, s): index GGUF rows with arange viewed as (n_head, half, 2) swapped to (n_head, 2, half).
+    """
+    half = rows // n_head // 2
+    return np.arange(rows).reshape(n_head, half, 2).swapaxes(1, 2).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------
+# The file
+# ---------------------------------------------------------------------------------------
+
+
+class GGUFFile:
+    """A GGUF file: metadata as python values, tensors as views of one memory map."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            self.file_bytes = self.path.stat().st_size
+        except OSError as err:
+            raise InferError(f"{self.path}: cannot open GGUF file ({err.strerror})") from None
+        if self.file_bytes < 4:
+            raise InferError(f"{self.path}: not a GGUF file (only {self.file_bytes} bytes)")
+        # Copy-on-write map (MAP_PRIVATE, as torch.load(mmap=True) uses): the file is opened
+        # read-only and never written, and torch.from_numpy gets a writable array, so
+        # zero-copy tensors need no warning and an accidental in-place op copies a page
+        # instead of faulting. Pages are read from disk only when touched.
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="c")
+        r = _HeaderReader(memoryview(self._map), self.path)
+
+        magic = bytes(self._map[:4])
+        if magic != GGUF_MAGIC:
+            raise r.fail(f"not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+        r.pos = 4
+        self.version = r.u32("header")
+        if self.version not in SUPPORTED_VERSIONS:
+            hint = " (a big-endian file?)" if self.version & 0xFFFF == 0 else ""
+            raise r.fail(
+                f"unsupported GGUF version {self.version}{hint}; supported: "
+                + ", ".join(map(str, SUPPORTED_VERSIONS))
+            )
+        n_tensors = r.u64("header")
+        n_kv = r.u64("header")
+        # Each key/value takes at least 13 bytes, each tensor info at least 32.
+        if n_kv * 13 + n_tensors * 32 > self.file_bytes:
+            raise r.fail(
+                f"bad GGUF header: {n_kv} key/values and {n_tensors} tensors "
+                f"cannot fit in {self.file_bytes} bytes"
+            )
+
+        self.metadata: dict[str, Any] = {}
+        for i in range(n_kv):
+            key = r.string(f"key {i}")
+            vtype = r.u32(f"key {key!r}")
+            if key in self.metadata:
+                raise r.fail(f"duplicate key {key!r}")
+            self.metadata[key] = r.value(vtype, f"value of {key!r}")
+
+        self.alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(self.alignment, int) or self.alignment <= 0:
+            raise r.fail(f"bad general.alignment {self.alignment!r}")
+        if self.alignment & (self.alignment - 1):
+            raise r.fail(f"general.alignment {self.alignment} is not a power of two")
+
+        infos = []  # (name, ggml_type, shape, relative offset)
+        for i in range(n_tensors):
+            name = r.string(f"tensor info {i}")
+            what = f"tensor info of {name!r}"
+            n_dims = r.u32(what)
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise r.fail(f"tensor {name!r} has {n_dims} dims (GGUF allows 1 to {MAX_DIMS})")
+            dims = [r.u64(what) for _ in range(n_dims)]
+            raw_type = r.u32(what)
+            offset = r.u64(what)
+            try:
+                ggml_type = GGMLQuantizationType(raw_type)
+            except ValueError:
+                raise r.fail(f"tensor {name!r} has unknown ggml type {raw_type}") from None
+            infos.append((name, ggml_type, tuple(reversed(dims)), offset))
+
+        # Tensor data starts at the first aligned offset after the tensor infos.
+        data_start = -(-r.pos // self.alignment) * self.alignment
+        self.data_offset = data_start
+        self.tensors: dict[str, GGUFTensor] = {}
+        spans = []  # (start, end, name) in absolute file bytes
+        for name, ggml_type, shape, offset in infos:
+            if name in self.tensors:
+                raise r.fail(f"duplicate tensor {name!r}")
+            block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+            if shape[-1] % block_size:
+                raise r.fail(
+                    f"tensor {name!r}: row length {shape[-1]} is not a multiple of the "
+                    f"{ggml_type.name} block size {block_size}"
+                )
+            if offset % self.alignment:
+                raise r.fail(
+                    f"tensor {name!r}: data offset {offset} is not aligned to {self.alignment}"
+                )
+            n_elements = math.prod(shape)
+            nbytes = n_elements // block_size * type_size
+            start = data_start + offset
+            if start + nbytes > self.file_bytes:
+                raise r.fail(
+                    f"truncated GGUF file: data of tensor {name!r} ends at byte "
+                    f"{start + nbytes}, past the end of the file ({self.file_bytes} bytes)"
+                )
+            spans.append((start, start + nbytes, name))
+            raw = self._map[start : start + nbytes]
+            if ggml_type in _PLAIN_DTYPES:
+                data = raw.view(_PLAIN_DTYPES[ggml_type]).reshape(shape)
+            else:
+                data = raw.reshape(_block_bytes(ggml_type, shape))
+            self.tensors[name] = GGUFTensor(name, ggml_type, shape, data, start)
+
+        spans.sort()
+        for (_, prev_end, prev), (start, _, name) in itertools.pairwise(spans):
+            if start < prev_end:
+                raise r.fail(f"tensors {prev!r} and {name!r} overlap in the file")
+
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise r.fail("no general.architecture key")
+        self.arch: str = arch
+        self._hf_to_gguf: dict[str, str] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"GGUFFile({str(self.path)!r}, v{self.version}, arch={self.arch!r}, "
+            f"{len(self.metadata)} keys, {len(self.tensors)} tensors)"
+        )
+
+    # --- Hugging Face view ------------------------------------------------------------
+
+    def _key(self, name: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.arch}.{name}", default)
+
+    def _require(self, name: str) -> Any:
+        value = self._key(name)
+        if value is None:
+            raise InferError(f"{self.path}: missing metadata key {self.arch}.{name}")
+        return value
+
+    def config(self) -> dict:
+        """A Hugging Face config.json-style dict from the GGUF metadata."""
+        if self.arch not in SUPPORTED_ARCHS:
+            raise InferError(
+                f"{self.path}: unsupported architecture {self.arch!r}; supported: "
+                + ", ".join(SUPPORTED_ARCHS)
+            )
+        hidden = self._require("embedding_length")
+        n_head = self._require("attention.head_count")
+        vocab_size = self._key("vocab_size")
+        if vocab_size is None:
+            tokens = self.metadata.get("tokenizer.ggml.tokens")
+            if tokens is not None:
+                vocab_size = len(tokens)
+            elif "token_embd.weight" in self.tensors:
+                vocab_size = self.tensors["token_embd.weight"].shape[0]
+            else:
+                raise InferError(f"{self.path}: cannot tell the vocabulary size")
+        config = {
+            "model_type": self.arch,
+            "architectures": [SUPPORTED_ARCHS[self.arch]],
+            "hidden_size": hidden,
+            "intermediate_size": self._require("feed_forward_length"),
+            "num_hidden_layers": self._require("block_count"),
+            "num_attention_heads": n_head,
+            "num_key_value_heads": self._key("attention.head_count_kv", n_head),
+            "head_dim": self._key("attention.key_length", hidden // n_head),
+            "rms_norm_eps": _short_float(self._require("attention.layer_norm_rms_epsilon")),
+            "rope_theta": _short_float(self._key("rope.freq_base", 10000.0)),
+            "max_position_embeddings": self._require("context_length"),
+            "vocab_size": vocab_size,
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+            "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
+        }
+        rope_scaling = self._rope_scaling()
+        if rope_scaling is not None:
+            config["rope_scaling"] = rope_scaling
+        return config
+
+    def _rope_scaling(self) -> dict | None:
+        # Best effort: llama.cpp writes rope.scaling.{type,factor,original_context_length}
+        # for linear and yarn. Llama 3.1-style scaling travels as the rope_freqs.weight tensor.
+        kind = self._key("rope.scaling.type")
+        factor = self._key("rope.scaling.factor")
+        if kind not in ("linear", "yarn") or factor is None:
+            return None
+        scaling = {"rope_type": kind, "factor": _short_float(factor)}
+        original = self._key("rope.scaling.original_context_length")
+        if kind == "yarn" and original is not None:
+            scaling["original_max_position_embeddings"] = original
+        return scaling
+
+    def hf_name(self, gguf_name: str) -> str:
+        """The Hugging Face parameter name of a GGUF tensor name."""
+        if gguf_name in _TOP_LEVEL_NAMES:
+            return _TOP_LEVEL_NAMES[gguf_name]
+        m = _BLOCK_RE.fullmatch(gguf_name)
+        if m is None or m.group(2) not in _BLOCK_NAMES:
+            raise InferError(f"{self.path}: unsupported tensor {gguf_name!r}")
+        layer, key, kind = m.groups()
+        return f"model.layers.{layer}.{_BLOCK_NAMES[key]}.{kind}"
+
+    def hf_tensor(self, hf_name: str) -> GGUFTensor:
+        """The raw tensor for a Hugging Face name, still in its ggml type, q/k rows un-permuted.
+
+        Rows are whole runs of blocks (blocks run along the input dim), so reordering rows of
+        quantized data is lossless: the result can be imported block for block.
+        """
+        if self._hf_to_gguf is None:
+            self._hf_to_gguf = {self.hf_name(name): name for name in self.tensors}
+        if hf_name not in self._hf_to_gguf:
+            raise InferError(f"{self.path}: no tensor for {hf_name!r}")
+        t = self.tensors[self._hf_to_gguf[hf_name]]
+        n_head = self._permuted_heads(t.name)
+        if n_head is None:
+            return t
+        rows = t.shape[0]
+        if t.data.shape[0] != rows or rows % (2 * n_head):
+            raise InferError(
+                f"{self.path}: cannot un-permute {t.name!r} of shape {t.shape} over {n_head} heads"
+            )
+        data = t.data[_unpermute_rows(rows, n_head)]
+        return GGUFTensor(t.name, t.ggml_type, t.shape, data)
+
+    def _permuted_heads(self, gguf_name: str) -> int | None:
+        """Head count llama.cpp permuted this tensor's rows over, or None if it did not."""
+        # Only the llama converter permutes (Mistral GGUFs are arch llama too); qwen2/3 do not.
+        if self.arch != "llama":
+            return None
+        m = _BLOCK_RE.fullmatch(gguf_name)
+        if m is None or m.group(2) not in ("attn_q", "attn_k"):
+            return None
+        n_head = self._require("attention.head_count")
+        if m.group(2) == "attn_k":
+            return self._key("attention.head_count_kv", n_head)
+        return n_head
+
+    def hf_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """All tensors by Hugging Face name, dequantized to `dtype`, q/k un-permuted.
+
+        Tensors already stored in `dtype` (e.g. F32 norms) share memory with the map.
+        """
+        self.config()  # fail early, with the list of supported architectures
+        state = {}
+        for name in self.tensors:
+            hf = self.hf_name(name)
+            state[hf] = dequantize(self.hf_tensor(hf), dtype)
+        return state
+
+
+def _short_float(x: float) -> float:
+    """A float32 metadata value as its shortest decimal (9.99999974738e-06 -> 1e-05), as
+    config.json writes it; it rounds back to the same float32."""
+    return float(str(np.float32(x)))
+
+
+# ---------------------------------------------------------------------------------------
+# Dequantization
+# ---------------------------------------------------------------------------------------
+# Block layouts from ggml-common.h (QK = 32 values per block; d, m are fp16):
+#   Q8_0: d, int8 qs[32]                        value = qs[i] * d
+#   Q4_0: d, uint8 qs[16]                       value = (q - 8) * d
+#   Q4_1: d, m, uint8 qs[16]                    value = q * d + m
+#   Q5_0: d, uint32 qh, uint8 qs[16]            value = (q - 16) * d
+#   Q5_1: d, m, uint32 qh, uint8 qs[16]         value = q * d + m
+# In the 4-bit nibbles, the low nibble of byte j is element j and the high nibble element
+# j + 16; Q5 adds bit i of qh as bit 4 of element i.
+# Bit-exact with gguf.quants.dequantize (tests/test_gguf.py checks): the same float32
+# operations in the same order -- a product, then for Q4_1/Q5_1 a separate sum (no FMA).
+
+
+def _nibbles(qs: torch.Tensor, out: torch.Tensor) -> None:
+    """Unpack (n, 16) uint8 into (n, 32) float32 `out`: low nibbles 0..15, high 16..31."""
+    out[:, :16] = qs & 0x0F
+    out[:, 16:] = qs >> 4
+
+
+def _fp16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 scalar at byte `at` of each block as a (n, 1) float32 column."""
+    return blocks[:, at : at + 2].view(torch.float16).float()
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """(n, 4) uint8 little-endian qh -> (n, 32) float32 holding bit i of qh times 16."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bits = (qh.unsqueeze(-1) >> shifts) & 1  # (n, 4, 8): byte b, bit k is element 8b + k
+    return bits.reshape(-1, 32).float() * 16
+
+
+def _dequant_q8_0(b: torch.Tensor) -> torch.Tensor:
+    out = b[:, 2:].view(torch.int8).float()
+    return out.mul_(_fp16(b, 0))
+
+
+def _dequant_q4_0(b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(b.shape[0], 32)
+    _nibbles(b[:, 2:], out)
+    return out.sub_(8).mul_(_fp16(b, 0))
+
+
+def _dequant_q4_1(b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(b.shape[0], 32)
+    _nibbles(b[:, 4:], out)
+    return out.mul_(_fp16(b, 0)).add_(_fp16(b, 2))
+
+
+def _dequant_q5_0(b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(b.shape[0], 32)
+    _nibbles(b[:, 6:], out)
+    return out.add_(_high_bits(b[:, 2:6])).sub_(16).mul_(_fp16(b, 0))
+
+
+def _dequant_q5_1(b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(b.shape[0], 32)
+    _nibbles(b[:, 8:], out)
+    return out.add_(_high_bits(b[:, 4:8])).mul_(_fp16(b, 0)).add_(_fp16(b, 2))
+
+
+_BLOCK_DEQUANT = {
+    GGMLQuantizationType.Q8_0: _dequant_q8_0,
+    GGMLQuantizationType.Q4_0: _dequant_q4_0,
+    GGMLQuantizationType.Q4_1: _dequant_q4_1,
+    GGMLQuantizationType.Q5_0: _dequant_q5_0,
+    GGMLQuantizationType.Q5_1: _dequant_q5_1,
+}
+
+
+def dequantize(t: GGUFTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`t` as a torch tensor of `dtype` in `t.shape`; zero-copy when stored in `dtype` already."""
+    if t.ggml_type in _PLAIN_DTYPES:
+        x = torch.from_numpy(t.data)
+        if t.ggml_type == GGMLQuantizationType.BF16:
+            x = x.view(torch.bfloat16)  # uint16 bits -> bfloat16, no copy
+        return x.to(dtype)
+    if t.ggml_type in _BLOCK_DEQUANT:
+        _, type_size = GGML_QUANT_SIZES[t.ggml_type]
+        blocks = torch.from_numpy(t.data).reshape(-1, type_size)  # (n_blocks, type_size)
+        return _BLOCK_DEQUANT[t.ggml_type](blocks).reshape(t.shape).to(dtype)
+    try:
+        values = gguf_quants.dequantize(t.data, t.ggml_type)
+    except NotImplementedError:
+        raise InferError(
+            f"tensor {t.name!r}: cannot dequantize ggml type {t.ggml_type.name}"
+        ) from None
+    return torch.from_numpy(values).reshape(t.shape).to(dtype)

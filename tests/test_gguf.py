@@ -1,0 +1,495 @@
+"""runtime/gguf_file.py against gguf-py: tiny files written with gguf.GGUFWriter, and the
+real default model read by both our reader and gguf.GGUFReader."""
+
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from infer.runtime.errors import InferError
+from infer.runtime.gguf_file import GGUFFile, dequantize
+
+
+def write_gguf(path: Path, arch: str, tensors: dict, kv=(), alignment: int | None = None) -> Path:
+    """Write a GGUF file. tensors: name -> float array (stored F32/F16 by its dtype) or
+    (uint8 blocks, ggml type). kv: (adder name, key, value), e.g. ("add_uint32", "k", 3)."""
+    w = gguf.GGUFWriter(path, arch)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    for adder, key, value in kv:
+        getattr(w, adder)(key, value)
+    for name, t in tensors.items():
+        if isinstance(t, tuple):
+            w.add_tensor(name, t[0], raw_dtype=t[1])
+        else:
+            w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute: HF rotate-half rows -> GGUF rows."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """transformers' LlamaTensorProcessor._reverse_permute_weights: GGUF rows -> HF rows."""
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(2, 1)
+        .reshape(w.shape)
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Dequantization is bit-exact with gguf.quants
+# ---------------------------------------------------------------------------------------
+
+QUANT_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
+
+
+@pytest.fixture(scope="module")
+def typed_file(tmp_path_factory) -> Path:
+    """One tensor per type: real quantizations of Gaussian data, and random raw blocks
+    (every bit pattern, including NaN/inf scales) for the block types."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 256)).astype(np.float32)
+    w[3] = 0.0  # an all-zero row: scale 0
+    tensors = {
+        "f32": w,
+        "f32_1d": w[0].copy(),
+        "f16": w.astype(np.float16),
+        "bf16": (gguf.quants.quantize(w, T.BF16), T.BF16),
+    }
+    for qtype in QUANT_TYPES:
+        tensors[qtype.name] = (gguf.quants.quantize(w, qtype), qtype)
+        _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (16, 8 * type_size), dtype=np.uint8)
+        tensors[qtype.name + "_raw"] = (raw, qtype)
+    # K-quants go through gguf.quants.dequantize: 4 rows of 2 Q4_K blocks of random bytes.
+    _, type_size = gguf.GGML_QUANT_SIZES[T.Q4_K]
+    tensors["Q4_K_raw"] = (rng.integers(0, 256, (4, 2 * type_size), dtype=np.uint8), T.Q4_K)
+    return write_gguf(tmp_path_factory.mktemp("typed") / "typed.gguf", "llama", tensors)
+
+
+def test_dequantize_bit_exact_with_gguf(typed_file):
+    ours = GGUFFile(typed_file)
+    reader = gguf.GGUFReader(typed_file)
+    assert list(ours.tensors) == [t.name for t in reader.tensors]
+    for rt in reader.tensors:
+        t = ours.tensors[rt.name]
+        assert t.ggml_type == rt.tensor_type
+        assert t.shape == tuple(reversed(rt.shape.tolist()))
+        assert t.data.tobytes() == rt.data.tobytes()
+        with np.errstate(invalid="ignore"):  # random blocks hold NaN/inf scales
+            ref = np.array(gguf.quants.dequantize(rt.data, rt.tensor_type)).reshape(t.shape)
+        got = dequantize(t)
+        assert got.dtype == torch.float32 and got.shape == t.shape
+        assert np.array_equal(got.numpy(), ref, equal_nan=True), rt.name
+        # Other dtypes are the float32 values rounded once.
+        assert torch.equal(
+            dequantize(t, torch.bfloat16).float().nan_to_num(),
+            torch.from_numpy(ref).to(torch.bfloat16).float().nan_to_num(),
+        ), rt.name
+
+
+def test_block_layout_shapes(typed_file):
+    f = GGUFFile(typed_file)
+    assert f.tensors["f32"].data.dtype == np.float32 and f.tensors["f32"].data.shape == (48, 256)
+    assert f.tensors["f16"].data.dtype == np.float16
+    assert f.tensors["bf16"].data.dtype == np.uint16 and f.tensors["bf16"].shape == (48, 256)
+    # Q4_1: 256 values per row = 8 blocks of 20 bytes.
+    assert f.tensors["Q4_1"].data.shape == (48, 160) and f.tensors["Q4_1"].data.dtype == np.uint8
+    assert f.tensors["Q8_0"].data.shape == (48, 272)
+    for t in f.tensors.values():
+        assert t.offset % f.alignment == 0
+        assert bytes(f._map[t.offset : t.offset + t.nbytes]) == t.data.tobytes()
+
+
+def test_f32_is_zero_copy(typed_file):
+    f = GGUFFile(typed_file)
+    t = f.tensors["f32"]
+    assert dequantize(t).data_ptr() == t.data.ctypes.data
+    assert (
+        f.tensors["f16"].data.ctypes.data == dequantize(f.tensors["f16"], torch.float16).data_ptr()
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Metadata
+# ---------------------------------------------------------------------------------------
+
+
+def test_metadata_value_types(tmp_path):
+    kv = [
+        ("add_uint8", "t.u8", 250),
+        ("add_int8", "t.i8", -100),
+        ("add_uint16", "t.u16", 65000),
+        ("add_int16", "t.i16", -32000),
+        ("add_uint32", "t.u32", 4_000_000_000),
+        ("add_int32", "t.i32", -2_000_000_000),
+        ("add_float32", "t.f32", 0.5),
+        ("add_uint64", "t.u64", 2**63 + 5),
+        ("add_int64", "t.i64", -(2**62)),
+        ("add_float64", "t.f64", 0.1),
+        ("add_bool", "t.bool", True),
+        ("add_string", "t.str", "héllo ✓"),
+        ("add_array", "t.strs", ["a", "", "Ġ t"]),
+        ("add_array", "t.ints", [3, -1, 7]),
+        ("add_array", "t.floats", [0.25, -1.5]),
+        ("add_array", "t.bools", [True, False]),
+        ("add_array", "t.nested", [[1, 2], [3], [4, 5, 6]]),
+        ("add_array", "t.nested_str", [["x", "y"], ["z"]]),
+    ]
+    f = GGUFFile(write_gguf(tmp_path / "kv.gguf", "llama", {}, kv))
+    for _, key, value in kv:
+        assert f.metadata[key] == value, key
+        assert type(f.metadata[key]) is type(value), key
+    assert f.metadata["general.architecture"] == "llama"
+    assert f.arch == "llama" and f.tensors == {} and f.version == 3
+
+
+# ---------------------------------------------------------------------------------------
+# The real default model, against gguf.GGUFReader
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real(smollm2_gguf):
+    return GGUFFile(smollm2_gguf), gguf.GGUFReader(smollm2_gguf)
+
+
+def test_real_model_matches_gguf_reader(real):
+    ours, reader = real
+    assert ours.version == 3 and ours.alignment == reader.alignment
+    assert ours.data_offset == reader.data_offset
+    assert ours.file_bytes == len(reader.data)
+    keys = [k for k in reader.fields if not k.startswith("GGUF.")]
+    assert list(ours.metadata) == keys
+    for key in keys:
+        assert ours.metadata[key] == reader.fields[key].contents(), key
+    assert len(ours.metadata["tokenizer.ggml.tokens"]) == 49152
+    assert len(ours.metadata["tokenizer.ggml.merges"]) == 48900
+    assert ours.metadata["tokenizer.chat_template"].startswith("{% for message in messages %}")
+
+    assert list(ours.tensors) == [t.name for t in reader.tensors]
+    for rt in reader.tensors:
+        t = ours.tensors[rt.name]
+        assert t.ggml_type == rt.tensor_type, rt.name
+        assert t.shape == tuple(reversed(rt.shape.tolist())), rt.name
+        assert t.offset == rt.data_offset and t.nbytes == rt.n_bytes, rt.name
+    by_name = {rt.name: rt for rt in reader.tensors}
+    for name in ["token_embd.weight", "blk.0.attn_q.weight", "output_norm.weight"]:
+        t, rt = ours.tensors[name], by_name[name]
+        assert np.array_equal(t.data[:8], rt.data[:8]) and np.array_equal(t.data[-8:], rt.data[-8:])
+    for name in ["blk.29.ffn_down.weight", "blk.13.attn_k.weight", "blk.7.ffn_norm.weight"]:
+        assert ours.tensors[name].data.tobytes() == by_name[name].data.tobytes()
+
+
+def test_real_model_config_and_unpermute(real):
+    f, _ = real
+    cfg = f.config()
+    assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]) == (
+        576,
+        1536,
+        30,
+    )
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (9, 3, 64)
+    assert cfg["rms_norm_eps"] == 1e-5 and cfg["rope_theta"] == 100000.0
+    assert cfg["vocab_size"] == 49152 and cfg["max_position_embeddings"] == 8192
+    assert cfg["tie_word_embeddings"] is True and cfg["attention_bias"] is False
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
+    assert "rope_scaling" not in cfg
+
+    # Un-permuted raw Q4_1 rows, permuted back the way llama.cpp does, are the file's rows.
+    for name, n_head in [("q_proj", 9), ("k_proj", 3)]:
+        hf = f.hf_tensor(f"model.layers.5.self_attn.{name}.weight")
+        stored = f.tensors[f"blk.5.attn_{name[0]}.weight"]
+        assert hf.ggml_type == T.Q4_1
+        assert np.array_equal(llama_permute(hf.data, n_head), stored.data)
+
+
+# ---------------------------------------------------------------------------------------
+# Names, un-permuting, config on tiny llama/qwen files
+# ---------------------------------------------------------------------------------------
+
+N_HEAD, N_KV, HEAD_DIM, HIDDEN, VOCAB = 4, 2, 16, 64, 40
+
+
+def tiny_model(path: Path, arch: str, permute: bool, extra_kv=()) -> tuple[Path, dict]:
+    """A 3-layer model: layer 0 in F32, layer 1 in Q8_0, layer 2 in Q4_1. Returns the file
+    and the original (HF-order) float weights by GGUF name."""
+    rng = np.random.default_rng(1)
+    qtypes = [T.F32, T.Q8_0, T.Q4_1]
+    shapes = {
+        "attn_q": (N_HEAD * HEAD_DIM, HIDDEN),
+        "attn_k": (N_KV * HEAD_DIM, HIDDEN),
+        "attn_v": (N_KV * HEAD_DIM, HIDDEN),
+        "attn_output": (HIDDEN, N_HEAD * HEAD_DIM),
+        "ffn_gate": (96, HIDDEN),
+        "ffn_up": (96, HIDDEN),
+        "ffn_down": (HIDDEN, 96),
+    }
+    originals = {"token_embd.weight": rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)}
+    tensors = {"token_embd.weight": originals["token_embd.weight"]}
+    for i, qtype in enumerate(qtypes):
+        for key in ["attn_norm", "ffn_norm"]:
+            tensors[f"blk.{i}.{key}.weight"] = rng.standard_normal(HIDDEN).astype(np.float32)
+        for key, shape in shapes.items():
+            name = f"blk.{i}.{key}.weight"
+            w = rng.standard_normal(shape).astype(np.float32)
+            originals[name] = w
+            if permute and key in ("attn_q", "attn_k"):
+                w = llama_permute(w, N_HEAD if key == "attn_q" else N_KV)
+            tensors[name] = w if qtype == T.F32 else (gguf.quants.quantize(w, qtype), qtype)
+        if arch == "qwen2":
+            for key in ("attn_q", "attn_k", "attn_v"):
+                tensors[f"blk.{i}.{key}.bias"] = rng.standard_normal(shapes[key][0]).astype(
+                    np.float32
+                )
+    tensors["output_norm.weight"] = np.ones(HIDDEN, np.float32)
+    kv = [
+        ("add_uint32", f"{arch}.block_count", 3),
+        ("add_uint32", f"{arch}.context_length", 256),
+        ("add_uint32", f"{arch}.embedding_length", HIDDEN),
+        ("add_uint32", f"{arch}.feed_forward_length", 96),
+        ("add_uint32", f"{arch}.attention.head_count", N_HEAD),
+        ("add_uint32", f"{arch}.attention.head_count_kv", N_KV),
+        ("add_float32", f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        ("add_float32", f"{arch}.rope.freq_base", 500000.0),
+        ("add_array", "tokenizer.ggml.tokens", [f"t{i}" for i in range(VOCAB)]),
+        ("add_uint32", "tokenizer.ggml.bos_token_id", 1),
+        ("add_uint32", "tokenizer.ggml.eos_token_id", 2),
+        *extra_kv,
+    ]
+    return write_gguf(path, arch, tensors, kv), originals
+
+
+def test_hf_names(tmp_path):
+    names = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+        "rope_freqs.weight": "rope_freqs.weight",
+        "blk.0.attn_norm.weight": "model.layers.0.input_layernorm.weight",
+        "blk.3.ffn_norm.weight": "model.layers.3.post_attention_layernorm.weight",
+        "blk.12.attn_q.weight": "model.layers.12.self_attn.q_proj.weight",
+        "blk.1.attn_k.bias": "model.layers.1.self_attn.k_proj.bias",
+        "blk.1.attn_v.weight": "model.layers.1.self_attn.v_proj.weight",
+        "blk.1.attn_output.weight": "model.layers.1.self_attn.o_proj.weight",
+        "blk.2.attn_q_norm.weight": "model.layers.2.self_attn.q_norm.weight",
+        "blk.2.attn_k_norm.weight": "model.layers.2.self_attn.k_norm.weight",
+        "blk.4.ffn_gate.weight": "model.layers.4.mlp.gate_proj.weight",
+        "blk.4.ffn_up.weight": "model.layers.4.mlp.up_proj.weight",
+        "blk.4.ffn_down.weight": "model.layers.4.mlp.down_proj.weight",
+    }
+    hf_name = GGUFFile(write_gguf(tmp_path / "n.gguf", "llama", {})).hf_name
+    for gguf_name, hf in names.items():
+        assert hf_name(gguf_name) == hf
+    for bad in ["blk.0.ffn_gate_exps.weight", "blk.x.attn_q.weight", "mystery.weight"]:
+        with pytest.raises(InferError, match="unsupported tensor"):
+            hf_name(bad)
+
+
+def test_unpermute_llama(tmp_path):
+    path, originals = tiny_model(tmp_path / "llama.gguf", "llama", permute=True)
+    f = GGUFFile(path)
+    for i, qtype in enumerate([T.F32, T.Q8_0, T.Q4_1]):
+        for key, proj, n_head in [("attn_q", "q_proj", N_HEAD), ("attn_k", "k_proj", N_KV)]:
+            hf = f.hf_tensor(f"model.layers.{i}.self_attn.{proj}.weight")
+            stored = f.tensors[f"blk.{i}.{key}.weight"]
+            original = originals[f"blk.{i}.{key}.weight"]
+            assert hf.ggml_type == qtype and hf.shape == original.shape
+            # Raw rows un-permuted, then dequantized == dequantized, then un-permuted.
+            unpermuted = llama_unpermute(dequantize(stored).numpy(), n_head)
+            assert np.array_equal(dequantize(hf).numpy(), unpermuted)
+            # ... and == the original quantized in HF order: rows quantize independently.
+            expected = (
+                original
+                if qtype == T.F32
+                else gguf.quants.dequantize(gguf.quants.quantize(original, qtype), qtype)
+            )
+            assert np.array_equal(dequantize(hf).numpy(), expected)
+        # v is never permuted: hf_tensor hands back the stored tensor itself.
+        v = f.hf_tensor(f"model.layers.{i}.self_attn.v_proj.weight")
+        assert v is f.tensors[f"blk.{i}.attn_v.weight"]
+
+
+def test_hf_state_dict_and_config_llama(tmp_path):
+    extra = [
+        ("add_uint32", "llama.attention.key_length", HEAD_DIM),
+        ("add_string", "llama.rope.scaling.type", "yarn"),
+        ("add_float32", "llama.rope.scaling.factor", 4.0),
+        ("add_uint32", "llama.rope.scaling.original_context_length", 64),
+    ]
+    path, originals = tiny_model(tmp_path / "llama.gguf", "llama", permute=True, extra_kv=extra)
+    f = GGUFFile(path)
+    sd = f.hf_state_dict()
+    assert set(sd) == {f.hf_name(n) for n in f.tensors}
+    assert "lm_head.weight" not in sd
+    assert torch.equal(
+        sd["model.layers.0.self_attn.q_proj.weight"],
+        torch.from_numpy(originals["blk.0.attn_q.weight"]),
+    )
+    assert torch.equal(
+        sd["model.layers.0.self_attn.k_proj.weight"],
+        torch.from_numpy(originals["blk.0.attn_k.weight"]),
+    )
+    # F32 tensors come straight from the map.
+    norm = f.tensors["blk.1.attn_norm.weight"]
+    assert sd["model.layers.1.input_layernorm.weight"].data_ptr() == norm.data.ctypes.data
+    assert all(t.dtype == torch.float32 for t in sd.values())
+    sd16 = f.hf_state_dict(torch.bfloat16)
+    assert torch.equal(
+        sd16["model.layers.2.mlp.up_proj.weight"],
+        sd["model.layers.2.mlp.up_proj.weight"].bfloat16(),
+    )
+
+    cfg = f.config()
+    assert cfg == {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": HIDDEN,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": N_HEAD,
+        "num_key_value_heads": N_KV,
+        "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 256,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    }
+
+
+def test_qwen2_is_not_permuted(tmp_path):
+    path, originals = tiny_model(tmp_path / "qwen2.gguf", "qwen2", permute=False)
+    f = GGUFFile(path)
+    q = f.hf_tensor("model.layers.0.self_attn.q_proj.weight")
+    assert q is f.tensors["blk.0.attn_q.weight"]
+    assert np.array_equal(q.data, originals["blk.0.attn_q.weight"])
+    cfg = f.config()
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["attention_bias"] is True
+    assert cfg["head_dim"] == HIDDEN // N_HEAD
+    assert "model.layers.2.self_attn.v_proj.bias" in f.hf_state_dict()
+
+
+def test_unsupported_architecture(tmp_path):
+    f = GGUFFile(write_gguf(tmp_path / "g.gguf", "gemma3", {}))
+    with pytest.raises(InferError, match="unsupported architecture 'gemma3'.*llama, qwen2, qwen3"):
+        f.config()
+
+
+# ---------------------------------------------------------------------------------------
+# Broken files: always InferError, never a traceback from deep inside
+# ---------------------------------------------------------------------------------------
+
+
+def test_empty_missing_bad_magic_bad_version(tmp_path):
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(InferError, match="empty.gguf: not a GGUF file"):
+        GGUFFile(empty)
+    with pytest.raises(InferError, match="cannot open"):
+        GGUFFile(tmp_path / "missing.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(InferError, match="bad.gguf: not a GGUF file"):
+        GGUFFile(bad)
+    v1 = tmp_path / "v1.gguf"
+    v1.write_bytes(b"GGUF" + struct.pack("<IQQ", 1, 0, 0))
+    with pytest.raises(InferError, match="unsupported GGUF version 1"):
+        GGUFFile(v1)
+    big = tmp_path / "big.gguf"
+    big.write_bytes(b"GGUF" + struct.pack(">IQQ", 3, 0, 0))
+    with pytest.raises(InferError, match="big-endian"):
+        GGUFFile(big)
+
+
+def test_truncated_anywhere(typed_file, tmp_path):
+    data = typed_file.read_bytes()
+    f = GGUFFile(typed_file)
+    end = max(t.offset + t.nbytes for t in f.tensors.values())  # the writer pads past this
+    cut = tmp_path / "cut.gguf"
+    # Every cut in the header (magic, counts, key/values, tensor infos), then a stride
+    # through the tensor data.
+    for n in [*range(f.data_offset + 1), *range(f.data_offset + 1, end, 97), end - 1]:
+        cut.write_bytes(data[:n])
+        with pytest.raises(InferError):
+            GGUFFile(cut)
+    cut.write_bytes(data[:end])
+    GGUFFile(cut)
+
+
+def test_garbage_never_crashes(typed_file, tmp_path):
+    data = typed_file.read_bytes()
+    header_end = GGUFFile(typed_file).data_offset
+    rng = np.random.default_rng(2)
+    bad = tmp_path / "garbage.gguf"
+    for _ in range(300):
+        b = bytearray(data[: header_end + 4096])
+        for pos in rng.integers(4, header_end, 3):
+            b[pos] = rng.integers(0, 256)
+        bad.write_bytes(bytes(b))
+        try:
+            GGUFFile(bad)
+        except InferError:
+            pass
+    bad.write_bytes(b"GGUF" + rng.integers(0, 256, 5000, dtype=np.uint8).tobytes())
+    with pytest.raises(InferError):
+        GGUFFile(bad)
+
+
+def _patch_tensor_offset(path: Path, name: str, value: int) -> None:
+    """Overwrite the u64 data offset in the tensor info of `name` (the info's last field)."""
+    data = bytearray(path.read_bytes())
+    name_bytes = struct.pack("<Q", len(name)) + name.encode()
+    at = data.index(name_bytes) + len(name_bytes)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    at += 4 + 8 * n_dims + 4
+    struct.pack_into("<Q", data, at, value)
+    path.write_bytes(bytes(data))
+
+
+def test_bad_offsets_and_counts(tmp_path):
+    w = np.zeros((4, 32), np.float32)
+    tensors = {"a.weight": w, "b.weight": w}
+    path = write_gguf(tmp_path / "o.gguf", "llama", tensors)
+    _patch_tensor_offset(path, "b.weight", 0)
+    with pytest.raises(InferError, match="overlap"):
+        GGUFFile(path)
+    path = write_gguf(tmp_path / "o.gguf", "llama", tensors)
+    _patch_tensor_offset(path, "b.weight", 520)
+    with pytest.raises(InferError, match="not aligned"):
+        GGUFFile(path)
+    path = write_gguf(tmp_path / "o.gguf", "llama", tensors)
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<Q", data, 8, 2**40)  # tensor_count
+    path.write_bytes(bytes(data))
+    with pytest.raises(InferError, match="bad GGUF header"):
+        GGUFFile(path)
+    path = write_gguf(
+        tmp_path / "o.gguf", "llama", tensors, [("add_uint32", "general.alignment", 48)]
+    )
+    with pytest.raises(InferError, match="power of two"):
+        GGUFFile(path)

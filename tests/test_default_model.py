@@ -11,7 +11,7 @@ QUESTION = [{"role": "user", "content": "Why is the sky blue?"}]
 GOLDEN = (
     "The answer to this question lies in the intricate dance of light and color. "
     "The sky appears blue because of a phenomenon known as Rayleigh scattering. "
-    "This occurs when light encounters molecules of air"
+    "This occurs when light encounters molecules of air, which scatter"
 )
 
 

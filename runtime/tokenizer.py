@@ -1,0 +1,746 @@
+"""Text <-> token ids, from GGUF metadata or a Hugging Face folder, plus chat templates.
+
+Encoding runs in the `tokenizers` library (Rust BPE): we only assemble its vocabulary,
+merges, normalizer and pre-tokenizer the way llama.cpp's `src/llama-vocab.cpp` reads a
+GGUF, which is the reference for what a GGUF's tokenizer means. Decoding is ours: every
+id maps to the bytes it stands for (`_pieces`), so a streamed character split over two
+tokens is held back until it is whole, and decode is one join.
+
+Two GGUF tokenizer models are supported:
+
+- "gpt2": byte-level BPE with the file's merges; the split before BPE (the
+  pre-tokenizer) is chosen by `tokenizer.ggml.pre`, as llama-vocab.cpp does.
+- "llama": SentencePiece BPE (Llama 2, Mistral): merges recovered from the scores,
+  "▁" for spaces, <0xXX> byte tokens for characters outside the vocabulary.
+"""
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.processors import TemplateProcessing
+
+from infer.runtime.errors import InferError
+
+# GGUF token types (llama.cpp's llama_token_type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Tokens that end a turn or the text, found by name as llama.cpp does (its special_eog_ids).
+# llama.cpp also stops on FIM tokens such as <reponame>; we leave those out, since in chat
+# and completion they are ordinary text the model may write.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "</s>",
+)
+
+# No template in the model: llama.cpp falls back to ChatML, and so do we.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# ---------------------------------------------------------------------------------------
+# Pre-tokenizers: the regex splits llama-vocab.cpp applies before BPE, by tokenizer.ggml.pre
+# ---------------------------------------------------------------------------------------
+
+# llama.cpp rewrites (?i:...) as explicit [sS] classes for its own regex engine; the
+# `tokenizers` library (Oniguruma) takes the originals from the models' tokenizer.json.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"]
+_DEEPSEEK_V3 = [
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    (
+        r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+]
+_FALCON = [
+    r"[\p{P}\$\+<=>\^~\|`]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"[0-9][0-9][0-9]",
+]
+
+
+def _names(names: str, splits: list[str], ignore_merges: bool = False) -> dict:
+    return {name: (splits, ignore_merges) for name in names.split()}
+
+
+# tokenizer.ggml.pre -> (regexes applied in turn, each piece split by the next; whether
+# a piece that is itself a token skips BPE, llama.cpp's `ignore_merges`).
+PRE_TOKENIZERS = {
+    **_names("default gpt-2 phi-2 mpt olmo jais trillion granite-docling exaone4", [_GPT2]),
+    **_names("jina-es jina-de jina-v1-en jina-v2-es jina-v2-de jina-v2-code", [_GPT2]),
+    **_names("roberta-bpe gigachat a.x-4.0 mellum modern-bert", [_GPT2]),
+    # "smollm" and the StarCoder family: every digit alone, then GPT-2's split. The
+    # transformers GGUF converter leaves out the digit split; SmolLM2's own
+    # tokenizer.json has it (Digits(individual_digits=True) before ByteLevel).
+    **_names(
+        "smollm starcoder refact command-r codeshell exaone minerva-7b mellum2",
+        [r"\p{N}", _GPT2],
+    ),
+    **_names(
+        "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano",
+        [_LLAMA3],
+        ignore_merges=True,
+    ),
+    **_names("dbrx smaug-bpe chatglm-bpe glm4", [_LLAMA3]),
+    **_names(
+        "qwen2 deepseek-r1-qwen kormo f2llmv2 megrez stablelm2 hunyuan solar-open",
+        [_QWEN2],
+    ),
+    **_names("qwen35", [_QWEN35]),
+    **_names("gpt-4o llama4 kanana2 talkie minimax-m2", [_GPT4O]),
+    **_names("tekken", [_TEKKEN], ignore_merges=True),
+    **_names("deepseek-coder", _DEEPSEEK_CODER),
+    **_names("deepseek-v3", _DEEPSEEK_V3),
+    **_names("falcon", _FALCON),
+}
+# Any other name (deepseek-llm, bloom, viking, ...) falls back to GPT-2's split: close
+# for English, but not what those models were trained with. llama.cpp itself would
+# refuse an unknown name; the transformers converter also falls back to GPT-2.
+FALLBACK_PRE_TOKENIZER = "default"
+
+
+def _byte_level_pre_tokenizer(splits: list[str]):
+    # behavior="isolated": matches and the text between them both become pieces, as in
+    # llama.cpp's unicode_regex_split. ByteLevel then only maps bytes to its alphabet.
+    steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(steps)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table that byte-level vocabularies are spelled in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+# str.translate table: byte-level character -> the byte it spells, as a latin-1 char.
+# Characters below 256 that are not in the alphabet (space, newline, ...) map to one
+# that latin-1 cannot encode, so a token holding them falls back to its raw UTF-8.
+_BYTE_LEVEL_DECODE = {c: "\uffff" for c in range(256)} | {
+    ord(ch): chr(b) for b, ch in _bytes_to_unicode().items()
+}
+
+
+def _byte_level_piece(token: str) -> bytes:
+    """The bytes a byte-level token spells; a token outside the alphabet stands for itself
+    (tokenizers' ByteLevel decoder does the same)."""
+    try:
+        return token.translate(_BYTE_LEVEL_DECODE).encode("latin-1")
+    except UnicodeEncodeError:
+        return token.encode("utf-8")
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _sentencepiece_piece(token: str) -> bytes:
+    """The bytes a SentencePiece token spells: <0xXX> is that byte, "▁" is a space."""
+    m = _BYTE_TOKEN.fullmatch(token)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    return token.replace("▁", " ").encode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """Encode, decode, stream-decode and render chat templates for one model.
+
+    Build with `from_gguf_metadata` or `from_hf_dir`. Attributes: vocab_size, bos_id,
+    eos_id, add_bos, stop_ids (ids that end generation), chat_template (None when the
+    model has none; rendering then uses ChatML).
+    """
+
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        pieces: list[bytes],
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool,
+        special_ids: frozenset[int],
+        extra_stop_ids: tuple[int, ...] = (),
+        chat_template: str | None = None,
+        strip_leading_space: bool = False,
+    ):
+        self._backend = backend
+        self._pieces = pieces  # id -> the bytes it decodes to
+        self._special_ids = special_ids  # dropped by decode(skip_special=True)
+        # SentencePiece puts a space before the text; decoding a sequence takes it off.
+        self._strip_leading_space = strip_leading_space
+        self.vocab_size = len(pieces)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = add_bos and bos_id is not None
+        self.chat_template = chat_template
+        self._compiled_template = None
+
+        stop = {backend.token_to_id(t) for t in END_OF_TURN_TOKENS}
+        stop.update((eos_id, *extra_stop_ids))
+        self.stop_ids = frozenset(i for i in stop if i is not None and 0 <= i < self.vocab_size)
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, md: dict) -> "Tokenizer":
+        """Build from a GGUF's key/values (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
+        kind = md.get("tokenizer.ggml.model")
+        if kind == "gpt2":
+            return _from_gguf_byte_level(md)
+        if kind == "llama":
+            return _from_gguf_sentencepiece(md)
+        raise InferError(
+            f"unsupported tokenizer model {kind!r} in GGUF (supported: 'gpt2', 'llama')"
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> "Tokenizer":
+        """Build from a Hugging Face folder: tokenizer.json, tokenizer_config.json,
+        generation_config.json and chat_template.jinja where present."""
+        return _from_hf_dir(Path(path))
+
+    def save_hf(self, path: Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json that `from_hf_dir` reads back
+        to the same tokenizer (and transformers' AutoTokenizer loads)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(path / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self._token_text(self.bos_id),
+            "eos_token": self._token_text(self.eos_id),
+            "add_bos_token": self.add_bos,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        text = json.dumps(config, indent=2, ensure_ascii=False)
+        (path / "tokenizer_config.json").write_text(text + "\n", encoding="utf-8")
+
+    # -- encode / decode ----------------------------------------------------------------
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids for `text`. Special tokens written in it ("<|im_start|>") are single
+        tokens; `add_special` puts BOS in front when the model wants one."""
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos:
+            return [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids, skip_special: bool = False) -> str:
+        """The text for `ids`. Ids past the vocabulary (padded embedding rows) decode to
+        nothing, as in transformers. Invalid UTF-8 becomes U+FFFD."""
+        data = b"".join(self._piece(i, skip_special) for i in ids)
+        text = data.decode("utf-8", errors="replace")
+        if self._strip_leading_space and text.startswith(" "):
+            text = text[1:]
+        return text
+
+    def stream_decoder(self, skip_special: bool = False) -> "StreamDecoder":
+        """A decoder for generated ids, one at a time. It decodes a continuation, so it
+        keeps a SentencePiece leading space that `decode` of a whole text would drop."""
+        return StreamDecoder(self, skip_special)
+
+    def _piece(self, token_id, skip_special: bool) -> bytes:
+        i = int(token_id)
+        if not 0 <= i < len(self._pieces) or (skip_special and i in self._special_ids):
+            return b""
+        return self._pieces[i]
+
+    def _token_text(self, token_id: int | None) -> str | None:
+        if token_id is None:
+            return None
+        return self._backend.id_to_token(token_id)
+
+    # -- chat ---------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render `messages` ({"role", "content"} dicts) with the model's template, in a
+        sandbox, with the variables transformers provides."""
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self.chat_template or CHATML_TEMPLATE)
+        context = {
+            "messages": [dict(m) for m in messages],
+            "add_generation_prompt": add_generation_prompt,
+            "tools": None,
+            "documents": None,
+        }
+        for name, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_id)):
+            if token_id is not None:
+                context[name] = self._token_text(token_id)
+        try:
+            return self._compiled_template.render(**context)
+        except InferError:
+            raise  # raise_exception() from the template: already one clear line
+        except Exception as err:
+            # The template is code from the model file and can fail any way it likes;
+            # whatever it was, the user gets one line naming it.
+            raise InferError(
+                f"chat template failed: {type(err).__name__}: {_one_line(err)}"
+            ) from err
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render and encode a chat. BOS goes in once: where the template writes it and the
+        model adds one too, the written one is dropped (what llama.cpp does)."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        bos = self._token_text(self.bos_id)
+        if self.add_bos and bos and text.startswith(bos):
+            text = text[len(bos) :]
+        return self.encode(text, add_special=True)
+
+
+class StreamDecoder:
+    """Turns generated ids into text as they come, holding back the bytes of a character
+    that is not complete yet (an emoji spread over byte-level tokens, a <0xXX> run).
+
+    Concatenating every `push` and then `flush` gives `Tokenizer.decode` of all the ids
+    (less, for SentencePiece, the leading space `decode` drops).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._pending = b""
+
+    def push(self, token_id) -> str:
+        """Add one id; return the text it completes (often "", never half a character)."""
+        data = self._pending + self._tokenizer._piece(token_id, self._skip_special)
+        cut = _complete_utf8_prefix(data)
+        self._pending = data[cut:]
+        return data[:cut].decode("utf-8", errors="replace")
+
+    def flush(self) -> str:
+        """Whatever is held back, invalid bytes as U+FFFD; the decoder starts empty again."""
+        text = self._pending.decode("utf-8", errors="replace")
+        self._pending = b""
+        return text
+
+
+def _complete_utf8_prefix(data: bytes) -> int:
+    """Length of `data` up to a trailing UTF-8 sequence that more bytes could still complete."""
+    # A sequence is at most 4 bytes: look for its lead byte among the last 3.
+    for back in range(1, min(3, len(data)) + 1):
+        b = data[-back]
+        if 0x80 <= b < 0xC0:
+            continue  # continuation byte: the lead is further back
+        need = 2 if 0xC0 <= b < 0xE0 else 3 if 0xE0 <= b < 0xF0 else 4 if 0xF0 <= b < 0xF8 else 1
+        return len(data) - back if need > back else len(data)
+    return len(data)
+
+
+# ---------------------------------------------------------------------------------------
+# Builders
+# ---------------------------------------------------------------------------------------
+
+
+def _gguf_list(md: dict, key: str, required: bool = True) -> list | None:
+    value = md.get(key)
+    if value is None:
+        if required:
+            raise InferError(f"GGUF tokenizer metadata lacks {key}")
+        return None
+    return list(value)
+
+
+def _gguf_tokens(md: dict) -> tuple[list[str], dict[str, int]]:
+    """The token texts and text -> id. Like llama.cpp, empty tokens get a placeholder
+    name (every id needs a distinct text) and duplicates are refused."""
+    tokens = _gguf_list(md, "tokenizer.ggml.tokens")
+    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise InferError("GGUF tokenizer has duplicate tokens in its vocabulary")
+    return tokens, vocab
+
+
+def _gguf_id(md: dict, key: str, n_vocab: int) -> int | None:
+    value = md.get(f"tokenizer.ggml.{key}")
+    if value is None or not 0 <= int(value) < n_vocab:
+        return None
+    return int(value)
+
+
+def _add_gguf_specials(backend: _HFTokenizer, tokens: list[str], types: list[int]) -> frozenset:
+    """Make control, unknown and user-defined tokens match whole in text, as llama.cpp's
+    tokenizer_st_partition does. Each is already in the vocabulary, so it keeps its id."""
+    special = [i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)]
+    user = [i for i, t in enumerate(types) if t == USER_DEFINED]
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i in special]
+    )
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
+    return frozenset(special)
+
+
+def _gguf_common(md: dict, n_vocab: int, default_add_bos: bool) -> dict:
+    bos_id = _gguf_id(md, "bos_token_id", n_vocab)
+    add_bos = md.get("tokenizer.ggml.add_bos_token")
+    # tokenizer.ggml.add_eos_token is for embedding models; generation never appends EOS.
+    end_of_turn = (_gguf_id(md, k, n_vocab) for k in ("eot_token_id", "eom_token_id"))
+    return {
+        "bos_id": bos_id,
+        "eos_id": _gguf_id(md, "eos_token_id", n_vocab),
+        "add_bos": default_add_bos if add_bos is None else bool(add_bos),
+        "extra_stop_ids": tuple(i for i in end_of_turn if i is not None),
+        "chat_template": md.get("tokenizer.chat_template"),
+    }
+
+
+def _from_gguf_byte_level(md: dict) -> Tokenizer:
+    tokens, vocab = _gguf_tokens(md)
+    merges = _gguf_list(md, "tokenizer.ggml.merges")
+    types = _gguf_list(md, "tokenizer.ggml.token_type", required=False) or [NORMAL] * len(tokens)
+    pre = md.get("tokenizer.ggml.pre") or FALLBACK_PRE_TOKENIZER
+    splits, ignore_merges = PRE_TOKENIZERS.get(pre, PRE_TOKENIZERS[FALLBACK_PRE_TOKENIZER])
+
+    # A merge is "left right"; llama.cpp splits at the first space after the first
+    # character, so a left part that is itself a space still parses.
+    pairs = []
+    for m in merges:
+        cut = m.find(" ", 1)
+        if cut < 0:
+            raise InferError(f"GGUF tokenizer has a malformed merge {m!r}")
+        pairs.append((m[:cut], m[cut + 1 :]))
+    backend = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(splits)
+    backend.decoder = decoders.ByteLevel()
+    special_ids = _add_gguf_specials(backend, tokens, types)
+
+    # Control and user-defined tokens are stored as plain text, the rest byte-level spelled.
+    pieces = [
+        t.encode("utf-8") if types[i] in (CONTROL, USER_DEFINED, UNKNOWN) else _byte_level_piece(t)
+        for i, t in enumerate(tokens)
+    ]
+    # llama.cpp turns BOS on for these pre-tokenizers unless the file says otherwise.
+    default_add_bos = pre in ("llama3", "llama-v3", "llama-bpe", "tekken", "chameleon")
+    tok = Tokenizer(
+        backend, pieces, special_ids=special_ids, **_gguf_common(md, len(tokens), default_add_bos)
+    )
+    _set_bos_post_processor(tok)
+    return tok
+
+
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's scores.
+
+    llama.cpp's SPM tokenizer repeatedly joins the adjacent pair whose concatenation is
+    the best-scoring token. As BPE: every split of a token into two tokens is a merge,
+    ranked by the joined token's score (highest first), as transformers' GGUF converter
+    builds them. Only normal and user-defined tokens take part: control, byte and unused
+    tokens are never produced by merging (SentencePiece's rule).
+    """
+    mergeable = {t: i for i, t in enumerate(tokens) if types[i] in (NORMAL, USER_DEFINED)}
+    found = []
+    for token, i in mergeable.items():
+        for k in range(1, len(token)):
+            left, right = token[:k], token[k:]
+            if left in mergeable and right in mergeable:
+                found.append((-scores[i], -len(left), left, right))
+    # Ties (equal scores) go to the longer left part, then to vocabulary order; sort is
+    # stable and `found` is in vocabulary order.
+    found.sort(key=lambda f: (f[0], f[1]))
+    return [(left, right) for _, _, left, right in found]
+
+
+def _from_gguf_sentencepiece(md: dict) -> Tokenizer:
+    tokens, vocab = _gguf_tokens(md)
+    scores = _gguf_list(md, "tokenizer.ggml.scores")
+    types = _gguf_list(md, "tokenizer.ggml.token_type", required=False) or [NORMAL] * len(tokens)
+    unk_id = _gguf_id(md, "unknown_token_id", len(tokens))
+
+    backend = _HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_spm_merges(tokens, [float(s) for s in scores], types),
+            unk_token=tokens[unk_id] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    # Spaces become "▁" and, with add_space_prefix, each run of text gets one in front:
+    # at the start and after every special token, as llama.cpp and SentencePiece do. A
+    # normalizer, not Metaspace: Metaspace adds no "▁" to text that starts with a space,
+    # so " Hi" would lose one ("▁Hi" rather than "▁▁Hi").
+    add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+    replace = normalizers.Replace(" ", "▁")
+    if add_space_prefix:
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), replace])
+    else:
+        backend.normalizer = replace
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    special_ids = _add_gguf_specials(backend, tokens, types)
+
+    pieces = [
+        t.encode("utf-8")
+        if types[i] in (CONTROL, USER_DEFINED, UNKNOWN)
+        else _sentencepiece_piece(t)
+        for i, t in enumerate(tokens)
+    ]
+    tok = Tokenizer(
+        backend,
+        pieces,
+        special_ids=special_ids,
+        strip_leading_space=add_space_prefix,
+        **_gguf_common(md, len(tokens), default_add_bos=True),
+    )
+    _set_bos_post_processor(tok)
+    return tok
+
+
+def _set_bos_post_processor(tok: Tokenizer) -> None:
+    """Put BOS in the backend's post-processor too, so a saved tokenizer.json adds it in
+    transformers as it does here (our own encode adds it itself)."""
+    if tok.add_bos:
+        bos = tok._token_text(tok.bos_id)
+        tok._backend.post_processor = TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)]
+        )
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise InferError(f"{path}: not valid JSON ({err})") from err
+
+
+def _token_content(value) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as an AddedToken dict.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _decoder_types(spec: dict | None) -> list[dict]:
+    if not spec:
+        return []
+    if spec.get("type") == "Sequence":
+        return [d for sub in spec.get("decoders", []) for d in _decoder_types(sub)]
+    return [spec]
+
+
+def _from_hf_dir(path: Path) -> Tokenizer:
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise InferError(f"{path}: no tokenizer.json")
+    try:
+        backend = _HFTokenizer.from_file(str(file))
+    except Exception as err:  # the Rust side raises a bare Exception for a bad file
+        raise InferError(f"{file}: cannot read tokenizer ({err})") from err
+    config = _read_json(path / "tokenizer_config.json")
+    generation = _read_json(path / "generation_config.json")
+
+    # How ids turn back into bytes follows from the decoder.
+    decoder = backend.decoder
+    steps = _decoder_types(json.loads(decoder.__getstate__()) if decoder is not None else None)
+    kinds = {d.get("type") for d in steps}
+    replaces_metaspace = any(
+        d.get("type") == "Replace" and d.get("pattern", {}).get("String") == "▁" for d in steps
+    )
+    if "ByteLevel" in kinds:
+        spell, strip = _byte_level_piece, False
+    elif "Metaspace" in kinds or "ByteFallback" in kinds or replaces_metaspace:
+        spell = _sentencepiece_piece
+        strip = any(d.get("type") == "Strip" and d.get("start", 0) > 0 for d in steps) or any(
+            d.get("type") == "Metaspace" and d.get("prepend_scheme", "always") != "never"
+            for d in steps
+        )
+    else:
+        raise InferError(f"{file}: unsupported tokenizer decoder {sorted(k for k in kinds if k)}")
+
+    # Added tokens are plain text; ids the file skips (rare) decode to nothing.
+    added = backend.get_added_tokens_decoder()  # id -> AddedToken
+    vocab = backend.get_vocab(with_added_tokens=True)
+    pieces = [b""] * (max(vocab.values(), default=-1) + 1)
+    for token, i in vocab.items():
+        pieces[i] = token.encode("utf-8") if i in added else spell(token)
+    special_ids = frozenset(i for i, t in added.items() if t.special)
+
+    def token_id(name: str) -> int | None:
+        text = _token_content(config.get(name))
+        return backend.token_to_id(text) if text else None
+
+    gen_eos = generation.get("eos_token_id")
+    gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+    bos_id = token_id("bos_token")
+    if (
+        bos_id is None
+        and isinstance(generation.get("bos_token_id"), int)
+        and "bos_token" not in config
+    ):
+        bos_id = generation["bos_token_id"]
+    eos_id = token_id("eos_token")
+    if eos_id is None and gen_eos:
+        eos_id = gen_eos[0]
+
+    add_bos = config.get("add_bos_token")
+    if add_bos is None:
+        # No flag: the tokenizer.json's post-processor says whether it adds BOS.
+        with_special = backend.encode("a", add_special_tokens=True).ids
+        add_bos = bos_id is not None and with_special[:1] == [bos_id]
+
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    template_file = path / "chat_template.jinja"
+    if template_file.is_file():  # transformers prefers the separate file
+        template = template_file.read_text(encoding="utf-8")
+
+    return Tokenizer(
+        backend,
+        pieces,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        add_bos=bool(add_bos),
+        special_ids=special_ids,
+        extra_stop_ids=tuple(gen_eos),
+        chat_template=template,
+        strip_leading_space=strip,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Chat templates (untrusted code from the model file)
+# ---------------------------------------------------------------------------------------
+
+
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox transformers uses, but touching an unsafe attribute (`__class__`) fails
+    at once instead of rendering as empty, so a template probing for a way out stops."""
+
+    def unsafe_undefined(self, obj, attribute):
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} is unsafe"
+        )
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %}: transformers marks assistant text with it
+    for training masks; rendering just keeps the body."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """namespace() that refuses underscore names, as transformers' does."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+def _one_line(message) -> str:
+    return " ".join(str(message).split())
+
+
+def _raise_exception(message):
+    raise InferError(f"chat template refused the conversation: {_one_line(message)}")
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' tojson: no HTML escaping (Jinja's own escapes <, > and &).
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str):
+    env = _StrictSandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    # A plain dict() constructor, without the `dict` type itself to reach through.
+    env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as err:
+        raise InferError(f"chat template does not parse: {_one_line(err)}") from err

@@ -174,7 +174,8 @@ class Transformer(nn.Module):
         """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab)."""
         T = tokens.shape[1]
         cos, sin = self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]
-        x = self.embed_tokens(tokens)
+        # .to(): a quantized embedding table dequantizes rows in float32.
+        x = self.embed_tokens(tokens).to(cos.dtype)
         for layer in self.layers:
             x = layer(x, pos, cos, sin)
         if not all_logits:

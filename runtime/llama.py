@@ -137,7 +137,9 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        # from_pretrained skips the random init, which on the meta device costs ~1 s
+        # (nn.init.normal_ imports torch._dynamo); the checkpoint assigns the weight.
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(args.vocab_size, args.dim))
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)

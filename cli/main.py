@@ -1,0 +1,439 @@
+"""The `infer` command: a thin shell over `infer.runtime`.
+
+Commands parse options, call one library function, and print. torch and the
+runtime are imported inside the commands so that `infer --help` stays instant.
+Errors: `main()` turns an InferError into `error: <message>` on one line with its
+exit code, anything else into one line and exit 1; --debug (or INFER_DEBUG=1)
+adds the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from contextlib import nullcontext
+from typing import Annotated
+
+import typer
+
+from infer import __version__
+from infer.cli.eval_cmd import eval_model
+from infer.cli.options import (
+    Ctx,
+    Debug,
+    DType,
+    DTypeOpt,
+    Json,
+    MaxTokens,
+    MinP,
+    ModelArg,
+    RepeatPenalty,
+    RequiredModelArg,
+    Seed,
+    Temperature,
+    Threads,
+    TopK,
+    TopP,
+    Verbose,
+)
+from infer.runtime.errors import InferError
+
+app = typer.Typer(
+    name="infer",
+    help="Run large language models locally, on the CPU.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+DEFAULT_CTX = 4096
+
+
+# ------------------------------------------------------------------------------------------
+# Helpers
+# ------------------------------------------------------------------------------------------
+
+
+def _is_tty() -> bool:
+    """Rich output (tables, spinners, colour) only when both streams are terminals."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def _set_threads(threads: int | None) -> int:
+    import psutil
+    import torch
+
+    n = threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def _torch_dtype(dtype: DType):
+    import torch
+
+    return {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16}[dtype]
+
+
+def _status(message: str):
+    """A spinner on stderr while something slow runs, on a terminal only."""
+    if not _is_tty():
+        return nullcontext()
+    from rich.console import Console
+
+    return Console(stderr=True).status(message)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _print_table(headers: list[str] | None, rows: list[list[str]], title: str | None = None):
+    """A rich table on a terminal; aligned plain columns otherwise."""
+    if sys.stdout.isatty():
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title, show_header=bool(headers), box=box.SIMPLE_HEAD)
+        for i, h in enumerate(headers or [""] * (len(rows[0]) if rows else 0)):
+            table.add_column(h, style="bold" if i == 0 else None)
+        for row in rows:
+            table.add_row(*row)
+        Console().print(table)
+        return
+    lines = ([headers] if headers else []) + rows
+    if not lines:
+        return
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    for line in lines:
+        cells = [c.ljust(w) for c, w in zip(line[:-1], widths)] + [line[-1]]
+        print("  ".join(cells).rstrip())
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+# ------------------------------------------------------------------------------------------
+# Commands
+# ------------------------------------------------------------------------------------------
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"infer {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool | None,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = None,
+    debug: Debug = False,
+) -> None:
+    """Run large language models locally, on the CPU."""
+
+
+@app.command()
+def run(
+    model: ModelArg = None,
+    prompt: Annotated[
+        str | None,
+        typer.Argument(
+            help="The prompt. Without it: chat on a terminal, or read the prompt from stdin.",
+            metavar="PROMPT",
+            show_default=False,
+        ),
+    ] = None,
+    max_tokens: MaxTokens = 512,
+    temperature: Temperature = 0.8,
+    top_k: TopK = 40,
+    top_p: TopP = 0.95,
+    min_p: MinP = 0.05,
+    repeat_penalty: RepeatPenalty = 1.0,
+    seed: Seed = None,
+    system: Annotated[
+        str | None, typer.Option("--system", help="System message for the chat template.")
+    ] = None,
+    no_chat: Annotated[
+        bool, typer.Option("--no-chat", help="Complete the prompt as raw text, no chat template.")
+    ] = False,
+    threads: Threads = None,
+    ctx: Ctx = None,
+    dtype: DTypeOpt = DType.float32,
+    json_out: Json = False,
+    verbose: Verbose = False,
+    debug: Debug = False,
+) -> None:
+    """Answer a prompt, or chat when run on a terminal without one.
+
+    The prompt is PROMPT, or stdin when it is piped, or PROMPT, a blank line and
+    stdin when both are given. Only the answer goes to stdout.
+    """
+    interactive = prompt is None and sys.stdin.isatty()
+    if not interactive:
+        piped = None if sys.stdin.isatty() else sys.stdin.read().rstrip()
+        prompt = "\n\n".join(p for p in (prompt, piped) if p)
+        if not prompt.strip():
+            raise InferError("empty prompt (give PROMPT or pipe text to stdin)")
+    if no_chat and system:
+        raise InferError("--system needs the chat template; drop --no-chat")
+    if interactive and json_out:
+        raise InferError("--json needs a prompt: give PROMPT or pipe text to stdin")
+
+    from infer.runtime.registry import resolve
+
+    resolved = resolve(model)  # before importing torch: a wrong name fails at once
+
+    from infer.runtime.generate import make_sampler
+    from infer.runtime.loader import load_model
+
+    from .chat import ChatSettings, chat_loop, stream_answer
+
+    n_threads = _set_threads(threads)
+    with _status(f"loading {resolved.name}"):
+        lm = load_model(resolved.path, _torch_dtype(dtype), max_seq_len=ctx or DEFAULT_CTX)
+    if verbose:
+        print(
+            f"loaded {resolved.name} in {lm.load_seconds:.2f} s "
+            f"(context {lm.model.max_seq_len}, {n_threads} threads, {dtype.value})",
+            file=sys.stderr,
+        )
+    sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
+
+    if interactive:
+        if _is_tty():
+            print(f"{resolved.name}: /help for commands, Ctrl-D to quit", file=sys.stderr)
+        settings = ChatSettings(sampler, max_tokens, repeat_penalty, system, verbose)
+        chat_loop(lm, settings)
+        return
+
+    tok = lm.tokenizer
+    if no_chat:
+        ids = tok.encode(prompt)
+    else:
+        messages = [{"role": "system", "content": system}] if system else []
+        ids = tok.encode_chat(messages + [{"role": "user", "content": prompt}])
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    answer = stream_answer(
+        lm, ids, sampler, max_tokens, (lambda _: None) if json_out else show, repeat_penalty
+    )
+    if answer.finish_reason == "interrupted":
+        if not json_out:
+            print(flush=True)
+        raise typer.Exit(130)
+    if json_out:
+        _print_json(
+            {
+                "model": resolved.name,
+                "text": answer.text,
+                "tokens_generated": len(answer.tokens),
+                "prompt_tokens": answer.prompt_tokens,
+                "finish_reason": answer.finish_reason,
+                "timings": {
+                    "load_s": round(lm.load_seconds, 4),
+                    "ttft_s": round(answer.ttft_s, 4),
+                    "prefill_tok_s": round(answer.prefill_tok_s, 2),
+                    "decode_s": round(answer.decode_s, 4),
+                    "decode_tok_s": round(answer.decode_tok_s, 2),
+                },
+            }
+        )
+    else:
+        print("" if answer.text.endswith("\n") else "\n", end="", flush=True)
+    if verbose:
+        print(answer.stats_line(), file=sys.stderr)
+
+
+@app.command()
+def pull(
+    model: RequiredModelArg,
+    force: Annotated[bool, typer.Option("--force", help="Fetch again even if cached.")] = False,
+    debug: Debug = False,
+) -> None:
+    """Download a model into the cache (progress on stderr); print its path."""
+    from infer.runtime.registry import pull as pull_model
+
+    print(pull_model(model, force=force, progress=True).path)
+
+
+@app.command(name="list")
+def list_models(json_out: Json = False, debug: Debug = False) -> None:
+    """List the models on disk."""
+    from infer.runtime.registry import list_cached
+
+    models = list_cached()
+    if json_out:
+        _print_json(
+            [
+                {
+                    "name": m.name,
+                    "size": m.size,
+                    "format": m.format,
+                    "quantization": m.quantization,
+                    "path": str(m.path),
+                }
+                for m in models
+            ]
+        )
+        return
+    if not models:
+        print("no models yet: `infer pull <model>` fetches one", file=sys.stderr)
+        return
+    rows = [
+        [m.name, _human_bytes(m.size), m.format, m.quantization or "-", str(m.path)] for m in models
+    ]
+    _print_table(["NAME", "SIZE", "FORMAT", "QUANT", "PATH"], rows)
+
+
+@app.command()
+def info(model: ModelArg = None, json_out: Json = False, debug: Debug = False) -> None:
+    """Describe a model from its metadata, without loading its weights."""
+    from infer.runtime.loader import inspect_model
+    from infer.runtime.registry import resolve
+
+    resolved = resolve(model, download=False)
+    mi = inspect_model(resolved.path)
+    a = mi.args
+    data = {
+        "name": resolved.name,
+        "architecture": a.model_type,
+        "architectures": mi.config.get("architectures"),
+        "parameters": a.n_params,
+        "layers": a.n_layers,
+        "hidden_size": a.dim,
+        "intermediate_size": a.hidden_dim,
+        "heads": a.n_heads,
+        "kv_heads": a.n_kv_heads,
+        "head_dim": a.head_dim,
+        "context_length": a.max_seq_len,
+        "vocab_size": a.vocab_size,
+        "rope_theta": a.rope_theta,
+        "tied_embeddings": a.tie_embeddings,
+        "format": mi.format,
+        "quantization": mi.quantization,
+        "file_bytes": mi.file_bytes,
+        "path": str(mi.path),
+    }
+    if json_out:
+        _print_json(data)
+        return
+    rows = [
+        ["architecture", f"{a.model_type} ({', '.join(data['architectures'] or ['?'])})"],
+        ["parameters", f"{_human_count(a.n_params)} ({a.n_params:,})"],
+        ["layers", str(a.n_layers)],
+        ["hidden size", str(a.dim)],
+        ["ffn size", str(a.hidden_dim)],
+        ["heads / kv heads", f"{a.n_heads} / {a.n_kv_heads} (head dim {a.head_dim})"],
+        ["context length", str(a.max_seq_len)],
+        ["vocab", str(a.vocab_size)],
+        ["rope theta", f"{a.rope_theta:g}"],
+        ["tied embeddings", "yes" if a.tie_embeddings else "no"],
+        ["format", mi.format],
+        ["quantization", mi.quantization],
+        ["on disk", f"{_human_bytes(mi.file_bytes)} ({mi.file_bytes:,} bytes)"],
+        ["path", str(mi.path)],
+    ]
+    _print_table(None, rows, title=resolved.name if _is_tty() else None)
+
+
+@app.command()
+def bench(
+    model: ModelArg = None,
+    n_prompt: Annotated[
+        int, typer.Option("--n-prompt", "-p", min=1, help="Prompt tokens to prefill.")
+    ] = 128,
+    n_gen: Annotated[int, typer.Option("--n-gen", "-n", min=1, help="Tokens to decode.")] = 64,
+    repeats: Annotated[
+        int, typer.Option("--repeats", "-r", min=1, help="Timed runs (the median is shown).")
+    ] = 3,
+    threads: Threads = None,
+    dtype: DTypeOpt = DType.float32,
+    json_out: Json = False,
+    debug: Debug = False,
+) -> None:
+    """Measure load time, prefill and decode speed, memory and bandwidth."""
+    from dataclasses import asdict
+
+    from infer.runtime.registry import resolve
+
+    resolved = resolve(model)
+
+    from infer.runtime.bench import run_bench
+
+    _set_threads(threads)
+    with _status(f"benchmarking {resolved.name}"):
+        result = run_bench(
+            resolved.path,
+            n_prompt=n_prompt,
+            n_gen=n_gen,
+            repeats=repeats,
+            dtype=_torch_dtype(dtype),
+            name=resolved.name,
+        )
+    if json_out:
+        _print_json(asdict(result))
+        return
+    _print_table(["METRIC", "VALUE"], result.rows(), title=f"infer bench: {resolved.name}")
+
+
+app.command("eval")(eval_model)
+
+
+# ------------------------------------------------------------------------------------------
+# Entry point
+# ------------------------------------------------------------------------------------------
+
+
+def _debug_requested(argv: list[str]) -> bool:
+    """--debug anywhere before `--`, or INFER_DEBUG set to anything but 0."""
+    args = argv[: argv.index("--")] if "--" in argv else argv
+    return "--debug" in args or os.environ.get("INFER_DEBUG", "") not in ("", "0")
+
+
+def _fail(err: BaseException, exit_code: int, debug: bool) -> None:
+    if debug:
+        traceback.print_exc()
+    message = " ".join(str(err).split())
+    if not isinstance(err, InferError):
+        message = f"{type(err).__name__}: {message}" if message else type(err).__name__
+        if not debug:
+            message += " (--debug shows the traceback)"
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(exit_code)
+
+
+def main() -> None:
+    debug = _debug_requested(sys.argv[1:])
+    try:
+        app(prog_name="infer")
+    except InferError as err:
+        _fail(err, err.exit_code, debug)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as err:  # noqa: BLE001  (anything unexpected: one line, exit 1)
+        _fail(err, 1, debug)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Options shared by the commands, as `Annotated` aliases (huggingface_hub's `_cli_utils.py`).
+
+Only typer and the standard library are imported here: `infer --help` must not pay
+for torch.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+
+class DType(str, Enum):
+    """Compute dtype for the weights and the KV cache."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+_SAMPLING = "Sampling"
+
+ModelArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="A model name (see `infer list`), a .gguf file or a Hugging Face model "
+        "directory. Default: the registry's default model.",
+        metavar="MODEL",
+        show_default=False,
+    ),
+]
+RequiredModelArg = Annotated[
+    str,
+    typer.Argument(
+        help="A model name, a Hugging Face repo id, a .gguf file or a model directory.",
+        metavar="MODEL",
+        show_default=False,
+    ),
+]
+Threads = Annotated[
+    int | None,
+    typer.Option(
+        "--threads", "-t", min=1, help="CPU threads. Default: the number of physical cores."
+    ),
+]
+Ctx = Annotated[
+    int | None,
+    typer.Option(
+        "--ctx", min=1, help="Context length in tokens. Default: min(model context, 4096)."
+    ),
+]
+DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Compute dtype.")]
+Json = Annotated[
+    bool, typer.Option("--json", help="Print one JSON object instead of text or a table.")
+]
+Verbose = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Print timing statistics on stderr.")
+]
+# main() reads --debug (and INFER_DEBUG=1) itself, so that errors raised before or
+# outside a command still get their traceback; the option is declared so it parses.
+Debug = Annotated[
+    bool, typer.Option("--debug", help="Show the full traceback on errors (or INFER_DEBUG=1).")
+]
+
+# --- sampling --------------------------------------------------------------------------
+
+MaxTokens = Annotated[
+    int,
+    typer.Option(
+        "--max-tokens", "-n", min=-1, help="Most tokens to generate; -1: until the context is full."
+    ),
+]
+Temperature = Annotated[
+    float,
+    typer.Option(
+        "--temperature",
+        min=0.0,
+        help="Sampling temperature; 0 is greedy and deterministic.",
+        rich_help_panel=_SAMPLING,
+    ),
+]
+TopK = Annotated[
+    int,
+    typer.Option(
+        "--top-k", min=0, help="Keep the k likeliest tokens; 0: all.", rich_help_panel=_SAMPLING
+    ),
+]
+TopP = Annotated[
+    float,
+    typer.Option(
+        "--top-p",
+        min=0.0,
+        max=1.0,
+        help="Nucleus sampling: keep the smallest set with this mass.",
+        rich_help_panel=_SAMPLING,
+    ),
+]
+MinP = Annotated[
+    float,
+    typer.Option(
+        "--min-p",
+        min=0.0,
+        max=1.0,
+        help="Drop tokens less likely than min-p times the likeliest.",
+        rich_help_panel=_SAMPLING,
+    ),
+]
+RepeatPenalty = Annotated[
+    float,
+    typer.Option(
+        "--repeat-penalty",
+        min=0.0,
+        help="Penalise the last 64 tokens; 1.0: off.",
+        rich_help_panel=_SAMPLING,
+    ),
+]
+Seed = Annotated[
+    int | None,
+    typer.Option(
+        "--seed", help="Random seed, for reproducible sampling.", rich_help_panel=_SAMPLING
+    ),
+]

@@ -1,0 +1,330 @@
+"""The `infer` command end to end, each call a subprocess as a user would run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+QUESTION = "What is the capital of France?"
+GREEDY = ["--temperature", "0"]
+TIMING_KEYS = {"load_s", "ttft_s", "prefill_tok_s", "decode_s", "decode_tok_s"}
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "INFER_DEBUG"}
+    return {**env, "HF_HUB_OFFLINE": "1", **extra}
+
+
+def infer(*args, stdin: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `infer ARGS` with stdin a pipe (never the test runner's terminal)."""
+    return subprocess.run(
+        [sys.executable, "-m", "infer.cli.main", *map(str, args)],
+        check=False,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env or _env(),
+        timeout=300,
+    )
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    assert r.returncode == code, r.stderr
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for word in words:
+        assert word in lines[0]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory, smollm2_gguf) -> Path:
+    """An INFER_HOME whose cache holds the default model (a link to the real file)."""
+    home = tmp_path_factory.mktemp("infer_home")
+    folder = home / "models" / "smollm2-135m"
+    folder.mkdir(parents=True)
+    (folder / smollm2_gguf.name).symlink_to(smollm2_gguf.resolve())
+    (home / "hf").mkdir()
+    return home
+
+
+@pytest.fixture(scope="module")
+def home_env(home) -> dict:
+    return _env(INFER_HOME=str(home), HF_HUB_CACHE=str(home / "hf"))
+
+
+# ---------------------------------------------------------------------------- no model
+
+
+def test_help_is_fast_and_lists_commands():
+    t0 = time.perf_counter()
+    r = infer("--help")
+    elapsed = time.perf_counter() - t0
+    assert r.returncode == 0
+    for command in ("run", "pull", "list", "info", "bench"):
+        assert command in r.stdout
+    assert elapsed < 5  # typically ~0.2 s; generous for a loaded machine
+    # The reason it is fast: nothing heavy is imported until a command runs.
+    code = "import sys, infer.cli.main; assert 'torch' not in sys.modules, 'torch imported'"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_version():
+    r = infer("--version")
+    assert r.returncode == 0 and r.stdout.startswith("infer ")
+
+
+def test_usage_error_exits_2():
+    assert infer("run", "--temperature", "hot").returncode == 2
+    assert infer("frobnicate").returncode == 2
+
+
+def test_unexpected_exception_is_one_line_and_exit_1():
+    code = (
+        "import sys; import infer.runtime.registry as reg; from infer.cli.main import main\n"
+        "def boom(): raise RuntimeError('disk on fire')\n"
+        "reg.list_cached = boom; sys.argv = ['infer', 'list']; main()"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=_env()
+    )
+    assert r.returncode == 1
+    assert r.stderr.splitlines() == [
+        "error: RuntimeError: disk on fire (--debug shows the traceback)"
+    ]
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    root = tmp_path_factory.mktemp("bad")
+    truncated = root / "truncated.gguf"
+    with open(smollm2_gguf, "rb") as f:
+        truncated.write_bytes(f.read(1 << 20))
+
+    llama_config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "vocab_size": 300,
+    }
+    corrupt = root / "corrupt_safetensors"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text(json.dumps(llama_config))
+    (corrupt / "model.safetensors").write_bytes(b"\xff" * 8 + b"not json at all" * 10)
+
+    gpt2 = root / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64})
+    )
+    save_file({"wte.weight": np.zeros((4, 4), np.float32)}, str(gpt2 / "model.safetensors"))
+    return {"truncated": truncated, "corrupt": corrupt, "gpt2": gpt2, "missing": root / "no.gguf"}
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("unknown", ["unknown model 'smollm2-135'", "did you mean smollm2-135m"]),
+        ("missing", ["no such file", "no.gguf"]),
+        ("truncated", ["truncated"]),
+        ("corrupt", ["model.safetensors"]),
+        ("gpt2", ["unsupported architecture", "gpt2"]),
+    ],
+)
+def test_bad_model_is_one_line_exit_2(bad_models, case, words):
+    model = "smollm2-135" if case == "unknown" else bad_models[case]
+    assert_one_line_error(infer("run", model, "Hi"), 2, *words)
+
+
+def test_empty_prompt_is_an_error(smollm2_gguf):
+    assert_one_line_error(infer("run", smollm2_gguf, stdin="  \n"), 2, "empty prompt")
+
+
+def test_prompt_longer_than_ctx(smollm2_gguf):
+    r = infer("run", smollm2_gguf, "word " * 100, "--ctx", "16")
+    assert_one_line_error(r, 2, "longer than the context of 16", "--ctx")
+
+
+def test_debug_shows_traceback(bad_models):
+    r = infer("run", bad_models["truncated"], "Hi", "--debug")
+    assert r.returncode == 2
+    assert "Traceback" in r.stderr
+    assert r.stderr.splitlines()[-1].startswith("error: ")
+    r = infer("run", "smollm2-135", "Hi", env=_env(INFER_DEBUG="1"))
+    assert r.returncode == 2 and "Traceback" in r.stderr
+
+
+# --------------------------------------------------------------------------- real model
+
+
+def test_one_shot_and_json_agree(smollm2_gguf, home_env):
+    # Plain: only the answer on stdout, newline-terminated, no escape codes, no chatter.
+    plain = infer("run", smollm2_gguf, QUESTION, *GREEDY, "-n", "24")
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.strip() and plain.stdout.endswith("\n")
+    assert "\x1b" not in plain.stdout + plain.stderr
+    assert plain.stderr == ""
+
+    # The same prompt piped in, by registry name (through the cache), as JSON.
+    r = infer("run", "smollm2", "--json", *GREEDY, "-n", "24", stdin=QUESTION + "\n", env=home_env)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert set(data) == {
+        "model", "text", "tokens_generated", "prompt_tokens", "finish_reason", "timings",
+    }  # fmt: skip
+    assert set(data["timings"]) == TIMING_KEYS
+    assert data["model"] == "smollm2-135m"
+    assert data["text"] == plain.stdout.removesuffix("\n")  # greedy is deterministic
+    assert data["finish_reason"] in ("stop", "length")
+    if data["finish_reason"] == "stop":
+        assert 0 < data["tokens_generated"] < 24
+    else:
+        assert data["tokens_generated"] == 24
+    assert data["prompt_tokens"] > 10  # the chat template wraps the question
+    t = data["timings"]
+    assert t["load_s"] > 0 and t["ttft_s"] > 0 and t["prefill_tok_s"] > 0
+    assert t["decode_tok_s"] > 0
+
+
+def test_no_chat_prompt_plus_stdin_and_max_tokens(smollm2_gguf):
+    from infer.runtime.gguf_file import GGUFFile
+    from infer.runtime.tokenizer import Tokenizer
+
+    r = infer(
+        "run", smollm2_gguf, "Counting: 1, 2, 3,", "--no-chat", "-n", "5", "--json", *GREEDY,
+        stdin="4, 5, 6,\n",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["finish_reason"] == "length"
+    assert data["tokens_generated"] == 5
+    # PROMPT, a blank line, then stdin; raw text, no template.
+    tok = Tokenizer.from_gguf_metadata(GGUFFile(smollm2_gguf).metadata)
+    assert data["prompt_tokens"] == len(tok.encode("Counting: 1, 2, 3,\n\n4, 5, 6,"))
+    assert data["text"].strip().startswith("7")
+
+
+def test_max_tokens_minus_one_fills_the_context(smollm2_gguf):
+    r = infer(
+        "run", smollm2_gguf, "Counting: 1, 2, 3,", "--no-chat", "-n", "-1", "--ctx", "40",
+        "--json", *GREEDY,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["finish_reason"] == "length"
+    # The last token is sampled, never fed back, so it needs no place in the context.
+    assert data["prompt_tokens"] + data["tokens_generated"] == 40 + 1
+
+
+def test_info(smollm2_gguf):
+    r = infer("info", smollm2_gguf, "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["architecture"] == "llama"
+    assert (data["layers"], data["hidden_size"], data["heads"], data["kv_heads"]) == (30, 576, 9, 3)
+    assert data["vocab_size"] == 49152 and data["context_length"] == 8192
+    assert data["quantization"] == "Q4_1"
+    assert data["file_bytes"] == smollm2_gguf.stat().st_size
+    assert 130e6 < data["parameters"] < 140e6
+    r = infer("info", smollm2_gguf)
+    assert r.returncode == 0 and "\x1b" not in r.stdout
+    assert "Q4_1" in r.stdout and "layers" in r.stdout
+
+
+def test_list_and_pull_from_cache(home, home_env, tmp_path):
+    r = infer("list", env=home_env)
+    assert r.returncode == 0, r.stderr
+    header, row = r.stdout.splitlines()
+    assert header.split()[:3] == ["NAME", "SIZE", "FORMAT"]
+    assert row.split()[0] == "smollm2-135m" and "gguf" in row.split()
+    entries = json.loads(infer("list", "--json", env=home_env).stdout)
+    assert [(e["name"], e["format"]) for e in entries] == [("smollm2-135m", "gguf")]
+
+    r = infer("pull", "smollm2", env=home_env)  # cached: nothing to fetch
+    assert r.returncode == 0, r.stderr
+    assert Path(r.stdout.strip()).parent == home / "models" / "smollm2-135m"
+
+    empty = _env(INFER_HOME=str(tmp_path), HF_HUB_CACHE=str(tmp_path / "hf"))
+    r = infer("list", env=empty)
+    assert r.returncode == 0 and r.stdout == "" and "infer pull" in r.stderr
+
+
+# --------------------------------------------------------------------------- interactive
+
+
+class Terminal:
+    """`infer run` on a pseudo-terminal, so it starts the interactive chat."""
+
+    def __init__(self, *args):
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "infer.cli.main", *map(str, args)],
+            stdin=slave, stdout=slave, stderr=slave, env=_env(TERM="dumb"), close_fds=True,
+        )  # fmt: skip
+        os.close(slave)
+        self.out = ""
+
+    def read_until(self, text: str, start: int, timeout: float = 120) -> str:
+        """Output from `start` once `text` appears after it."""
+        deadline = time.monotonic() + timeout
+        while text not in self.out[start:]:
+            assert time.monotonic() < deadline, f"no {text!r} in {self.out[start:]!r}"
+            if select.select([self.master], [], [], 0.5)[0]:
+                try:
+                    self.out += os.read(self.master, 4096).decode(errors="replace")
+                except OSError:  # EIO: the child closed the terminal
+                    assert self.proc.poll() is not None
+        return self.out[start:]
+
+    def send(self, text: str) -> int:
+        mark = len(self.out)
+        os.write(self.master, text.encode())
+        return mark
+
+
+def test_interactive_chat(smollm2_gguf):
+    term = Terminal("run", smollm2_gguf, *GREEDY, "-n", "300", "--verbose")
+    try:
+        term.read_until(">>> ", 0)
+        mark = term.send("Write a long story about a dragon.\n")
+        term.read_until("\n", mark)  # the echo of the line typed
+        term.read_until(" ", len(term.out) + 30)  # some answer has streamed
+        term.proc.send_signal(signal.SIGINT)  # Ctrl-C mid-answer
+        out = term.read_until(">>> ", mark)
+        assert "(stopped)" in out
+        first_prompt = int(re.search(r"prompt (\d+) tok", out).group(1))
+        mark = term.send("/help\n")
+        assert "/reset" in term.read_until(">>> ", mark)
+        # The partial answer stays in the conversation: the next turn finds the first
+        # question and that answer in the KV cache.
+        mark = term.send("Give it a name.\n")
+        out = term.read_until(">>> ", mark)
+        cached = int(re.search(r"\((\d+) cached\)", out).group(1))
+        assert cached > first_prompt + 5
+        mark = term.send("/reset\n")
+        assert "cleared" in term.read_until(">>> ", mark)
+        term.send("\x04")  # Ctrl-D
+        assert term.proc.wait(timeout=30) == 0
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+        os.close(term.master)

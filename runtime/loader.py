@@ -1,4 +1,5 @@
-"""Turn a model path (a GGUF file or a Hugging Face directory) into a ready Transformer.
+"""Turn a model path (a GGUF file, a Hugging Face directory or our own checkpoint
+directory, see checkpoint.py) into a ready Transformer.
 
 The model is built on the meta device and the checkpoint's tensors are assigned
 into it, so weights exist once: mapped straight from the file where the dtype
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import Checkpoint, build_model, is_checkpoint, read_checkpoint, verify
 from .config import ModelArgs
 from .errors import InferError
 from .gguf_file import GGUFFile, is_gguf
@@ -28,12 +30,13 @@ class ModelInfo:
     """What a checkpoint is, read from its metadata without loading weights."""
 
     path: Path
-    format: str  # "gguf" | "safetensors"
+    format: str  # "gguf" | "safetensors" | "infer"
     config: dict  # Hugging Face config.json-style
     args: ModelArgs
-    quantization: str  # the dominant weight type, e.g. "Q4_1", "BF16"
+    quantization: str  # dominant weight type: "Q4_1", "BF16", "int4", "mixed: int4, int8"
     file_bytes: int
     gguf: GGUFFile | None = None  # the open reader, for a GGUF file
+    checkpoint: Checkpoint | None = None  # the opened checkpoint, for our format
 
 
 @dataclass
@@ -50,9 +53,11 @@ class LoadedModel:
 
 
 def model_format(path: Path) -> str:
-    """Tell a GGUF file from a Hugging Face directory by content, not by name."""
+    """Tell a GGUF file, our checkpoint and a Hugging Face directory apart by content."""
     path = Path(path)
     if path.is_dir():
+        if is_checkpoint(path):
+            return "infer"
         if not (path / "config.json").is_file():
             raise InferError(f"{path}: not a model directory (no config.json)")
         return "safetensors"
@@ -93,6 +98,10 @@ def inspect_model(path: Path) -> ModelInfo:
         types = Counter(t.ggml_type.name for t in gguf.tensors.values() if len(t.shape) == 2)
         return ModelInfo(path, fmt, config, ModelArgs.from_dict(config),
                          types.most_common(1)[0][0] if types else "F32", gguf.file_bytes, gguf)
+    if fmt == "infer":
+        ckpt = read_checkpoint(path)
+        return ModelInfo(path, fmt, ckpt.config, ckpt.args, ckpt.quantization,
+                         ckpt.file.stat().st_size, checkpoint=ckpt)
     try:
         config = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
@@ -125,6 +134,8 @@ def load_tokenizer(info: ModelInfo) -> Tokenizer:
 
 def load_weights(info: ModelInfo, dtype: torch.dtype, max_seq_len: int | None = None) -> Transformer:
     """Build the Transformer on the meta device and assign the checkpoint's tensors."""
+    if info.checkpoint is not None:
+        return build_model(info.checkpoint, dtype, max_seq_len)
     args = info.args
     sd = Transformer.sanitize(_state_dict(info, dtype), args)
     with torch.device("meta"):
@@ -147,6 +158,10 @@ def load_model(
     """Load weights, tokenizer and caches. `max_seq_len` defaults to the model's context."""
     t0 = time.perf_counter()
     info = inspect_model(path)
+    if info.checkpoint is not None:
+        # crc32 of every unit (~5 GB/s from the page cache): the first forward pass
+        # faults these pages in anyway, and a corrupt byte fails here, naming its unit.
+        verify(info.checkpoint)
     model = load_weights(info, dtype, max_seq_len)
     tokenizer = load_tokenizer(info)
     return LoadedModel(model, tokenizer, info, dtype, time.perf_counter() - t0)

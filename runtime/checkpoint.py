@@ -1,0 +1,536 @@
+"""Our on-disk model format: what `infer quantize` writes and `infer run/bench/eval` load.
+
+A checkpoint is a directory:
+
+    config.json          the Hugging Face-style config the model was built from
+    tokenizer.json       } Tokenizer.save_hf
+    tokenizer_config.json}
+    model.safetensors    every tensor, in one file the safetensors library reads too
+
+model.safetensors, by absolute file offset:
+
+    [0, 8)          header length N, u64 little-endian
+    [8, 8 + N)      JSON header, padded with spaces so tensor data starts on a 4 KiB boundary
+    units           "globals" (embed_tokens, norm, lm_head), then "layers.0", "layers.1", ...
+                    Each unit's tensors lie back to back and the unit starts on a 4 KiB
+                    boundary, so loading a unit is one aligned read (what offload/ streams).
+                    U8 tensors "__pad__.K" fill the gaps between units: safetensors allows
+                    no holes. Inside a unit tensors go by falling element size, so each is
+                    aligned to its dtype with no padding.
+
+The header's __metadata__ (str -> str; the structured values JSON-encoded):
+
+    format          "infer"
+    format_version  "1"
+    quant           {module: {"format": name, **params}} for every quantized module, e.g.
+                    "layers.0.mlp.up_proj": {"format": "int4", "group_size": 32, ...}
+    ranges          {unit: [begin, end]}: the absolute byte range of the unit's tensors
+    crc32           {unit: "8 hex digits"}: zlib crc32 of that range
+    source          {"path", "sha256": {file name: hex}, "format"}: what was converted
+
+Tensor names are our model's state-dict names (Hugging Face names less "model."):
+"layers.0.input_layernorm.weight", "embed_tokens.weight"; a quantized module stores
+module + "." + each suffix of `QuantLinear.tensors()` ("layers.0.mlp.up_proj.qweight")
+and its bias as module + ".bias". A tied table is stored once: as "lm_head" when
+quantized (the embedding wraps it), as "embed_tokens.weight" when float. A quantized
+embedding that is not tied is the module "embed_tokens.table" (QuantEmbedding.table).
+
+Units are name prefixes: a tensor belongs to the unit its name starts with (`unit_of`),
+"globals" if none. A mixture-of-experts layer will store each expert as its own unit,
+"layers.N.<...>.experts.E", written after the unit "layers.N" that keeps the layer's
+attention, norms and router; nothing else in the format changes.
+
+Integrity: `verify` checks units against their crc32 (~5 GB/s from the page cache here).
+`loader.load_model` verifies every unit: a resident model faults in every page on its
+first forward pass anyway, so this only moves the read earlier and adds ~0.2 ms per MB,
+and a flipped byte fails the load naming its unit. Streaming (offload/) should instead
+check each unit as it reads it: one read, one crc32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..quant.base import FORMATS, QuantEmbedding, QuantLinear
+from .config import ModelArgs
+from .errors import InferError
+from .llama import Transformer
+from .safetensors_file import DTYPES, read_header, read_safetensors
+
+FORMAT = "infer"
+FORMAT_VERSION = "1"
+WEIGHTS = "model.safetensors"
+ALIGN = 4096  # every unit starts on a page boundary: one aligned read per unit
+PAD = "__pad__."
+GLOBALS = "globals"
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 GGUF rope factors (see Transformer.sanitize)
+
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# "layers.N", or a future MoE expert "layers.N.<...>.experts.E", followed by a dot.
+_UNIT_RE = re.compile(r"layers\.\d+(?:\.\w+)*?\.experts\.\d+(?=\.)|layers\.\d+(?=\.)")
+
+
+def unit_of(name: str) -> str:
+    """The unit (name prefix) tensor `name` is stored in."""
+    m = _UNIT_RE.match(name)
+    return m.group(0) if m else GLOBALS
+
+
+def _unit_order(unit: str) -> tuple:
+    # globals first, then layers in numeric order, each layer's experts right after it.
+    if unit == GLOBALS:
+        return (0,)
+    return (1, *(int(p) if p.isdigit() else p for p in unit.split(".")))
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: metadata plus every tensor mapped from the file."""
+
+    path: Path  # the directory
+    file: Path  # its model.safetensors
+    config: dict
+    quant: dict[str, dict]  # module -> {"format": name, **params}
+    ranges: dict[str, tuple[int, int]]  # unit -> absolute byte range [begin, end)
+    crc32: dict[str, int]  # unit -> crc32 of its range
+    source: dict
+    tensors: dict[str, torch.Tensor]  # name -> view of the map (padding left out)
+    units: dict[str, list[str]]  # unit -> its tensor names in file order
+
+    @property
+    def args(self) -> ModelArgs:
+        args = ModelArgs.from_dict(self.config)
+        factors = self.tensors.get(ROPE_FREQS)
+        if factors is not None:
+            args.rope_freq_factors = factors.float().tolist()
+        return args
+
+    @property
+    def quantization(self) -> str:
+        """The weight format: "int4", "mixed: int4, int8" (most used first), or the float
+        dtype ("BF16") when nothing is quantized."""
+        formats = Counter(entry["format"] for entry in self.quant.values())
+        if not formats:
+            dtypes = Counter(_DTYPE_NAMES[t.dtype] for t in self.tensors.values() if t.dim() == 2)
+            return dtypes.most_common(1)[0][0] if dtypes else "?"
+        names = [name for name, _ in formats.most_common()]
+        return names[0] if len(names) == 1 else "mixed: " + ", ".join(names)
+
+    def is_mapped(self, t: torch.Tensor) -> bool:
+        """Whether `t`'s bytes lie inside this checkpoint's file map (no copy was made)."""
+        base, size = self._map
+        return base <= t.data_ptr() and t.data_ptr() + t.nbytes <= base + size
+
+    @cached_property
+    def _map(self) -> tuple[int, int]:
+        # read_safetensors slices every tensor out of one map of the whole file.
+        storage = max(self.tensors.values(), key=lambda t: t.nbytes).untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    model: Transformer,
+    config: dict,
+    tokenizer,
+    dest: Path,
+    *,
+    source: dict,
+    force: bool = False,
+) -> Path:
+    """Write `model` (float or with QuantLinear modules) as a checkpoint directory `dest`.
+
+    Everything is written into ".<name>.tmp-<pid>" beside `dest`, fsynced, then renamed
+    into place, so `dest` is either absent, the old checkpoint, or the complete new one.
+    """
+    dest = Path(dest)
+    if dest.exists() or dest.is_symlink():
+        if not force:
+            raise InferError(f"{dest} already exists (pass --force to replace it)")
+        if not (is_checkpoint(dest) or (dest.is_dir() and not any(dest.iterdir()))):
+            raise InferError(f"{dest} exists and is not an infer checkpoint; not replacing it")
+    if not {"path", "sha256", "format"} <= set(source):
+        raise ValueError(f"source needs path, sha256 and format, not {sorted(source)}")
+    tensors, quant = _model_tensors(model)
+    metadata = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "quant": json.dumps(quant),
+        "source": json.dumps(source),
+    }
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run with our pid
+    try:
+        tmp.mkdir()
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tokenizer.save_hf(tmp)
+        _write_safetensors(tmp / WEIGHTS, tensors, metadata)
+        for f in tmp.iterdir():
+            _fsync(f, os.O_RDONLY)
+        _fsync(tmp, os.O_DIRECTORY)
+        _replace(tmp, dest)
+    except BaseException:  # KeyboardInterrupt included: leave no half-written directory
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def describe_source(path: Path, fmt: str) -> dict:
+    """The `source` record for a checkpoint converted from `path` (a file or HF directory)."""
+    path = Path(path).resolve()
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    return {"path": str(path), "sha256": {f.name: _sha256(f) for f in files}, "format": fmt}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _model_tensors(model: Transformer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """({tensor name: tensor}, quant map) of `model`, each tied table once."""
+    modules = {n: m for n, m in model.named_modules(remove_duplicate=False)}
+    qnames = {n for n, m in modules.items() if isinstance(m, QuantLinear)}
+    stored = set(qnames)
+    if isinstance(model.embed_tokens, QuantEmbedding) and model.embed_tokens.table is model.lm_head:
+        stored.discard("embed_tokens.table")  # tied: stored as lm_head, wrapped on load
+    if len({id(modules[n]) for n in stored}) != len(stored):
+        raise ValueError("a QuantLinear is shared by two modules other than tied embeddings")
+
+    tensors, quant = {}, {}
+    for name in (n for n in modules if n in stored):  # in module order
+        m = modules[name]
+        quant[name] = {"format": m.format, **m.params}
+        parts = dict(m.tensors())
+        if any("." in suffix or suffix == "bias" for suffix in parts):
+            raise ValueError(f"{m.format}: tensor suffixes must be dot-free and not 'bias'")
+        if m.bias is not None:
+            parts["bias"] = m.bias
+        tensors.update((f"{name}.{suffix}", t) for suffix, t in parts.items())
+    tied_float = isinstance(model.embed_tokens, nn.Embedding) and isinstance(
+        model.lm_head, nn.Linear
+    )
+    tied_float = tied_float and model.lm_head.weight is model.embed_tokens.weight
+    for key, t in model.state_dict().items():
+        owner = key.rpartition(".")[0]
+        if any(owner == q or owner.startswith(q + ".") for q in qnames):
+            continue  # a quantized module's buffers, taken from tensors() above
+        if key == "lm_head.weight" and tied_float:
+            continue  # stored once, as embed_tokens.weight
+        tensors[key] = t
+    if model.args.rope_freq_factors is not None:
+        tensors[ROPE_FREQS] = torch.tensor(model.args.rope_freq_factors, dtype=torch.float32)
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name here")
+    return {k: v.detach() for k, v in tensors.items()}, quant
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> tuple[list, dict[str, tuple[int, int]]]:
+    """File order: ([(name, tensor or pad size, begin, unit)], {unit: (begin, end)}), offsets
+    relative to the start of tensor data (itself 4 KiB-aligned)."""
+    by_unit: dict[str, list[str]] = {}
+    for name in tensors:
+        by_unit.setdefault(unit_of(name), []).append(name)
+    entries, ranges, pos = [], {}, 0
+    for unit in sorted(by_unit, key=_unit_order):
+        if pos % ALIGN:
+            pad = ALIGN - pos % ALIGN
+            entries.append((f"{PAD}{len(ranges)}", pad, pos, None))
+            pos += pad
+        begin = pos
+        # Falling element size keeps every tensor aligned to its dtype (sizes are multiples).
+        for name in sorted(by_unit[unit], key=lambda n: -tensors[n].element_size()):
+            entries.append((name, tensors[name], pos, unit))
+            pos += tensors[name].nbytes
+        ranges[unit] = (begin, pos)
+    return entries, ranges
+
+
+def _header(entries, ranges, crcs, metadata, data_start) -> bytes:
+    header = {
+        "__metadata__": {
+            **metadata,
+            "ranges": json.dumps(
+                {u: [data_start + b, data_start + e] for u, (b, e) in ranges.items()}
+            ),
+            "crc32": json.dumps({u: f"{crcs.get(u, 0):08x}" for u in ranges}),
+        }
+    }
+    for name, t, begin, _ in entries:
+        if isinstance(t, int):  # padding
+            header[name] = {"dtype": "U8", "shape": [t], "data_offsets": [begin, begin + t]}
+        else:
+            header[name] = {
+                "dtype": _DTYPE_NAMES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [begin, begin + t.nbytes],
+            }
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict) -> None:
+    entries, ranges = _layout(tensors)
+    # The header holds absolute offsets, so its length depends on where data starts:
+    # grow the guess until it fits (the length only grows with it, so this stops).
+    data_start = ALIGN
+    while 8 + len(_header(entries, ranges, {}, metadata, data_start)) > data_start:
+        data_start += ALIGN
+    # crc32s are fixed-width hex: write placeholders, checksum while writing the data in
+    # one pass, then rewrite the header (same length) with the real values.
+    with open(path, "wb") as f:
+        f.seek(data_start)
+        crcs = {}
+        for _, t, _, unit in entries:
+            if isinstance(t, int):
+                f.write(bytes(t))
+                continue
+            data = _raw_bytes(t)
+            f.write(data)
+            crcs[unit] = zlib.crc32(data, crcs.get(unit, 0))
+        head = _header(entries, ranges, crcs, metadata, data_start)
+        f.seek(0)
+        f.write(struct.pack("<Q", data_start - 8) + head + b" " * (data_start - 8 - len(head)))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    # Through uint8: numpy has no bfloat16. One contiguous copy at most, per tensor.
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace(tmp: Path, dest: Path) -> None:
+    """Rename the complete `tmp` to `dest`; an old `dest` goes only once `tmp` is in place."""
+    old = None
+    if dest.exists() or dest.is_symlink():
+        old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(dest, old)
+    try:
+        os.rename(tmp, dest)
+    except BaseException:
+        if old is not None:
+            os.rename(old, dest)
+        raise
+    _fsync(dest.parent, os.O_DIRECTORY)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether `path` is our format: config.json + model.safetensors marked format=infer."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
+        return False
+    try:
+        header, _ = read_header(path / WEIGHTS)
+    except InferError:
+        return False
+    metadata = header.get("__metadata__")
+    return isinstance(metadata, dict) and metadata.get("format") == FORMAT
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Open a checkpoint: metadata checked, tensors mapped (no weight is read yet)."""
+    path = Path(path)
+    file = path / WEIGHTS
+    if not (path / "config.json").is_file() or not file.is_file():
+        raise InferError(f"{path}: not an infer checkpoint (needs config.json and {WEIGHTS})")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise InferError(f"{path / 'config.json'}: invalid JSON ({e})") from None
+    header, data_start = read_header(file)
+    metadata = header.get("__metadata__")
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        raise InferError(f"{file}: no infer metadata (not written by `infer quantize`)")
+    version = metadata.get("format_version")
+    if version != FORMAT_VERSION:
+        raise InferError(
+            f"{file}: format version {version!r}; this infer reads version {FORMAT_VERSION}"
+        )
+    quant, ranges, crc32, source = (
+        _metadata_json(metadata, key, file) for key in ("quant", "ranges", "crc32", "source")
+    )
+    size = file.stat().st_size
+    try:
+        ranges = {u: (int(b), int(e)) for u, (b, e) in ranges.items()}
+        crc32 = {u: int(crc32[u], 16) for u in ranges}
+        formats = {name: entry["format"] for name, entry in quant.items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise InferError(f"{file}: corrupt infer metadata") from None
+    for unit, (b, e) in ranges.items():
+        if not 0 <= b <= e <= size:
+            raise InferError(
+                f"{file}: unit '{unit}' [{b}, {e}) lies outside the file ({size} bytes): truncated?"
+            )
+        if b % ALIGN:
+            raise InferError(f"{file}: unit '{unit}' does not start on a {ALIGN}-byte boundary")
+    for name, fmt in formats.items():
+        if fmt not in FORMATS:
+            known = ", ".join(sorted(FORMATS)) or "none"
+            raise InferError(
+                f"{file}: module '{name}' has unknown quantization format '{fmt}' "
+                f"(this infer knows: {known})"
+            )
+    units = _check_units(file, header, data_start, ranges)
+    tensors, _ = read_safetensors(file)
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(PAD)}
+    return Checkpoint(path, file, config, quant, ranges, crc32, source, tensors, units)
+
+
+def _metadata_json(metadata: dict, key: str, file: Path) -> dict:
+    try:
+        value = json.loads(metadata[key])
+    except (KeyError, TypeError, json.JSONDecodeError):
+        raise InferError(f"{file}: missing or corrupt infer metadata '{key}'") from None
+    if not isinstance(value, dict):
+        raise InferError(f"{file}: corrupt infer metadata '{key}'")
+    return value
+
+
+def _check_units(file: Path, header: dict, data_start: int, ranges: dict) -> dict[str, list[str]]:
+    """Check each unit's tensors tile its range exactly; return unit -> names in file order."""
+    spans: dict[str, list] = {u: [] for u in ranges}
+    for name, entry in header.items():
+        if name == "__metadata__" or name.startswith(PAD):
+            continue
+        unit = unit_of(name)
+        if unit not in spans:
+            raise InferError(f"{file}: tensor '{name}' belongs to no unit ('{unit}' has no range)")
+        try:
+            b, e = (data_start + int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise InferError(f"{file}: corrupt entry for tensor '{name}'") from None
+        spans[unit].append((b, e, name))
+    units = {}
+    for unit, (begin, end) in ranges.items():
+        pos = begin
+        for b, e, name in sorted(spans[unit]):
+            if b != pos:
+                raise InferError(f"{file}: unit '{unit}' is not contiguous at tensor '{name}'")
+            pos = e
+        if pos != end:
+            raise InferError(f"{file}: unit '{unit}' tensors do not fill its range")
+        units[unit] = [name for _, _, name in sorted(spans[unit])]
+    return units
+
+
+def verify(ckpt: Checkpoint, units: list[str] | None = None) -> None:
+    """Check the crc32 of `units` (default: all); a mismatch names the corrupt unit."""
+    mm = np.memmap(ckpt.file, dtype=np.uint8, mode="r")
+    for unit in ckpt.ranges if units is None else units:
+        if unit not in ckpt.ranges:
+            raise InferError(f"{ckpt.file}: no unit '{unit}'")
+        b, e = ckpt.ranges[unit]
+        got = zlib.crc32(mm[b:e])
+        if got != ckpt.crc32[unit]:
+            raise InferError(
+                f"{ckpt.file}: unit '{unit}' is corrupt (crc32 {got:08x}, expected "
+                f"{ckpt.crc32[unit]:08x}); convert the model again"
+            )
+
+
+# -- building the model ---------------------------------------------------------------------
+
+
+def build_model(
+    ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int | None = None
+) -> Transformer:
+    """A Transformer over the mapped tensors: QuantLinear modules built by their format's
+    `from_tensors`, float tensors assigned (converted only where `dtype` differs)."""
+    args = ckpt.args
+    floats, parts = {}, {name: {} for name in ckpt.quant}
+    for name, t in ckpt.tensors.items():
+        owner, _, suffix = name.rpartition(".")
+        if owner in parts:
+            parts[owner][suffix] = t
+        elif name != ROPE_FREQS:
+            floats[name] = t.to(dtype) if t.is_floating_point() else t
+    with torch.device("meta"):
+        model = Transformer(args)
+    for name, entry in ckpt.quant.items():
+        params = {k: v for k, v in entry.items() if k != "format"}
+        bias = parts[name].pop("bias", None)
+        try:
+            module = FORMATS[entry["format"]].from_tensors(
+                parts[name], params, None if bias is None else bias.to(dtype)
+            )
+        except (InferError, KeyError, TypeError, ValueError) as e:
+            raise InferError(f"{ckpt.file}: cannot build '{name}': {e}") from None
+        _place(model, name, module, ckpt.file)
+    # A tied table is stored once: quantized as lm_head, float as embed_tokens.weight.
+    embed_stored = "embed_tokens.weight" in floats or "embed_tokens.table" in ckpt.quant
+    if not embed_stored and "lm_head" in ckpt.quant:
+        model.embed_tokens = QuantEmbedding(model.lm_head)
+    tie_float = "lm_head.weight" not in floats and "lm_head" not in ckpt.quant
+    tie_float = tie_float and "embed_tokens.weight" in floats
+    if tie_float:
+        floats["lm_head.weight"] = floats["embed_tokens.weight"]
+    try:
+        result = model.load_state_dict(floats, strict=False, assign=True)
+    except RuntimeError as e:
+        lines = str(e).strip().splitlines()
+        detail = lines[1].strip() if len(lines) > 1 else lines[0]
+        raise InferError(f"{ckpt.file}: weights do not match the config: {detail}") from None
+    if result.unexpected_keys:
+        raise InferError(
+            f"{ckpt.file}: tensors the model has no place for: {result.unexpected_keys[:3]}"
+        )
+    missing = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if missing:
+        raise InferError(f"{ckpt.file}: missing tensors {missing[:3]}")
+    if tie_float:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.setup_caches(min(max_seq_len or args.max_seq_len, args.max_seq_len), dtype)
+    return model.eval().requires_grad_(False)
+
+
+def _place(model: Transformer, name: str, module: QuantLinear, file: Path) -> None:
+    """Put a QuantLinear where the nn.Linear (or, for "embed_tokens.table", the table) was."""
+    if name == "embed_tokens.table":
+        model.embed_tokens = QuantEmbedding(module)
+        return
+    parent_name, _, child = name.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name)
+    except AttributeError:
+        parent = None
+    if not isinstance(getattr(parent, child, None), nn.Linear):
+        raise InferError(f"{file}: quantized module '{name}' is not a linear layer of this model")
+    setattr(parent, child, module)

@@ -1,0 +1,147 @@
+"""`infer eval`: perplexity over a text file, and KL divergence from a reference model.
+
+Registered by main.py as `app.command("eval")(eval_model)`. The numbers follow
+llama.cpp's llama-perplexity (see infer.runtime.evaluate), so a quantization can be
+compared with the figures llama.cpp users publish.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from infer.cli.options import Debug, DType, DTypeOpt, Json, RequiredModelArg, Threads
+from infer.runtime.errors import InferError
+
+TextFile = Annotated[
+    Path,
+    typer.Option(
+        "--text",
+        "-f",
+        help="The text to score (UTF-8), e.g. wikitext-2's wiki.test.raw.",
+        show_default=False,
+    ),
+]
+WindowCtx = Annotated[
+    int, typer.Option("--ctx", "-c", min=4, help="Tokens per window; the second half is scored.")
+]
+Chunks = Annotated[
+    int | None,
+    typer.Option("--chunks", min=1, help="Score at most N windows. Default: the whole text."),
+]
+Ref = Annotated[
+    str | None,
+    typer.Option(
+        "--ref",
+        help="A reference model (e.g. the unquantized one): adds KL divergence, "
+        "top-1 agreement and the PPL ratio.",
+        show_default=False,
+    ),
+]
+
+
+def eval_model(
+    model: RequiredModelArg,
+    text: TextFile,
+    ctx: WindowCtx = 512,
+    chunks: Chunks = None,
+    ref: Ref = None,
+    threads: Threads = None,
+    dtype: DTypeOpt = DType.float32,
+    json_out: Json = False,
+    debug: Debug = False,
+) -> None:
+    """Measure perplexity over a text, as llama-perplexity does; with --ref, KL divergence."""
+    if not text.is_file():
+        raise InferError(f"{text}: no such file")
+    try:
+        content = text.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InferError(f"{text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+    from infer.runtime.registry import resolve
+
+    # Both names before torch is imported: a wrong one fails at once.
+    resolved = resolve(model)
+    resolved_ref = resolve(ref) if ref is not None else None
+
+    from infer.runtime.evaluate import evaluate
+    from infer.runtime.loader import load_model
+
+    from .main import _set_threads, _status, _torch_dtype
+
+    n_threads = _set_threads(threads)
+    torch_dtype = _torch_dtype(dtype)
+    with _status(f"loading {resolved.name}"):
+        lm = load_model(resolved.path, torch_dtype, max_seq_len=ctx)
+        ref_lm = load_model(resolved_ref.path, torch_dtype, max_seq_len=ctx) if ref else None
+    with _progress_bar() as progress:
+        result = evaluate(lm, content, ctx=ctx, chunks=chunks, ref=ref_lm, progress=progress)
+
+    run = {"text": str(text), "dtype": dtype.value, "threads": n_threads}
+    models = {"model": _about(resolved.name, lm)}
+    if ref_lm is not None:
+        models["ref"] = _about(resolved_ref.name, ref_lm)
+    if json_out:
+        from .main import _print_json
+
+        data = asdict(result)
+        for key, about in models.items():
+            data[key] = {**about, **data[key]}
+        _print_json({**run, **data})
+    else:
+        _print_result(result, models, run)
+
+
+def _about(name: str, lm) -> dict:
+    return {"name": name, "quantization": lm.info.quantization}
+
+
+@contextmanager
+def _progress_bar():
+    """Yield a (done, total) callback drawing a bar on stderr on a terminal; else None."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    columns = ("windows", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as p:
+        task = p.add_task("eval", total=None)
+        yield lambda done, total: p.update(task, completed=done, total=total)
+
+
+def _print_result(r, models: dict, run: dict) -> None:
+    from .main import _is_tty, _print_table
+
+    m = r.model
+    model = models["model"]
+    rows = [
+        ["model", f"{model['name']} ({model['quantization']}, {run['dtype']})"],
+        ["text", f"{Path(run['text']).name} ({r.text_tokens:,} tokens)"],
+        ["windows", f"{r.windows} x {r.ctx} ({r.tokens_scored:,} tokens scored)"],
+        ["PPL", f"{m.ppl:.4f} ± {m.ppl_se:.4f}"],
+        ["time", f"{m.seconds:.1f} s ({m.tokens_per_s:.0f} tok/s, {run['threads']} threads)"],
+    ]
+    if r.ref is not None:
+        d = r.divergence
+        ref = models["ref"]
+        rows += [
+            ["reference", f"{ref['name']} ({ref['quantization']})"],
+            ["reference PPL", f"{r.ref.ppl:.4f} ± {r.ref.ppl_se:.4f}"],
+            ["PPL ratio", f"{d.ppl_ratio:.4f} ± {d.ppl_ratio_se:.4f}"],
+            ["PPL diff", f"{d.ppl_diff:+.4f} ± {d.ppl_diff_se:.4f}"],
+            ["mean KLD", f"{d.kl_mean:.6f} ± {d.kl_se:.6f}"],
+            ["median KLD", f"{d.kl_median:.6f}"],
+            ["99% KLD", f"{d.kl_p99:.6f}"],
+            ["max KLD", f"{d.kl_max:.6f}"],
+            ["same top-1", f"{d.top1_agreement:.2f} ± {d.top1_se:.2f} %"],
+            ["reference time", f"{r.ref.seconds:.1f} s ({r.ref.tokens_per_s:.0f} tok/s)"],
+        ]
+    _print_table(["METRIC", "VALUE"], rows, title="infer eval" if _is_tty() else None)

@@ -1,1 +1,5 @@
 """Quantized formats (see issue 3)."""
+
+# Importing the format modules registers them in base.FORMATS, so that anything reading
+# a checkpoint finds every format by name.
+from . import int4, int8, lut  # noqa: F401

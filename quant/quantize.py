@@ -1,0 +1,154 @@
+"""Quantize a loaded model in place, following a recipe, and report each tensor's error.
+
+Every nn.Linear, and each nn.Embedding, whose recipe spec is not None is replaced: a
+Linear by the format's QuantLinear, an Embedding by a QuantEmbedding over one. A tied
+pair (the output layer's weight is the embedding's, as after `load_weights` with tied
+embeddings) is quantized once, under the Linear's name ("lm_head"): the QuantLinear is
+the output layer and the QuantEmbedding looks rows up in the same buffers.
+
+With the model's GGUF file at hand, a tensor stored as Q8_0 / Q4_0 / Q4_1 whose recipe
+asks for exactly that format (int8 g32 / int4 g32 symmetric / asymmetric) is imported
+block for block (gguf_import.py) rather than requantized from its dequantized floats:
+no second rounding, and it is faster.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..runtime.errors import InferError
+from ..runtime.gguf_file import GGUFFile, GGUFTensor
+from .base import FORMATS, QuantEmbedding, QuantLinear
+from .gguf_import import from_gguf, importable
+from .int4 import GroupSizeError
+from .recipes import Recipe
+
+# Used instead of a spec whose group size does not divide a weight's rows: per-channel
+# int8 fits any shape.
+FALLBACK = {"format": "int8", "group_size": 0}
+
+
+@dataclass
+class TensorReport:
+    name: str  # module name, e.g. "layers.3.mlp.down_proj"; a tied table reports as "lm_head"
+    format: str
+    params: dict
+    shape: tuple[int, int]  # (out, in)
+    max_abs_error: float  # against the float weight the model held
+    rel_rms_error: float  # ||W_q - W|| / ||W||
+    bytes_before: int
+    bytes_after: int
+    imported: bool = False  # GGUF blocks moved as they are, not requantized
+
+
+def _gguf_tensor(gguf: GGUFFile, name: str, tied: bool) -> GGUFTensor | None:
+    # Our module names are HF names without "model."; the output layer is "lm_head.weight",
+    # and a tied output layer is the embedding table.
+    if tied:
+        hf = "model.embed_tokens.weight"
+    else:
+        hf = "lm_head.weight" if name == "lm_head" else f"model.{name}.weight"
+    try:
+        return gguf.hf_tensor(hf)
+    except InferError:
+        return None
+
+
+def _quantize(weight, bias, spec: dict, source: GGUFTensor | None) -> tuple[QuantLinear, bool]:
+    """QuantLinear for `weight` following `spec`, and whether it came from GGUF blocks."""
+    if (
+        source is not None
+        and tuple(source.shape) == tuple(weight.shape)
+        and importable(source, spec)
+    ):
+        return from_gguf(source, bias), True
+    params = {k: v for k, v in spec.items() if k != "format"}
+    if spec["format"] not in FORMATS:
+        raise InferError(f"unknown format {spec['format']!r} (known: {', '.join(FORMATS)})")
+    try:
+        return FORMATS[spec["format"]].from_float(weight, bias, **params), False
+    except GroupSizeError:
+        fallback = FORMATS[FALLBACK["format"]]
+        return fallback.from_float(weight, bias, group_size=FALLBACK["group_size"]), False
+
+
+def _errors(q: QuantLinear, weight: torch.Tensor) -> tuple[float, float]:
+    w = weight.float()
+    diff = q.dequantize() - w
+    norm = w.square().sum().item()
+    err = diff.square().sum().item()
+    rel = math.sqrt(err / norm) if norm > 0 else (0.0 if err == 0 else math.inf)
+    return diff.abs().max().item() if diff.numel() else 0.0, rel
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    recipe: Recipe,
+    *,
+    gguf: GGUFFile | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> list[TensorReport]:
+    """Replace, in place, each weight `recipe` gives a format; one report per tensor.
+
+    `progress(name, done, total)` is called after each tensor.
+    """
+    embeddings = {
+        id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Embedding)
+    }
+    jobs = []  # (name, spec, name of the Embedding tied to it or None)
+    tied_embeddings = set()
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            tied = embeddings.get(id(m.weight))
+            if tied is not None:
+                tied_embeddings.add(tied)
+            jobs.append((name, recipe(name), tied))
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding) and name not in tied_embeddings:
+            jobs.append((name, recipe(name), None))
+    jobs = [job for job in jobs if job[1] is not None]
+
+    reports = []
+    for i, (name, spec, tied) in enumerate(jobs):
+        # Look modules up by name and drop them after, so each float weight is freed as
+        # soon as its replacement is in place.
+        module = model.get_submodule(name)
+        weight = module.weight
+        bias = module.bias if isinstance(module, nn.Linear) else None
+        source = None if gguf is None else _gguf_tensor(gguf, name, tied is not None)
+        q, imported = _quantize(weight, bias, spec, source)
+        max_abs, rel_rms = _errors(q, weight)
+        if isinstance(module, nn.Embedding):
+            _set(model, name, QuantEmbedding(q))
+        else:
+            _set(model, name, q)
+            if tied is not None:
+                _set(model, tied, QuantEmbedding(q))
+        reports.append(
+            TensorReport(
+                name,
+                q.format,
+                dict(q.params),
+                tuple(weight.shape),
+                max_abs,
+                rel_rms,
+                weight.numel() * weight.element_size(),
+                q.nbytes,
+                imported,
+            )
+        )
+        del module, weight, bias
+        if progress is not None:
+            progress(name, i + 1, len(jobs))
+    return reports

@@ -1,0 +1,113 @@
+"""Recipes: which format each weight of a model gets.
+
+A recipe is a callable `name -> spec | None`. `name` is a module's Hugging Face-style
+name without the "model." prefix ("layers.3.mlp.down_proj", "lm_head", "embed_tokens");
+`spec` is {"format": ..., **params} for `FORMATS[format].from_float`, None keeps the
+weight in float. With tied embeddings the one table is asked about as "lm_head" (as
+llama.cpp gives a tied token_embd the output layer's type).
+
+Every named recipe keeps the embeddings and the output layer in int8 (Q8_0-compatible;
+in the "int8" recipe they follow its group_size like every other weight):
+they are the most sensitive tensors (llama.cpp keeps the output at Q6_K or better), and
+in small models with tied embeddings, like the default one, they are one tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from ..runtime.errors import InferError
+from . import int4, int8, lut  # noqa: F401  (register the formats)
+from .base import FORMATS
+
+Recipe = Callable[[str], "dict | None"]
+
+_BLOCK = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
+INT8 = {"format": "int8", "group_size": 32}
+INT4 = {"format": "int4", "group_size": 32, "symmetric": False}
+
+
+def _everything(main: dict, n_layers: int | None) -> Recipe:
+    """`main` for every weight, embeddings and output included."""
+    return lambda name: main
+
+
+def _uniform(main: dict, n_layers: int | None) -> Recipe:
+    """`main` for every linear layer in the blocks; int8 for embeddings and output."""
+    return lambda name: main if _BLOCK.fullmatch(name) else INT8
+
+
+def _mixed(main: dict, n_layers: int | None) -> Recipe:
+    """int8 attention, `main` (int4) MLP, int8 embeddings and output."""
+
+    def recipe(name: str) -> dict | None:
+        m = _BLOCK.fullmatch(name)
+        return main if m and m.group(2) == "mlp" else INT8
+
+    return recipe
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's choice (src/llama-quant.cpp) of the layers Q4_K_M promotes: the first
+    and last eighth, and every third layer between."""
+    return (
+        i_layer < n_layers // 8
+        or i_layer >= 7 * n_layers // 8
+        or (i_layer - n_layers // 8) % 3 == 2
+    )
+
+
+def _q4_k_m(main: dict, n_layers: int | None) -> Recipe:
+    """Like llama.cpp's Q4_K_M (llama_tensor_get_type in src/llama-quant.cpp), with our
+    formats standing in for its types:
+      Q4_K (4.5 bpw: 32-element sub-blocks, 6-bit scale and min)  -> int4 g32 asymmetric
+         (the same sub-block structure with float16 scale and min: 5.0 bpw)
+      Q6_K for attn_v and ffn_down where use_more_bits(layer)      -> int8 g32
+      Q6_K for output.weight (and a tied token_embd)               -> int8 g32
+      token_embd (untied; Q4_K there)                              -> int8 g32, as in
+         every recipe here
+    Everything else (q, k, o, gate, up, and v/down in the other layers) is Q4_K -> int4."""
+
+    def recipe(name: str) -> dict | None:
+        m = _BLOCK.fullmatch(name)
+        if m is None:
+            return INT8
+        layer, proj = int(m.group(1)), m.group(3)
+        if proj in ("v_proj", "down_proj") and use_more_bits(layer, n_layers):
+            return INT8
+        return main
+
+    return recipe
+
+
+# name -> (main format spec, which the CLI's overrides change; builder(main, n_layers))
+RECIPES: dict[str, tuple[dict, Callable[[dict, int | None], Recipe]]] = {
+    "int8": (INT8, _everything),
+    "int4": (INT4, _uniform),
+    "lut2": ({"format": "lut2", "group_size": 64}, _uniform),
+    "lut3": ({"format": "lut3", "group_size": 64}, _uniform),
+    "lut4": ({"format": "lut4", "group_size": 64}, _uniform),
+    "mixed": (INT4, _mixed),
+    "q4_k_m": (INT4, _q4_k_m),
+}
+_NEEDS_LAYERS = {"q4_k_m"}
+
+
+def get_recipe(name: str, *, n_layers: int | None = None, **overrides) -> Recipe:
+    """The recipe `name`. `overrides` (e.g. group_size=64, symmetric=True; None = not
+    given) change the params of its main format. `n_layers` is the model's layer count,
+    needed by recipes that treat layers differently (q4_k_m)."""
+    if name not in RECIPES:
+        raise InferError(f"unknown quantization recipe {name!r} (known: {', '.join(RECIPES)})")
+    main, build = RECIPES[name]
+    main = {**main, **{k: v for k, v in overrides.items() if v is not None}}
+    cls = FORMATS[main["format"]]
+    # Validate now, before any weight is touched: unknown or unsupported params raise.
+    main = {
+        "format": cls.format,
+        **cls.resolve_params({k: v for k, v in main.items() if k != "format"}),
+    }
+    if name in _NEEDS_LAYERS and n_layers is None:
+        raise InferError(f"recipe {name!r} needs the model's layer count (n_layers)")
+    return build(main, n_layers)

@@ -1,0 +1,337 @@
+"""Quantized formats: packed layouts, error bounds, round trips, forward, GGUF import.
+
+Each format's `dequantize` is its definition; these tests pin the packed layouts the C
+kernels read, check every element's error against the format's bound (half a step of its
+group), and check that GGUF Q8_0/Q4_0/Q4_1 blocks import bit for bit.
+"""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from infer.quant.base import FORMATS
+from infer.quant.gguf_import import from_gguf, importable
+from infer.quant.int4 import GroupSizeError, pack_nibbles, unpack_nibbles
+from infer.quant.lut import pack_planes, unpack_planes
+from infer.runtime.errors import InferError
+from infer.runtime.gguf_file import GGUFFile, dequantize
+
+# (format, params) covering every layout and option.
+CASES = [
+    ("int8", {"group_size": 0}),
+    ("int8", {"group_size": 32}),
+    ("int8", {"group_size": 64}),
+    ("int4", {"group_size": 32, "symmetric": True}),
+    ("int4", {"group_size": 32, "symmetric": False}),
+    ("int4", {"group_size": 64, "symmetric": False}),
+    ("int4", {"group_size": 128, "symmetric": True}),
+    ("lut1", {"group_size": 64}),
+    ("lut2", {"group_size": 64}),
+    ("lut3", {"group_size": 32}),
+    ("lut4", {"group_size": 128}),
+]
+IDS = [f"{f}-" + "-".join(f"{k}{v}" for k, v in p.items()) for f, p in CASES]
+
+
+def weights(kind: str, N: int = 24, K: int = 256) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash(kind) % 1000)
+    w = torch.randn(N, K, generator=g)
+    if kind == "outliers":
+        w[torch.rand(N, K, generator=g) < 0.01] *= 1000
+        w[0, 7] = -5e3
+    elif kind == "equal":
+        w[:8] = 0.1  # not a float16 value
+        w[8:16] = -3.0
+        w[16:, :128] = 7.0
+    elif kind == "zeros":
+        w.zero_()
+    elif kind == "tiny":
+        w *= 1e-7  # scales deep in float16's subnormals
+    elif kind == "negative":
+        w = -w.abs() - 2
+    elif kind == "mixed_rows":
+        w[::2] *= 1e-4
+        w[1::3] += 50
+    return w
+
+
+KINDS = ["random", "outliers", "equal", "zeros", "tiny", "negative", "mixed_rows"]
+
+
+def group_view(q, t: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> (N, groups, group_size) following q's scales."""
+    return t.view(t.shape[0], q.scales.shape[1], -1)
+
+
+# ---------------------------------------------------------------------------------------
+# Packed layouts
+# ---------------------------------------------------------------------------------------
+
+
+def test_nibble_layout_is_ggml_order():
+    q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    packed = pack_nibbles(q)
+    assert packed.shape == (3, 32) and packed.dtype == torch.uint8
+    for n in range(3):
+        for run in range(2):  # each 32-element run is 16 bytes
+            for i in range(16):
+                byte = int(packed[n, 16 * run + i])
+                assert byte & 0x0F == q[n, 32 * run + i]
+                assert byte >> 4 == q[n, 32 * run + 16 + i]
+    assert torch.equal(unpack_nibbles(packed), q)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_bit_plane_layout(bits):
+    q = torch.randint(0, 2**bits, (5, 48), dtype=torch.uint8)
+    packed = pack_planes(q, bits)
+    assert packed.shape == (bits, 5, 6) and packed.dtype == torch.uint8
+    for p in range(bits):
+        for n in range(5):
+            for t in range(6):
+                byte = int(packed[p, n, t])
+                for i in range(8):  # bit i of byte t = bit p of element 8t + i
+                    assert (byte >> i) & 1 == (int(q[n, 8 * t + i]) >> p) & 1
+                # The kernel's view: nibble of 4-element group j is byte j // 2, low if j even.
+                for j in (2 * t, 2 * t + 1):
+                    nibble = (byte >> (4 * (j % 2))) & 0xF
+                    assert nibble == sum(((int(q[n, 4 * j + i]) >> p) & 1) << i for i in range(4))
+    assert torch.equal(unpack_planes(packed), q)
+
+
+def test_lut_table_lookup_matches_dequantized_dot():
+    """The T-MAC computation the docstring describes gives x . w for one row."""
+    bits, K = 3, 64
+    w = torch.randn(1, K)
+    q = FORMATS["lut3"].from_float(w, group_size=32)
+    x = torch.randn(K)
+    planes, s, m = q.qweight[:, 0], q.scales[0].float(), q.mins[0].float()
+    total = 0.0
+    for g0 in range(0, K, 32):
+        acc = 0.0
+        for j in range(g0 // 4, (g0 + 32) // 4):
+            a = x[4 * j : 4 * j + 4]
+            table = [sum(a[i] for i in range(4) if idx >> i & 1) for idx in range(16)]
+            for p in range(bits):
+                nibble = (int(planes[p, j // 2]) >> (4 * (j % 2))) & 0xF
+                acc += 2**p * table[nibble]
+        total += s[g0 // 32] * acc + m[g0 // 32] * x[g0 : g0 + 32].sum()
+    expected = (x.double() @ q.dequantize()[0].double()).item()
+    assert abs(total - expected) < 1e-3 * (1 + abs(expected))
+
+
+@pytest.mark.parametrize(("fmt", "params"), CASES, ids=IDS)
+def test_tensor_shapes_and_bits(fmt, params):
+    N, K = 8, 256
+    q = FORMATS[fmt].from_float(torch.randn(N, K), **params)
+    t = q.tensors()
+    g = params["group_size"]
+    if fmt == "int8":
+        assert t["qweight"].dtype == torch.int8 and t["qweight"].shape == (N, K)
+        expect = (torch.float32, (N, 1)) if g == 0 else (torch.float16, (N, K // g))
+        assert (t["scales"].dtype, tuple(t["scales"].shape)) == expect
+    elif fmt == "int4":
+        assert t["qweight"].dtype == torch.uint8 and t["qweight"].shape == (N, K // 2)
+        assert t["scales"].dtype == torch.float16 and t["scales"].shape == (N, K // g)
+        assert ("mins" in t) == (not params["symmetric"])
+    else:
+        bits = int(fmt[3])
+        assert t["qweight"].dtype == torch.uint8 and t["qweight"].shape == (bits, N, K // 8)
+        assert t["scales"].shape == t["mins"].shape == (N, K // g)
+        assert t["mins"].dtype == torch.float16
+    assert q.nbytes == sum(v.numel() * v.element_size() for v in t.values())
+
+
+def test_bits_per_weight():
+    w = torch.randn(64, 576)
+    bpw = lambda fmt, **p: FORMATS[fmt].from_float(w, search=False, **p).bits_per_weight
+    assert bpw("int8", group_size=32) == 8.5  # as Q8_0: 34 bytes per 32
+    assert bpw("int4", symmetric=True) == 4.5  # as Q4_0: 18 bytes per 32
+    assert bpw("int4", symmetric=False) == 5.0  # as Q4_1: 20 bytes per 32
+    assert bpw("lut2") == 2.5 and bpw("lut3") == 3.5 and bpw("lut1") == 1.5
+
+
+# ---------------------------------------------------------------------------------------
+# Error bounds and round trips
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fmt", "params"), CASES, ids=IDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_error_within_half_step(fmt, params, kind):
+    """Without clipping search every element is within half its group's step."""
+    w = weights(kind)
+    q = FORMATS[fmt].from_float(w, search=False, **params)
+    err = group_view(q, (q.dequantize() - w).abs())
+    step = q.scales.float().abs().unsqueeze(-1)
+    # float32 arithmetic in c * d + m adds a few ulps of the values involved.
+    slack = 1e-6 * group_view(q, w).abs().amax(-1, keepdim=True)
+    mins = q.tensors().get("mins")
+    if mins is not None:
+        slack = slack + 1e-6 * mins.float().abs().unsqueeze(-1)
+    assert (err <= 0.5 * step + slack).all(), (err - 0.5 * step).max()
+    if kind == "zeros":
+        assert torch.equal(q.dequantize(), w)
+
+
+@pytest.mark.parametrize(("fmt", "params"), CASES, ids=IDS)
+@pytest.mark.parametrize("kind", ["random", "outliers", "negative"])
+def test_clipping_search_never_worse(fmt, params, kind):
+    w = weights(kind)
+    base = FORMATS[fmt].from_float(w, search=False, **params)
+    best = FORMATS[fmt].from_float(w, search=True, **params)
+    sse = lambda q: group_view(q, q.dequantize() - w).square().sum(-1)
+    assert (sse(best) <= sse(base) * (1 + 1e-6)).all()
+    if kind == "random" and fmt != "int8":
+        assert sse(best).sum() < 0.97 * sse(base).sum()  # and it does find something
+
+
+@pytest.mark.parametrize(("fmt", "params"), CASES, ids=IDS)
+def test_from_tensors_round_trip(fmt, params):
+    cls = FORMATS[fmt]
+    bias = torch.randn(24)
+    q = cls.from_float(weights("outliers"), bias, **params)
+    r = cls.from_tensors(q.tensors(), q.params, bias)
+    assert r.params == q.params and (r.in_features, r.out_features) == (256, 24)
+    for k, v in q.tensors().items():
+        assert torch.equal(r.tensors()[k], v)
+    assert torch.equal(r.dequantize(), q.dequantize())
+    rows = torch.tensor([5, 0, 23, 5])
+    assert torch.equal(q.dequantize(rows), q.dequantize()[rows])
+
+
+@pytest.mark.parametrize(("fmt", "params"), CASES, ids=IDS)
+def test_forward_is_matmul_with_dequantized(fmt, params):
+    bias = torch.randn(24)
+    q = FORMATS[fmt].from_float(weights("random"), bias, **params)
+    for shape in [(1, 1, 256), (1, 7, 256), (3, 256)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(q(x), x @ q.dequantize().T + bias, atol=1e-4, rtol=1e-5)
+
+
+def test_int8_per_channel_bf16_path():
+    # bfloat16 activations take torch's _weight_int8pack_mm; as accurate as the reference.
+    q = FORMATS["int8"].from_float(torch.randn(96, 256), group_size=0)
+    x = torch.randn(1, 5, 256)
+    exact = x.double() @ q.dequantize().double().T
+    got = q(x.bfloat16())
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 5, 96)
+    ref = torch.nn.functional.linear(x.bfloat16(), q.dequantize().bfloat16())
+    err = lambda y: ((y.double() - exact).norm() / exact.norm()).item()
+    assert err(got) < 2 * err(ref) + 1e-3
+
+
+def test_bad_shapes_and_params():
+    with pytest.raises(GroupSizeError):
+        FORMATS["int4"].from_float(torch.randn(4, 48))
+    with pytest.raises(GroupSizeError):
+        FORMATS["lut2"].from_float(torch.randn(4, 96))  # 96 % 64
+    with pytest.raises(GroupSizeError):
+        FORMATS["int8"].from_float(torch.randn(4, 40), group_size=32)
+    FORMATS["int8"].from_float(torch.randn(4, 40), group_size=0)  # per channel fits any K
+    with pytest.raises(InferError, match="group_size 48"):
+        FORMATS["int4"].from_float(torch.randn(4, 96), group_size=48)
+    with pytest.raises(InferError, match="unknown parameter symmetric"):
+        FORMATS["lut2"].from_float(torch.randn(4, 64), symmetric=True)
+    with pytest.raises(InferError, match="NaN"):
+        FORMATS["int4"].from_float(torch.full((2, 32), float("nan")))
+    q = FORMATS["int4"].from_float(torch.randn(4, 64))
+    with pytest.raises(InferError, match="mins"):
+        FORMATS["int4"].from_tensors(q.tensors(), {"symmetric": True})
+    with pytest.raises(InferError, match="planes"):
+        FORMATS["lut3"].from_tensors(FORMATS["lut2"].from_float(torch.randn(4, 64)).tensors(), {})
+
+
+# ---------------------------------------------------------------------------------------
+# GGUF import: bit-exact with ggml's dequantization
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def blocks_file(tmp_path_factory):
+    """A llama GGUF with Q8_0 / Q4_0 / Q4_1 tensors: gguf-py's own quantization of data
+    with outliers, and random blocks (any bit pattern but non-finite scales)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    w[rng.random(w.shape) < 0.01] *= 30
+    w[5] = 0.0
+    writer = gguf.GGUFWriter(tmp_path_factory.mktemp("q") / "q.gguf", "llama")
+    writer.add_uint32("llama.attention.head_count", 4)  # attn_q rows get un-permuted
+    writer.add_uint32("llama.attention.head_count_kv", 2)
+    names = {
+        T.Q8_0: "token_embd.weight",
+        T.Q4_0: "blk.0.attn_q.weight",
+        T.Q4_1: "blk.0.ffn_down.weight",
+    }
+    raw_names = {
+        T.Q8_0: "output.weight",
+        T.Q4_0: "blk.0.attn_k.weight",
+        T.Q4_1: "blk.1.ffn_up.weight",
+    }
+    for qtype, name in names.items():
+        writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        _, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (32, 8, size), dtype=np.uint8)
+        n_halves = 1 if qtype != T.Q4_1 else 2  # d (and m) at the start of each block
+        scale = 10.0 ** rng.integers(-6, 4, (32, 8, 1))
+        halves = (rng.standard_normal((32, 8, n_halves)) * scale).astype(np.float16)
+        raw[:, :, : 2 * n_halves] = halves.view(np.uint8).reshape(32, 8, 2 * n_halves)
+        writer.add_tensor(raw_names[qtype], raw.reshape(32, 8 * size), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFFile(writer.path)
+
+
+def check_import(f: GGUFFile, hf_name: str):
+    t = f.hf_tensor(hf_name)
+    q = from_gguf(t)
+    ref = dequantize(t)
+    assert torch.equal(q.dequantize(), ref), hf_name
+    rows = torch.tensor([3, 1, 0])
+    assert torch.equal(q.dequantize(rows), ref[rows])
+    assert q.nbytes == t.nbytes  # every byte moved, none added
+    return q
+
+
+@pytest.mark.parametrize(
+    ("hf_name", "fmt", "params"),
+    [
+        ("model.embed_tokens.weight", "int8", {"group_size": 32}),
+        ("lm_head.weight", "int8", {"group_size": 32}),
+        ("model.layers.0.self_attn.q_proj.weight", "int4", {"group_size": 32, "symmetric": True}),
+        ("model.layers.0.self_attn.k_proj.weight", "int4", {"group_size": 32, "symmetric": True}),
+        ("model.layers.0.mlp.down_proj.weight", "int4", {"group_size": 32, "symmetric": False}),
+        ("model.layers.1.mlp.up_proj.weight", "int4", {"group_size": 32, "symmetric": False}),
+    ],
+)
+def test_gguf_import_bit_exact(blocks_file, hf_name, fmt, params):
+    q = check_import(blocks_file, hf_name)
+    assert (q.format, q.params) == (fmt, params)
+    assert importable(blocks_file.hf_tensor(hf_name), {"format": fmt, **params})
+    # Imported buffers own their memory: the file's map can go.
+    assert all(v.is_contiguous() for v in q.tensors().values())
+
+
+def test_gguf_importable_only_exact_match(blocks_file):
+    t4_1 = blocks_file.hf_tensor("model.layers.0.mlp.down_proj.weight")
+    assert importable(t4_1, {"format": "int4"})  # defaults: g32 asymmetric
+    assert not importable(t4_1, {"format": "int4", "symmetric": True})
+    assert not importable(t4_1, {"format": "int4", "group_size": 64})
+    assert not importable(t4_1, {"format": "lut4"})
+    t8 = blocks_file.hf_tensor("model.embed_tokens.weight")
+    assert not importable(t8, {"format": "int8", "group_size": 0})
+
+
+def test_gguf_import_real_model(smollm2_gguf):
+    f = GGUFFile(smollm2_gguf)
+    for name in [
+        "model.embed_tokens.weight",  # Q8_0
+        "model.layers.0.self_attn.q_proj.weight",  # Q4_1, rows un-permuted
+        "model.layers.17.self_attn.k_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+    ]:
+        check_import(f, name)

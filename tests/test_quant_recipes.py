@@ -1,0 +1,161 @@
+"""Recipes and quantize_model: per-module formats, end to end on tiny models, GGUF import."""
+
+import pytest
+import torch
+from tiny import make_hf_model
+from torch import nn
+
+from infer.quant.base import QuantEmbedding, QuantLinear
+from infer.quant.quantize import quantize_model
+from infer.quant.recipes import RECIPES, get_recipe, use_more_bits
+from infer.runtime.errors import InferError
+from infer.runtime.loader import inspect_model, load_model, load_weights
+
+PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
+BLOCK = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
+
+
+def formats(recipe, n_layers=2) -> dict[str, str | None]:
+    names = ["embed_tokens", "lm_head"] + [
+        f"layers.{i}.{m}" for i in range(n_layers) for m in BLOCK
+    ]
+    return {n: (None if (s := recipe(n)) is None else s["format"]) for n in names}
+
+
+# ---------------------------------------------------------------------------------------
+# Recipes
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "fmt"), [("int8", "int8"), ("int4", "int4"), ("lut2", "lut2"),
+                                           ("lut3", "lut3"), ("lut4", "lut4")])  # fmt: skip
+def test_uniform_recipes(name, fmt):
+    f = formats(get_recipe(name))
+    assert f.pop("embed_tokens") == f.pop("lm_head") == "int8"
+    assert set(f.values()) == {fmt}
+
+
+def test_recipe_params_and_overrides():
+    assert get_recipe("int4")("layers.0.mlp.up_proj") == {
+        "format": "int4", "group_size": 32, "symmetric": False}  # fmt: skip
+    spec = get_recipe("int4", group_size=64, symmetric=True)("layers.0.mlp.up_proj")
+    assert spec == {"format": "int4", "group_size": 64, "symmetric": True}
+    assert get_recipe("lut2", group_size=None)("layers.0.mlp.up_proj")["group_size"] == 64
+    assert get_recipe("int8", group_size=0)("layers.1.self_attn.q_proj")["group_size"] == 0
+    assert get_recipe("int8", group_size=0)("lm_head")["group_size"] == 0
+    # Overrides change the main format only: embeddings and output stay int8 g32.
+    assert get_recipe("mixed", group_size=128)("lm_head") == {"format": "int8", "group_size": 32}
+
+
+def test_recipe_errors():
+    with pytest.raises(InferError, match="known: " + ", ".join(RECIPES)):
+        get_recipe("q3_k_s")
+    with pytest.raises(InferError, match="unknown parameter symmetric"):
+        get_recipe("lut3", symmetric=True)
+    with pytest.raises(InferError, match="group_size 16"):
+        get_recipe("int4", group_size=16)
+    with pytest.raises(InferError, match="n_layers"):
+        get_recipe("q4_k_m")
+
+
+def test_mixed_recipe():
+    f = formats(get_recipe("mixed"))
+    assert f["embed_tokens"] == f["lm_head"] == "int8"
+    assert all(v == "int8" for k, v in f.items() if "self_attn" in k)
+    assert all(v == "int4" for k, v in f.items() if ".mlp." in k)
+
+
+def test_q4_k_m_promotes_llama_cpp_layers():
+    # llama.cpp's use_more_bits for 32 layers: 0-3, 28-31, and 6, 9, ..., 27 between.
+    promoted = [i for i in range(32) if use_more_bits(i, 32)]
+    assert promoted == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    f = formats(get_recipe("q4_k_m", n_layers=32), 32)
+    assert f["embed_tokens"] == f["lm_head"] == "int8"
+    for i in range(32):
+        for m in BLOCK:
+            more = m in ("self_attn.v_proj", "mlp.down_proj") and i in promoted
+            assert f[f"layers.{i}.{m}"] == ("int8" if more else "int4"), (i, m)
+
+
+# ---------------------------------------------------------------------------------------
+# quantize_model end to end
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    dirs = {}
+    for arch in ("smollm2", "llama"):  # tied and untied embeddings
+        dirs[arch] = tmp_path_factory.mktemp(arch)
+        make_hf_model(arch, dirs[arch])
+    return dirs
+
+
+def logits(model) -> torch.Tensor:
+    model.cached_tokens.clear()
+    with torch.inference_mode():
+        return model(torch.tensor([PROMPT]), 0, all_logits=True)
+
+
+@pytest.mark.parametrize("arch", ["smollm2", "llama"])
+@pytest.mark.parametrize(("recipe", "tol"), [("int8", 0.02), ("int4", 0.15), ("q4_k_m", 0.15)])
+def test_quantize_model_end_to_end(tiny_dirs, arch, recipe, tol):
+    info = inspect_model(tiny_dirs[arch])
+    model = load_weights(info, torch.float32, max_seq_len=64)
+    ref = logits(model)
+    calls = []
+    reports = quantize_model(
+        model, get_recipe(recipe, n_layers=info.args.n_layers), progress=lambda *a: calls.append(a)
+    )
+    # Every linear layer and the embedding table are quantized, nothing stays nn.Linear.
+    assert not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in model.modules())
+    tied = info.args.tie_embeddings
+    assert len(reports) == 7 * info.args.n_layers + (1 if tied else 2)
+    assert [c[1:] for c in calls] == [(i + 1, len(reports)) for i in range(len(reports))]
+    assert [c[0] for c in calls] == [r.name for r in reports]
+    for r in reports:
+        assert r.bytes_after < r.bytes_before
+        assert 0 < r.rel_rms_error < (0.01 if r.format == "int8" else 0.15), r
+    # down_proj's rows (112) are no multiple of 32: kept as per-channel int8.
+    down = next(r for r in reports if r.name == "layers.0.mlp.down_proj")
+    assert down.format == "int8" and (recipe == "int8" or down.params == {"group_size": 0})
+
+    if tied:
+        assert isinstance(model.embed_tokens, QuantEmbedding)
+        assert model.embed_tokens.table is model.lm_head  # one QuantLinear, stored once
+        quant = {id(m) for m in model.modules() if isinstance(m, QuantLinear)}
+        assert len(quant) == 7 * info.args.n_layers + 1
+        assert not any(r.name == "embed_tokens" for r in reports)
+    else:
+        assert model.embed_tokens.table is not model.lm_head
+
+    got = logits(model)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < tol, rel
+
+
+def test_quantize_keeps_what_the_recipe_skips(tiny_dirs):
+    model = load_weights(inspect_model(tiny_dirs["smollm2"]), torch.float32, max_seq_len=64)
+    ref = logits(model)
+    only_mlp = lambda name: {"format": "lut4"} if ".mlp.gate" in name else None
+    reports = quantize_model(model, only_mlp)
+    assert [r.name for r in reports] == ["layers.0.mlp.gate_proj", "layers.1.mlp.gate_proj"]
+    assert isinstance(model.lm_head, nn.Linear) and isinstance(model.embed_tokens, nn.Embedding)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert ((logits(model) - ref).norm() / ref.norm()) < 0.15
+
+
+def test_quantize_imports_gguf_blocks(smollm2_gguf):
+    """The default model is Q4_1 with a Q8_0 table: int4 g32 asymmetric imports every
+    tensor losslessly, so the logits are exactly the float model's."""
+    lm = load_model(smollm2_gguf, max_seq_len=32)
+    ref = logits(lm.model)
+    reports = quantize_model(lm.model, get_recipe("int4"), gguf=lm.info.gguf)
+    assert len(reports) == 7 * 30 + 1
+    assert all(r.imported and r.rel_rms_error == 0 and r.max_abs_error == 0 for r in reports)
+    assert {(r.format, r.params["group_size"]) for r in reports} == {("int4", 32), ("int8", 32)}
+    assert sum(r.bytes_after for r in reports) == sum(
+        t.nbytes for t in lm.info.gguf.tensors.values() if len(t.shape) == 2
+    )
+    assert torch.equal(logits(lm.model), ref)

@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from infer.cli.common import is_tty, print_json, print_table, set_threads, status, torch_dtype
 from infer.cli.options import Debug, DType, DTypeOpt, Json, RequiredModelArg, Threads
 from infer.runtime.errors import InferError
 
@@ -73,13 +74,11 @@ def eval_model(
     from infer.runtime.evaluate import evaluate
     from infer.runtime.loader import load_model
 
-    from .main import _set_threads, _status, _torch_dtype
-
-    n_threads = _set_threads(threads)
-    torch_dtype = _torch_dtype(dtype)
-    with _status(f"loading {resolved.name}"):
-        lm = load_model(resolved.path, torch_dtype, max_seq_len=ctx)
-        ref_lm = load_model(resolved_ref.path, torch_dtype, max_seq_len=ctx) if ref else None
+    n_threads = set_threads(threads)
+    compute_dtype = torch_dtype(dtype)
+    with status(f"loading {resolved.name}"):
+        lm = load_model(resolved.path, compute_dtype, max_seq_len=ctx)
+        ref_lm = load_model(resolved_ref.path, compute_dtype, max_seq_len=ctx) if ref else None
     with _progress_bar() as progress:
         result = evaluate(lm, content, ctx=ctx, chunks=chunks, ref=ref_lm, progress=progress)
 
@@ -88,12 +87,10 @@ def eval_model(
     if ref_lm is not None:
         models["ref"] = _about(resolved_ref.name, ref_lm)
     if json_out:
-        from .main import _print_json
-
         data = asdict(result)
         for key, about in models.items():
             data[key] = {**about, **data[key]}
-        _print_json({**run, **data})
+        print_json({**run, **data})
     else:
         _print_result(result, models, run)
 
@@ -118,7 +115,6 @@ def _progress_bar():
 
 
 def _print_result(r, models: dict, run: dict) -> None:
-    from .main import _is_tty, _print_table
 
     m = r.model
     model = models["model"]
@@ -144,4 +140,4 @@ def _print_result(r, models: dict, run: dict) -> None:
             ["same top-1", f"{d.top1_agreement:.2f} ± {d.top1_se:.2f} %"],
             ["reference time", f"{r.ref.seconds:.1f} s ({r.ref.tokens_per_s:.0f} tok/s)"],
         ]
-    _print_table(["METRIC", "VALUE"], rows, title="infer eval" if _is_tty() else None)
+    print_table(["METRIC", "VALUE"], rows, title="infer eval" if is_tty() else None)

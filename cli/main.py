@@ -9,16 +9,24 @@ adds the traceback.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
-from contextlib import nullcontext
 from typing import Annotated
 
 import typer
 
 from infer import __version__
+from infer.cli.common import (
+    human_bytes,
+    human_count,
+    is_tty,
+    print_json,
+    print_table,
+    set_threads,
+    status,
+    torch_dtype,
+)
 from infer.cli.eval_cmd import eval_model
 from infer.cli.options import (
     Ctx,
@@ -38,6 +46,7 @@ from infer.cli.options import (
     TopP,
     Verbose,
 )
+from infer.cli.quantize_cmd import quantize
 from infer.runtime.errors import InferError
 
 app = typer.Typer(
@@ -55,77 +64,6 @@ DEFAULT_CTX = 4096
 # ------------------------------------------------------------------------------------------
 # Helpers
 # ------------------------------------------------------------------------------------------
-
-
-def _is_tty() -> bool:
-    """Rich output (tables, spinners, colour) only when both streams are terminals."""
-    return sys.stdout.isatty() and sys.stderr.isatty()
-
-
-def _set_threads(threads: int | None) -> int:
-    import psutil
-    import torch
-
-    n = threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    torch.set_num_threads(n)
-    return n
-
-
-def _torch_dtype(dtype: DType):
-    import torch
-
-    return {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16}[dtype]
-
-
-def _status(message: str):
-    """A spinner on stderr while something slow runs, on a terminal only."""
-    if not _is_tty():
-        return nullcontext()
-    from rich.console import Console
-
-    return Console(stderr=True).status(message)
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def _human_count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)
-
-
-def _print_table(headers: list[str] | None, rows: list[list[str]], title: str | None = None):
-    """A rich table on a terminal; aligned plain columns otherwise."""
-    if sys.stdout.isatty():
-        from rich import box
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=title, show_header=bool(headers), box=box.SIMPLE_HEAD)
-        for i, h in enumerate(headers or [""] * (len(rows[0]) if rows else 0)):
-            table.add_column(h, style="bold" if i == 0 else None)
-        for row in rows:
-            table.add_row(*row)
-        Console().print(table)
-        return
-    lines = ([headers] if headers else []) + rows
-    if not lines:
-        return
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    for line in lines:
-        cells = [c.ljust(w) for c, w in zip(line[:-1], widths)] + [line[-1]]
-        print("  ".join(cells).rstrip())
-
-
-def _print_json(obj) -> None:
-    print(json.dumps(obj, indent=2, default=str))
 
 
 # ------------------------------------------------------------------------------------------
@@ -206,9 +144,9 @@ def run(
 
     from .chat import ChatSettings, chat_loop, stream_answer
 
-    n_threads = _set_threads(threads)
-    with _status(f"loading {resolved.name}"):
-        lm = load_model(resolved.path, _torch_dtype(dtype), max_seq_len=ctx or DEFAULT_CTX)
+    n_threads = set_threads(threads)
+    with status(f"loading {resolved.name}"):
+        lm = load_model(resolved.path, torch_dtype(dtype), max_seq_len=ctx or DEFAULT_CTX)
     if verbose:
         print(
             f"loaded {resolved.name} in {lm.load_seconds:.2f} s "
@@ -218,7 +156,7 @@ def run(
     sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
 
     if interactive:
-        if _is_tty():
+        if is_tty():
             print(f"{resolved.name}: /help for commands, Ctrl-D to quit", file=sys.stderr)
         settings = ChatSettings(sampler, max_tokens, repeat_penalty, system, verbose)
         chat_loop(lm, settings)
@@ -243,7 +181,7 @@ def run(
             print(flush=True)
         raise typer.Exit(130)
     if json_out:
-        _print_json(
+        print_json(
             {
                 "model": resolved.name,
                 "text": answer.text,
@@ -284,7 +222,7 @@ def list_models(json_out: Json = False, debug: Debug = False) -> None:
 
     models = list_cached()
     if json_out:
-        _print_json(
+        print_json(
             [
                 {
                     "name": m.name,
@@ -301,9 +239,9 @@ def list_models(json_out: Json = False, debug: Debug = False) -> None:
         print("no models yet: `infer pull <model>` fetches one", file=sys.stderr)
         return
     rows = [
-        [m.name, _human_bytes(m.size), m.format, m.quantization or "-", str(m.path)] for m in models
+        [m.name, human_bytes(m.size), m.format, m.quantization or "-", str(m.path)] for m in models
     ]
-    _print_table(["NAME", "SIZE", "FORMAT", "QUANT", "PATH"], rows)
+    print_table(["NAME", "SIZE", "FORMAT", "QUANT", "PATH"], rows)
 
 
 @app.command()
@@ -336,11 +274,11 @@ def info(model: ModelArg = None, json_out: Json = False, debug: Debug = False) -
         "path": str(mi.path),
     }
     if json_out:
-        _print_json(data)
+        print_json(data)
         return
     rows = [
         ["architecture", f"{a.model_type} ({', '.join(data['architectures'] or ['?'])})"],
-        ["parameters", f"{_human_count(a.n_params)} ({a.n_params:,})"],
+        ["parameters", f"{human_count(a.n_params)} ({a.n_params:,})"],
         ["layers", str(a.n_layers)],
         ["hidden size", str(a.dim)],
         ["ffn size", str(a.hidden_dim)],
@@ -351,10 +289,10 @@ def info(model: ModelArg = None, json_out: Json = False, debug: Debug = False) -
         ["tied embeddings", "yes" if a.tie_embeddings else "no"],
         ["format", mi.format],
         ["quantization", mi.quantization],
-        ["on disk", f"{_human_bytes(mi.file_bytes)} ({mi.file_bytes:,} bytes)"],
+        ["on disk", f"{human_bytes(mi.file_bytes)} ({mi.file_bytes:,} bytes)"],
         ["path", str(mi.path)],
     ]
-    _print_table(None, rows, title=resolved.name if _is_tty() else None)
+    print_table(None, rows, title=resolved.name if is_tty() else None)
 
 
 @app.command()
@@ -381,23 +319,24 @@ def bench(
 
     from infer.runtime.bench import run_bench
 
-    _set_threads(threads)
-    with _status(f"benchmarking {resolved.name}"):
+    set_threads(threads)
+    with status(f"benchmarking {resolved.name}"):
         result = run_bench(
             resolved.path,
             n_prompt=n_prompt,
             n_gen=n_gen,
             repeats=repeats,
-            dtype=_torch_dtype(dtype),
+            dtype=torch_dtype(dtype),
             name=resolved.name,
         )
     if json_out:
-        _print_json(asdict(result))
+        print_json(asdict(result))
         return
-    _print_table(["METRIC", "VALUE"], result.rows(), title=f"infer bench: {resolved.name}")
+    print_table(["METRIC", "VALUE"], result.rows(), title=f"infer bench: {resolved.name}")
 
 
 app.command("eval")(eval_model)
+app.command()(quantize)
 
 
 # ------------------------------------------------------------------------------------------

@@ -152,3 +152,30 @@ def quantize_model(
         if progress is not None:
             progress(name, i + 1, len(jobs))
     return reports
+
+
+@torch.no_grad()
+def dequantize_model(model: nn.Module) -> None:
+    """Turn every QuantLinear / QuantEmbedding back into a float module, in place.
+
+    Requantizing an already-quantized checkpoint starts from the weights it stands for.
+    A tied table (one QuantLinear as output layer and embedding) stays one tensor.
+    """
+    floats: dict[int, nn.Parameter] = {}
+
+    def weight_of(q: QuantLinear) -> nn.Parameter:
+        if id(q) not in floats:
+            floats[id(q)] = nn.Parameter(q.dequantize(), requires_grad=False)
+        return floats[id(q)]
+
+    for name, m in list(model.named_modules(remove_duplicate=False)):
+        if isinstance(m, QuantEmbedding):
+            _set(model, name, nn.Embedding.from_pretrained(weight_of(m.table), freeze=True))
+        elif isinstance(m, QuantLinear) and not name.endswith(".table"):
+            linear = nn.Linear(
+                m.in_features, m.out_features, bias=m.bias is not None, device="meta"
+            )
+            linear.weight = weight_of(m)
+            if m.bias is not None:
+                linear.bias = nn.Parameter(m.bias.float(), requires_grad=False)
+            _set(model, name, linear)

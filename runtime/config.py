@@ -83,7 +83,9 @@ class ModelArgs:
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type not in ("default", "llama3", "linear"):
             raise InferError(f"unsupported rope scaling '{rope_type}'")
-        args["rope_scaling"] = dict(scaling, rope_type=rope_type) if rope_type != "default" else None
+        args["rope_scaling"] = (
+            dict(scaling, rope_type=rope_type) if rope_type != "default" else None
+        )
         args.update(FAMILIES[model_type])
         if "attention_bias" in cfg:
             args["attention_bias"] = bool(cfg["attention_bias"])

@@ -39,6 +39,7 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 8  # arrays of arrays; garbage could otherwise recurse without bound
 
+
 def is_gguf(path: Path) -> bool:
     """True if `path` is a file that starts with the GGUF magic."""
     path = Path(path)

@@ -83,7 +83,11 @@ def _safetensors_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickles = list(path.glob("*.bin")) + list(path.glob("*.pt"))
-        hint = " (pickled .bin/.pt weights are never loaded: convert to safetensors)" if pickles else ""
+        hint = (
+            " (pickled .bin/.pt weights are never loaded: convert to safetensors)"
+            if pickles
+            else ""
+        )
         raise InferError(f"{path}: no .safetensors weights{hint}")
     return files
 
@@ -96,12 +100,26 @@ def inspect_model(path: Path) -> ModelInfo:
         gguf = GGUFFile(path)
         config = gguf.config()
         types = Counter(t.ggml_type.name for t in gguf.tensors.values() if len(t.shape) == 2)
-        return ModelInfo(path, fmt, config, ModelArgs.from_dict(config),
-                         types.most_common(1)[0][0] if types else "F32", gguf.file_bytes, gguf)
+        return ModelInfo(
+            path,
+            fmt,
+            config,
+            ModelArgs.from_dict(config),
+            types.most_common(1)[0][0] if types else "F32",
+            gguf.file_bytes,
+            gguf,
+        )
     if fmt == "infer":
         ckpt = read_checkpoint(path)
-        return ModelInfo(path, fmt, ckpt.config, ckpt.args, ckpt.quantization,
-                         ckpt.file.stat().st_size, checkpoint=ckpt)
+        return ModelInfo(
+            path,
+            fmt,
+            ckpt.config,
+            ckpt.args,
+            ckpt.quantization,
+            ckpt.file.stat().st_size,
+            checkpoint=ckpt,
+        )
     try:
         config = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
@@ -111,9 +129,14 @@ def inspect_model(path: Path) -> ModelInfo:
     for f in files:
         header, _ = read_header(f)
         types.update(v["dtype"] for k, v in header.items() if k != "__metadata__")
-    return ModelInfo(path, fmt, config, ModelArgs.from_dict(config),
-                     types.most_common(1)[0][0] if types else "?",
-                     sum(f.stat().st_size for f in files))
+    return ModelInfo(
+        path,
+        fmt,
+        config,
+        ModelArgs.from_dict(config),
+        types.most_common(1)[0][0] if types else "?",
+        sum(f.stat().st_size for f in files),
+    )
 
 
 def _state_dict(info: ModelInfo, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -132,7 +155,9 @@ def load_tokenizer(info: ModelInfo) -> Tokenizer:
     return Tokenizer.from_hf_dir(info.path)
 
 
-def load_weights(info: ModelInfo, dtype: torch.dtype, max_seq_len: int | None = None) -> Transformer:
+def load_weights(
+    info: ModelInfo, dtype: torch.dtype, max_seq_len: int | None = None
+) -> Transformer:
     """Build the Transformer on the meta device and assign the checkpoint's tensors."""
     if info.checkpoint is not None:
         return build_model(info.checkpoint, dtype, max_seq_len)

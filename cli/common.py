@@ -1,0 +1,85 @@
+"""Helpers every command shares: threads, dtypes, and output that suits a terminal or a pipe.
+
+Only typer-free standard library at import; torch, psutil and rich load inside the
+functions, so `infer --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import nullcontext
+
+from infer.cli.options import DType
+
+
+def is_tty() -> bool:
+    """Rich output (tables, spinners, colour) only when both streams are terminals."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def set_threads(threads: int | None) -> int:
+    import psutil
+    import torch
+
+    n = threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def torch_dtype(dtype: DType):
+    import torch
+
+    return {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16}[dtype]
+
+
+def status(message: str):
+    """A spinner on stderr while something slow runs, on a terminal only."""
+    if not is_tty():
+        return nullcontext()
+    from rich.console import Console
+
+    return Console(stderr=True).status(message)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def print_table(headers: list[str] | None, rows: list[list[str]], title: str | None = None):
+    """A rich table on a terminal; aligned plain columns otherwise."""
+    if sys.stdout.isatty():
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title, show_header=bool(headers), box=box.SIMPLE_HEAD)
+        for i, h in enumerate(headers or [""] * (len(rows[0]) if rows else 0)):
+            table.add_column(h, style="bold" if i == 0 else None)
+        for row in rows:
+            table.add_row(*row)
+        Console().print(table)
+        return
+    lines = ([headers] if headers else []) + rows
+    if not lines:
+        return
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    for line in lines:
+        cells = [c.ljust(w) for c, w in zip(line[:-1], widths)] + [line[-1]]
+        print("  ".join(cells).rstrip())
+
+
+def print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, default=str))

@@ -1,0 +1,156 @@
+"""`infer quantize SRC -o DST --to FORMAT`: any model `infer run` accepts -> our format.
+
+Registered by main.py. The work is three library calls: load the source as float
+(`load_weights`), swap its layers for quantized ones (`quant.quantize_model`, which
+imports GGUF Q8_0/Q4_0/Q4_1 blocks losslessly where the format matches), and write
+the checkpoint atomically (`runtime.checkpoint.save_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from infer.cli.common import human_bytes, is_tty, print_json, print_table, set_threads, status
+from infer.cli.options import Debug, Json, RequiredModelArg, Threads
+from infer.runtime.errors import InferError
+
+Output = Annotated[
+    Path, typer.Option("--output", "-o", help="Directory to write.", show_default=False)
+]
+To = Annotated[
+    str,
+    typer.Option(
+        "--to",
+        help="int8, int4, lut2, lut3, lut4, or a recipe: mixed (int8 attention, int4 MLP), "
+        "q4_k_m (like llama.cpp's Q4_K_M).",
+        show_default=False,
+    ),
+]
+GroupSize = Annotated[
+    int | None, typer.Option("--group-size", "-g", help="Weights per scale (32, 64, 128).")
+]
+Symmetric = Annotated[
+    bool | None,
+    typer.Option(
+        "--symmetric/--asymmetric",
+        help="int4: scale only (Q4_0-like) or scale and min (Q4_1-like; default).",
+        show_default=False,
+    ),
+]
+Force = Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")]
+
+
+def quantize(
+    src: RequiredModelArg,
+    output: Output,
+    to: To,
+    group_size: GroupSize = None,
+    symmetric: Symmetric = None,
+    force: Force = False,
+    threads: Threads = None,
+    json_out: Json = False,
+    debug: Debug = False,
+) -> None:
+    """Quantize a model into infer's own format and report the error per tensor."""
+    if output.exists() and not force:
+        raise InferError(f"{output} exists (use --force to replace it)")
+
+    from infer.runtime.registry import resolve
+
+    resolved = resolve(src)
+
+    import torch
+
+    from infer.quant.quantize import dequantize_model, quantize_model
+    from infer.quant.recipes import get_recipe
+    from infer.runtime.checkpoint import describe_source, save_checkpoint
+    from infer.runtime.loader import inspect_model, load_tokenizer, load_weights
+
+    set_threads(threads)
+    info = inspect_model(resolved.path)
+    recipe = get_recipe(to, n_layers=info.args.n_layers, group_size=group_size, symmetric=symmetric)
+    with status(f"loading {resolved.name}"):
+        model = load_weights(info, torch.float32, max_seq_len=1)
+        dequantize_model(model)  # a no-op unless SRC is itself quantized
+        tokenizer = load_tokenizer(info)
+
+    with _progress() as advance:
+        reports = quantize_model(model, recipe, gguf=info.gguf, progress=advance)
+
+    with status(f"writing {output}"):
+        save_checkpoint(
+            model,
+            info.config,
+            tokenizer,
+            output,
+            source=describe_source(info.path, info.format),
+            force=force,
+        )
+
+    before = sum(r.bytes_before for r in reports)
+    after = sum(r.bytes_after for r in reports)
+    if json_out:
+        print_json(
+            {
+                "source": str(info.path),
+                "output": str(output),
+                "recipe": to,
+                "bytes_before": before,
+                "bytes_after": after,
+                "file_bytes_before": info.file_bytes,
+                "tensors": [r.__dict__ for r in reports],
+            }
+        )
+        return
+    rows = [
+        [
+            r.name,
+            r.format + ("" if not r.params else " " + _params(r.params)),
+            f"{r.max_abs_error:.3g}",
+            f"{r.rel_rms_error:.4f}",
+            "imported" if r.imported else "",
+        ]
+        for r in reports
+    ]
+    print_table(["tensor", "format", "max abs err", "rel rms err", ""], rows)
+    print(
+        f"{len(reports)} tensors: {human_bytes(before)} as float32 -> {human_bytes(after)} "
+        f"(source file {human_bytes(info.file_bytes)}); wrote {output}"
+    )
+
+
+def _params(params: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in params.items())
+
+
+class _progress:
+    """A rich progress bar over tensors on a terminal's stderr; silent otherwise."""
+
+    def __enter__(self):
+        if not is_tty():
+            return lambda name, done, total: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.bar = Progress(
+            TextColumn("quantizing {task.fields[name]:<32}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            console=Console(file=sys.stderr),
+            transient=True,
+        )
+        self.bar.start()
+        self.task = self.bar.add_task("", total=None, name="")
+
+        def advance(name: str, done: int, total: int) -> None:
+            self.bar.update(self.task, completed=done, total=total, name=name)
+
+        return advance
+
+    def __exit__(self, *exc):
+        if hasattr(self, "bar"):
+            self.bar.stop()

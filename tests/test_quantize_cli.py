@@ -1,0 +1,66 @@
+"""`infer quantize` end to end: a tiny model -> our format -> `infer run` and `infer info`."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from tiny import make_hf_model
+
+
+def infer(*args, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "infer.cli.main", *map(str, args)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "llama"
+    make_hf_model("llama", path)
+    return path
+
+
+@pytest.mark.parametrize("to", ["int8", "int4", "mixed"])
+def test_quantize_then_run(tiny_dir, tmp_path, to):
+    out = tmp_path / to
+    r = infer("quantize", tiny_dir, "-o", out, "--to", to, "--group-size", "32", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["bytes_after"] < report["bytes_before"]
+    assert {t["name"] for t in report["tensors"]} >= {"lm_head", "layers.0.mlp.up_proj"}
+    assert all(t["rel_rms_error"] < 0.2 for t in report["tensors"])
+
+    r = infer("info", out, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["format"] == "infer"
+
+    r = infer("run", out, "hello", "-n", "4", "--temperature", "0", "--no-chat", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens_generated"] == 4
+
+
+def test_refuses_to_overwrite_without_force(tiny_dir, tmp_path):
+    out = tmp_path / "q"
+    assert infer("quantize", tiny_dir, "-o", out, "--to", "int8").returncode == 0
+    r = infer("quantize", tiny_dir, "-o", out, "--to", "int8")
+    assert r.returncode == 2 and "--force" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert infer("quantize", tiny_dir, "-o", out, "--to", "int4", "--force").returncode == 0
+
+
+def test_requantizes_a_quantized_checkpoint(tiny_dir, tmp_path):
+    assert infer("quantize", tiny_dir, "-o", tmp_path / "a", "--to", "int8").returncode == 0
+    r = infer("quantize", tmp_path / "a", "-o", tmp_path / "b", "--to", "int4", "--json")
+    assert r.returncode == 0, r.stderr
+    assert {t["format"] for t in json.loads(r.stdout)["tensors"]} >= {"int4"}
+
+
+def test_unknown_format_is_one_line(tiny_dir, tmp_path):
+    r = infer("quantize", tiny_dir, "-o", tmp_path / "x", "--to", "int3")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert not (tmp_path / "x").exists()

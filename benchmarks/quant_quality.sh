@@ -15,8 +15,11 @@ formats=("int8" "int8 -g 0" "int4 --symmetric" "int4 --asymmetric" "mixed" "q4_k
 for f in "${formats[@]}"; do
   name=$(echo "$f" | tr -d ' -')
   [ -f "$out/$name.json" ] && continue
-  infer quantize "$model" -o "$out/$name" --to $f --force --json > "$out/$name.quantize.json"
-  infer eval "$out/$name" --ref "$model" --text "$text" --chunks "$chunks" --json > "$out/$name.json"
+  # Results land under their final names only when complete, so a rerun resumes.
+  infer quantize "$model" -o "$out/$name" --to $f --force --json > "$out/$name.quantize.json.tmp"
+  mv "$out/$name.quantize.json.tmp" "$out/$name.quantize.json"
+  infer eval "$out/$name" --ref "$model" --text "$text" --chunks "$chunks" --json > "$out/$name.json.tmp"
+  mv "$out/$name.json.tmp" "$out/$name.json"
 done
 
 python3 - "$out" "${formats[@]}" <<'PY'

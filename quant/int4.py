@@ -31,6 +31,7 @@ from typing import ClassVar
 
 import torch
 
+from ..kernels_cpu import ops as kernels
 from ..runtime.errors import InferError
 from .base import QuantLinear, register
 
@@ -319,3 +320,11 @@ class Int4Linear(QuantLinear):
         else:
             w = q * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)  # q * d + m
         return w.view(R, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # The C kernels (GEMV for one row, tiled GEMM for more; the torch reference,
+            # with one warning, when the extension is not built).
+            y = kernels.q4_matmul(x, self.qweight, self.scales, self.mins, self.group_size)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)

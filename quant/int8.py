@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from ..kernels_cpu import ops as kernels
 from ..runtime.errors import InferError
 from .base import QuantLinear, register
 from .int4 import check_params, check_weight, fit_groups
@@ -34,7 +35,7 @@ from .int4 import check_params, check_weight, fit_groups
 # correct and faster than dequantize + matmul at M = 1. Measured on one core, 1536x576
 # layer: bfloat16 25 us (dense bfloat16 matmul 63 us, dequantize + matmul ~270 us);
 # float32 600 us and float16 680 us (scalar fallbacks, slower than dequantize + matmul's
-# ~180 us), so those keep the reference path.
+# ~180 us): float32 takes our C kernels instead, float16 the reference path.
 _INT8PACK_DTYPES = (torch.bfloat16,)
 
 
@@ -99,6 +100,11 @@ class Int8Linear(QuantLinear):
         return (q * scales.float().unsqueeze(-1)).view(R, self.in_features)  # ggml: q * d
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # The C kernels (GEMV for one row, tiled GEMM for more; the torch reference,
+            # with one warning, when the extension is not built).
+            y = kernels.q8_matmul(x, self.qweight, self.scales, self.group_size)
+            return y if self.bias is None else y + self.bias
         if self.group_size == 0 and x.dtype in _INT8PACK_DTYPES:
             # (..., K) -> (M, K); scales (N,) in the activation dtype, as the op requires.
             y = torch.ops.aten._weight_int8pack_mm(

@@ -1,0 +1,449 @@
+/* AVX2 paths (with FMA and F16C): 8 float lanes; "avx2vnni" is the same with AVX-VNNI's
+ * vpdpbusd in the int4 GEMV. The same algorithms as avx512.c (see there).
+ *
+ * GEMV: one row at a time. int8: 8 weights widened per FMA. int4: x as three int8
+ * digits, 64 weights (32 bytes) per load.
+ * GEMM: 4 x 2 blocks of dot products (8 accumulators, 6 loads per 8 FMAs: 16 registers
+ * do not hold the 4 x 4 block avx512.c uses).
+ */
+#include <string.h>
+
+#include "kernels.h"
+
+#ifdef INFER_X86
+#include <immintrin.h>
+
+#define T TARGET_AVX2 static
+#define TI TARGET_AVX2 static inline __attribute__((always_inline))
+
+
+/* Sum of 8 lanes: (i, i + 4), then (0 + 1) + (2 + 3). */
+TI float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+TI __m256 bcast_half(const uint16_t *p) { return _mm256_set1_ps(_cvtsh_ss(*p)); }
+
+TI __m256 widen_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* Mask of the first n < 8 lanes, for maskload / maskstore. */
+TI __m256i first_lanes(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* 8 int8 (n < 8 of them, the rest zero) -> float */
+TI __m256 widen_i8_part(const int8_t *p, int64_t n) {
+    int8_t tmp[8] = {0};
+    memcpy(tmp, p, (size_t)n);
+    return widen_i8(tmp);
+}
+
+/* 16 bytes of int4 -> codes of elements 0..7, 8..15 (lo) and 16..23, 24..31 (hi) */
+TI void widen_i4(const uint8_t *p, __m256i c[4]) {
+    __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    const __m256i m = _mm256_set1_epi32(15);
+    c[0] = _mm256_and_si256(v0, m);
+    c[1] = _mm256_and_si256(v1, m);
+    c[2] = _mm256_srli_epi32(v0, 4);
+    c[3] = _mm256_srli_epi32(v1, 4);
+}
+
+/* n < 8 float16 (the rest zero) -> float */
+TI __m256 halfs_part(const uint16_t *p, int64_t n) {
+    uint16_t tmp[8] = {0};
+    memcpy(tmp, p, (size_t)n * sizeof *tmp);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tmp));
+}
+
+/* sum_g c[g] * xsum[g]: the int4 GEMV's mins (or -8 d) term of one row */
+TI float group_offset(const uint16_t *c, int64_t G, const float *xsum) {
+    __m256 off = _mm256_setzero_ps();
+    int64_t gi = 0;
+    for (; gi + 8 <= G; gi += 8)
+        off = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + gi))),
+                              _mm256_loadu_ps(xsum + gi), off);
+    if (gi < G)
+        off = _mm256_fmadd_ps(halfs_part(c + gi, G - gi),
+                              _mm256_maskload_ps(xsum + gi, first_lanes(G - gi)), off);
+    return hsum(off);
+}
+
+/* GEMV rows one at a time, as one sequential stream (see avx512.c), with ACC
+ * independent accumulators combined in a fixed order. */
+enum { ACC = 4 };
+
+TI float hsum_acc(const __m256 *acc) {
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+/* ------------------------------------------------------------------------------------
+ * int8 GEMV
+ * ---------------------------------------------------------------------------------- */
+
+/* sum over one group of q * x, from element k0 */
+TI __m256 q8_group(const int8_t *q, const float *x, int64_t k0, const int64_t g) {
+    __m256 t = _mm256_mul_ps(widen_i8(q + k0), _mm256_loadu_ps(x + k0));
+    for (int64_t k = k0 + 8; k < k0 + g; k += 8)
+        t = _mm256_fmadd_ps(widen_i8(q + k), _mm256_loadu_ps(x + k), t);
+    return t;
+}
+
+TI void q8_gemv_row(const qmat *a, int64_t n, const int64_t g) {
+    const int64_t K = a->K;
+    const float *x = a->x;
+    const int8_t *q = (const int8_t *)a->qw + n * K;
+    __m256 acc[ACC];
+    for (int i = 0; i < ACC; i++) acc[i] = _mm256_setzero_ps();
+    if (g) {
+        const int64_t G = K / g;
+        const uint16_t *s = (const uint16_t *)a->scales + n * G;
+        float sc[8] __attribute__((aligned(32))); /* 8 groups' scales, as float */
+        for (int64_t g0 = 0; g0 < G; g0 += 8) {
+            const int64_t ng = G - g0 < 8 ? G - g0 : 8;
+            _mm256_store_ps(sc, ng == 8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g0)))
+                                        : halfs_part(s + g0, ng));
+            /* groups in turn to ACC accumulators (constant indices: kept in registers),
+             * a batch's last ng % ACC groups to the first */
+            int64_t j = 0;
+            for (; j + ACC <= ng; j += ACC)
+                for (int u = 0; u < ACC; u++)
+                    acc[u] = _mm256_fmadd_ps(q8_group(q, x, (g0 + j + u) * g, g),
+                                             _mm256_set1_ps(sc[j + u]), acc[u]);
+            for (; j < ng; j++)
+                acc[0] = _mm256_fmadd_ps(q8_group(q, x, (g0 + j) * g, g), _mm256_set1_ps(sc[j]), acc[0]);
+        }
+        a->y[n] = hsum_acc(acc);
+    } else {
+        int64_t k = 0;
+        for (; k + 8 * ACC <= K; k += 8 * ACC)
+            for (int i = 0; i < ACC; i++)
+                acc[i] = _mm256_fmadd_ps(widen_i8(q + k + 8 * i), _mm256_loadu_ps(x + k + 8 * i), acc[i]);
+        for (; k + 8 <= K; k += 8)
+            acc[0] = _mm256_fmadd_ps(widen_i8(q + k), _mm256_loadu_ps(x + k), acc[0]);
+        if (k < K)
+            acc[0] = _mm256_fmadd_ps(widen_i8_part(q + k, K - k),
+                                     _mm256_maskload_ps(x + k, first_lanes(K - k)), acc[0]);
+        a->y[n] = hsum_acc(acc) * ((const float *)a->scales)[n];
+    }
+}
+
+#define ROWS_LOOP(ROW, g)                                                                        \
+    do {                                                                                         \
+        for (int64_t n = n0; n < n1; n++) ROW(a, n, g);                                          \
+    } while (0)
+
+T void q8_gemv(const qmat *a, int64_t n0, int64_t n1) {
+    switch (a->g) {
+    case 32: ROWS_LOOP(q8_gemv_row, 32); break;
+    case 64: ROWS_LOOP(q8_gemv_row, 64); break;
+    case 128: ROWS_LOOP(q8_gemv_row, 128); break;
+    default: ROWS_LOOP(q8_gemv_row, 0); break;
+    }
+}
+
+/* ------------------------------------------------------------------------------------
+ * int4 GEMV, float (for x with inf or NaN)
+ * ---------------------------------------------------------------------------------- */
+
+TI void q4_gemv_row(const qmat *a, int64_t n, const int64_t g) {
+    const int64_t K = a->K, KB = K / 2, G = K / g;
+    const float *x = a->x;
+    const uint8_t *q = (const uint8_t *)a->qw + n * KB;
+    const uint16_t *s = (const uint16_t *)a->scales + n * G;
+    __m256 acc[ACC];
+    for (int i = 0; i < ACC; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < G; gi++) {
+        __m256 t = _mm256_setzero_ps();
+        for (int64_t k = gi * g; k < gi * g + g; k += 32) {
+            __m256i c[4];
+            widen_i4(q + k / 2, c);
+            for (int i = 0; i < 4; i++)
+                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[i]), _mm256_loadu_ps(x + k + 8 * i), t);
+        }
+        acc[0] = _mm256_fmadd_ps(t, bcast_half(s + gi), acc[0]); /* the rare path */
+    }
+    a->y[n] = hsum_acc(acc) + group_offset((a->mins ? a->mins : (const uint16_t *)a->scales) + n * G, G, a->xsum);
+}
+
+T void q4_gemv(const qmat *a, int64_t n0, int64_t n1) {
+    switch (a->g) {
+    case 32: ROWS_LOOP(q4_gemv_row, 32); break;
+    case 64: ROWS_LOOP(q4_gemv_row, 64); break;
+    default: ROWS_LOOP(q4_gemv_row, 128); break;
+    }
+}
+
+/* ------------------------------------------------------------------------------------
+ * int4 GEMV on x as int8 digits (avx512.c describes the digits)
+ *
+ * Chunks of 64 elements = 2 blocks = 32 bytes of a row; a chunk's digits are stored as
+ * [digit 2, 1, 0][low, high][32 bytes], then its 8 lane scales (lane l: block l / 4).
+ * ---------------------------------------------------------------------------------- */
+
+enum { CHUNK = 64, CHUNK_BYTES = 3 * 2 * 32 };
+
+TI float pow2(int k) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)(k + 127) << 23};
+    return v.f;
+}
+
+TI int block_exponent(float amax) {
+    union {
+        float f;
+        uint32_t u;
+    } v = {amax};
+    const int ef = (int)(v.u >> 23) & 0xff;
+    return ef == 0xff ? 999 : (ef ? ef : 1) - 126;
+}
+
+/* 32 int32 X (4 vectors) -> three digits as 32 bytes each, in element order */
+TI void digits32(const __m256i X[4], __m256i d[3]) {
+    __m256i D[3][4];
+    for (int i = 0; i < 4; i++) {
+        D[2][i] = _mm256_srai_epi32(_mm256_slli_epi32(X[i], 24), 24);
+        __m256i X1 = _mm256_srai_epi32(_mm256_sub_epi32(X[i], D[2][i]), 8);
+        D[1][i] = _mm256_srai_epi32(_mm256_slli_epi32(X1, 24), 24);
+        D[0][i] = _mm256_srai_epi32(_mm256_sub_epi32(X1, D[1][i]), 8);
+    }
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int p = 0; p < 3; p++) { /* digits fit int8: the packs do not saturate */
+        __m256i ab = _mm256_packs_epi32(D[p][0], D[p][1]), cd = _mm256_packs_epi32(D[p][2], D[p][3]);
+        d[p] = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
+    }
+}
+
+T int q4_xprep(const float *x, int64_t K, void *buf) {
+    const int64_t C = (K + CHUNK - 1) / CHUNK;
+    int8_t *xd = buf;
+    float *lanes = (float *)(xd + C * CHUNK_BYTES);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t c = 0; c < C; c++) {
+        int8_t *d = xd + c * CHUNK_BYTES;
+        for (int j = 0; j < 2; j++) {
+            const int64_t k = c * CHUNK + 32 * j;
+            if (k >= K) { /* past the end: zero digits, zero scale */
+                for (int p = 0; p < 3; p++) {
+                    _mm_store_si128((__m128i *)(d + 64 * p + 16 * j), _mm_setzero_si128());
+                    _mm_store_si128((__m128i *)(d + 64 * p + 32 + 16 * j), _mm_setzero_si128());
+                }
+                for (int i = 0; i < 4; i++) lanes[8 * c + 4 * j + i] = 0;
+                continue;
+            }
+            __m256 xv[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                xv[i] = _mm256_loadu_ps(x + k + 8 * i);
+                m = _mm256_max_ps(m, _mm256_and_ps(xv[i], absmask));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float amax = _mm_cvtss_f32(h);
+            const int e = block_exponent(amax);
+            /* max_ps drops NaN operands: check the block for NaN separately */
+            __m256 nan = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv[i], xv[i], _CMP_UNORD_Q));
+            if (e == 999 || _mm256_movemask_ps(nan)) return -1;
+            const __m256 s1 = _mm256_set1_ps(pow2((22 - e) / 2)), s2 = _mm256_set1_ps(pow2(22 - e - (22 - e) / 2));
+            __m256i X[4], dg[3];
+            for (int i = 0; i < 4; i++) X[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(xv[i], s1), s2));
+            digits32(X, dg);
+            for (int p = 0; p < 3; p++) { /* elements 0..15 -> low, 16..31 -> high */
+                _mm_store_si128((__m128i *)(d + 64 * p + 16 * j), _mm256_castsi256_si128(dg[p]));
+                _mm_store_si128((__m128i *)(d + 64 * p + 32 + 16 * j), _mm256_extracti128_si256(dg[p], 1));
+            }
+            const float sx = pow2((e - 22) / 2) * pow2(e - 22 - (e - 22) / 2);
+            for (int i = 0; i < 4; i++) lanes[8 * c + 4 * j + i] = sx;
+        }
+    }
+    return 0;
+}
+
+#define DOT2_MADD(t, lo, xl, hi, xh)                                                             \
+    _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),        \
+                                                           _mm256_maddubs_epi16(hi, xh)),       \
+                                          _mm256_set1_epi16(1)))
+#define DOT2_VNNI(t, lo, xl, hi, xh)                                                             \
+    _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(t, lo, xl), hi, xh)
+
+#define Q4_GEMV_DIGITS(NAME, TARGET, DOT2)                                                       \
+    /* sum over chunk c of q * X, per dword lane (8 elements of block 2c + lane / 4) */         \
+    TARGET static inline __attribute__((always_inline)) __m256i NAME##_chunk(                   \
+        const uint8_t *q, const int8_t *xd, int64_t KB, int64_t c) {                            \
+        const __m256i *xc = (const __m256i *)(xd + c * CHUNK_BYTES);                            \
+        const __m256i m4 = _mm256_set1_epi8(0x0f);                                              \
+        const uint8_t *qc = q + 32 * c;                                                         \
+        __m256i w = KB - 32 * c >= 32                                                           \
+                        ? _mm256_loadu_si256((const __m256i *)qc)                               \
+                        : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)qc));          \
+        __m256i lo = _mm256_and_si256(w, m4);                                                   \
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);                             \
+        __m256i t = DOT2(_mm256_setzero_si256(), lo, xc[0], hi, xc[1]);                         \
+        t = DOT2(_mm256_slli_epi32(t, 8), lo, xc[2], hi, xc[3]);                                \
+        return DOT2(_mm256_slli_epi32(t, 8), lo, xc[4], hi, xc[5]);                             \
+    }                                                                                           \
+    TARGET static inline __attribute__((always_inline)) void NAME##_row(const qmat *a, int64_t n, \
+                                                                        const int64_t g) {      \
+        const int64_t K = a->K, KB = K / 2, G = K / g, C = (K + CHUNK - 1) / CHUNK;             \
+        const int8_t *xd = a->xq;                                                               \
+        const float *lanes = (const float *)(xd + C * CHUNK_BYTES);                             \
+        const uint8_t *q = (const uint8_t *)a->qw + n * KB;                                     \
+        const uint16_t *s = (const uint16_t *)a->scales + n * G;                                \
+        /* g = 32: lanes 0-3 take the chunk's first group, 4-7 its second; else one group */   \
+        const __m256i gidx = g == 32 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)                \
+                                     : _mm256_setzero_si256();                                  \
+        __m256 acc[ACC];                                                                        \
+        for (int i = 0; i < ACC; i++) acc[i] = _mm256_setzero_ps();                             \
+        /* chunks in turn to ACC accumulators, the last C % ACC to the first */                \
+        for (int64_t c = 0; c < C; c += ACC) {                                                  \
+            const int u_end = C - c < ACC ? (int)(C - c) : ACC;                                 \
+            for (int u = 0; u < ACC; u++) {                                                     \
+                if (u >= u_end) break;                                                          \
+                const int64_t cu = c + u;                                                       \
+                const uint16_t *sc = s + cu * CHUNK / g; /* the chunk's first group */          \
+                int32_t h2 = sc[0];                                                             \
+                if (g == 32 && KB - 32 * cu >= 32) h2 |= (int32_t)sc[1] << 16;                  \
+                __m256 d = _mm256_permutevar8x32_ps(                                            \
+                    _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(h2))), gidx);          \
+                __m256 f = _mm256_cvtepi32_ps(NAME##_chunk(q, xd, KB, cu));                     \
+                __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(lanes + 8 * cu));               \
+                if (u_end == ACC)                                                               \
+                    acc[u] = _mm256_fmadd_ps(f, scale, acc[u]);                                 \
+                else                                                                            \
+                    acc[0] = _mm256_fmadd_ps(f, scale, acc[0]);                                 \
+            }                                                                                   \
+        }                                                                                       \
+        a->y[n] = hsum_acc(acc) +                                                               \
+                  group_offset((a->mins ? a->mins : (const uint16_t *)a->scales) + n * G, G,    \
+                               a->xsum);                                                        \
+    }                                                                                           \
+    TARGET static void NAME(const qmat *a, int64_t n0, int64_t n1) {                            \
+        switch (a->g) {                                                                         \
+        case 32: ROWS_LOOP(NAME##_row, 32); break;                                              \
+        case 64: ROWS_LOOP(NAME##_row, 64); break;                                              \
+        default: ROWS_LOOP(NAME##_row, 128); break;                                             \
+        }                                                                                       \
+    }
+
+Q4_GEMV_DIGITS(q4_gemv_digits, TARGET_AVX2, DOT2_MADD)
+Q4_GEMV_DIGITS(q4_gemv_digits_vnni, TARGET_AVX2_VNNI, DOT2_VNNI)
+
+/* ------------------------------------------------------------------------------------
+ * Dequantization for the GEMM (the formats' definitions: no FMA)
+ * ---------------------------------------------------------------------------------- */
+
+T void q8_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t K = a->K, g = a->g;
+    for (int64_t n = n0; n < n1; n++, w += K) {
+        const int8_t *q = (const int8_t *)a->qw + n * K;
+        if (g) {
+            const uint16_t *s = (const uint16_t *)a->scales + n * (K / g);
+            for (int64_t k0 = 0; k0 < K; k0 += g) {
+                __m256 d = bcast_half(s + k0 / g);
+                for (int64_t k = k0; k < k0 + g; k += 8)
+                    _mm256_storeu_ps(w + k, _mm256_mul_ps(widen_i8(q + k), d));
+            }
+        } else {
+            __m256 d = _mm256_set1_ps(((const float *)a->scales)[n]);
+            int64_t k = 0;
+            for (; k + 8 <= K; k += 8) _mm256_storeu_ps(w + k, _mm256_mul_ps(widen_i8(q + k), d));
+            if (k < K)
+                _mm256_maskstore_ps(w + k, first_lanes(K - k),
+                                    _mm256_mul_ps(widen_i8_part(q + k, K - k), d));
+        }
+    }
+}
+
+T void q4_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t K = a->K, g = a->g, G = K / g;
+    const __m256i eight = _mm256_set1_epi32(8);
+    for (int64_t n = n0; n < n1; n++, w += K) {
+        const uint8_t *q = (const uint8_t *)a->qw + n * (K / 2);
+        const uint16_t *s = (const uint16_t *)a->scales + n * G;
+        const uint16_t *mn = a->mins ? a->mins + n * G : NULL;
+        for (int64_t gi = 0; gi < G; gi++) {
+            __m256 d = bcast_half(s + gi);
+            __m256 m = mn ? bcast_half(mn + gi) : _mm256_setzero_ps();
+            for (int64_t k = gi * g; k < gi * g + g; k += 32) {
+                __m256i c[4];
+                widen_i4(q + k / 2, c);
+                for (int i = 0; i < 4; i++) {
+                    __m256 v = mn ? _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c[i]), d), m)
+                                  : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(c[i], eight)), d);
+                    _mm256_storeu_ps(w + k + 8 * i, v);
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------
+ * Float tile
+ * ---------------------------------------------------------------------------------- */
+
+TI void tile_block(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
+                   int64_t K, int accumulate, const int MR, const int NR) {
+    __m256 c[4][2];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) c[i][j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 xv[4];
+        for (int i = 0; i < MR; i++) xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+        for (int j = 0; j < NR; j++) {
+            __m256 wv = _mm256_loadu_ps(w + j * ldw + k);
+            for (int i = 0; i < MR; i++) c[i][j] = _mm256_fmadd_ps(xv[i], wv, c[i][j]);
+        }
+    }
+    if (k < K) {
+        const __m256i m = first_lanes(K - k);
+        __m256 xv[4];
+        for (int i = 0; i < MR; i++) xv[i] = _mm256_maskload_ps(x + i * ldx + k, m);
+        for (int j = 0; j < NR; j++) {
+            __m256 wv = _mm256_maskload_ps(w + j * ldw + k, m);
+            for (int i = 0; i < MR; i++) c[i][j] = _mm256_fmadd_ps(xv[i], wv, c[i][j]);
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) {
+            float *yij = y + i * ldy + j;
+            *yij = accumulate ? *yij + hsum(c[i][j]) : hsum(c[i][j]);
+        }
+}
+
+#define TILE_CASE(MR_, NR_)                                                                      \
+    case (MR_) * 8 + (NR_):                                                                      \
+        tile_block(x + m * ldx, ldx, w + j * ldw, ldw, y + m * ldy + j, ldy, K, accumulate,      \
+                   MR_, NR_);                                                                    \
+        break;
+
+T void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
+            int64_t M, int64_t nb, int64_t K, int accumulate) {
+    for (int64_t m = 0; m < M; m += 4) {
+        const int mr = M - m < 4 ? (int)(M - m) : 4;
+        for (int64_t j = 0; j < nb; j += 2) {
+            const int nr = nb - j < 2 ? 1 : 2;
+            switch (mr * 8 + nr) {
+                TILE_CASE(4, 2) TILE_CASE(4, 1) TILE_CASE(3, 2) TILE_CASE(3, 1)
+                TILE_CASE(2, 2) TILE_CASE(2, 1) TILE_CASE(1, 2) TILE_CASE(1, 1)
+            }
+        }
+    }
+}
+
+const kernel_table kernels_avx2 = {
+    q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
+};
+const kernel_table kernels_avx2_vnni = {
+    q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
+};
+
+#endif

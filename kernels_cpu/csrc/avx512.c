@@ -1,0 +1,480 @@
+/* AVX-512 paths (F, BW, VL, DQ; FMA and F16C): 16 float lanes. "avx512vnni" is the same
+ * with vpdpbusd in the int4 GEMV's integer dot products.
+ *
+ * GEMV: one row at a time, as one sequential stream of weights. int8: 16 weights
+ * widened to float per FMA (vpmovsxbd + vcvtdq2ps), each group's partial sums scaled
+ * once. int4: x as three int8 digits (kernels.h), 128 weights (64 bytes) per load split
+ * into nibbles by one AND and one shift, six integer dot products, one conversion and
+ * one FMA with the lanes' scales.
+ *
+ * GEMM: a tile of dequantized rows times x in 4 x 4 blocks of dot products (16
+ * accumulators, 8 loads per 16 FMAs), then one reduction of 4 accumulators into 4
+ * contiguous outputs.
+ */
+#include <string.h>
+
+#include "kernels.h"
+
+#ifdef INFER_X86
+#include <immintrin.h>
+
+#define T TARGET_AVX512 static
+#define TI TARGET_AVX512 static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------------------------------
+ * Reductions. Lanes pair as (i, i + 8), (i, i + 4), (i, i + 2), (i, i + 1) in both, so
+ * hsum4 gives each vector exactly the sum hsum gives it alone.
+ * ---------------------------------------------------------------------------------- */
+
+TI float hsum(__m512 v) {
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_movehdup_ps(b));
+    return _mm_cvtss_f32(b);
+}
+
+/* (hsum(a), hsum(b), hsum(c), hsum(d)) */
+TI __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+    v = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v);
+    return _mm512_castps512_ps128(v);
+}
+
+TI __mmask16 first16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+TI int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+TI __m512 bcast_half(const uint16_t *p) { return _mm512_set1_ps(_cvtsh_ss(*p)); }
+
+/* 16 int8 -> float */
+TI __m512 widen_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* 16 bytes of int4 -> codes of elements 0..15 (lo) and 16..31 (hi), as int32 */
+TI void widen_i4(const uint8_t *p, __m512i *lo, __m512i *hi) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_and_si512(v, _mm512_set1_epi32(15));
+    *hi = _mm512_srli_epi32(v, 4);
+}
+
+/* sum_g c[g] * xsum[g]: the int4 GEMV's mins (or -8 d) term of one row */
+TI float group_offset(const uint16_t *c, int64_t G, const float *xsum) {
+    __m512 off = _mm512_setzero_ps();
+    int64_t gi = 0;
+    for (; gi + 16 <= G; gi += 16)
+        off = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + gi))),
+                              _mm512_loadu_ps(xsum + gi), off);
+    if (gi < G) {
+        const __mmask16 m = first16(G - gi);
+        off = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, c + gi)),
+                              _mm512_maskz_loadu_ps(m, xsum + gi), off);
+    }
+    return hsum(off);
+}
+
+/* ------------------------------------------------------------------------------------
+ * GEMV rows are computed one at a time: this CPU's prefetchers follow one sequential
+ * stream at full bandwidth but several interleaved row streams at half of it or less
+ * (benchmarks/bench_kernels.py), so sharing x loads across rows costs more than it
+ * saves. Independent accumulators (ACC of them, combined in a fixed order) hide the
+ * latency of the FMA chains.
+ * ---------------------------------------------------------------------------------- */
+
+enum { ACC = 4 };
+
+TI float hsum_acc(const __m512 *acc) {
+    return hsum(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+/* ------------------------------------------------------------------------------------
+ * int8 GEMV
+ * ---------------------------------------------------------------------------------- */
+
+/* sum over one group of q * x, from element k0 */
+TI __m512 q8_group(const int8_t *q, const float *x, int64_t k0, const int64_t g) {
+    __m512 t = _mm512_mul_ps(widen_i8(q + k0), _mm512_loadu_ps(x + k0));
+    for (int64_t k = k0 + 16; k < k0 + g; k += 16)
+        t = _mm512_fmadd_ps(widen_i8(q + k), _mm512_loadu_ps(x + k), t);
+    return t;
+}
+
+/* y[0, n] for group size g (0: per channel) fixed at compile time. */
+TI void q8_gemv_row(const qmat *a, int64_t n, const int64_t g) {
+    const int64_t K = a->K;
+    const float *x = a->x;
+    const int8_t *q = (const int8_t *)a->qw + n * K;
+    __m512 acc[ACC];
+    for (int i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();
+    if (g) {
+        const int64_t G = K / g;
+        const uint16_t *s = (const uint16_t *)a->scales + n * G;
+        float sc[16] __attribute__((aligned(64))); /* 16 groups' scales, as float */
+        for (int64_t g0 = 0; g0 < G; g0 += 16) {
+            const int64_t ng = G - g0 < 16 ? G - g0 : 16;
+            __m256i h = ng == 16 ? _mm256_loadu_si256((const __m256i *)(s + g0))
+                                 : _mm256_maskz_loadu_epi16(first16(ng), s + g0);
+            _mm512_store_ps(sc, _mm512_cvtph_ps(h));
+            /* groups in turn to ACC accumulators (constant indices: kept in registers),
+             * a batch's last ng % ACC groups to the first */
+            int64_t j = 0;
+            for (; j + ACC <= ng; j += ACC)
+                for (int u = 0; u < ACC; u++)
+                    acc[u] = _mm512_fmadd_ps(q8_group(q, x, (g0 + j + u) * g, g),
+                                             _mm512_set1_ps(sc[j + u]), acc[u]);
+            for (; j < ng; j++)
+                acc[0] = _mm512_fmadd_ps(q8_group(q, x, (g0 + j) * g, g), _mm512_set1_ps(sc[j]), acc[0]);
+        }
+        a->y[n] = hsum_acc(acc);
+    } else {
+        int64_t k = 0;
+        for (; k + 16 * ACC <= K; k += 16 * ACC)
+            for (int i = 0; i < ACC; i++)
+                acc[i] = _mm512_fmadd_ps(widen_i8(q + k + 16 * i), _mm512_loadu_ps(x + k + 16 * i), acc[i]);
+        for (; k < K; k += 16) {
+            const __mmask16 m = first16(K - k);
+            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + k)));
+            acc[0] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, x + k), acc[0]);
+        }
+        a->y[n] = hsum_acc(acc) * ((const float *)a->scales)[n];
+    }
+}
+
+#define ROWS_LOOP(ROW, g)                                                                        \
+    do {                                                                                         \
+        for (int64_t n = n0; n < n1; n++) ROW(a, n, g);                                          \
+    } while (0)
+
+T void q8_gemv(const qmat *a, int64_t n0, int64_t n1) {
+    switch (a->g) {
+    case 32: ROWS_LOOP(q8_gemv_row, 32); break;
+    case 64: ROWS_LOOP(q8_gemv_row, 64); break;
+    case 128: ROWS_LOOP(q8_gemv_row, 128); break;
+    default: ROWS_LOOP(q8_gemv_row, 0); break;
+    }
+}
+
+/* ------------------------------------------------------------------------------------
+ * int4 GEMV, float (for x with inf or NaN)
+ * ---------------------------------------------------------------------------------- */
+
+TI void q4_gemv_row(const qmat *a, int64_t n, const int64_t g) {
+    const int64_t K = a->K, KB = K / 2, G = K / g;
+    const float *x = a->x;
+    const uint8_t *q = (const uint8_t *)a->qw + n * KB;
+    const uint16_t *s = (const uint16_t *)a->scales + n * G;
+    __m512 acc[ACC];
+    for (int i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < G; gi++) {
+        __m512 t = _mm512_setzero_ps();
+        for (int64_t k = gi * g; k < gi * g + g; k += 32) {
+            __m512i lo, hi;
+            widen_i4(q + k / 2, &lo, &hi);
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_loadu_ps(x + k), t);
+            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_loadu_ps(x + k + 16), t);
+        }
+        acc[0] = _mm512_fmadd_ps(t, bcast_half(s + gi), acc[0]); /* the rare path */
+    }
+    a->y[n] = hsum_acc(acc) + group_offset((a->mins ? a->mins : (const uint16_t *)a->scales) + n * G, G, a->xsum);
+}
+
+T void q4_gemv(const qmat *a, int64_t n0, int64_t n1) {
+    switch (a->g) {
+    case 32: ROWS_LOOP(q4_gemv_row, 32); break;
+    case 64: ROWS_LOOP(q4_gemv_row, 64); break;
+    default: ROWS_LOOP(q4_gemv_row, 128); break;
+    }
+}
+
+/* ------------------------------------------------------------------------------------
+ * int4 GEMV on x as int8 digits
+ *
+ * x is cut into chunks of 128 elements = 4 blocks of 32, matching 64 bytes of a row:
+ * byte 16j + i holds element 32j + i (low nibble) and 32j + 16 + i (high nibble). A
+ * chunk's digits are stored as [digit 2, 1, 0][low, high][64 bytes], byte 16j + i of
+ * "low" being element 32j + i's digit and of "high" element 32j + 16 + i's, so a dot
+ * product's dword lane l covers 8 elements of block l / 4; then the chunk's 16 lane
+ * scales (the block's sx). Digits: D0 = X mod 256 in [-128, 127], X1 = (X - D0) / 256,
+ * D1 = X1 mod 256, D2 = (X1 - D1) / 256 in [-64, 64], X = round(x / sx), |X| <= 2^22.
+ * ---------------------------------------------------------------------------------- */
+
+/* 2^k as a float, for -126 <= k <= 127 */
+TI float pow2(int k) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)(k + 127) << 23};
+    return v.f;
+}
+
+/* One block's exponent e (max |x| < 2^e), or 999 for inf / NaN. */
+TI int block_exponent(float amax) {
+    union {
+        float f;
+        uint32_t u;
+    } v = {amax};
+    const int ef = (int)(v.u >> 23) & 0xff;
+    return ef == 0xff ? 999 : (ef ? ef : 1) - 126;
+}
+
+/* 16 int32 X -> three digits as 16 bytes each */
+TI void digits16(__m512i X, __m128i *d2, __m128i *d1, __m128i *d0) {
+    __m512i D0 = _mm512_srai_epi32(_mm512_slli_epi32(X, 24), 24);
+    __m512i X1 = _mm512_srai_epi32(_mm512_sub_epi32(X, D0), 8);
+    __m512i D1 = _mm512_srai_epi32(_mm512_slli_epi32(X1, 24), 24);
+    __m512i D2 = _mm512_srai_epi32(_mm512_sub_epi32(X1, D1), 8);
+    *d2 = _mm512_cvtepi32_epi8(D2);
+    *d1 = _mm512_cvtepi32_epi8(D1);
+    *d0 = _mm512_cvtepi32_epi8(D0);
+}
+
+enum { CHUNK = 128, CHUNK_BYTES = 3 * 2 * 64 };
+
+T int q4_xprep(const float *x, int64_t K, void *buf) {
+    const int64_t C = (K + CHUNK - 1) / CHUNK;
+    int8_t *xd = buf;
+    float *lanes = (float *)(xd + C * CHUNK_BYTES);
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t c = 0; c < C; c++) {
+        int8_t *d = xd + c * CHUNK_BYTES;
+        for (int j = 0; j < 4; j++) {
+            const int64_t k = c * CHUNK + 32 * j;
+            __m128i *lo = (__m128i *)(d + 16 * j), *hi = (__m128i *)(d + 64 + 16 * j);
+            if (k >= K) { /* past the end: zero digits, zero scale */
+                for (int p = 0; p < 3; p++) lo[8 * p] = hi[8 * p] = _mm_setzero_si128();
+                for (int i = 0; i < 4; i++) lanes[16 * c + 4 * j + i] = 0;
+                continue;
+            }
+            __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+            float amax = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_and_ps(x0, absmask), _mm512_and_ps(x1, absmask)));
+            const int e = block_exponent(amax);
+            /* max_ps drops NaN operands: check the block for NaN separately */
+            if (e == 999 || _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q))
+                return -1;
+            /* X = x * 2^(22 - e) in two exact steps (the exponent may exceed float's range) */
+            const __m512 s1 = _mm512_set1_ps(pow2((22 - e) / 2)), s2 = _mm512_set1_ps(pow2(22 - e - (22 - e) / 2));
+            __m512i X0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x0, s1), s2));
+            __m512i X1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x1, s1), s2));
+            digits16(X0, &lo[0], &lo[8], &lo[16]);
+            digits16(X1, &hi[0], &hi[8], &hi[16]);
+            const float sx = pow2((e - 22) / 2) * pow2(e - 22 - (e - 22) / 2);
+            for (int i = 0; i < 4; i++) lanes[16 * c + 4 * j + i] = sx;
+        }
+    }
+    return 0;
+}
+
+#define ONES16 _mm512_set1_epi16(1)
+/* t + (sum of 4 u8 x s8 products of lo and xl) + (same for hi, xh), per dword lane:
+ * vpmaddubsw pairs (|15 * 128 * 2| fits int16, and so does the sum of two), vpmaddwd */
+#define DOT2_MADD(t, lo, xl, hi, xh)                                                             \
+    _mm512_add_epi32(t, _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, xl),        \
+                                                           _mm512_maddubs_epi16(hi, xh)),       \
+                                          ONES16))
+#define DOT2_VNNI(t, lo, xl, hi, xh) _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(t, lo, xl), hi, xh)
+
+/* The kernel, once per dot-product flavour (a macro: the VNNI one needs its own target). */
+#define Q4_GEMV_DIGITS(NAME, TARGET, DOT2)                                                       \
+    /* sum over chunk c of q * X, per dword lane (8 elements of block lane / 4) */              \
+    TARGET static inline __attribute__((always_inline)) __m512i NAME##_chunk(                   \
+        const uint8_t *q, const int8_t *xd, int64_t KB, int64_t c) {                            \
+        const int64_t bytes = KB - 64 * c < 64 ? KB - 64 * c : 64;                              \
+        const __m512i *xc = (const __m512i *)(xd + c * CHUNK_BYTES);                            \
+        const __m512i m4 = _mm512_set1_epi8(0x0f);                                              \
+        /* masked loads only at the tail: streaming from memory through masked loads runs */   \
+        /* ~4x slower on Zen 5 */                                                               \
+        __m512i w = bytes == 64 ? _mm512_loadu_si512(q + 64 * c)                                \
+                                : _mm512_maskz_loadu_epi8(((__mmask64)1 << bytes) - 1, q + 64 * c); \
+        __m512i lo = _mm512_and_si512(w, m4);                                                   \
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);                             \
+        __m512i t = DOT2(_mm512_setzero_si512(), lo, xc[0], hi, xc[1]);                         \
+        t = DOT2(_mm512_slli_epi32(t, 8), lo, xc[2], hi, xc[3]);                                \
+        return DOT2(_mm512_slli_epi32(t, 8), lo, xc[4], hi, xc[5]);                             \
+    }                                                                                           \
+    TARGET static inline __attribute__((always_inline)) void NAME##_row(const qmat *a, int64_t n, \
+                                                                        const int64_t g) {      \
+        const int64_t K = a->K, KB = K / 2, G = K / g, C = (K + CHUNK - 1) / CHUNK;             \
+        const int64_t gpc = CHUNK / g; /* groups per chunk */                                  \
+        const int8_t *xd = a->xq;                                                               \
+        const float *lanes = (const float *)(xd + C * CHUNK_BYTES);                             \
+        const uint8_t *q = (const uint8_t *)a->qw + n * KB;                                     \
+        const uint16_t *s = (const uint16_t *)a->scales + n * G;                                \
+        /* lane l of a chunk belongs to group l / (16 / gpc) of the chunk's gpc groups */       \
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); \
+        const __m512i gidx = g == 32   ? _mm512_srli_epi32(lane, 2)                             \
+                             : g == 64 ? _mm512_srli_epi32(lane, 3)                             \
+                                       : _mm512_setzero_si512();                                \
+        __m512 acc[ACC];                                                                        \
+        for (int i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();                             \
+        /* chunks in turn to ACC accumulators, the last C % ACC to the first */                \
+        int64_t c = 0;                                                                          \
+        for (; c < C; c += ACC) {                                                               \
+            const int u_end = C - c < ACC ? (int)(C - c) : ACC;                                 \
+            for (int u = 0; u < ACC; u++) {                                                     \
+                if (u >= u_end) break;                                                          \
+                const int64_t cu = c + u;                                                       \
+                const int64_t bytes = KB - 64 * cu < 64 ? KB - 64 * cu : 64;                    \
+                const uint16_t *sc = s + cu * gpc;                                              \
+                __m128i h = bytes < 64 ? _mm_maskz_loadu_epi16((__mmask8)((1u << (bytes * 2 / g)) - 1), sc) \
+                            : g == 32  ? _mm_loadl_epi64((const __m128i *)sc)                   \
+                            : g == 64  ? _mm_cvtsi32_si128(load_i32(sc))                        \
+                                       : _mm_cvtsi32_si128(*sc);                                \
+                __m512 d = _mm512_permutexvar_ps(gidx, _mm512_castps128_ps512(_mm_cvtph_ps(h))); \
+                __m512 f = _mm512_cvtepi32_ps(NAME##_chunk(q, xd, KB, cu));                     \
+                __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(lanes + 16 * cu));              \
+                if (u_end == ACC)                                                               \
+                    acc[u] = _mm512_fmadd_ps(f, scale, acc[u]);                                 \
+                else                                                                            \
+                    acc[0] = _mm512_fmadd_ps(f, scale, acc[0]);                                 \
+            }                                                                                   \
+        }                                                                                       \
+        a->y[n] = hsum_acc(acc) +                                                               \
+                  group_offset((a->mins ? a->mins : (const uint16_t *)a->scales) + n * G, G,    \
+                               a->xsum);                                                        \
+    }                                                                                           \
+    TARGET static void NAME(const qmat *a, int64_t n0, int64_t n1) {                            \
+        switch (a->g) {                                                                         \
+        case 32: ROWS_LOOP(NAME##_row, 32); break;                                              \
+        case 64: ROWS_LOOP(NAME##_row, 64); break;                                              \
+        default: ROWS_LOOP(NAME##_row, 128); break;                                             \
+        }                                                                                       \
+    }
+
+Q4_GEMV_DIGITS(q4_gemv_digits, TARGET_AVX512, DOT2_MADD)
+Q4_GEMV_DIGITS(q4_gemv_digits_vnni, TARGET_AVX512_VNNI, DOT2_VNNI)
+
+/* ------------------------------------------------------------------------------------
+ * Dequantization for the GEMM (exactly the formats' definitions: no FMA)
+ * ---------------------------------------------------------------------------------- */
+
+T void q8_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t K = a->K, g = a->g;
+    for (int64_t n = n0; n < n1; n++, w += K) {
+        const int8_t *q = (const int8_t *)a->qw + n * K;
+        if (g) {
+            const uint16_t *s = (const uint16_t *)a->scales + n * (K / g);
+            for (int64_t k0 = 0; k0 < K; k0 += g) {
+                __m512 d = bcast_half(s + k0 / g);
+                for (int64_t k = k0; k < k0 + g; k += 16)
+                    _mm512_storeu_ps(w + k, _mm512_mul_ps(widen_i8(q + k), d));
+            }
+        } else {
+            __m512 d = _mm512_set1_ps(((const float *)a->scales)[n]);
+            int64_t k = 0;
+            for (; k + 16 <= K; k += 16) _mm512_storeu_ps(w + k, _mm512_mul_ps(widen_i8(q + k), d));
+            if (k < K) {
+                const __mmask16 m = first16(K - k);
+                __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + k)));
+                _mm512_mask_storeu_ps(w + k, m, _mm512_mul_ps(v, d));
+            }
+        }
+    }
+}
+
+T void q4_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t K = a->K, g = a->g, G = K / g;
+    const __m512i eight = _mm512_set1_epi32(8);
+    for (int64_t n = n0; n < n1; n++, w += K) {
+        const uint8_t *q = (const uint8_t *)a->qw + n * (K / 2);
+        const uint16_t *s = (const uint16_t *)a->scales + n * G;
+        const uint16_t *mn = a->mins ? a->mins + n * G : NULL;
+        for (int64_t gi = 0; gi < G; gi++) {
+            __m512 d = bcast_half(s + gi);
+            for (int64_t k = gi * g; k < gi * g + g; k += 32) {
+                __m512i lo, hi;
+                widen_i4(q + k / 2, &lo, &hi);
+                if (mn) { /* q * d + m */
+                    __m512 m = bcast_half(mn + gi);
+                    _mm512_storeu_ps(w + k, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), d), m));
+                    _mm512_storeu_ps(w + k + 16,
+                                     _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), d), m));
+                } else { /* (q - 8) * d */
+                    lo = _mm512_sub_epi32(lo, eight);
+                    hi = _mm512_sub_epi32(hi, eight);
+                    _mm512_storeu_ps(w + k, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d));
+                    _mm512_storeu_ps(w + k + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d));
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------
+ * Float tile: y[m, j] (+)= x[m, :] . w[j, :]
+ * ---------------------------------------------------------------------------------- */
+
+/* An MR x NR block of dot products, MR, NR <= 4 fixed at compile time. */
+TI void tile_block(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
+                   int64_t K, int accumulate, const int MR, const int NR) {
+    __m512 c[4][4];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) c[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 xv[4];
+        for (int i = 0; i < MR; i++) xv[i] = _mm512_loadu_ps(x + i * ldx + k);
+        for (int j = 0; j < NR; j++) {
+            __m512 wv = _mm512_loadu_ps(w + j * ldw + k);
+            for (int i = 0; i < MR; i++) c[i][j] = _mm512_fmadd_ps(xv[i], wv, c[i][j]);
+        }
+    }
+    if (k < K) {
+        const __mmask16 m = first16(K - k);
+        __m512 xv[4];
+        for (int i = 0; i < MR; i++) xv[i] = _mm512_maskz_loadu_ps(m, x + i * ldx + k);
+        for (int j = 0; j < NR; j++) {
+            __m512 wv = _mm512_maskz_loadu_ps(m, w + j * ldw + k);
+            for (int i = 0; i < MR; i++) c[i][j] = _mm512_fmadd_ps(xv[i], wv, c[i][j]);
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        float *yi = y + i * ldy;
+        if (NR == 4) {
+            __m128 v = hsum4(c[i][0], c[i][1], c[i][2], c[i][3]);
+            _mm_storeu_ps(yi, accumulate ? _mm_add_ps(_mm_loadu_ps(yi), v) : v);
+        } else {
+            for (int j = 0; j < NR; j++) yi[j] = accumulate ? yi[j] + hsum(c[i][j]) : hsum(c[i][j]);
+        }
+    }
+}
+
+#define TILE_CASE(MR_, NR_)                                                                      \
+    case (MR_) * 8 + (NR_):                                                                      \
+        tile_block(x + m * ldx, ldx, w + j * ldw, ldw, y + m * ldy + j, ldy, K, accumulate,      \
+                   MR_, NR_);                                                                    \
+        break;
+
+T void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
+            int64_t M, int64_t nb, int64_t K, int accumulate) {
+    for (int64_t m = 0; m < M; m += 4) {
+        const int mr = M - m < 4 ? (int)(M - m) : 4;
+        for (int64_t j = 0; j < nb; j += 4) {
+            const int nr = nb - j < 4 ? (int)(nb - j) : 4;
+            switch (mr * 8 + nr) {
+                TILE_CASE(4, 4) TILE_CASE(4, 3) TILE_CASE(4, 2) TILE_CASE(4, 1)
+                TILE_CASE(3, 4) TILE_CASE(3, 3) TILE_CASE(3, 2) TILE_CASE(3, 1)
+                TILE_CASE(2, 4) TILE_CASE(2, 3) TILE_CASE(2, 2) TILE_CASE(2, 1)
+                TILE_CASE(1, 4) TILE_CASE(1, 3) TILE_CASE(1, 2) TILE_CASE(1, 1)
+            }
+        }
+    }
+}
+
+const kernel_table kernels_avx512 = {
+    q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
+};
+const kernel_table kernels_avx512_vnni = {
+    q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
+};
+
+#endif

@@ -1,0 +1,174 @@
+/* The CPU kernels' shared declarations: instruction-set paths, the thread pool, and the
+ * quantized matmuls y = x W^T that every path implements.
+ *
+ * Layers (STYLE.md principle 10): kernels_cpu/reference.py defines each kernel in torch;
+ * this C computes it, one function table per instruction set (scalar.c, avx2.c,
+ * avx512.c, neon.c) chosen per call by the binding (kernels_cpu/ops.py), which checks
+ * shapes and dtypes. module.c is the CPython module: plain data pointers, no PyTorch API.
+ *
+ * Every path lives in one shared object: x86 paths are compiled with per-function
+ * __attribute__((target(...))) and chosen at run time with __builtin_cpu_supports, so
+ * the build never uses -march=native and the same wheel runs on a CPU without AVX-512.
+ *
+ * Other kernel files (lut.c) join the same extension: setup.py compiles every
+ * csrc/ .c file, they may use pool_run and the isa_* functions below, and a file that defines
+ * `PyMethodDef infer_lut_methods[]` (NULL-terminated) has those functions added to the
+ * module (module.c looks the table up as a weak symbol).
+ */
+#ifndef INFER_KERNELS_H
+#define INFER_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ------------------------------------------------------------------------------------
+ * Instruction-set paths
+ * ---------------------------------------------------------------------------------- */
+
+/* The VNNI / dot-product variants differ from their base only in the int4 GEMV's
+ * integer dot products (vpdpbusd / sdot instead of two-instruction sequences). */
+enum {
+    ISA_SCALAR = 0,
+    ISA_AVX2 = 1,
+    ISA_AVX2_VNNI = 2,   /* AVX-VNNI (Alder Lake, Zen 5) */
+    ISA_AVX512 = 3,
+    ISA_AVX512_VNNI = 4, /* AVX512-VNNI (Cascade Lake, Zen 4) */
+    ISA_NEON = 5,
+    ISA_NEON_DOT = 6, /* Armv8.2 dot product */
+    ISA_COUNT = 7
+};
+
+const char *isa_name(int isa);
+int isa_supported(int isa); /* this CPU (and OS) can run the path */
+int isa_best(void);         /* the fastest supported path */
+/* Features by name ("avx512vnni", "avxvnni", "dotprod", "f16c", ...): 1 when present. */
+int cpu_has(const char *feature);
+
+#if defined(__x86_64__) || defined(__i386__)
+#define INFER_X86 1
+/* AVX2 path: Haswell / Zen 1 and later. AVX-512 path: Skylake-X / Zen 4 and later. */
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define TARGET_AVX2_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define TARGET_AVX512_VNNI                                                                       \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512vnni")))
+#endif
+
+/* ------------------------------------------------------------------------------------
+ * Thread pool: our own, not OpenMP (torch links its own libgomp).
+ *
+ * pool_run calls fn(ctx, task, tid) once for each task in [0, n_tasks), spread over
+ * up to `nthreads` threads (the caller is tid 0, workers 1..nthreads-1); tasks are
+ * claimed dynamically, so which thread runs a task varies but each runs exactly once.
+ * Kernels make each output element one task's work in a fixed order, so results do not
+ * depend on the thread count. Workers spin briefly after a job (decode issues ~200
+ * small matmuls per token), then sleep. A call made while the pool is busy (another
+ * Python thread) runs on the caller alone.
+ * ---------------------------------------------------------------------------------- */
+
+typedef void (*pool_fn)(void *ctx, int64_t task, int tid);
+void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
+
+/* ------------------------------------------------------------------------------------
+ * Quantized matmul y (M, N) = x (M, K) W^T, float32 activations and results
+ *
+ * int8 (quant/int8.py): qw int8 (N, K); g = 0: scales float32 (N, 1), K any;
+ *      g = 32/64/128: scales float16 (N, K/g); w = q * d.
+ * int4 (quant/int4.py): qw uint8 (N, K/2), each 32-element run is 16 bytes, byte i =
+ *      element i (low nibble) and element 16 + i (high nibble); scales (and mins when
+ *      asymmetric) float16 (N, K/g), g = 32/64/128;
+ *      symmetric w = (q - 8) * d, asymmetric w = q * d + m.
+ *
+ * M == 1 (decode) runs the GEMV: activations stay float32, weights are widened in
+ * registers and each group's partial dot product is scaled once:
+ *      y[n] = sum_g d[n,g] * sum_{k in g} q[n,k] x[k]  +  sum_g c[n,g] * xsum[g]
+ * (int4: c = m, or c = d with xsum = -8 * sum of x over the group when symmetric).
+ * On x86 the int4 GEMV instead splits x, per block of 32, into three int8 digits,
+ *      x ~ sx * (D2 * 2^16 + D1 * 2^8 + D0),  sx a power of two, |D2 * 2^16 + ...| <= 2^22,
+ * so integer dot products (vpdpbusd, or vpmaddubsw + vpmaddwd) give sum q * x with
+ * 23 significant bits in x: as accurate as float32 arithmetic, and ~2x fewer
+ * instructions per weight byte than widening nibbles to float (which is compute-bound,
+ * not bandwidth-bound, on one core). It is not llama.cpp's one int8 digit (Q8_0
+ * activations), which costs accuracy. Blocks with inf or NaN take the float GEMV.
+ * M > 1 (prefill) runs the GEMM: a tile of weight rows is dequantized once, exactly as
+ * the format defines it, into float32 scratch and multiplied with all M rows.
+ * ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    const float *x;       /* (M, K) */
+    const void *qw;       /* int8 (N, K) or uint8 (N, K/2) */
+    const void *scales;   /* float16 (N, K/g), or float32 (N, 1) for int8 with g == 0 */
+    const uint16_t *mins; /* float16 (N, K/g) for asymmetric int4, else NULL */
+    float *y;             /* (M, N) */
+    int64_t M, N, K, g;   /* g == 0: int8 per output channel */
+    const float *xsum;    /* GEMV, int4: (K/g) group sums of x[0] (times -8 if symmetric) */
+    const void *xq;       /* GEMV, int4, digit path: x[0] as digits and scales (xprep_fn) */
+} qmat;
+
+/* One instruction set's kernels. Each computes the columns [n0, n1) of y. */
+typedef void (*gemv_fn)(const qmat *a, int64_t n0, int64_t n1);
+/* Dequantize rows [n0, n1) of W into w (n1 - n0, K) float32, bit for bit as the format's
+ * definition evaluates it (one product, then a separate sum; no FMA). */
+typedef void (*dequant_fn)(const qmat *a, int64_t n0, int64_t n1, float *w);
+/* y[m, j] = sum_k x[m, k] w[j, k] for m < M, j < nb (rows strided by ldx, ldw, ldy);
+ * accumulate: add to y instead of storing. */
+typedef void (*tile_fn)(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y,
+                        int64_t ldy, int64_t M, int64_t nb, int64_t K, int accumulate);
+
+/* x (K) -> digits and block scales in the layout the path's q4_gemv_digits reads, in a
+ * 64-byte aligned buffer of XPREP_BYTES(K). Returns -1 (and leaves it) if x has inf or NaN. */
+typedef int (*xprep_fn)(const float *x, int64_t K, void *buf);
+#define XPREP_BYTES(K) ((((K) + 127) / 128) * 448 + 64)
+
+typedef struct {
+    gemv_fn q8_gemv, q4_gemv;
+    xprep_fn q4_xprep;      /* NULL: the path has no digit GEMV */
+    gemv_fn q4_gemv_digits;
+    dequant_fn q8_dequant, q4_dequant;
+    tile_fn tile;
+} kernel_table;
+
+extern const kernel_table kernels_scalar;
+#ifdef INFER_X86
+extern const kernel_table kernels_avx2, kernels_avx2_vnni;
+extern const kernel_table kernels_avx512, kernels_avx512_vnni;
+#endif
+#if defined(__aarch64__)
+extern const kernel_table kernels_neon, kernels_neon_dot;
+#endif
+const kernel_table *kernels_for(int isa); /* NULL when the path is not built in */
+
+/* The drivers (matmul.c): split over output rows, run on the pool. bits is 8 or 4.
+ * Returns 0, or -1 when out of memory. */
+int q_matmul(int bits, const qmat *a, int isa, int nthreads);
+
+/* Streaming read of n bytes (a multiple of 256) on nthreads threads; returns a sum of
+ * the bytes so the compiler keeps the reads. For the bandwidth ceiling in benchmarks. */
+double stream_read(const void *p, int64_t n, int isa, int nthreads);
+
+/* float16 -> float32 in plain C (the scalar path; exact for every value). */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000 | (man << 13); /* inf / nan */
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalize */
+        int e = -1;
+        do {
+            e++;
+            man <<= 1;
+        } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    } else {
+        bits = sign;
+    }
+    union {
+        uint32_t u;
+        float f;
+    } v = {bits};
+    return v.f;
+}
+
+#endif

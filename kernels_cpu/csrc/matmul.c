@@ -1,0 +1,108 @@
+/* Drivers for the quantized matmuls: pick GEMV or GEMM, prepare what every row shares,
+ * split output rows into tasks, run them on the pool. Each output element is computed
+ * by one task in an order that depends only on the shapes, so any thread count gives
+ * the same bits. */
+#define _POSIX_C_SOURCE 200112L /* posix_memalign */
+#include <stdlib.h>
+
+#include "kernels.h"
+
+/* GEMM: rows dequantized per tile, and the K slice the float tile works on at a time,
+ * so that a slice of the tile (TILE_N x TILE_K x 4 bytes = 32 KB) stays in L1 while
+ * every row of x passes over it. */
+enum { TILE_N = 16, TILE_K = 512 };
+/* GEMV: below this many weight bytes per thread a second thread costs more than it saves. */
+enum { GEMV_MIN_BYTES_PER_THREAD = 32 * 1024 };
+/* GEMV: tasks of about this many weight bytes (at least 4 per thread), so that a thread
+ * slowed or descheduled by another process holds up little work. */
+enum { GEMV_TASK_BYTES = 64 * 1024 };
+
+typedef struct {
+    const qmat *a;
+    gemv_fn gemv;
+    dequant_fn dequant;
+    tile_fn tile;
+    int64_t rows;   /* per task */
+    float *scratch; /* GEMM: TILE_N x K floats per thread */
+} job_t;
+
+static void gemv_task(void *ctx, int64_t t, int tid) {
+    (void)tid;
+    const job_t *j = ctx;
+    int64_t n0 = t * j->rows, n1 = n0 + j->rows < j->a->N ? n0 + j->rows : j->a->N;
+    j->gemv(j->a, n0, n1);
+}
+
+static void gemm_task(void *ctx, int64_t t, int tid) {
+    const job_t *j = ctx;
+    const qmat *a = j->a;
+    const int64_t K = a->K, n0 = t * TILE_N, nb = a->N - n0 < TILE_N ? a->N - n0 : TILE_N;
+    float *w = j->scratch + (int64_t)tid * TILE_N * K; /* (nb, K) */
+    j->dequant(a, n0, n0 + nb, w);
+    for (int64_t k0 = 0; k0 < K; k0 += TILE_K) {
+        int64_t kc = K - k0 < TILE_K ? K - k0 : TILE_K;
+        j->tile(a->x + k0, K, w + k0, K, a->y + n0, a->N, a->M, nb, kc, k0 > 0);
+    }
+}
+
+static void *aligned(size_t bytes) {
+    void *p = NULL;
+    return posix_memalign(&p, 64, bytes ? bytes : 64) ? NULL : p;
+}
+
+static int gemv(int bits, qmat *a, const kernel_table *kt, int nthreads) {
+    job_t j = {a, bits == 8 ? kt->q8_gemv : kt->q4_gemv, NULL, NULL, 0, NULL};
+    float *xsum = NULL;
+    void *xq = NULL;
+    if (bits == 4) { /* group sums of x, shared by every row: the mins' (or -8 d's) term */
+        const int64_t G = a->K / a->g;
+        if (!(xsum = malloc((size_t)G * sizeof *xsum))) return -1;
+        const float f = a->mins ? 1.0f : -8.0f;
+        for (int64_t gi = 0; gi < G; gi++) { /* 8 partial sums: no add-latency chain */
+            const float *xg = a->x + gi * a->g;
+            float p[8] = {0};
+            for (int64_t k = 0; k < a->g; k += 8)
+                for (int i = 0; i < 8; i++) p[i] += xg[k + i];
+            xsum[gi] = f * (((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7])));
+        }
+        a->xsum = xsum;
+        if (kt->q4_xprep) { /* x as int8 digits; x with inf or NaN keeps the float GEMV */
+            if (!(xq = aligned(XPREP_BYTES(a->K)))) {
+                free(xsum);
+                return -1;
+            }
+            if (kt->q4_xprep(a->x, a->K, xq) == 0) {
+                a->xq = xq;
+                j.gemv = kt->q4_gemv_digits;
+            }
+        }
+    }
+    const int64_t row_bytes = a->K * bits / 8;
+    const int64_t most = a->N * row_bytes / GEMV_MIN_BYTES_PER_THREAD;
+    if (nthreads > most) nthreads = most > 1 ? (int)most : 1;
+    int64_t rows = (GEMV_TASK_BYTES + row_bytes - 1) / row_bytes;
+    const int64_t fair = (a->N + 4 * nthreads - 1) / (4 * nthreads);
+    j.rows = rows < fair ? rows : fair;
+    pool_run(nthreads, (a->N + j.rows - 1) / j.rows, gemv_task, &j);
+    free(xq);
+    free(xsum);
+    return 0;
+}
+
+static int gemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
+    const int64_t n_tasks = (a->N + TILE_N - 1) / TILE_N;
+    if (nthreads > n_tasks) nthreads = (int)n_tasks;
+    job_t j = {a, NULL, bits == 8 ? kt->q8_dequant : kt->q4_dequant, kt->tile, TILE_N, NULL};
+    if (!(j.scratch = aligned((size_t)nthreads * TILE_N * a->K * sizeof(float)))) return -1;
+    pool_run(nthreads, n_tasks, gemm_task, &j);
+    free(j.scratch);
+    return 0;
+}
+
+int q_matmul(int bits, const qmat *a_in, int isa, int nthreads) {
+    qmat a = *a_in;
+    const kernel_table *kt = kernels_for(isa);
+    if (!kt || a.M <= 0 || a.N <= 0) return 0;
+    if (nthreads < 1) nthreads = 1;
+    return a.M == 1 ? gemv(bits, &a, kt, nthreads) : gemm(bits, &a, kt, nthreads);
+}

@@ -1,0 +1,162 @@
+/* infer.kernels_cpu._C: the CPython module over the kernels.
+ *
+ * A plain extension (no PyTorch C++ API): arguments are data pointers and sizes as
+ * Python ints, which kernels_cpu/ops.py takes from tensors after checking their shapes,
+ * dtypes and contiguity. The checks here only keep a wrong call from reading out of
+ * bounds in obvious ways (sizes, group size, path). The GIL is released while a kernel
+ * runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "kernels.h"
+
+/* Another kernel file may add functions to the module (see kernels.h). */
+extern PyMethodDef infer_lut_methods[] __attribute__((weak));
+
+static int parse_ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *out,
+                      const char *name) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        out[i] = PyLong_AsLongLong(args[i]);
+        if (out[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+static int check_isa(long long isa) {
+    if (isa < 0 || isa >= ISA_COUNT || !kernels_for((int)isa) || !isa_supported((int)isa)) {
+        PyErr_Format(PyExc_ValueError, "instruction set %lld is not available on this CPU", isa);
+        return -1;
+    }
+    return 0;
+}
+
+/* Shared by q8_matmul and q4_matmul: v = x, qw, scales, mins, y, M, N, K, g, isa, threads */
+static PyObject *matmul(int bits, const long long *v) {
+    qmat a = {
+        .x = (const float *)(intptr_t)v[0],
+        .qw = (const void *)(intptr_t)v[1],
+        .scales = (const void *)(intptr_t)v[2],
+        .mins = (const uint16_t *)(intptr_t)v[3],
+        .y = (float *)(intptr_t)v[4],
+        .M = v[5],
+        .N = v[6],
+        .K = v[7],
+        .g = v[8],
+    };
+    const long long isa = v[9], threads = v[10];
+    const int g_ok = a.g == 32 || a.g == 64 || a.g == 128 || (bits == 8 && a.g == 0);
+    if (a.M < 0 || a.N < 0 || a.K <= 0 || !g_ok || (a.g && a.K % a.g)) {
+        PyErr_Format(PyExc_ValueError, "int%d matmul: bad sizes M=%lld N=%lld K=%lld g=%lld", bits,
+                     (long long)a.M, (long long)a.N, (long long)a.K, (long long)a.g);
+        return NULL;
+    }
+    if (bits == 8 && a.mins) {
+        PyErr_SetString(PyExc_ValueError, "int8 matmul takes no mins");
+        return NULL;
+    }
+    if ((a.M && a.N) && (!a.x || !a.qw || !a.scales || !a.y)) {
+        PyErr_SetString(PyExc_ValueError, "null data pointer");
+        return NULL;
+    }
+    if (check_isa(isa)) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = q_matmul(bits, &a, (int)isa, threads < 1 ? 1 : threads > 255 ? 255 : (int)threads);
+    Py_END_ALLOW_THREADS;
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_q8_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[11];
+    /* (x, qw, scales, y, M, N, K, g, isa, threads): no mins */
+    if (parse_ints(args, nargs, 10, v, "q8_matmul")) return NULL;
+    long long w[11] = {v[0], v[1], v[2], 0, v[3], v[4], v[5], v[6], v[7], v[8], v[9]};
+    return matmul(8, w);
+}
+
+static PyObject *py_q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[11];
+    if (parse_ints(args, nargs, 11, v, "q4_matmul")) return NULL;
+    return matmul(4, v);
+}
+
+static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[4];
+    if (parse_ints(args, nargs, 4, v, "stream_read")) return NULL;
+    if (!v[0] || v[1] < 0 || v[1] % 256) {
+        PyErr_SetString(PyExc_ValueError, "stream_read: null pointer or size not a multiple of 256");
+        return NULL;
+    }
+    if (check_isa(v[2])) return NULL;
+    double s;
+    Py_BEGIN_ALLOW_THREADS;
+    s = stream_read((const void *)(intptr_t)v[0], v[1], (int)v[2], v[3] < 1 ? 1 : (int)v[3]);
+    Py_END_ALLOW_THREADS;
+    return PyFloat_FromDouble(s);
+}
+
+static PyObject *py_isa_names(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    PyObject *t = PyTuple_New(ISA_COUNT);
+    for (int i = 0; t && i < ISA_COUNT; i++) PyTuple_SET_ITEM(t, i, PyUnicode_FromString(isa_name(i)));
+    return t;
+}
+
+static PyObject *py_isa_supported(PyObject *self, PyObject *arg) {
+    (void)self;
+    long isa = PyLong_AsLong(arg);
+    if (isa == -1 && PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(isa >= 0 && isa < ISA_COUNT && kernels_for((int)isa) && isa_supported((int)isa));
+}
+
+static PyObject *py_isa_best(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyLong_FromLong(isa_best());
+}
+
+static PyObject *py_cpu_has(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *f = PyUnicode_AsUTF8(arg);
+    return f ? PyBool_FromLong(cpu_has(f)) : NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"q8_matmul", (PyCFunction)(void (*)(void))py_q8_matmul, METH_FASTCALL,
+     "q8_matmul(x, qweight, scales, y, M, N, K, group_size, isa, threads): y = x W^T, int8 W"},
+    {"q4_matmul", (PyCFunction)(void (*)(void))py_q4_matmul, METH_FASTCALL,
+     "q4_matmul(x, qweight, scales, mins, y, M, N, K, group_size, isa, threads): y = x W^T, "
+     "int4 W (mins 0: symmetric)"},
+    {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,
+     "stream_read(ptr, nbytes, isa, threads): sum a buffer (read-bandwidth probe)"},
+    {"isa_names", py_isa_names, METH_NOARGS, "names of the instruction-set paths, by id"},
+    {"isa_supported", py_isa_supported, METH_O, "whether this CPU can run path `isa`"},
+    {"isa_best", py_isa_best, METH_NOARGS, "the fastest path this CPU can run"},
+    {"cpu_has", py_cpu_has, METH_O, "whether the CPU has a feature (e.g. 'avx512vnni')"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_C",
+    .m_doc = "CPU kernels of infer (see kernels_cpu/ops.py).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__C(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && infer_lut_methods && PyModule_AddFunctions(m, infer_lut_methods) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

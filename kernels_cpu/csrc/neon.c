@@ -1,0 +1,400 @@
+/* AArch64 paths: "neon" (Advanced SIMD, every AArch64 CPU) and "neondot" (Armv8.2 dot
+ * product: the int4 GEMV on x as int8 digits, with sdot). 4 float lanes. The same
+ * algorithms as avx512.c (see there and kernels.h):
+ *
+ * GEMV: one row at a time, ACC accumulators. int8 and (neon) int4 widen weights to float;
+ * neondot's int4 GEMV takes x as three int8 digits per element, one 32-element block
+ * (16 bytes of a row) per step, six sdot.
+ * GEMM: dequantized tile times x in 4 x 4 blocks of dot products (16 accumulators of
+ * the 32 registers).
+ */
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+
+#if defined(__clang__)
+#define TARGET_DOT __attribute__((target("dotprod")))
+#else
+#define TARGET_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+
+#define TI static inline __attribute__((always_inline))
+
+enum { ACC = 4 };
+
+/* Sum of 4 lanes: (0 + 1) + (2 + 3) */
+TI float hsum(float32x4_t v) {
+    float32x2_t p = vpadd_f32(vget_low_f32(v), vget_high_f32(v));
+    return vget_lane_f32(p, 0) + vget_lane_f32(p, 1);
+}
+
+TI float hsum_acc(const float32x4_t *acc) {
+    return hsum(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
+}
+
+/* 4 float16 -> float */
+TI float32x4_t halfs4(const uint16_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+
+/* n < 4 float16 (the rest zero) -> float */
+TI float32x4_t halfs_part(const uint16_t *p, int64_t n) {
+    uint16_t tmp[4] = {0};
+    memcpy(tmp, p, (size_t)n * sizeof *tmp);
+    return halfs4(tmp);
+}
+
+/* 16 int8 -> 4 x 4 floats */
+TI void widen_i8(const int8_t *p, float32x4_t w[4]) {
+    int8x16_t b = vld1q_s8(p);
+    int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_s8(vget_high_s8(b));
+    w[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
+    w[1] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo)));
+    w[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
+    w[3] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)));
+}
+
+/* 16 bytes of int4 -> codes of elements 0..31 as 8 x 4 ints (low nibbles first) */
+TI void widen_i4(const uint8_t *p, int32x4_t c[8]) {
+    uint8x16_t b = vld1q_u8(p);
+    uint8x16_t n[2] = {vandq_u8(b, vdupq_n_u8(15)), vshrq_n_u8(b, 4)};
+    for (int h = 0; h < 2; h++) {
+        uint16x8_t lo = vmovl_u8(vget_low_u8(n[h])), hi = vmovl_u8(vget_high_u8(n[h]));
+        c[4 * h + 0] = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(lo)));
+        c[4 * h + 1] = vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(lo)));
+        c[4 * h + 2] = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(hi)));
+        c[4 * h + 3] = vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(hi)));
+    }
+}
+
+/* sum_g c[g] * xsum[g]: the int4 GEMV's mins (or -8 d) term of one row */
+TI float group_offset(const uint16_t *c, int64_t G, const float *xsum) {
+    float32x4_t off = vdupq_n_f32(0);
+    int64_t gi = 0;
+    for (; gi + 4 <= G; gi += 4) off = vfmaq_f32(off, halfs4(c + gi), vld1q_f32(xsum + gi));
+    if (gi < G) {
+        float xs[4] = {0};
+        memcpy(xs, xsum + gi, (size_t)(G - gi) * sizeof *xs);
+        off = vfmaq_f32(off, halfs_part(c + gi, G - gi), vld1q_f32(xs));
+    }
+    return hsum(off);
+}
+
+/* ------------------------------------------------------------------------------------
+ * int8 GEMV
+ * ---------------------------------------------------------------------------------- */
+
+/* sum over one group of q * x, from element k0 */
+TI float32x4_t q8_group(const int8_t *q, const float *x, int64_t k0, const int64_t g) {
+    float32x4_t t = vdupq_n_f32(0);
+    for (int64_t k = k0; k < k0 + g; k += 16) {
+        float32x4_t w[4];
+        widen_i8(q + k, w);
+        for (int i = 0; i < 4; i++) t = vfmaq_f32(t, w[i], vld1q_f32(x + k + 4 * i));
+    }
+    return t;
+}
+
+TI void q8_gemv_row(const qmat *a, int64_t n, const int64_t g) {
+    const int64_t K = a->K;
+    const float *x = a->x;
+    const int8_t *q = (const int8_t *)a->qw + n * K;
+    float32x4_t acc[ACC];
+    for (int i = 0; i < ACC; i++) acc[i] = vdupq_n_f32(0);
+    if (g) {
+        const int64_t G = K / g;
+        const uint16_t *s = (const uint16_t *)a->scales + n * G;
+        int64_t j = 0;
+        for (; j + ACC <= G; j += ACC) {
+            const float32x4_t d = halfs4(s + j);
+            acc[0] = vfmaq_laneq_f32(acc[0], q8_group(q, x, (j + 0) * g, g), d, 0);
+            acc[1] = vfmaq_laneq_f32(acc[1], q8_group(q, x, (j + 1) * g, g), d, 1);
+            acc[2] = vfmaq_laneq_f32(acc[2], q8_group(q, x, (j + 2) * g, g), d, 2);
+            acc[3] = vfmaq_laneq_f32(acc[3], q8_group(q, x, (j + 3) * g, g), d, 3);
+        }
+        for (; j < G; j++) acc[0] = vfmaq_n_f32(acc[0], q8_group(q, x, j * g, g), half_to_float(s[j]));
+        a->y[n] = hsum_acc(acc);
+    } else {
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            float32x4_t w[4];
+            widen_i8(q + k, w);
+            for (int i = 0; i < 4; i++) acc[i] = vfmaq_f32(acc[i], w[i], vld1q_f32(x + k + 4 * i));
+        }
+        if (k < K) { /* the last K % 16 through a zero-padded copy */
+            int8_t qt[16] = {0};
+            float xt[16] = {0};
+            memcpy(qt, q + k, (size_t)(K - k));
+            memcpy(xt, x + k, (size_t)(K - k) * sizeof *xt);
+            float32x4_t w[4];
+            widen_i8(qt, w);
+            for (int i = 0; i < 4; i++) acc[0] = vfmaq_f32(acc[0], w[i], vld1q_f32(xt + 4 * i));
+        }
+        a->y[n] = hsum_acc(acc) * ((const float *)a->scales)[n];
+    }
+}
+
+#define ROWS_LOOP(ROW, g)                                                                        \
+    do {                                                                                         \
+        for (int64_t n = n0; n < n1; n++) ROW(a, n, g);                                          \
+    } while (0)
+
+static void q8_gemv(const qmat *a, int64_t n0, int64_t n1) {
+    switch (a->g) {
+    case 32: ROWS_LOOP(q8_gemv_row, 32); break;
+    case 64: ROWS_LOOP(q8_gemv_row, 64); break;
+    case 128: ROWS_LOOP(q8_gemv_row, 128); break;
+    default: ROWS_LOOP(q8_gemv_row, 0); break;
+    }
+}
+
+/* ------------------------------------------------------------------------------------
+ * int4 GEMV, float
+ * ---------------------------------------------------------------------------------- */
+
+TI float32x4_t q4_group(const uint8_t *q, const float *x, int64_t k0, const int64_t g) {
+    float32x4_t t = vdupq_n_f32(0);
+    for (int64_t k = k0; k < k0 + g; k += 32) {
+        int32x4_t c[8];
+        widen_i4(q + k / 2, c);
+        for (int i = 0; i < 8; i++) t = vfmaq_f32(t, vcvtq_f32_s32(c[i]), vld1q_f32(x + k + 4 * i));
+    }
+    return t;
+}
+
+TI void q4_gemv_row(const qmat *a, int64_t n, const int64_t g) {
+    const int64_t K = a->K, G = K / g;
+    const uint8_t *q = (const uint8_t *)a->qw + n * (K / 2);
+    const uint16_t *s = (const uint16_t *)a->scales + n * G;
+    float32x4_t acc[ACC];
+    for (int i = 0; i < ACC; i++) acc[i] = vdupq_n_f32(0);
+    int64_t j = 0;
+    for (; j + ACC <= G; j += ACC) {
+        const float32x4_t d = halfs4(s + j);
+        acc[0] = vfmaq_laneq_f32(acc[0], q4_group(q, a->x, (j + 0) * g, g), d, 0);
+        acc[1] = vfmaq_laneq_f32(acc[1], q4_group(q, a->x, (j + 1) * g, g), d, 1);
+        acc[2] = vfmaq_laneq_f32(acc[2], q4_group(q, a->x, (j + 2) * g, g), d, 2);
+        acc[3] = vfmaq_laneq_f32(acc[3], q4_group(q, a->x, (j + 3) * g, g), d, 3);
+    }
+    for (; j < G; j++) acc[0] = vfmaq_n_f32(acc[0], q4_group(q, a->x, j * g, g), half_to_float(s[j]));
+    a->y[n] = hsum_acc(acc) + group_offset(a->mins ? a->mins + n * G : s, G, a->xsum);
+}
+
+static void q4_gemv(const qmat *a, int64_t n0, int64_t n1) {
+    switch (a->g) {
+    case 32: ROWS_LOOP(q4_gemv_row, 32); break;
+    case 64: ROWS_LOOP(q4_gemv_row, 64); break;
+    default: ROWS_LOOP(q4_gemv_row, 128); break;
+    }
+}
+
+/* ------------------------------------------------------------------------------------
+ * int4 GEMV on x as int8 digits (neondot)
+ *
+ * One chunk = one block of 32 elements = 16 bytes of a row; its digits are stored as
+ * [digit 2, 1, 0][low, high][16 bytes] (low: elements 0..15, high: 16..31), 96 bytes,
+ * and after all chunks one scale per block.
+ * ---------------------------------------------------------------------------------- */
+
+enum { CHUNK = 32, CHUNK_BYTES = 3 * 2 * 16 };
+
+TI float pow2(int k) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)(k + 127) << 23};
+    return v.f;
+}
+
+/* 4 int32 X -> digits (D2, D1, D0) as int32 */
+TI void digits4(int32x4_t X, int32x4_t d[3]) {
+    int32x4_t D0 = vshrq_n_s32(vshlq_n_s32(X, 24), 24);
+    int32x4_t X1 = vshrq_n_s32(vsubq_s32(X, D0), 8);
+    int32x4_t D1 = vshrq_n_s32(vshlq_n_s32(X1, 24), 24);
+    d[0] = vshrq_n_s32(vsubq_s32(X1, D1), 8);
+    d[1] = D1;
+    d[2] = D0;
+}
+
+/* 16 int32 digits (4 vectors) -> 16 bytes (they fit int8: no saturation) */
+TI int8x16_t narrow16(const int32x4_t v[4]) {
+    int16x8_t a = vcombine_s16(vmovn_s32(v[0]), vmovn_s32(v[1]));
+    int16x8_t b = vcombine_s16(vmovn_s32(v[2]), vmovn_s32(v[3]));
+    return vcombine_s8(vmovn_s16(a), vmovn_s16(b));
+}
+
+static int q4_xprep(const float *x, int64_t K, void *buf) {
+    const int64_t C = K / CHUNK; /* int4 rows are whole blocks */
+    int8_t *xd = buf;
+    float *scale = (float *)(xd + C * CHUNK_BYTES);
+    for (int64_t c = 0; c < C; c++) {
+        float32x4_t xv[8], m = vdupq_n_f32(0);
+        for (int i = 0; i < 8; i++) {
+            xv[i] = vld1q_f32(x + c * CHUNK + 4 * i);
+            m = vmaxq_f32(m, vabsq_f32(xv[i])); /* FMAX: NaN propagates */
+        }
+        union {
+            float f;
+            uint32_t u;
+        } v = {vmaxvq_f32(m)};
+        const int ef = (int)(v.u >> 23) & 0xff;
+        if (ef == 0xff) return -1; /* inf or NaN */
+        const int e = (ef ? ef : 1) - 126;
+        const float32x4_t s1 = vdupq_n_f32(pow2((22 - e) / 2)), s2 = vdupq_n_f32(pow2(22 - e - (22 - e) / 2));
+        int32x4_t dg[3][8];
+        for (int i = 0; i < 8; i++) {
+            int32x4_t d[3];
+            digits4(vcvtnq_s32_f32(vmulq_f32(vmulq_f32(xv[i], s1), s2)), d);
+            for (int p = 0; p < 3; p++) dg[p][i] = d[p];
+        }
+        int8_t *out = xd + c * CHUNK_BYTES;
+        for (int p = 0; p < 3; p++) {
+            vst1q_s8(out + 32 * p, narrow16(dg[p]));          /* elements 0..15 */
+            vst1q_s8(out + 32 * p + 16, narrow16(dg[p] + 4)); /* elements 16..31 */
+        }
+        scale[c] = pow2((e - 22) / 2) * pow2(e - 22 - (e - 22) / 2);
+    }
+    return 0;
+}
+
+/* sum over block c of q * X, per lane */
+TARGET_DOT TI int32x4_t q4_chunk(const uint8_t *q, const int8_t *xd, int64_t c) {
+    const int8_t *xc = xd + c * CHUNK_BYTES;
+    uint8x16_t w = vld1q_u8(q + 16 * c);
+    int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(w, vdupq_n_u8(15)));
+    int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(w, 4));
+    int32x4_t t = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xc)), hi, vld1q_s8(xc + 16));
+    t = vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 32)), hi, vld1q_s8(xc + 48));
+    return vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 64)), hi, vld1q_s8(xc + 80));
+}
+
+TARGET_DOT TI void q4_digits_row(const qmat *a, int64_t n, const int64_t g) {
+    const int64_t K = a->K, G = K / g, C = K / CHUNK, bpg = g / CHUNK; /* blocks per group */
+    const int8_t *xd = a->xq;
+    const float *scale = (const float *)(xd + C * CHUNK_BYTES);
+    const uint8_t *q = (const uint8_t *)a->qw + n * (K / 2);
+    const uint16_t *s = (const uint16_t *)a->scales + n * G;
+    float32x4_t acc[ACC];
+    for (int i = 0; i < ACC; i++) acc[i] = vdupq_n_f32(0);
+    /* blocks in turn to ACC accumulators, the last C % ACC to the first */
+    int64_t c = 0;
+    for (; c + ACC <= C; c += ACC)
+        for (int u = 0; u < ACC; u++) {
+            const float d = half_to_float(s[(c + u) / bpg]) * scale[c + u];
+            acc[u] = vfmaq_n_f32(acc[u], vcvtq_f32_s32(q4_chunk(q, xd, c + u)), d);
+        }
+    for (; c < C; c++)
+        acc[0] = vfmaq_n_f32(acc[0], vcvtq_f32_s32(q4_chunk(q, xd, c)), half_to_float(s[c / bpg]) * scale[c]);
+    a->y[n] = hsum_acc(acc) +
+              group_offset((a->mins ? a->mins : (const uint16_t *)a->scales) + n * G, G, a->xsum);
+}
+
+TARGET_DOT static void q4_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
+    switch (a->g) {
+    case 32: ROWS_LOOP(q4_digits_row, 32); break;
+    case 64: ROWS_LOOP(q4_digits_row, 64); break;
+    default: ROWS_LOOP(q4_digits_row, 128); break;
+    }
+}
+
+/* ------------------------------------------------------------------------------------
+ * Dequantization for the GEMM (the formats' definitions: no FMA)
+ * ---------------------------------------------------------------------------------- */
+
+static void q8_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t K = a->K, g = a->g;
+    for (int64_t n = n0; n < n1; n++, w += K) {
+        const int8_t *q = (const int8_t *)a->qw + n * K;
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            const float d = g ? half_to_float(((const uint16_t *)a->scales)[n * (K / g) + k / g])
+                              : ((const float *)a->scales)[n];
+            float32x4_t v[4];
+            widen_i8(q + k, v);
+            for (int i = 0; i < 4; i++) vst1q_f32(w + k + 4 * i, vmulq_n_f32(v[i], d));
+        }
+        for (; k < K; k++) w[k] = (float)q[k] * ((const float *)a->scales)[n]; /* g == 0 only */
+    }
+}
+
+static void q4_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t K = a->K, g = a->g, G = K / g;
+    for (int64_t n = n0; n < n1; n++, w += K) {
+        const uint8_t *q = (const uint8_t *)a->qw + n * (K / 2);
+        for (int64_t k = 0; k < K; k += 32) {
+            const float32x4_t d = vdupq_n_f32(half_to_float(((const uint16_t *)a->scales)[n * G + k / g]));
+            int32x4_t c[8];
+            widen_i4(q + k / 2, c);
+            if (a->mins) { /* q * d + m */
+                const float32x4_t m = vdupq_n_f32(half_to_float(a->mins[n * G + k / g]));
+                for (int i = 0; i < 8; i++)
+                    vst1q_f32(w + k + 4 * i, vaddq_f32(vmulq_f32(vcvtq_f32_s32(c[i]), d), m));
+            } else { /* (q - 8) * d */
+                for (int i = 0; i < 8; i++)
+                    vst1q_f32(w + k + 4 * i, vmulq_f32(vcvtq_f32_s32(vsubq_s32(c[i], vdupq_n_s32(8))), d));
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------
+ * Float tile
+ * ---------------------------------------------------------------------------------- */
+
+TI void tile_block(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
+                   int64_t K, int accumulate, const int MR, const int NR) {
+    float32x4_t c[4][4];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) c[i][j] = vdupq_n_f32(0);
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+        float32x4_t xv[4];
+        for (int i = 0; i < MR; i++) xv[i] = vld1q_f32(x + i * ldx + k);
+        for (int j = 0; j < NR; j++) {
+            float32x4_t wv = vld1q_f32(w + j * ldw + k);
+            for (int i = 0; i < MR; i++) c[i][j] = vfmaq_f32(c[i][j], xv[i], wv);
+        }
+    }
+    if (k < K) { /* the last K % 4 through zero-padded copies */
+        float xt[4][4] = {{0}}, wt[4][4] = {{0}};
+        for (int i = 0; i < MR; i++) memcpy(xt[i], x + i * ldx + k, (size_t)(K - k) * sizeof(float));
+        for (int j = 0; j < NR; j++) memcpy(wt[j], w + j * ldw + k, (size_t)(K - k) * sizeof(float));
+        for (int j = 0; j < NR; j++)
+            for (int i = 0; i < MR; i++) c[i][j] = vfmaq_f32(c[i][j], vld1q_f32(xt[i]), vld1q_f32(wt[j]));
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) {
+            float *yij = y + i * ldy + j;
+            *yij = accumulate ? *yij + hsum(c[i][j]) : hsum(c[i][j]);
+        }
+}
+
+#define TILE_CASE(MR_, NR_)                                                                      \
+    case (MR_) * 8 + (NR_):                                                                      \
+        tile_block(x + m * ldx, ldx, w + j * ldw, ldw, y + m * ldy + j, ldy, K, accumulate,      \
+                   MR_, NR_);                                                                    \
+        break;
+
+static void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
+                 int64_t M, int64_t nb, int64_t K, int accumulate) {
+    for (int64_t m = 0; m < M; m += 4) {
+        const int mr = M - m < 4 ? (int)(M - m) : 4;
+        for (int64_t j = 0; j < nb; j += 4) {
+            const int nr = nb - j < 4 ? (int)(nb - j) : 4;
+            switch (mr * 8 + nr) {
+                TILE_CASE(4, 4) TILE_CASE(4, 3) TILE_CASE(4, 2) TILE_CASE(4, 1)
+                TILE_CASE(3, 4) TILE_CASE(3, 3) TILE_CASE(3, 2) TILE_CASE(3, 1)
+                TILE_CASE(2, 4) TILE_CASE(2, 3) TILE_CASE(2, 2) TILE_CASE(2, 1)
+                TILE_CASE(1, 4) TILE_CASE(1, 3) TILE_CASE(1, 2) TILE_CASE(1, 1)
+            }
+        }
+    }
+}
+
+const kernel_table kernels_neon = {q8_gemv, q4_gemv, NULL, NULL, q8_dequant, q4_dequant, tile};
+const kernel_table kernels_neon_dot = {
+    q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
+};
+
+#endif

@@ -1,0 +1,110 @@
+/* Portable path: plain C11, any CPU. Dot products keep 8 partial sums (element k goes to
+ * sum k % 8), which breaks the add-latency chain and lets compilers use whatever
+ * vector unit the baseline target has, without reassociating anything. */
+#include "kernels.h"
+
+enum { L = 8 };
+
+/* Sum of L partial sums, pairing (i, i + 4), (i, i + 2), (i, i + 1). */
+static float hsum(const float *p) {
+    float a0 = p[0] + p[4], a1 = p[1] + p[5], a2 = p[2] + p[6], a3 = p[3] + p[7];
+    return (a0 + a2) + (a1 + a3);
+}
+
+/* ---------------------------------------------------------------------------------- */
+
+static void q8_gemv(const qmat *a, int64_t n0, int64_t n1) {
+    const int64_t K = a->K, g = a->g;
+    const float *x = a->x;
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *q = (const int8_t *)a->qw + n * K;
+        float acc[L] = {0};
+        if (g) {
+            const uint16_t *s = (const uint16_t *)a->scales + n * (K / g);
+            for (int64_t k0 = 0; k0 < K; k0 += g) {
+                float t[L] = {0};
+                for (int64_t k = k0; k < k0 + g; k += L)
+                    for (int i = 0; i < L; i++) t[i] += (float)q[k + i] * x[k + i];
+                const float d = half_to_float(s[k0 / g]);
+                for (int i = 0; i < L; i++) acc[i] += t[i] * d;
+            }
+            a->y[n] = hsum(acc);
+        } else {
+            for (int64_t k = 0; k < K; k++) acc[k % L] += (float)q[k] * x[k];
+            a->y[n] = hsum(acc) * ((const float *)a->scales)[n];
+        }
+    }
+}
+
+static void q4_gemv(const qmat *a, int64_t n0, int64_t n1) {
+    const int64_t K = a->K, g = a->g, G = K / g;
+    const float *x = a->x;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *q = (const uint8_t *)a->qw + n * (K / 2);
+        const uint16_t *s = (const uint16_t *)a->scales + n * G;
+        const uint16_t *c = a->mins ? a->mins + n * G : s; /* times xsum */
+        float acc[L] = {0}, off[L] = {0};
+        for (int64_t gi = 0; gi < G; gi++) {
+            float t[L] = {0};
+            for (int64_t k = gi * g; k < gi * g + g; k += 32) {
+                const uint8_t *b = q + k / 2;
+                for (int i = 0; i < 16; i++) t[i % L] += (float)(b[i] & 15) * x[k + i];
+                for (int i = 0; i < 16; i++) t[i % L] += (float)(b[i] >> 4) * x[k + 16 + i];
+            }
+            const float d = half_to_float(s[gi]);
+            for (int i = 0; i < L; i++) acc[i] += t[i] * d;
+            off[gi % L] += half_to_float(c[gi]) * a->xsum[gi];
+        }
+        a->y[n] = hsum(acc) + hsum(off);
+    }
+}
+
+/* ---------------------------------------------------------------------------------- */
+
+static void q8_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t K = a->K, g = a->g;
+    for (int64_t n = n0; n < n1; n++, w += K) {
+        const int8_t *q = (const int8_t *)a->qw + n * K;
+        for (int64_t k = 0; k < K; k++) {
+            float d = g ? half_to_float(((const uint16_t *)a->scales)[n * (K / g) + k / g])
+                        : ((const float *)a->scales)[n];
+            w[k] = (float)q[k] * d;
+        }
+    }
+}
+
+static void q4_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t K = a->K, g = a->g, G = K / g;
+    for (int64_t n = n0; n < n1; n++, w += K) {
+        const uint8_t *q = (const uint8_t *)a->qw + n * (K / 2);
+        for (int64_t k = 0; k < K; k++) {
+            const uint8_t b = q[k / 32 * 16 + k % 16];
+            const int code = k % 32 < 16 ? b & 15 : b >> 4;
+            const float d = half_to_float(((const uint16_t *)a->scales)[n * G + k / g]);
+            if (a->mins) {
+                float p = (float)code * d; /* q * d + m: one product, then a separate sum */
+                w[k] = p + half_to_float(a->mins[n * G + k / g]);
+            } else {
+                w[k] = (float)(code - 8) * d;
+            }
+        }
+    }
+}
+
+static void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
+                 int64_t M, int64_t nb, int64_t K, int accumulate) {
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t j = 0; j < nb; j++) {
+            const float *xm = x + m * ldx, *wj = w + j * ldw;
+            float acc[L] = {0};
+            int64_t k = 0;
+            for (; k + L <= K; k += L)
+                for (int i = 0; i < L; i++) acc[i] += xm[k + i] * wj[k + i];
+            for (int i = 0; k + i < K; i++) acc[i] += xm[k + i] * wj[k + i];
+            const float s = hsum(acc);
+            y[m * ldy + j] = accumulate ? y[m * ldy + j] + s : s;
+        }
+    }
+}
+
+const kernel_table kernels_scalar = {q8_gemv, q4_gemv, NULL, NULL, q8_dequant, q4_dequant, tile};

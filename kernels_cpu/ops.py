@@ -1,0 +1,198 @@
+"""The binding: check shapes and dtypes, choose the instruction-set path and the thread
+count, call the C kernels (csrc/, built as `_C`). Without the extension the torch
+reference (reference.py) runs, and one warning says so.
+
+Paths (csrc/kernels.h): "avx512vnni", "avx512", "avx2vnni", "avx2" (x86-64), "neondot",
+"neon" (AArch64) and the portable "scalar"; the best this CPU runs is chosen at run time,
+INFER_KERNEL_ISA=<path> forces one for the whole process, and every op takes isa= for
+one call (tests). Threads: set_num_threads(n); until it is called the kernels follow
+torch.get_num_threads(), so torch.set_num_threads (the CLI's --threads) sets both.
+
+    y = q4_matmul(x, qweight, scales, mins, group_size)     # x (..., K) float32
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+
+from . import reference
+
+try:
+    from . import _C
+except ImportError as e:  # not built: reference path, one warning at first use
+    _C = None
+    _IMPORT_ERROR = e
+
+# The C's path ids, in order.
+ISAS = (
+    _C.isa_names()
+    if _C
+    else ("scalar", "avx2", "avx2vnni", "avx512", "avx512vnni", "neon", "neondot")
+)
+ENV_ISA = "INFER_KERNEL_ISA"
+
+_num_threads: int | None = None
+
+
+def available() -> bool:
+    """Whether the C extension is built and loaded."""
+    return _C is not None
+
+
+def supported_isas() -> list[str]:
+    """The paths this CPU can run, fastest first (empty without the extension)."""
+    if _C is None:
+        return []
+    return [name for i, name in sorted(enumerate(ISAS), reverse=True) if _C.isa_supported(i)]
+
+
+@functools.cache
+def _default_isa() -> int:
+    name = os.environ.get(ENV_ISA, "").strip().lower()
+    return _C.isa_best() if not name else _isa_id(name)
+
+
+def _isa_id(name: str) -> int:
+    if name not in ISAS or not _C.isa_supported(ISAS.index(name)):
+        raise ValueError(
+            f"kernel path {name!r} cannot run here; this CPU runs: {', '.join(supported_isas())}"
+        )
+    return ISAS.index(name)
+
+
+def isa() -> str | None:
+    """The path the kernels take by default (None without the extension)."""
+    return None if _C is None else ISAS[_default_isa()]
+
+
+def set_num_threads(n: int) -> None:
+    """Threads for the kernels (the CLI's --threads); each output row is computed by one
+    thread in a fixed order, so results do not depend on it."""
+    global _num_threads
+    if n < 1:
+        raise ValueError(f"threads must be at least 1, got {n}")
+    _num_threads = int(n)
+
+
+def get_num_threads() -> int:
+    return _num_threads or torch.get_num_threads()
+
+
+@functools.cache
+def _warn_missing() -> None:
+    warnings.warn(
+        f"infer.kernels_cpu: the C extension is not built ({_IMPORT_ERROR}); quantized "
+        "matmuls run the slower torch reference. Reinstall infer (pip install -e .) "
+        "with a C compiler to build it.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Ops. Decode calls them ~200 times a token, so the checks are one expression each and
+# the messages are built only on failure.
+# ---------------------------------------------------------------------------------------
+
+
+def _fail(name: str, what: str, t, want: str) -> None:
+    got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
+    if t is not None and not t.is_contiguous():
+        got += ", not contiguous"
+    raise ValueError(f"{name}: {what} must be a contiguous CPU tensor, {want}; got {got}")
+
+
+def _x_ok(x, K: int) -> bool:
+    return x.dtype is torch.float32 and x.is_cpu and x.dim() > 0 and x.shape[-1] == K
+
+
+def _x_fail(name: str, x, K: int) -> None:
+    if x.dtype is not torch.float32 or not x.is_cpu:
+        raise TypeError(f"{name}: x must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+    raise ValueError(f"{name}: x has shape {tuple(x.shape)}, expected (..., {K})")
+
+
+def _launch(fn, x, K: int, N: int, weights: tuple, g: int, isa, threads):
+    """y (..., N) from the C op `fn` on x (..., K) and the weights' data pointers."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = torch.empty((*x.shape[:-1], N))
+    fn(
+        x.data_ptr(), *weights, y.data_ptr(), x.numel() // K, N, K, g,
+        _default_isa() if isa is None else _isa_id(isa),
+        threads or _num_threads or torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def q8_matmul(x, qweight, scales, group_size: int, *, isa: str | None = None, threads=None):
+    """y (..., N) = x (..., K) W^T for int8 W (quant/int8.py): qweight int8 (N, K); scales
+    float16 (N, K/g) for group_size g in 32/64/128, float32 (N, 1) for 0 (per channel).
+    x float32. isa: a path by name (default: the best, or INFER_KERNEL_ISA); threads:
+    default get_num_threads()."""
+    g = group_size
+    if not (qweight.dtype is torch.int8 and qweight.dim() == 2 and qweight.is_cpu
+            and qweight.is_contiguous()):  # fmt: skip
+        _fail("q8_matmul", "qweight", qweight, "int8 (N, K)")
+    N, K = qweight.shape
+    if g not in (0, 32, 64, 128) or (g and K % g):
+        raise ValueError(f"q8_matmul: group size {g} does not fit K = {K} (0, 32, 64, 128)")
+    sdtype, sshape = (torch.float16, (N, K // g)) if g else (torch.float32, (N, 1))
+    if not (scales.dtype is sdtype and scales.shape == sshape and scales.is_cpu
+            and scales.is_contiguous()):  # fmt: skip
+        _fail("q8_matmul", "scales", scales, f"{sdtype} {sshape}")
+    if not _x_ok(x, K):
+        _x_fail("q8_matmul", x, K)
+    if _C is None:
+        _warn_missing()
+        return reference.q8_matmul(x, qweight, scales, g)
+    return _launch(_C.q8_matmul, x, K, N, (qweight.data_ptr(), scales.data_ptr()), g, isa, threads)
+
+
+def q4_matmul(x, qweight, scales, mins, group_size: int, *, isa=None, threads=None):
+    """y (..., N) = x (..., K) W^T for int4 W (quant/int4.py): qweight uint8 (N, K/2);
+    scales and mins float16 (N, K/g), g in 32/64/128; mins None when symmetric.
+    x float32. isa, threads: as q8_matmul."""
+    g = group_size
+    if not (qweight.dtype is torch.uint8 and qweight.dim() == 2 and qweight.is_cpu
+            and qweight.is_contiguous()):  # fmt: skip
+        _fail("q4_matmul", "qweight", qweight, "uint8 (N, K/2)")
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    if g not in (32, 64, 128) or K % g:
+        raise ValueError(f"q4_matmul: group size {g} does not fit K = {K} (32, 64, 128)")
+    shape = (N, K // g)
+    if not (scales.dtype is torch.float16 and scales.shape == shape and scales.is_cpu
+            and scales.is_contiguous()):  # fmt: skip
+        _fail("q4_matmul", "scales", scales, f"float16 {shape}")
+    if mins is not None and not (mins.dtype is torch.float16 and mins.shape == shape
+                                 and mins.is_cpu and mins.is_contiguous()):  # fmt: skip
+        _fail("q4_matmul", "mins", mins, f"float16 {shape}")
+    if not _x_ok(x, K):
+        _x_fail("q4_matmul", x, K)
+    if _C is None:
+        _warn_missing()
+        return reference.q4_matmul(x, qweight, scales, mins, g)
+    ptrs = (qweight.data_ptr(), scales.data_ptr(), 0 if mins is None else mins.data_ptr())
+    return _launch(_C.q4_matmul, x, K, N, ptrs, g, isa, threads)
+
+
+def read_bandwidth(nbytes: int = 1 << 30, *, isa=None, threads=None, repeats: int = 5) -> float:
+    """The machine's read bandwidth in GB/s: best of `repeats` streaming sums over a
+    buffer of `nbytes` (a multiple of 256), on the kernels' pool."""
+    import time
+
+    if _C is None:
+        raise RuntimeError("read_bandwidth needs the C extension")
+    buf = torch.ones(nbytes, dtype=torch.uint8)  # written once, so every page is mapped
+    isa_id = _default_isa() if isa is None else _isa_id(isa)
+    n = threads or get_num_threads()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _C.stream_read(buf.data_ptr(), nbytes, isa_id, n)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9

@@ -1,0 +1,298 @@
+"""C kernels (kernels_cpu) against their torch reference, on every path this CPU runs.
+
+Shapes are awkward on purpose: M = 1 (the GEMV), 7 and 33 (GEMM with partial blocks),
+N odd, K = 32 x odd (not a multiple of 256), per-channel int8 with K odd. Results must
+match the reference up to float summation order, and be bit-identical for 1 and 2
+threads. Then the quantized layers' forwards, and greedy decoding of the default model
+with kernels against the reference path.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+import torch
+
+from infer.kernels_cpu import ops, reference
+
+# Without the extension the C tests skip, and test_extension_is_built fails.
+needs_c = pytest.mark.skipif(not ops.available(), reason="C extension not built")
+ISAS = ops.supported_isas() or ["none"]
+
+# (bits, group size, symmetric)
+INT8 = [(8, 0, True), (8, 32, True), (8, 64, True), (8, 128, True)]
+INT4 = [(4, g, s) for g in (32, 64, 128) for s in (True, False)]
+KINDS = INT8 + INT4
+KIND_IDS = [f"int{b}-g{g}-{'sym' if s else 'asym'}" for b, g, s in KINDS]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The references are small torch matmuls; on a shared machine torch's own threads
+    only slow them down (the kernels' threads are set per test)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def packed(bits: int, g: int, sym: bool, N: int, K: int, seed: int = 0) -> dict:
+    """Random packed weights: every code (int8 -128 included), scales of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    if bits == 8:
+        q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=gen)
+        s = torch.randn(N, K // g if g else 1, generator=gen) * 0.02
+        return {"qweight": q, "scales": s.half() if g else s, "mins": None}
+    q = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
+    s = (torch.randn(N, K // g, generator=gen) * 0.02).half()
+    m = None if sym else (torch.randn(N, K // g, generator=gen) * 0.1).half()
+    return {"qweight": q, "scales": s, "mins": m}
+
+
+def run(bits, g, w, x, **kw):
+    if bits == 8:
+        return ops.q8_matmul(x, w["qweight"], w["scales"], g, **kw)
+    return ops.q4_matmul(x, w["qweight"], w["scales"], w["mins"], g, **kw)
+
+
+def expected(bits, g, w, x):
+    """The reference result, and a bound on summation-order error: 1e-5 of sum |x| |w|."""
+    if bits == 8:
+        wf = reference.dequantize_int8(w["qweight"], w["scales"], g)
+    else:
+        wf = reference.dequantize_int4(w["qweight"], w["scales"], w["mins"], g)
+    return x @ wf.T, 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
+
+
+def assert_matches(y, x, bits, g, w):
+    ref, tol = expected(bits, g, w, x)
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    bad = (y - ref).abs() > tol
+    assert not bad.any(), (
+        f"{bad.sum()} of {bad.numel()} outside tolerance; max {(y - ref).abs().max()}"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# The build and its paths
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the kernels build with gcc or clang")
+def test_extension_is_built():
+    assert ops.available(), "kernels_cpu._C is missing: reinstall with `pip install -e .`"
+    assert "scalar" in ops.supported_isas()
+    assert ops.isa() in ops.supported_isas()
+
+
+@needs_c
+def test_env_var_forces_a_path(monkeypatch):
+    try:
+        monkeypatch.setenv(ops.ENV_ISA, "scalar")
+        ops._default_isa.cache_clear()
+        assert ops.isa() == "scalar"
+        monkeypatch.setenv(ops.ENV_ISA, "no-such-path")
+        ops._default_isa.cache_clear()
+        with pytest.raises(ValueError, match="cannot run here"):
+            ops.isa()
+    finally:
+        monkeypatch.delenv(ops.ENV_ISA)
+        ops._default_isa.cache_clear()
+
+
+@needs_c
+def test_unsupported_path_is_refused():
+    missing = [i for i in ops.ISAS if i not in ops.supported_isas()]
+    w = packed(8, 32, True, 4, 32)
+    for isa in missing:
+        with pytest.raises(ValueError, match="cannot run here"):
+            run(8, 32, w, torch.randn(1, 32), isa=isa)
+
+
+# ---------------------------------------------------------------------------------------
+# C against the reference
+# ---------------------------------------------------------------------------------------
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("M", [1, 7, 33])
+def test_matches_reference(isa, kind, M):
+    bits, g, sym = kind
+    # K mod 128 = 96, 0, 32, 64: every tail of the 64- and 128-element chunks
+    for N, K in [(37, 32 * 7), (5, 128 * 3), (3, 32 * 5), (66, 32 * 38), (1, 64 * 3)]:
+        if g and K % g:
+            continue
+        w = packed(bits, g, sym, N, K, seed=N + K)
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+        assert_matches(run(bits, g, w, x, isa=isa, threads=2), x, bits, g, w)
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("K", [1, 5, 17, 33, 100])
+@pytest.mark.parametrize("M", [1, 3, 6])
+def test_int8_per_channel_any_row_length(isa, K, M):
+    w = packed(8, 0, True, 9, K, seed=K)
+    x = torch.randn(M, K)
+    assert_matches(run(8, 0, w, x, isa=isa), x, 8, 0, w)
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+def test_special_values(isa):
+    """Scales that are float16 subnormals, zero, negative; x with zeros and huge values."""
+    N, K = 6, 64
+    w = packed(4, 32, False, N, K)
+    w["scales"][0] = torch.tensor([6e-8, -6e-8]).half()  # subnormal
+    w["scales"][1] = 0
+    w["mins"][2] = torch.tensor([-65504.0, 1e-7]).half()
+    x = torch.randn(2, K)
+    x[0, :32] = 0  # a block of zeros
+    x[1, 3] = 1e30
+    assert_matches(run(4, 32, w, x, isa=isa), x, 4, 32, w)
+    w8 = packed(8, 32, True, N, K)
+    w8["scales"][0] = torch.tensor([6e-8, -1e-7]).half()
+    assert_matches(run(8, 32, w8, x, isa=isa), x, 8, 32, w8)
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("M", [1, 5])
+def test_threads_give_identical_bits(isa, kind, M):
+    bits, g, sym = kind
+    N, K = 333, 128 * 5  # several tasks per thread, partial row blocks and tiles
+    w = packed(bits, g, sym, N, K, seed=3)
+    x = torch.randn(M, K)
+    y1 = run(bits, g, w, x, isa=isa, threads=1)
+    for threads in (2, 3):
+        assert torch.equal(run(bits, g, w, x, isa=isa, threads=threads), y1)
+
+
+@needs_c
+def test_leading_dims_empty_rows_and_non_contiguous_x():
+    w = packed(4, 32, False, 10, 64)
+    x = torch.randn(2, 3, 64)
+    y = run(4, 32, w, x)
+    assert y.shape == (2, 3, 10)
+    assert_matches(y.view(6, 10), x.view(6, 64), 4, 32, w)
+    assert run(4, 32, w, torch.randn(0, 64)).shape == (0, 10)
+    xt = torch.randn(64, 3).T  # (3, 64), not contiguous
+    assert_matches(run(4, 32, w, xt), xt.contiguous(), 4, 32, w)
+
+
+@needs_c
+def test_binding_checks_shapes_and_dtypes():
+    w = packed(4, 32, False, 10, 64)
+    with pytest.raises(TypeError, match="float32"):
+        run(4, 32, w, torch.randn(1, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"expected \(\.\.\., 64\)"):
+        run(4, 32, w, torch.randn(1, 32))
+    with pytest.raises(ValueError, match="group size"):
+        run(4, 48, w, torch.randn(1, 64))
+    with pytest.raises(ValueError, match="scales"):
+        ops.q4_matmul(torch.randn(1, 64), w["qweight"], w["scales"].float(), w["mins"], 32)
+    with pytest.raises(ValueError, match="mins"):
+        ops.q4_matmul(torch.randn(1, 64), w["qweight"], w["scales"], w["mins"][:, :1], 32)
+    w8 = packed(8, 0, True, 10, 64)
+    with pytest.raises(ValueError, match="scales"):
+        ops.q8_matmul(torch.randn(1, 64), w8["qweight"], w8["scales"].half(), 0)
+    with pytest.raises(ValueError, match="qweight"):
+        ops.q8_matmul(torch.randn(1, 64), w8["qweight"].float(), w8["scales"], 0)
+
+
+def test_missing_extension_warns_once_and_runs_the_reference(monkeypatch):
+    monkeypatch.setattr(ops, "_C", None)
+    monkeypatch.setattr(ops, "_IMPORT_ERROR", ImportError("simulated"), raising=False)
+    ops._warn_missing.cache_clear()
+    w4, w8 = packed(4, 64, True, 7, 128), packed(8, 32, True, 7, 128)
+    x = torch.randn(3, 128)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y4 = run(4, 64, w4, x)
+            y8 = run(8, 32, w8, x)
+            run(4, 64, w4, x)
+    finally:
+        ops._warn_missing.cache_clear()
+    assert len(caught) == 1 and "not built" in str(caught[0].message)
+    assert torch.equal(y4, reference.q4_matmul(x, w4["qweight"], w4["scales"], None, 64))
+    assert torch.equal(y8, reference.q8_matmul(x, w8["qweight"], w8["scales"], 32))
+
+
+# ---------------------------------------------------------------------------------------
+# The quantized layers route float32 through the kernels
+# ---------------------------------------------------------------------------------------
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "fmt, params",
+    [("int8", {"group_size": 0}), ("int8", {"group_size": 32}), ("int4", {"group_size": 64})],
+)
+def test_quant_linear_forward(fmt, params):
+    from infer.quant.base import FORMATS, QuantLinear
+
+    weight, bias = torch.randn(24, 128), torch.randn(24)
+    q = FORMATS[fmt].from_float(weight, bias, search=False, **params)
+    x = torch.randn(2, 5, 128)
+    ref = QuantLinear.forward(q, x)
+    torch.testing.assert_close(q(x), ref, rtol=1e-4, atol=1e-4)
+    xb = x.bfloat16()  # other dtypes keep their torch paths
+    torch.testing.assert_close(q(xb).float(), ref, rtol=0.05, atol=0.1)
+
+
+# ---------------------------------------------------------------------------------------
+# The default model: greedy tokens with the kernels equal the reference path's
+# ---------------------------------------------------------------------------------------
+
+QUESTION = [{"role": "user", "content": "Why is the sky blue?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2_float(smollm2_gguf, one_torch_thread):
+    from infer.runtime.loader import load_model
+
+    return load_model(smollm2_gguf, torch.float32, max_seq_len=64)
+
+
+@needs_c
+@pytest.mark.parametrize("to", ["int4", "int8"])
+def test_default_model_greedy_tokens_equal_reference(smollm2_float, smollm2_gguf, to, monkeypatch):
+    import copy
+
+    from infer.quant.int8 import Int8Linear
+    from infer.quant.quantize import dequantize_model, quantize_model
+    from infer.quant.recipes import get_recipe
+    from infer.runtime.generate import generate, make_sampler
+    from infer.runtime.gguf_file import GGUFFile
+
+    model = copy.deepcopy(smollm2_float.model)
+    # As `infer quantize --to int4 / int8`: Q4_1 and Q8_0 blocks import losslessly;
+    # int8 requantizes the Q4_1 layers, here without the clipping search (speed).
+    fit = Int8Linear.from_float.__func__
+    monkeypatch.setattr(
+        Int8Linear,
+        "from_float",
+        classmethod(lambda c, w, b=None, **p: fit(c, w, b, **p, search=False)),
+    )
+    quantize_model(model, get_recipe(to), gguf=GGUFFile(smollm2_gguf))
+    prompt = smollm2_float.tokenizer.encode_chat(QUESTION)
+
+    def greedy(n=10):
+        model.cached_tokens.clear()
+        return list(generate(model, prompt, make_sampler(temperature=0), max_tokens=n))
+
+    monkeypatch.setattr(ops, "_num_threads", None)  # restored after the test
+    ops.set_num_threads(1)
+    one = greedy()
+    ops.set_num_threads(2)
+    two = greedy()
+    # The reference path: each QuantLinear's forward is F.linear on its dequantized
+    # weight, which is what a float model holding those weights computes.
+    dequantize_model(model)
+    assert one == two == greedy()

@@ -42,6 +42,7 @@ from typing import ClassVar
 
 import torch
 
+from ..kernels_cpu import lut as lut_kernel
 from ..runtime.errors import InferError
 from .base import QuantLinear, register
 from .int4 import check_params, check_weight, fit_groups
@@ -113,6 +114,14 @@ class LutLinear(QuantLinear):
             if t is None or t.dtype != torch.float16 or tuple(t.shape) != groups:
                 raise InferError(f"{cls.format}: {name} must be float16 of shape {groups}")
         return cls(qweight, scales, mins, p, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32: the LUT kernel (int8 activation tables; kernels_cpu/lut.py bounds its
+        # error); other dtypes, or no C extension: dequantize and matmul.
+        if x.dtype == torch.float32 and x.is_cpu and lut_kernel.available():
+            y = lut_kernel.lut_matmul(x, self.qweight, self.scales, self.mins, self.group_size)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         qweight, scales, mins = self.qweight, self.scales, self.mins

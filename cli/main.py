@@ -307,6 +307,15 @@ def bench(
     ] = 3,
     threads: Threads = None,
     dtype: DTypeOpt = DType.float32,
+    roofline: Annotated[
+        bool,
+        typer.Option(
+            "--roofline",
+            help="Also measure memory read bandwidth, the decode ceiling it sets "
+            "(bandwidth / weight bytes per token), and split decode time into linear "
+            "layers vs the rest.",
+        ),
+    ] = False,
     json_out: Json = False,
     debug: Debug = False,
 ) -> None:
@@ -328,6 +337,7 @@ def bench(
             repeats=repeats,
             dtype=torch_dtype(dtype),
             name=resolved.name,
+            roofline=roofline,
         )
     if json_out:
         print_json(asdict(result))
@@ -363,6 +373,10 @@ def _fail(err: BaseException, exit_code: int, debug: bool) -> None:
 
 
 def main() -> None:
+    # torch's OpenMP workers otherwise spin after every op and take the cores our
+    # kernels' thread pool needs: with 2 threads, int4 decode fell from 80 to 6 tok/s.
+    # Set before torch is imported (commands import it lazily); the user's value wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     debug = _debug_requested(sys.argv[1:])
     try:
         app(prog_name="infer")

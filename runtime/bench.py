@@ -7,6 +7,11 @@ excepted: one row of it), so decode is memory-bound and
 
 is the number to hold against the machine's memory bandwidth (llm.c's bench style).
 The KV cache and activations are left out: at short contexts they are small.
+
+With `roofline=True` the bench also measures that bandwidth (`membw.read_bandwidth`),
+turns it into a ceiling (bandwidth / weight bytes per token) and times where a decoded
+token's time goes: inside the linear layers (nn.Linear and QuantLinear forwards, timed
+by forward hooks in one extra, separate decode run) and everything else.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from ..quant.base import QuantEmbedding, QuantLinear
 from .errors import InferError
 from .generate import generate, make_sampler
 from .llama import Transformer
@@ -36,6 +43,32 @@ BENCH_TEXT = (
     "now limits how fast such a model can produce each new word, because every weight "
     "must travel from memory to the processor once per generated token."
 )
+
+
+@dataclass
+class Roofline:
+    """The decode ceiling memory bandwidth sets, and how close decode comes to it."""
+
+    bandwidth_gb_s: float  # best streaming read with the bench's thread count
+    bandwidth_method: str
+    bandwidth_1thread_gb_s: float  # the same with one thread
+    bandwidth_by_method: dict[str, float]  # GB/s, bench's thread count
+    ceiling_tok_s: float  # bandwidth / weight bytes per token
+    ratio: float  # achieved decode tok/s / ceiling
+
+
+@dataclass
+class Breakdown:
+    """One decoded token's time: linear layers vs everything else (a hooked decode run)."""
+
+    n_tokens: int
+    ms_per_token: float  # with the hooks in place, so a little above 1000 / decode tok/s
+    linear_ms_per_token: float
+    other_ms_per_token: float  # attention, norms, rope, sampling, Python, hook overhead
+    linear_fraction: float
+    linear_weight_bytes: int  # bytes of the linear layers' weights, read once per token
+    linear_gb_s: float  # linear_weight_bytes / linear time: the matmuls' own bandwidth
+    linear_ms_by_name: dict[str, float]  # q_proj ... lm_head, summed over layers
 
 
 @dataclass
@@ -57,10 +90,12 @@ class BenchResult:
     peak_rss_bytes: int
     weight_bytes_per_token: int
     decode_gb_s: float  # weight_bytes_per_token x decode_tok_s / 1e9
+    roofline: Roofline | None = None
+    breakdown: Breakdown | None = None
 
     def rows(self) -> list[list[str]]:
         """(metric, value) pairs as text, for a table."""
-        return [
+        rows = [
             ["model", f"{self.model} ({self.format}, {self.quantization}, run as {self.dtype})"],
             ["threads", str(self.threads)],
             ["load", f"{self.load_s:.2f} s"],
@@ -72,6 +107,39 @@ class BenchResult:
             ["peak RSS", f"{self.peak_rss_bytes / 1e6:.0f} MB"],
             ["repeats", f"{self.repeats} (median, after a warm-up)"],
         ]
+        if r := self.roofline:
+            bw = f"{r.bandwidth_gb_s:.2f} GB/s ({self.threads} threads, {r.bandwidth_method})"
+            rows += [
+                ["read bandwidth", f"{bw}; 1 thread {r.bandwidth_1thread_gb_s:.2f} GB/s"],
+                ["decode ceiling", f"{r.ceiling_tok_s:.1f} tok/s (bandwidth / weights per token)"],
+                ["achieved / ceiling", f"{100 * r.ratio:.0f} %"],
+            ]
+        if b := self.breakdown:
+            share = f"{100 * b.linear_fraction:.0f} %, {b.linear_gb_s:.2f} GB/s"
+            by_name = ", ".join(f"{k} {v:.2f}" for k, v in b.linear_ms_by_name.items())
+            rows += [
+                ["per token (hooked run)", f"{b.ms_per_token:.2f} ms"],
+                ["  linear layers", f"{b.linear_ms_per_token:.2f} ms ({share})"],
+                ["  everything else", f"{b.other_ms_per_token:.2f} ms"],
+                ["  linear by name (ms)", by_name],
+            ]
+        return rows
+
+
+def _embedding_table(model: Transformer) -> tuple[list[torch.Tensor], int, bool]:
+    """The embedding table's tensors, the bytes of one row, and whether lm_head is it."""
+    embed = model.embed_tokens
+    if isinstance(embed, QuantEmbedding):  # rows of a quantized table: (vocab, dim) packed
+        table = embed.table
+        return (
+            list(table.tensors().values()),
+            table.nbytes // table.out_features,
+            table is model.lm_head,
+        )
+    w = embed.weight
+    head = model.lm_head
+    tied = isinstance(head, nn.Linear) and head.weight.data_ptr() == w.data_ptr()
+    return [w], w[0].nbytes, tied
 
 
 def weight_bytes_per_token(model: Transformer) -> int:
@@ -79,22 +147,120 @@ def weight_bytes_per_token(model: Transformer) -> int:
 
     Every parameter and persistent buffer (quantized weights live in buffers) counts
     once, except the embedding table, of which a token reads one row. A tied lm_head
-    reads the whole table, so then it counts in full, once.
+    reads the whole table, so then it counts in full, once. Float or quantized alike.
     """
-    embed = model.embed_tokens.weight
-    tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
+    table, row_bytes, tied = _embedding_table(model)
+    table_ptrs = {t.data_ptr() for t in table}
     seen: set[int] = set()
-    total = 0
+    total = 0 if tied else row_bytes
     # state_dict holds parameters and persistent buffers only (no KV cache, no rope tables).
     for t in model.state_dict(keep_vars=True).values():
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
-        if t.data_ptr() == embed.data_ptr() and not tied:
-            total += embed[0].nbytes
-        else:
+        if tied or t.data_ptr() not in table_ptrs:
             total += t.nbytes
     return total
+
+
+def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The matmuls: every nn.Linear and QuantLinear, by qualified name.
+
+    A module reachable by two names (a tied quantized table is also embed_tokens.table)
+    appears once, under its last name (lm_head, the one whose forward runs).
+    """
+    by_id = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, (nn.Linear, QuantLinear)):
+            by_id[id(m)] = (name, m)
+    return dict(by_id.values())
+
+
+def _weight_nbytes(m: nn.Module) -> int:
+    if isinstance(m, QuantLinear):
+        return m.nbytes
+    return m.weight.nbytes
+
+
+class LinearTimer:
+    """Forward hooks that add up the wall time spent inside linear layers, by leaf name.
+
+    CPU ops run synchronously, so the time between a module's pre-hook and its hook is its
+    forward. The hooks cost a few microseconds a call, which lands outside the linears.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.seconds: dict[str, float] = {}
+        self._start: dict[int, float] = {}
+        self._handles = []
+        for name, m in linear_modules(model).items():
+            leaf = name.rsplit(".", 1)[-1]
+            self._handles.append(m.register_forward_pre_hook(self._pre))
+            self._handles.append(m.register_forward_hook(self._post(leaf)))
+
+    def _pre(self, module, args):
+        self._start[id(module)] = time.perf_counter()
+
+    def _post(self, leaf: str):
+        def hook(module, args, output):
+            dt = time.perf_counter() - self._start.pop(id(module))
+            self.seconds[leaf] = self.seconds.get(leaf, 0.0) + dt
+
+        return hook
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def decode_breakdown(model: Transformer, prompt: list[int], n_gen: int) -> Breakdown:
+    """Decode n_gen tokens with LinearTimer hooks; split each token's time."""
+    timer = LinearTimer(model)
+    try:
+        model.cached_tokens.clear()
+        tokens = generate(model, prompt, make_sampler(temperature=0), max_tokens=n_gen + 1)
+        next(tokens)  # prefill and the first token: not decode
+        timer.reset()
+        t0 = time.perf_counter()
+        for _ in tokens:
+            pass
+        total = time.perf_counter() - t0
+    finally:
+        timer.remove()
+    linear = sum(timer.seconds.values())
+    linear_bytes = sum(_weight_nbytes(m) for m in linear_modules(model).values())
+    return Breakdown(
+        n_tokens=n_gen,
+        ms_per_token=1000 * total / n_gen,
+        linear_ms_per_token=1000 * linear / n_gen,
+        other_ms_per_token=1000 * (total - linear) / n_gen,
+        linear_fraction=linear / total,
+        linear_weight_bytes=linear_bytes,
+        linear_gb_s=linear_bytes * n_gen / linear / 1e9,
+        linear_ms_by_name={k: 1000 * v / n_gen for k, v in timer.seconds.items()},
+    )
+
+
+def measure_roofline(
+    decode_tok_s: float, bytes_per_token: int, threads: int, nbytes: int | None = None
+) -> Roofline:
+    """Measure read bandwidth (with `threads` and with 1) and hold decode against it."""
+    from .membw import read_bandwidth
+
+    bw = read_bandwidth(threads, nbytes)
+    one = bw if threads == 1 else read_bandwidth(1, nbytes)
+    ceiling = bw.bytes_per_s / bytes_per_token
+    return Roofline(
+        bandwidth_gb_s=bw.gb_s,
+        bandwidth_method=bw.method,
+        bandwidth_1thread_gb_s=one.gb_s,
+        bandwidth_by_method={k: v / 1e9 for k, v in bw.by_method.items()},
+        ceiling_tok_s=ceiling,
+        ratio=decode_tok_s / ceiling,
+    )
 
 
 def peak_rss_bytes() -> int:
@@ -131,8 +297,14 @@ def run_bench(
     repeats: int = 3,
     dtype: torch.dtype = torch.float32,
     name: str | None = None,
+    roofline: bool = False,
+    bandwidth_bytes: int | None = None,
 ) -> BenchResult:
-    """Load the model at `path` and time it; figures are medians over `repeats` runs."""
+    """Load the model at `path` and time it; figures are medians over `repeats` runs.
+
+    roofline: also measure memory bandwidth (over a `bandwidth_bytes` buffer,
+    default 1 GiB) for the decode ceiling, and split decode time by a hooked run.
+    """
     if n_prompt < 1 or n_gen < 1 or repeats < 1:
         raise InferError("n_prompt, n_gen and repeats must be at least 1")
     lm = load_model(path, dtype, max_seq_len=n_prompt + n_gen + 1)
@@ -149,6 +321,12 @@ def run_bench(
     decode_s = statistics.median(r[1] for r in runs)
     bytes_per_token = weight_bytes_per_token(model)
     decode_tok_s = n_gen / decode_s
+    threads = torch.get_num_threads()
+    rss = peak_rss_bytes()  # before the bandwidth buffer (1 GiB) is allocated
+    ceiling = breakdown = None
+    if roofline:
+        breakdown = decode_breakdown(model, prompt, n_gen)
+        ceiling = measure_roofline(decode_tok_s, bytes_per_token, threads, bandwidth_bytes)
     info = lm.info
     return BenchResult(
         model=name or Path(path).name,
@@ -156,7 +334,7 @@ def run_bench(
         format=info.format,
         quantization=info.quantization,
         dtype=str(dtype).removeprefix("torch."),
-        threads=torch.get_num_threads(),
+        threads=threads,
         n_prompt=n_prompt,
         n_gen=n_gen,
         repeats=repeats,
@@ -165,7 +343,9 @@ def run_bench(
         ttft_s=ttft,
         prefill_tok_s=statistics.median(n_prompt / r[0] for r in runs),
         decode_tok_s=decode_tok_s,
-        peak_rss_bytes=peak_rss_bytes(),
+        peak_rss_bytes=rss,
         weight_bytes_per_token=bytes_per_token,
         decode_gb_s=bytes_per_token * decode_tok_s / 1e9,
+        roofline=ceiling,
+        breakdown=breakdown,
     )

@@ -51,6 +51,33 @@ def test_weight_bytes_tied_counts_the_shared_matrix_once():
     assert expected == model.args.n_params * 4
 
 
+def _quantize_table(model, tied: bool):
+    """Replace lm_head (and, if tied, the embedding) by int8 per-channel, as a load does."""
+    from infer.quant.base import QuantEmbedding
+    from infer.quant.int8 import Int8Linear
+
+    q = Int8Linear.from_float(model.lm_head.weight.detach(), group_size=0)
+    model.lm_head = q
+    if tied:
+        model.embed_tokens = QuantEmbedding(q)  # the table reachable twice
+    else:
+        e = Int8Linear.from_float(model.embed_tokens.weight.detach(), group_size=0)
+        model.embed_tokens = QuantEmbedding(e)
+    return q
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_with_a_quantized_table(tied):
+    model = _toy(tied=tied)
+    q = _quantize_table(model, tied)
+    floats = sum(p.numel() for n, p in model.named_parameters()) * 4  # blocks and norms
+    expected = floats + q.nbytes  # lm_head: whole
+    if not tied:
+        table = model.embed_tokens.table
+        expected += table.nbytes // 100  # one row of 100
+    assert weight_bytes_per_token(model) == expected
+
+
 class _ByteTokenizer:
     def encode(self, text, add_special=True):
         return list(text.encode())
@@ -112,3 +139,85 @@ def test_bench_cli_json(smollm2_gguf):
     assert data["prefill_tok_s"] > 1 and data["decode_tok_s"] > 0.5
     assert data["decode_gb_s"] > 0
     assert data["peak_rss_bytes"] > data["weight_bytes_per_token"]
+
+
+# ------------------------------------------------------------------ --roofline, breakdown
+
+
+def test_read_bandwidth_small_buffer_restores_threads():
+    from infer.runtime.membw import read_bandwidth
+
+    before = torch.get_num_threads()
+    bw = read_bandwidth(threads=2, nbytes=8 << 20, repeats=1)
+    assert torch.get_num_threads() == before
+    assert bw.threads == 2 and bw.buffer_bytes == 8 << 20
+    assert set(bw.by_method) == {"torch.sum", "numpy.sum", "torch.mv"}
+    assert bw.bytes_per_s == max(bw.by_method.values()) == bw.by_method[bw.method] > 0
+    assert bw.gb_s == bw.bytes_per_s / 1e9
+
+
+def test_linear_modules_names_a_tied_quantized_table_lm_head():
+    from infer.runtime.bench import linear_modules
+
+    model = _toy(tied=True)
+    names = linear_modules(model)
+    assert len(names) == 2 * 7 + 1 and "lm_head" in names
+    q = _quantize_table(model, tied=True)
+    names = linear_modules(model)
+    assert names["lm_head"] is q and "embed_tokens.table" not in names
+
+
+def test_decode_breakdown_splits_linear_time_and_removes_its_hooks():
+    from infer.runtime.bench import decode_breakdown
+
+    model = _toy(tied=False)
+    b = decode_breakdown(model, prompt=[1, 2, 3], n_gen=5)
+    assert b.n_tokens == 5
+    names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert set(b.linear_ms_by_name) == names | {"lm_head"}
+    assert b.linear_ms_per_token == pytest.approx(sum(b.linear_ms_by_name.values()))
+    assert b.linear_ms_per_token + b.other_ms_per_token == pytest.approx(b.ms_per_token)
+    assert 0 < b.linear_fraction < 1 and b.linear_gb_s > 0
+    matrices = sum(p.numel() for n, p in model.named_parameters() if "proj" in n or "lm_head" in n)
+    assert b.linear_weight_bytes == matrices * 4
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert model.cached_tokens[:3] == [1, 2, 3] and len(model.cached_tokens) == 3 + 5
+
+
+def test_run_bench_roofline(tiny_smollm):
+    r = run_bench(
+        tiny_smollm, n_prompt=8, n_gen=4, repeats=1, roofline=True, bandwidth_bytes=8 << 20
+    )
+    ceiling = r.roofline
+    assert ceiling.bandwidth_gb_s > 0 and ceiling.bandwidth_1thread_gb_s > 0
+    assert ceiling.bandwidth_method in ceiling.bandwidth_by_method
+    assert ceiling.ceiling_tok_s == pytest.approx(
+        ceiling.bandwidth_gb_s * 1e9 / r.weight_bytes_per_token
+    )
+    assert ceiling.ratio == pytest.approx(r.decode_tok_s / ceiling.ceiling_tok_s)
+    assert r.breakdown.n_tokens == 4 and "lm_head" in r.breakdown.linear_ms_by_name
+    text = dict(r.rows())
+    assert "decode ceiling" in text and "  linear layers" in text
+    assert run_bench(tiny_smollm, n_prompt=4, n_gen=2, repeats=1).roofline is None
+
+
+def test_bench_cli_roofline_json(tiny_smollm, monkeypatch):
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.runtime import membw
+
+    monkeypatch.setattr(membw, "DEFAULT_BUFFER_BYTES", 8 << 20)  # a fast, not a true, figure
+    threads = torch.get_num_threads()
+    try:
+        args = ["bench", str(tiny_smollm), "-p", "8", "-n", "4", "-r", "1", "-t", "2"]
+        r = CliRunner().invoke(app, [*args, "--roofline", "--json"])
+    finally:
+        torch.set_num_threads(threads)
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    roof, parts = data["roofline"], data["breakdown"]
+    assert roof["ceiling_tok_s"] > 0 and roof["ratio"] > 0
+    assert set(roof["bandwidth_by_method"]) == {"torch.sum", "numpy.sum", "torch.mv"}
+    assert parts["linear_ms_per_token"] > 0 and parts["other_ms_per_token"] > 0
+    assert data["threads"] == 2

@@ -3,12 +3,14 @@
 Registered by main.py. The work is three library calls: load the source as float
 (`load_weights`), swap its layers for quantized ones (`quant.quantize_model`, which
 imports GGUF Q8_0/Q4_0/Q4_1 blocks losslessly where the format matches), and write
-the checkpoint atomically (`runtime.checkpoint.save_checkpoint`).
+the checkpoint atomically (`runtime.checkpoint.save_checkpoint`). With --calibrate the
+text is tokenized here and quantize_model quantizes by GPTQ on it (quant/gptq.py).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -41,7 +43,26 @@ Symmetric = Annotated[
         show_default=False,
     ),
 ]
+CALIB_CTX = 512  # tokens per calibration window (as `infer eval`'s default context)
+
 Force = Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")]
+Calibrate = Annotated[
+    Path | None,
+    typer.Option(
+        "--calibrate",
+        help="A text file: quantize the linear layers by GPTQ, against their inputs on "
+        "this text, instead of rounding each weight alone. Slower, more accurate.",
+        exists=True,
+        dir_okay=False,
+        show_default=False,
+    ),
+]
+CalibTokens = Annotated[
+    int,
+    typer.Option(
+        "--calib-tokens", min=1, help="Tokens of the --calibrate text to use, in windows of 512."
+    ),
+]
 
 
 def quantize(
@@ -51,6 +72,8 @@ def quantize(
     group_size: GroupSize = None,
     symmetric: Symmetric = None,
     force: Force = False,
+    calibrate: Calibrate = None,
+    calib_tokens: CalibTokens = 8192,
     threads: Threads = None,
     json_out: Json = False,
     debug: Debug = False,
@@ -78,8 +101,22 @@ def quantize(
         dequantize_model(model)  # a no-op unless SRC is itself quantized
         tokenizer = load_tokenizer(info)
 
+    calibration = None
+    if calibrate is not None:
+        from infer.quant.gptq import calibration_windows
+
+        with status(f"tokenizing {calibrate}"):
+            tokens = tokenizer.encode(calibrate.read_text(errors="replace"), add_special=False)
+        bos = tokenizer.bos_id if tokenizer.add_bos else None
+        ctx = min(CALIB_CTX, info.args.max_seq_len)
+        calibration = calibration_windows(tokens, calib_tokens, ctx, bos)
+
+    t0 = time.perf_counter()
     with _progress() as advance:
-        reports = quantize_model(model, recipe, gguf=info.gguf, progress=advance)
+        reports = quantize_model(
+            model, recipe, gguf=info.gguf, progress=advance, calibration=calibration
+        )
+    seconds = time.perf_counter() - t0
 
     with status(f"writing {output}"):
         save_checkpoint(
@@ -102,10 +139,19 @@ def quantize(
                 "bytes_before": before,
                 "bytes_after": after,
                 "file_bytes_before": info.file_bytes,
+                "seconds": seconds,
+                "calibration": None
+                if calibration is None
+                else {
+                    "file": str(calibrate),
+                    "tokens": calibration.numel(),
+                    "windows": calibration.shape[0],
+                },
                 "tensors": [r.__dict__ for r in reports],
             }
         )
         return
+    headers = ["tensor", "format", "max abs err", "rel rms err", ""]
     rows = [
         [
             r.name,
@@ -116,7 +162,17 @@ def quantize(
         ]
         for r in reports
     ]
-    print_table(["tensor", "format", "max abs err", "rel rms err", ""], rows)
+    if calibration is not None:
+        # The error GPTQ minimizes: of the layer's outputs on the calibration text.
+        headers.insert(4, "rel out err")
+        for row, r in zip(rows, reports):
+            row.insert(4, "" if r.rel_output_error is None else f"{r.rel_output_error:.4f}")
+    print_table(headers, rows)
+    if calibration is not None:
+        print(
+            f"GPTQ on {calibration.numel()} tokens of {calibrate} "
+            f"({calibration.shape[0]} windows); quantized in {seconds:.0f} s"
+        )
     print(
         f"{len(reports)} tensors: {human_bytes(before)} as float32 -> {human_bytes(after)} "
         f"(source file {human_bytes(info.file_bytes)}); wrote {output}"

@@ -10,6 +10,11 @@ With the model's GGUF file at hand, a tensor stored as Q8_0 / Q4_0 / Q4_1 whose 
 asks for exactly that format (int8 g32 / int4 g32 symmetric / asymmetric) is imported
 block for block (gguf_import.py) rather than requantized from its dequantized floats:
 no second rounding, and it is faster.
+
+With calibration tokens, the linear layers are quantized by GPTQ (gptq.py) against
+the inputs they see on that text, block by block, each block fed through the ones
+before it already quantized. Weights with no such inputs (embedding tables, a tied
+output layer) and GGUF imports are quantized first, as without calibration.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import nn
 
 from ..runtime.errors import InferError
 from ..runtime.gguf_file import GGUFFile, GGUFTensor
+from . import gptq
 from .base import FORMATS, QuantEmbedding, QuantLinear
 from .gguf_import import from_gguf, importable
 from .int4 import GroupSizeError
@@ -44,6 +50,8 @@ class TensorReport:
     bytes_before: int
     bytes_after: int
     imported: bool = False  # GGUF blocks moved as they are, not requantized
+    # GPTQ only: ||X W_q^T - X W^T|| / ||X W^T|| over the calibration inputs X
+    rel_output_error: float | None = None
 
 
 def _gguf_tensor(gguf: GGUFFile, name: str, tied: bool) -> GGUFTensor | None:
@@ -59,22 +67,35 @@ def _gguf_tensor(gguf: GGUFFile, name: str, tied: bool) -> GGUFTensor | None:
         return None
 
 
-def _quantize(weight, bias, spec: dict, source: GGUFTensor | None) -> tuple[QuantLinear, bool]:
-    """QuantLinear for `weight` following `spec`, and whether it came from GGUF blocks."""
-    if (
+def _imports(weight, spec: dict, source: GGUFTensor | None) -> bool:
+    return (
         source is not None
         and tuple(source.shape) == tuple(weight.shape)
         and importable(source, spec)
-    ):
+    )
+
+
+def _quantize(
+    weight, bias, spec: dict, source: GGUFTensor | None, hessian: torch.Tensor | None = None
+) -> tuple[QuantLinear, bool]:
+    """QuantLinear for `weight` following `spec`, and whether it came from GGUF blocks.
+
+    With `hessian` (of the layer's inputs) it is quantized by GPTQ, unless imported."""
+    if _imports(weight, spec, source):
         return from_gguf(source, bias), True
     params = {k: v for k, v in spec.items() if k != "format"}
     if spec["format"] not in FORMATS:
         raise InferError(f"unknown format {spec['format']!r} (known: {', '.join(FORMATS)})")
+
+    def make(cls, **params):
+        if hessian is None:
+            return cls.from_float(weight, bias, **params)
+        return gptq.quantize_linear(cls, weight, bias, params, hessian)
+
     try:
-        return FORMATS[spec["format"]].from_float(weight, bias, **params), False
+        return make(FORMATS[spec["format"]], **params), False
     except GroupSizeError:
-        fallback = FORMATS[FALLBACK["format"]]
-        return fallback.from_float(weight, bias, group_size=FALLBACK["group_size"]), False
+        return make(FORMATS[FALLBACK["format"]], group_size=FALLBACK["group_size"]), False
 
 
 def _errors(q: QuantLinear, weight: torch.Tensor) -> tuple[float, float]:
@@ -98,10 +119,13 @@ def quantize_model(
     *,
     gguf: GGUFFile | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    calibration: torch.Tensor | None = None,
 ) -> list[TensorReport]:
     """Replace, in place, each weight `recipe` gives a format; one report per tensor.
 
-    `progress(name, done, total)` is called after each tensor.
+    `progress(name, done, total)` is called after each tensor. `calibration`: token ids,
+    (n_windows, T) or (T,) (see gptq.calibration_windows), to quantize the linear layers
+    by GPTQ on; the model must then be a Transformer (llama.py).
     """
     embeddings = {
         id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Embedding)
@@ -119,39 +143,67 @@ def quantize_model(
             jobs.append((name, recipe(name), None))
     jobs = [job for job in jobs if job[1] is not None]
 
-    reports = []
-    for i, (name, spec, tied) in enumerate(jobs):
+    reports: dict[str, TensorReport] = {}
+
+    def run(name: str, spec: dict, tied: str | None, hessian=None) -> None:
         # Look modules up by name and drop them after, so each float weight is freed as
         # soon as its replacement is in place.
         module = model.get_submodule(name)
         weight = module.weight
         bias = module.bias if isinstance(module, nn.Linear) else None
         source = None if gguf is None else _gguf_tensor(gguf, name, tied is not None)
-        q, imported = _quantize(weight, bias, spec, source)
+        q, imported = _quantize(weight, bias, spec, source, hessian)
         max_abs, rel_rms = _errors(q, weight)
+        out_err = None
+        if hessian is not None and not imported:
+            out_err = gptq.output_error(weight, q.dequantize(), hessian)
         if isinstance(module, nn.Embedding):
             _set(model, name, QuantEmbedding(q))
         else:
             _set(model, name, q)
             if tied is not None:
                 _set(model, tied, QuantEmbedding(q))
-        reports.append(
-            TensorReport(
-                name,
-                q.format,
-                dict(q.params),
-                tuple(weight.shape),
-                max_abs,
-                rel_rms,
-                weight.numel() * weight.element_size(),
-                q.nbytes,
-                imported,
-            )
+        reports[name] = TensorReport(
+            name,
+            q.format,
+            dict(q.params),
+            tuple(weight.shape),
+            max_abs,
+            rel_rms,
+            weight.numel() * weight.element_size(),
+            q.nbytes,
+            imported,
+            out_err,
         )
         del module, weight, bias
         if progress is not None:
-            progress(name, i + 1, len(jobs))
-    return reports
+            progress(name, len(reports), len(jobs))
+
+    if calibration is None:
+        for job in jobs:
+            run(*job)
+    else:
+        # GPTQ for untied linear layers that are not imported; everything else first, so
+        # the calibration text runs through it as the quantized model will.
+        by_name = {job[0]: job for job in jobs}
+        calibrated = set()
+        for name, spec, tied in jobs:
+            module = model.get_submodule(name)
+            source = None if gguf is None else _gguf_tensor(gguf, name, tied is not None)
+            if (
+                isinstance(module, nn.Linear)
+                and tied is None
+                and not _imports(module.weight, spec, source)
+            ):
+                calibrated.add(name)
+        for job in jobs:
+            if job[0] not in calibrated:
+                run(*job)
+        windows = calibration if calibration.dim() == 2 else calibration[None]
+        for hessians in gptq.layer_hessians(model, windows, calibrated):
+            for name, hessian in hessians.items():
+                run(*by_name[name], hessian)
+    return [reports[name] for name, _, _ in jobs]
 
 
 @torch.no_grad()

@@ -55,8 +55,9 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def _methods(buf: torch.Tensor, threads: int) -> dict:
-    """name -> a callable that reads all of `buf` (1-D float32) once."""
+def _methods(buf: torch.Tensor, threads: int) -> tuple[dict, ThreadPoolExecutor | None]:
+    """{name: a callable that reads all of `buf` (1-D float32) once}, and the thread pool
+    numpy's method runs on (None for one thread), for the caller to shut down."""
     arr = buf.numpy()
     chunks = np.array_split(arr, threads)
     pool = ThreadPoolExecutor(threads) if threads > 1 else None

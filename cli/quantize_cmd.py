@@ -20,6 +20,8 @@ from infer.cli.common import human_bytes, is_tty, print_json, print_table, set_t
 from infer.cli.options import Debug, Json, RequiredModelArg, Threads
 from infer.runtime.errors import InferError
 
+CALIB_CTX = 512  # tokens per calibration window (as `infer eval`'s default context)
+
 Output = Annotated[
     Path, typer.Option("--output", "-o", help="Directory to write.", show_default=False)
 ]
@@ -43,8 +45,6 @@ Symmetric = Annotated[
         show_default=False,
     ),
 ]
-CALIB_CTX = 512  # tokens per calibration window (as `infer eval`'s default context)
-
 Force = Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")]
 Calibrate = Annotated[
     Path | None,
@@ -106,7 +106,9 @@ def quantize(
         from infer.quant.gptq import calibration_windows
 
         with status(f"tokenizing {calibrate}"):
-            tokens = tokenizer.encode(calibrate.read_text(errors="replace"), add_special=False)
+            tokens = tokenizer.encode(
+                calibrate.read_text(encoding="utf-8", errors="replace"), add_special=False
+            )
         bos = tokenizer.bos_id if tokenizer.add_bos else None
         ctx = min(CALIB_CTX, info.args.max_seq_len)
         calibration = calibration_windows(tokens, calib_tokens, ctx, bos)

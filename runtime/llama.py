@@ -139,7 +139,8 @@ class Transformer(nn.Module):
         self.args = args
         # from_pretrained skips the random init, which on the meta device costs ~1 s
         # (nn.init.normal_ imports torch._dynamo); the checkpoint assigns the weight.
-        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(args.vocab_size, args.dim))
+        # Zeros, not empty: free on the meta device, defined when built on a real one.
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.zeros(args.vocab_size, args.dim))
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)

@@ -271,7 +271,7 @@ class GGUFFile:
             raise InferError(f"{self.path}: cannot open GGUF file ({err.strerror})") from None
         if self.file_bytes < 4:
             raise InferError(f"{self.path}: not a GGUF file (only {self.file_bytes} bytes)")
-        # Copy-on-write map (MAP_PRIVATE, as torch.load(mmap=True) uses): the file is opened
+        # Copy-on-write map (MAP_PRIVATE, as torch uses for mmapped checkpoints): the file is opened
         # read-only and never written, and torch.from_numpy gets a writable array, so
         # zero-copy tensors need no warning and an accidental in-place op copies a page
         # instead of faulting. Pages are read from disk only when touched.

@@ -1,4 +1,4 @@
-"""ModelArgs: the architecture numbers of a dense Llama-family checkpoint.
+"""ModelArgs: the architecture numbers of a Llama-family checkpoint, dense or mixture-of-experts.
 
 Every number comes from the checkpoint (config.json, or GGUF metadata turned into
 a config.json-style dict by `gguf_file.GGUFFile.config`); nothing is guessed from
@@ -13,13 +13,19 @@ from dataclasses import dataclass, field, fields
 from .errors import InferError
 
 # model_type -> the variant fields it implies. Llama, Mistral, SmolLM (model_type
-# llama), Qwen2 and Qwen3 differ only in these; one model file serves them all.
+# llama), Qwen2 and Qwen3 differ only in these; one model file serves them all. The
+# mixture-of-experts families add the MoE fields below (read in `_moe_args`).
 FAMILIES = {
     "llama": {},
     "mistral": {},
     "qwen2": {"attention_bias": True},
     "qwen3": {"qk_norm": True},
+    "mixtral": {"norm_topk_prob": True},
+    "qwen2_moe": {"attention_bias": True},
+    "qwen3_moe": {"qk_norm": True},
+    "olmoe": {"qk_norm": True, "qk_norm_full": True},
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 @dataclass
@@ -40,9 +46,27 @@ class ModelArgs:
     tie_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q, k, v
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
+    qk_norm_full: bool = False  # OLMoE: ... over the whole projection instead of per head
     sliding_window: int | None = None  # Mistral v0.1
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    # Mixture of experts (runtime/moe.py); n_experts = 0 is a dense model.
+    n_experts: int = 0
+    n_experts_per_tok: int = 0  # top-k
+    moe_hidden_dim: int = 0  # intermediate size of each routed expert
+    norm_topk_prob: bool = False  # renormalise the k router weights to sum to 1
+    shared_expert_dim: int = 0  # Qwen2-MoE: an expert every token takes, sigmoid-gated
+    decoder_sparse_step: int = 1  # Qwen2/3-MoE: layers i with (i + 1) % step == 0 are sparse
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... except these (dense)
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer `i` has a sparse MoE block (else a dense MLP), as transformers'
+        Qwen2MoeDecoderLayer decides."""
+        return (
+            self.n_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelArgs:
@@ -87,9 +111,14 @@ class ModelArgs:
             dict(scaling, rope_type=rope_type) if rope_type != "default" else None
         )
         args.update(FAMILIES[model_type])
+        if model_type in MOE_FAMILIES:
+            args.update(_moe_args(cfg, model_type))
         if "attention_bias" in cfg:
             args["attention_bias"] = bool(cfg["attention_bias"])
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
+        if "qkv_bias" in cfg:  # Qwen2-MoE's name for it
+            args["attention_bias"] = bool(cfg["qkv_bias"])
+        default_window = model_type in ("mistral", "mixtral")
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", default_window):
             args["sliding_window"] = int(cfg["sliding_window"])
         args["bos_token_id"] = cfg.get("bos_token_id")
         eos = cfg.get("eos_token_id")
@@ -99,14 +128,53 @@ class ModelArgs:
 
     @property
     def n_params(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
+        """Parameter count, every expert included (embeddings counted once when tied)."""
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         if self.attention_bias:
             attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
-        mlp = 3 * self.dim * self.hidden_dim
-        norms = 2 * self.dim + (2 * self.head_dim if self.qk_norm else 0)
+        norms = 2 * self.dim
+        if self.qk_norm:
+            norms += self.head_dim * (self.n_heads + self.n_kv_heads if self.qk_norm_full else 2)
+        mlps = 0
+        for i in range(self.n_layers):
+            if not self.is_moe_layer(i):
+                mlps += 3 * self.dim * self.hidden_dim
+                continue
+            mlps += self.n_experts * (self.dim + 3 * self.dim * self.moe_hidden_dim)
+            if self.shared_expert_dim:
+                mlps += self.dim + 3 * self.dim * self.shared_expert_dim
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * (attn + mlp + norms) + embed + self.dim
+        return self.n_layers * (attn + norms) + mlps + embed + self.dim
+
+
+def _moe_args(cfg: dict, model_type: str) -> dict:
+    """The MoE fields of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE config.json, with
+    transformers' defaults for keys a config leaves out."""
+    try:
+        # transformers 5 writes num_local_experts for every family; hub configs of Qwen
+        # and OLMoE models say num_experts.
+        n_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        moe = {
+            "n_experts": n_experts,
+            "n_experts_per_tok": int(cfg["num_experts_per_tok"]) if n_experts else 0,
+            # Mixtral and OLMoE experts are intermediate_size wide; Qwen's have their own.
+            "moe_hidden_dim": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
+            "mlp_only_layers": [int(i) for i in cfg.get("mlp_only_layers") or []],
+        }
+        if model_type != "mixtral":  # Mixtral always renormalises (see FAMILIES)
+            moe["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
+        if model_type == "qwen2_moe" and n_experts:
+            moe["shared_expert_dim"] = int(cfg["shared_expert_intermediate_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise InferError(f"config is missing or has a bad value for {e}") from None
+    if n_experts and not 0 < moe["n_experts_per_tok"] <= n_experts:
+        raise InferError(
+            f"num_experts_per_tok {moe['n_experts_per_tok']} must be 1 to {n_experts} (num_experts)"
+        )
+    if model_type == "olmoe" and cfg.get("clip_qkv") is not None:
+        raise InferError(f"unsupported OLMoE variant (clip_qkv={cfg['clip_qkv']})")
+    return moe
 
 
 def rope_inv_freq(args: ModelArgs):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs, rope_inv_freq
+from .moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -66,9 +67,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.qk_norm_full = args.qk_norm_full
         if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+            # Per head (Qwen3), or over the whole projection (OLMoE).
+            q_dim, k_dim = (args.n_heads, args.n_kv_heads) if args.qk_norm_full else (1, 1)
+            self.q_norm = RMSNorm(q_dim * args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(k_dim * args.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.cache: KVCache | None = None
@@ -79,7 +83,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(1, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(1, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(1, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.qk_norm_full:
+            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
@@ -121,12 +127,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = MLP(args)
+        # A sparse mixture of experts (moe.py), each expert an MLP, or one dense MLP.
+        self.mlp = MoE(args, MLP) if args.is_moe_layer(layer) else MLP(args)
 
     def forward(self, x, pos: int, cos, sin) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), pos, cos, sin)
@@ -141,7 +148,7 @@ class Transformer(nn.Module):
         # (nn.init.normal_ imports torch._dynamo); the checkpoint assigns the weight.
         # Zeros, not empty: free on the meta device, defined when built on a real one.
         self.embed_tokens = nn.Embedding.from_pretrained(torch.zeros(args.vocab_size, args.dim))
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.max_seq_len = 0
@@ -158,6 +165,25 @@ class Transformer(nn.Module):
             args.rope_freq_factors = rope_freqs.float().tolist()
         if args.tie_embeddings or "lm_head.weight" not in sd:
             sd["lm_head.weight"] = sd["embed_tokens.weight"]
+        # MoE blocks: Mixtral's names; transformers 5's stacked experts, gate_up_proj
+        # (E, 2 * moe_hidden, dim) gate rows then up rows and down_proj (E, dim, moe_hidden),
+        # split into one view per expert.
+        w_names = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+        for key in [k for k in sd if ".block_sparse_moe." in k]:
+            head, _, tail = key.replace(".block_sparse_moe.", ".mlp.").partition(".experts.")
+            if tail:  # "E.w1.weight" -> ".experts.E.gate_proj.weight"
+                e, w, kind = tail.split(".")
+                tail = f".experts.{e}.{w_names.get(w, w)}.{kind}"
+            sd[head + tail] = sd.pop(key)
+        for key in [k for k in sd if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+            prefix, _, proj = key.rpartition(".")
+            for e, w in enumerate(sd.pop(key)):
+                if proj == "down_proj":
+                    sd[f"{prefix}.{e}.down_proj.weight"] = w
+                else:
+                    sd[f"{prefix}.{e}.gate_proj.weight"], sd[f"{prefix}.{e}.up_proj.weight"] = (
+                        w.chunk(2)
+                    )
         # Buffers computed at setup, never loaded.
         return {k: v for k, v in sd.items() if "rotary_emb" not in k}
 

@@ -51,7 +51,40 @@ ARCHS = {
     "mistral_window": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    # Mixtures of experts: 8 experts, top 2 or 3, expert widths a multiple of 32 (int4 g32).
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2)),
+    # Layer 1 dense through mlp_only_layers; a shared expert; norm_topk_prob false.
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=96,
+            mlp_only_layers=[1],
+        ),
+    ),
+    # Every second layer sparse (decoder_sparse_step 2), renormalised top k.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            num_hidden_layers=4,
+        ),
+    ),
+    "qwen3_moe_nonorm": (
+        "Qwen3MoeConfig",
+        dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+    ),
+    "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=3, intermediate_size=64)),
 }
+MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_nonorm", "olmoe"]
 
 
 def write_tokenizer(path: Path) -> None:

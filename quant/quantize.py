@@ -28,6 +28,7 @@ from torch import nn
 
 from ..runtime.errors import InferError
 from ..runtime.gguf_file import GGUFFile, GGUFTensor
+from ..runtime.llama import Transformer
 from . import gptq
 from .base import FORMATS, QuantEmbedding, QuantLinear
 from .gguf_import import from_gguf, importable
@@ -203,6 +204,8 @@ def quantize_model(
         for hessians in gptq.layer_hessians(model, windows, calibrated):
             for name, hessian in hessians.items():
                 run(*by_name[name], hessian)
+    if isinstance(model, Transformer):
+        model.prepare_fused_decode()  # the step's plan points at the modules replaced here
     return [reports[name] for name, _, _ in jobs]
 
 
@@ -231,3 +234,5 @@ def dequantize_model(model: nn.Module) -> None:
             if m.bias is not None:
                 linear.bias = nn.Parameter(m.bias.float(), requires_grad=False)
             _set(model, name, linear)
+    if isinstance(model, Transformer):
+        model.prepare_fused_decode()

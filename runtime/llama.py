@@ -154,6 +154,9 @@ class Transformer(nn.Module):
         self.max_seq_len = 0
         # Token ids whose keys and values the caches hold, in order (see generate.py).
         self.cached_tokens: list[int] = []
+        # Every block for one token in one C call (kernels_cpu/decode.py), when the model
+        # is one it runs; built by setup_caches, over the current weights and caches.
+        self.fused_decode = None
 
     @staticmethod
     def sanitize(state_dict: dict, args: ModelArgs) -> dict:
@@ -198,6 +201,13 @@ class Transformer(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # (max_seq_len, head_dim)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        self.prepare_fused_decode()
+
+    def prepare_fused_decode(self) -> None:
+        """(Re)build the fused decode step; call after swapping modules or weights."""
+        from ..kernels_cpu.decode import FusedDecode
+
+        self.fused_decode = FusedDecode.prepare(self)
 
     def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool = False) -> torch.Tensor:
         """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab)."""
@@ -205,8 +215,11 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]
         # .to(): a quantized embedding table dequantizes rows in float32.
         x = self.embed_tokens(tokens).to(cos.dtype)
-        for layer in self.layers:
-            x = layer(x, pos, cos, sin)
+        if T == 1 and self.fused_decode is not None:
+            x = self.fused_decode(x, pos)  # Block.forward is its definition
+        else:
+            for layer in self.layers:
+                x = layer(x, pos, cos, sin)
         if not all_logits:
             x = x[:, -1:]  # generation needs only the last position's logits
         return self.lm_head(self.norm(x))

@@ -11,9 +11,9 @@
  * the build never uses -march=native and the same wheel runs on a CPU without AVX-512.
  *
  * Other kernel files (lut.c) join the same extension: setup.py compiles every
- * csrc/ .c file, they may use pool_run and the isa_* functions below, and a file that defines
- * `PyMethodDef infer_lut_methods[]` (NULL-terminated) has those functions added to the
- * module (module.c looks the table up as a weak symbol).
+ * csrc/ .c file, they may use pool_run and the isa_* functions below, and the files that
+ * define `PyMethodDef infer_lut_methods[]` or `infer_decode_methods[]` (NULL-terminated)
+ * have those functions added to the module (module.c looks the tables up as weak symbols).
  */
 #ifndef INFER_KERNELS_H
 #define INFER_KERNELS_H
@@ -141,6 +141,11 @@ const kernel_table *kernels_for(int isa); /* NULL when the path is not built in 
 /* The drivers (matmul.c): split over output rows, run on the pool. bits is 8 or 4.
  * Returns 0, or -1 when out of memory. */
 int q_matmul(int bits, const qmat *a, int isa, int nthreads);
+
+/* lut.c: y (M, N) = x (M, K) W^T for W in `bits` one-bit planes (see lut.c).
+ * Returns 0, or -1 when out of memory. */
+int lut_matmul(const float *x, const uint8_t *qw, const uint16_t *scales, const uint16_t *mins,
+               float *y, int64_t M, int64_t N, int64_t K, int bits, int g, int isa, int nthreads);
 
 /* Streaming read of n bytes (a multiple of 256) on nthreads threads; returns a sum of
  * the bytes so the compiler keeps the reads. For the bandwidth ceiling in benchmarks. */

@@ -855,8 +855,8 @@ static void rows_task(void *ctx, int64_t t, int tid) {
     rows_any(&J->P, J->isa, 0, J->P.M, n0, n1, &J->scratch[tid]);
 }
 
-/* y (M, N) = x (M, K) W^T. Returns 0, or -1 when out of memory. */
-static int lut_matmul(const float *x, const uint8_t *qw, const uint16_t *scales,
+/* y (M, N) = x (M, K) W^T (declared in kernels.h). Returns 0, or -1 when out of memory. */
+int lut_matmul(const float *x, const uint8_t *qw, const uint16_t *scales,
                       const uint16_t *mins, float *y, int64_t M, int64_t N, int64_t K, int bits,
                       int g, int isa, int nthreads) {
     if (M <= 0 || N <= 0) return 0;

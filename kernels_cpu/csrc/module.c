@@ -11,8 +11,9 @@
 
 #include "kernels.h"
 
-/* Another kernel file may add functions to the module (see kernels.h). */
+/* Other kernel files add functions to the module (see kernels.h). */
 extern PyMethodDef infer_lut_methods[] __attribute__((weak));
+extern PyMethodDef infer_decode_methods[] __attribute__((weak));
 
 static int parse_ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *out,
                       const char *name) {
@@ -154,9 +155,11 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__C(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && infer_lut_methods && PyModule_AddFunctions(m, infer_lut_methods) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
+    PyMethodDef *more[] = {infer_lut_methods, infer_decode_methods};
+    for (size_t i = 0; m && i < sizeof more / sizeof *more; i++)
+        if (more[i] && PyModule_AddFunctions(m, more[i]) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
     return m;
 }

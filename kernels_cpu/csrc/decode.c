@@ -1,0 +1,242 @@
+/* One decoded token through every block of a dense Llama-family model, in one call.
+
+   The reference is runtime/llama.py: Block.forward for T = 1 (RMSNorm, q/k/v projections
+   with optional bias, optional per-head q/k RMSNorm, rotate-half rope, KV cache write,
+   grouped-query attention with an optional sliding window, o projection, residual, RMSNorm,
+   SiLU(gate) * up, down projection, residual). kernels_cpu/decode.py builds the plan from
+   the model's tensors and tests compare the two. Why it exists: at the default model's
+   size a token is ~200 small matmuls and ~1,200 torch element-wise ops, and the Python and
+   dispatch cost of those (~6 ms a token, measured with `infer bench --roofline`) was as
+   large as the matmuls themselves. Here the element-wise work is a few loops over vectors
+   of `dim` floats, and the matmuls are the quantized kernels called directly.
+
+   The plan is an int64 array (decode.py writes it, field order below): a header, then one
+   row per layer. Pointers are addresses of tensors the model keeps alive; the plan is
+   rebuilt whenever the model's tensors or caches change.
+
+   header:  n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, max_seq, window (0: none),
+            eps (float32 bits), rope_cos, rope_sin (float32 (max_seq, head_dim)),
+            scratch (float32, SCRATCH_FLOATS below), HEADER = 12 words
+   layer:   attn_norm, ffn_norm, q_norm (0: none), k_norm, k_cache, v_cache
+            (float32 (n_kv_heads, max_seq, head_dim)), then 7 linears q k v o gate up down,
+            each LIN = 8 words: kind (8 int8, 4 int4, 1..3 = -bits for lut), qweight,
+            scales, mins (0: none), bias (float32, 0: none), N, K, g
+*/
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "kernels.h"
+
+enum { HEADER = 12, LIN = 8, LAYER = 6 + 7 * LIN };
+enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN };
+
+typedef struct {
+    int64_t n_layers, dim, n_heads, n_kv, head_dim, hidden, max_seq, window;
+    float eps;
+    const float *cos, *sin;
+    float *xn, *q, *k, *v, *att, *scores, *gate, *up; /* scratch */
+    int isa, nthreads;
+} model_t;
+
+/* Floats of scratch the plan's buffer must hold. */
+static int64_t scratch_floats(const model_t *m) {
+    return m->dim + 2 * m->n_heads * m->head_dim + 2 * m->n_kv * m->head_dim +
+           m->n_heads * m->max_seq + 2 * m->hidden;
+}
+
+static float bits_to_float(int64_t b) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)b};
+    return v.f;
+}
+
+#define PTR(T, w) ((T)(intptr_t)(w))
+
+/* y = W x (+ bias) for one linear of the plan. Returns 0, or -1 when out of memory. */
+static int linear(const int64_t *L, const float *x, float *y, const model_t *m) {
+    const int64_t kind = L[0], N = L[5], K = L[6], g = L[7];
+    int rc;
+    if (kind == 8 || kind == 4) {
+        qmat a = {.x = x, .qw = PTR(const void *, L[1]), .scales = PTR(const void *, L[2]),
+                  .mins = PTR(const uint16_t *, L[3]), .y = y, .M = 1, .N = N, .K = K, .g = g};
+        rc = q_matmul((int)kind, &a, m->isa, m->nthreads);
+    } else {
+        rc = lut_matmul(x, PTR(const uint8_t *, L[1]), PTR(const uint16_t *, L[2]),
+                        PTR(const uint16_t *, L[3]), y, 1, N, K, (int)-kind, (int)g, m->isa,
+                        m->nthreads);
+    }
+    const float *bias = PTR(const float *, L[4]);
+    if (bias)
+        for (int64_t i = 0; i < N; i++) y[i] += bias[i];
+    return rc;
+}
+
+/* out = w * (x / sqrt(mean(x^2) + eps)), as RMSNorm.forward in float32 */
+static void rmsnorm(const float *x, const float *w, float *out, int64_t n, float eps) {
+    float p[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) p[j] += x[i + j] * x[i + j];
+    float ss = ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+    for (; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* Rotate-half rope on each of n heads of x (n, d) at one position. */
+static void rope(float *x, int64_t n, int64_t d, const float *cos, const float *sin) {
+    const int64_t h = d / 2;
+    for (int64_t j = 0; j < n; j++, x += d)
+        for (int64_t i = 0; i < h; i++) {
+            const float a = x[i], b = x[i + h];
+            x[i] = a * cos[i] - b * sin[i];
+            x[i + h] = b * cos[i + h] + a * sin[i + h];
+        }
+}
+
+typedef struct {
+    const model_t *m;
+    const float *kc, *vc;
+    int64_t lo, hi; /* attended positions [lo, hi] */
+} attn_job;
+
+/* One query head: softmax(q . k / sqrt(d)) v over the cached positions. */
+static void attn_task(void *ctx, int64_t h, int tid) {
+    (void)tid;
+    const attn_job *J = ctx;
+    const model_t *m = J->m;
+    const int64_t d = m->head_dim, kvh = h / (m->n_heads / m->n_kv);
+    const float *q = m->q + h * d;
+    const float *kc = J->kc + kvh * m->max_seq * d, *vc = J->vc + kvh * m->max_seq * d;
+    float *s = m->scores + h * m->max_seq, *out = m->att + h * d;
+    const float scale = 1.0f / sqrtf((float)d);
+    float mx = -INFINITY;
+    for (int64_t t = J->lo; t <= J->hi; t++) {
+        const float *k = kc + t * d;
+        float p[4] = {0};
+        int64_t i = 0;
+        for (; i + 4 <= d; i += 4)
+            for (int j = 0; j < 4; j++) p[j] += q[i + j] * k[i + j];
+        float dot = (p[0] + p[2]) + (p[1] + p[3]);
+        for (; i < d; i++) dot += q[i] * k[i];
+        s[t] = dot * scale;
+        if (s[t] > mx) mx = s[t];
+    }
+    float sum = 0.0f;
+    for (int64_t t = J->lo; t <= J->hi; t++) sum += (s[t] = expf(s[t] - mx));
+    const float inv = 1.0f / sum;
+    memset(out, 0, (size_t)d * sizeof *out);
+    for (int64_t t = J->lo; t <= J->hi; t++) {
+        const float w = s[t] * inv, *v = vc + t * d;
+        for (int64_t i = 0; i < d; i++) out[i] += w * v[i];
+    }
+}
+
+static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
+    const float *attn_norm = PTR(const float *, P[0]), *ffn_norm = PTR(const float *, P[1]);
+    const float *q_norm = PTR(const float *, P[2]), *k_norm = PTR(const float *, P[3]);
+    float *kc = PTR(float *, P[4]), *vc = PTR(float *, P[5]);
+    const int64_t *lin = P + 6;
+    const int64_t d = m->head_dim, dim = m->dim;
+    const float *cos = m->cos + pos * d, *sin = m->sin + pos * d;
+    int rc = 0;
+
+    rmsnorm(x, attn_norm, m->xn, dim, m->eps);
+    rc |= linear(lin + L_Q * LIN, m->xn, m->q, m);
+    rc |= linear(lin + L_K * LIN, m->xn, m->k, m);
+    rc |= linear(lin + L_V * LIN, m->xn, m->v, m);
+    if (q_norm) {
+        for (int64_t h = 0; h < m->n_heads; h++)
+            rmsnorm(m->q + h * d, q_norm, m->q + h * d, d, m->eps);
+        for (int64_t h = 0; h < m->n_kv; h++)
+            rmsnorm(m->k + h * d, k_norm, m->k + h * d, d, m->eps);
+    }
+    rope(m->q, m->n_heads, d, cos, sin);
+    rope(m->k, m->n_kv, d, cos, sin);
+    for (int64_t h = 0; h < m->n_kv; h++) {
+        memcpy(kc + (h * m->max_seq + pos) * d, m->k + h * d, (size_t)d * sizeof(float));
+        memcpy(vc + (h * m->max_seq + pos) * d, m->v + h * d, (size_t)d * sizeof(float));
+    }
+    attn_job J = {m, kc, vc, m->window && pos >= m->window ? pos - m->window + 1 : 0, pos};
+    /* heads are few and short at small contexts: one thread unless there is work to split */
+    pool_run((pos + 1) * d * m->n_heads >= 1 << 16 ? m->nthreads : 1, m->n_heads, attn_task, &J);
+    rc |= linear(lin + L_O * LIN, m->att, m->xn, m);
+    for (int64_t i = 0; i < dim; i++) x[i] += m->xn[i];
+
+    rmsnorm(x, ffn_norm, m->xn, dim, m->eps);
+    rc |= linear(lin + L_GATE * LIN, m->xn, m->gate, m);
+    rc |= linear(lin + L_UP * LIN, m->xn, m->up, m);
+    for (int64_t i = 0; i < m->hidden; i++) {
+        const float gi = m->gate[i];
+        m->gate[i] = gi / (1.0f + expf(-gi)) * m->up[i];
+    }
+    rc |= linear(lin + L_DOWN * LIN, m->gate, m->xn, m);
+    for (int64_t i = 0; i < dim; i++) x[i] += m->xn[i];
+    return rc;
+}
+
+/* decode_layers(plan, n_words, scratch_floats, x, pos, isa, threads): x (dim,) float32 is
+   replaced by the hidden state after every block, for the token at position pos. */
+static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "decode_layers takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    long long v[7];
+    for (int i = 0; i < 7; i++) {
+        v[i] = PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    const int64_t *H = PTR(const int64_t *, v[0]);
+    if (!H || v[1] < HEADER) goto bad;
+    model_t m = {H[0], H[1], H[2], H[3], H[4], H[5], H[6], H[7], bits_to_float(H[8]),
+                 PTR(const float *, H[9]), PTR(const float *, H[10])};
+    const int64_t pos = v[4];
+    if (m.n_layers < 0 || v[1] != HEADER + m.n_layers * LAYER || m.n_kv <= 0 ||
+        m.n_heads % m.n_kv || m.head_dim % 2 || pos < 0 || pos >= m.max_seq ||
+        v[2] < scratch_floats(&m) || !v[3] || !H[11] || v[5] < 0 || v[5] >= ISA_COUNT ||
+        !isa_supported((int)v[5]))
+        goto bad;
+    float *s = PTR(float *, H[11]);
+    m.xn = s, s += m.dim;
+    m.q = s, s += m.n_heads * m.head_dim;
+    m.att = s, s += m.n_heads * m.head_dim;
+    m.k = s, s += m.n_kv * m.head_dim;
+    m.v = s, s += m.n_kv * m.head_dim;
+    m.scores = s, s += m.n_heads * m.max_seq;
+    m.gate = s, s += m.hidden;
+    m.up = s;
+    m.isa = (int)v[5];
+    m.nthreads = v[6] < 1 ? 1 : v[6] > 255 ? 255 : (int)v[6];
+    float *x = PTR(float *, v[3]);
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    for (int64_t l = 0; l < m.n_layers && !rc; l++) rc = block(&m, H + HEADER + l * LAYER, x, pos);
+    Py_END_ALLOW_THREADS;
+    if (rc) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+bad:
+    PyErr_SetString(PyExc_ValueError, "decode_layers: bad plan, position or arguments");
+    return NULL;
+}
+
+static PyObject *py_decode_layout(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return Py_BuildValue("(iii)", HEADER, LAYER, LIN);
+}
+
+PyMethodDef infer_decode_methods[] = {
+    {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
+     "decode_layers(plan, n_words, scratch_floats, x, pos, isa, threads): every block of a "
+     "dense model for one token (kernels_cpu/decode.py builds the plan)"},
+    {"decode_layout", py_decode_layout, METH_NOARGS,
+     "(header words, words per layer, words per linear) of the decode plan"},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,91 @@
+"""The fused decode step (kernels_cpu/decode.py, csrc/decode.c) against its definition,
+Block.forward, on every architecture variant and every quantized format it runs."""
+
+import pytest
+import torch
+from tiny import ARCHS, make_hf_model
+
+from infer.kernels_cpu import ops
+from infer.kernels_cpu.decode import FusedDecode
+from infer.quant.quantize import dequantize_model, quantize_model
+from infer.quant.recipes import get_recipe
+from infer.runtime.loader import load_model
+
+PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]  # 12 tokens: past a window of 8
+NEXT = [41, 7, 233, 18, 90]
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="C extension not built")
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused")
+    for arch in ARCHS:
+        make_hf_model(arch, root / arch)
+    return root
+
+
+def decode_logits(model, fused: bool) -> torch.Tensor:
+    """Prefill PROMPT, then decode NEXT one token at a time; the decode steps' logits."""
+    saved = model.fused_decode
+    model.fused_decode = saved if fused else None
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([PROMPT]), 0)
+            out = [model(torch.tensor([[t]]), len(PROMPT) + i)[0, -1] for i, t in enumerate(NEXT)]
+    finally:
+        model.fused_decode = saved
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize(
+    "recipe, overrides",
+    [("int8", {}), ("int8", {"group_size": 0}), ("int4", {"symmetric": True}),
+     ("int4", {"symmetric": False}), ("lut2", {"group_size": 32}), ("lut3", {})],
+)  # fmt: skip
+def test_fused_equals_blocks(hf_dirs, arch, recipe, overrides):
+    model = load_model(hf_dirs / arch, max_seq_len=64).model
+    assert model.fused_decode is None  # float linears: the blocks run
+    quantize_model(model, get_recipe(recipe, n_layers=model.args.n_layers, **overrides))
+    assert model.fused_decode is not None
+    ref = decode_logits(model, fused=False)
+    got = decode_logits(model, fused=True)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_threads_do_not_change_results(hf_dirs):
+    model = load_model(hf_dirs / "qwen3", max_seq_len=64).model
+    quantize_model(model, get_recipe("int4"))
+    results = []
+    for n in (1, 2, 3):
+        ops.set_num_threads(n)
+        try:
+            results.append(decode_logits(model, fused=True))
+        finally:
+            ops._num_threads = None
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_not_used_where_it_cannot_run(hf_dirs):
+    model = load_model(hf_dirs / "llama", max_seq_len=64, dtype=torch.bfloat16).model
+    quantize_model(model, get_recipe("int8"))
+    assert model.fused_decode is None  # bfloat16 activations: the kernels take float32
+    model = load_model(hf_dirs / "llama", max_seq_len=64).model
+    quantize_model(model, get_recipe("int8"))
+    assert model.fused_decode is not None
+    dequantize_model(model)  # float again: the plan must go with the quantized modules
+    assert model.fused_decode is None
+    # Only the embeddings and output quantized: the blocks' linears are float.
+    model = load_model(hf_dirs / "llama", max_seq_len=64).model
+    quantize_model(model, lambda name: None if name.startswith("layers.") else {
+        "format": "int8", "group_size": 32})  # fmt: skip
+    assert FusedDecode.prepare(model) is None
+
+
+def test_bad_position_is_refused(hf_dirs):
+    model = load_model(hf_dirs / "llama", max_seq_len=16).model
+    quantize_model(model, get_recipe("int8"))
+    x = torch.zeros(1, 1, model.args.dim)
+    with pytest.raises(ValueError, match="bad plan, position"):
+        model.fused_decode(x, 16)

@@ -69,6 +69,9 @@ class Breakdown:
     linear_weight_bytes: int  # bytes of the linear layers' weights, read once per token
     linear_gb_s: float  # linear_weight_bytes / linear time: the matmuls' own bandwidth
     linear_ms_by_name: dict[str, float]  # q_proj ... lm_head, summed over layers
+    # With the fused decode step (kernels_cpu/decode.py) the blocks run in one C call:
+    # their matmuls are not hooked, and their whole time (matmuls included) is this.
+    fused_blocks_ms_per_token: float = 0.0
 
 
 @dataclass
@@ -117,8 +120,10 @@ class BenchResult:
         if b := self.breakdown:
             share = f"{100 * b.linear_fraction:.0f} %, {b.linear_gb_s:.2f} GB/s"
             by_name = ", ".join(f"{k} {v:.2f}" for k, v in b.linear_ms_by_name.items())
+            rows += [["per token (hooked run)", f"{b.ms_per_token:.2f} ms"]]
+            if b.fused_blocks_ms_per_token:
+                rows += [["  blocks (fused C step)", f"{b.fused_blocks_ms_per_token:.2f} ms"]]
             rows += [
-                ["per token (hooked run)", f"{b.ms_per_token:.2f} ms"],
                 ["  linear layers", f"{b.linear_ms_per_token:.2f} ms ({share})"],
                 ["  everything else", f"{b.other_ms_per_token:.2f} ms"],
                 ["  linear by name (ms)", by_name],
@@ -219,28 +224,44 @@ class LinearTimer:
 def decode_breakdown(model: Transformer, prompt: list[int], n_gen: int) -> Breakdown:
     """Decode n_gen tokens with LinearTimer hooks; split each token's time."""
     timer = LinearTimer(model)
+    fused, fused_s = model.fused_decode, [0.0]
+    if fused is not None:
+
+        def timed(x, pos):
+            t = time.perf_counter()
+            out = fused(x, pos)
+            fused_s[0] += time.perf_counter() - t
+            return out
+
+        model.fused_decode = timed
     try:
         model.cached_tokens.clear()
         tokens = generate(model, prompt, make_sampler(temperature=0), max_tokens=n_gen + 1)
         next(tokens)  # prefill and the first token: not decode
         timer.reset()
+        fused_s[0] = 0.0
         t0 = time.perf_counter()
         for _ in tokens:
             pass
         total = time.perf_counter() - t0
     finally:
         timer.remove()
+        model.fused_decode = fused
     linear = sum(timer.seconds.values())
-    linear_bytes = sum(_weight_nbytes(m) for m in linear_modules(model).values())
+    hooked = linear_modules(model)
+    if fused is not None:  # the blocks' linears ran inside the fused step, unhooked
+        hooked = {k: m for k, m in hooked.items() if not k.startswith("layers.")}
+    linear_bytes = sum(_weight_nbytes(m) for m in hooked.values())
     return Breakdown(
         n_tokens=n_gen,
         ms_per_token=1000 * total / n_gen,
         linear_ms_per_token=1000 * linear / n_gen,
-        other_ms_per_token=1000 * (total - linear) / n_gen,
+        other_ms_per_token=1000 * (total - linear - fused_s[0]) / n_gen,
         linear_fraction=linear / total,
         linear_weight_bytes=linear_bytes,
         linear_gb_s=linear_bytes * n_gen / linear / 1e9,
         linear_ms_by_name={k: 1000 * v / n_gen for k, v in timer.seconds.items()},
+        fused_blocks_ms_per_token=1000 * fused_s[0] / n_gen,
     )
 
 

@@ -1,0 +1,163 @@
+"""Routing traces: what a run routed, saved to a file and replayed through any cache policy.
+
+A trace holds, for each token and each MoE layer (layers are numbered by their order
+among the MoE layers; `meta["layer_ids"]` names their model layers):
+
+    experts    (T, L, k) int16    the experts the router chose
+    weights    (T, L, k) float32  their routing weights
+    predicted  (T, L, P) int16    the experts predicted at layer l for layer l + 1 (Fate:
+                                  layer l+1's router on layer l's hidden state); -1 pads,
+                                  the last layer's row is all -1; P may be 0
+    probs      (T, L, E) float32  the router's probabilities over all experts (optional)
+
+It is one .npz file (`save` writes a temp name, then renames). `visit` is the order a
+MoE layer drives the cache in; the live run and `replay` both go through it, so replaying
+a recorded trace gives the counters the live run had (tokens of a prompt replay one at a
+time, as decoding would see them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..runtime.errors import InferError
+from .expert_cache import ExpertCache, Policy, allocate, make_policy
+
+
+@dataclasses.dataclass
+class Trace:
+    experts: np.ndarray
+    weights: np.ndarray
+    predicted: np.ndarray
+    probs: np.ndarray | None
+    n_experts: int
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.experts.shape[0]
+
+    @property
+    def n_layers(self) -> int:
+        return self.experts.shape[1]
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        arrays = {"experts": self.experts, "weights": self.weights, "predicted": self.predicted}
+        if self.probs is not None:
+            arrays["probs"] = self.probs
+        meta = dict(self.meta, n_experts=self.n_experts)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, meta=np.array(json.dumps(meta)), **arrays)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(str(z["meta"]))
+                probs = z["probs"] if "probs" in z.files else None
+                return cls(
+                    z["experts"], z["weights"], z["predicted"], probs, meta.pop("n_experts"), meta
+                )
+        except FileNotFoundError:
+            raise InferError(f"no trace file {path}") from None
+        except (OSError, ValueError, KeyError) as exc:
+            raise InferError(f"{path} is not a routing trace: {exc}") from None
+
+    def scores(self, t: int, layer: int) -> np.ndarray:
+        """What the router told a cache at token t, layer `layer`: its probabilities if
+        recorded, else the chosen experts' weights (0 for the rest)."""
+        if self.probs is not None:
+            return self.probs[t, layer].astype(np.float32)
+        s = np.zeros(self.n_experts, dtype=np.float32)
+        s[self.experts[t, layer]] = self.weights[t, layer]
+        return s
+
+
+class TraceRecorder:
+    """Collects what each MoE layer routed, a batch of N tokens per call, in layer order."""
+
+    def __init__(self, n_layers: int, n_experts: int, meta: dict | None = None):
+        self.n_experts, self.meta = n_experts, dict(meta or {})
+        self._rows: list[list[tuple]] = [[] for _ in range(n_layers)]
+
+    def record(self, layer: int, experts, weights, probs=None, predicted=None) -> None:
+        """experts, weights (N, k); probs (N, E) or None; predicted (N, P) or None."""
+        experts = np.asarray(experts, dtype=np.int16).reshape(len(experts), -1)
+        n = len(experts)
+        weights = np.asarray(weights, dtype=np.float32).reshape(n, -1)
+        predicted = np.full((n, 0), -1, np.int16) if predicted is None else predicted
+        predicted = np.asarray(predicted, dtype=np.int16).reshape(n, -1)
+        probs = None if probs is None else np.asarray(probs, dtype=np.float32).reshape(n, -1)
+        self._rows[layer].append((experts, weights, predicted, probs))
+
+    def trace(self) -> Trace:
+        cols = []
+        for layer, rows in enumerate(self._rows):
+            if not rows:
+                raise InferError(f"trace has nothing for MoE layer {layer}")
+            cols.append([np.concatenate(c) if c[0] is not None else None for c in zip(*rows)])
+        if len({c[0].shape[0] for c in cols}) != 1:
+            raise InferError("trace layers saw different numbers of tokens")
+        # The last layer predicts nothing; pad every layer to the widest prediction.
+        width = max(c[2].shape[1] for c in cols)
+        pred = [
+            np.pad(c[2], ((0, 0), (0, width - c[2].shape[1])), constant_values=-1) for c in cols
+        ]
+        pred[-1][:] = -1
+        has_probs = all(c[3] is not None for c in cols)
+        return Trace(
+            experts=np.stack([c[0] for c in cols], axis=1),
+            weights=np.stack([c[1] for c in cols], axis=1),
+            predicted=np.stack(pred, axis=1),
+            probs=np.stack([c[3] for c in cols], axis=1) if has_probs else None,
+            n_experts=self.n_experts,
+            meta=self.meta,
+        )
+
+
+def visit(cache: ExpertCache, layer: int, experts, scores, predicted_next=()) -> dict:
+    """One MoE layer, one token (or a batch: the experts any of its tokens chose): tell the
+    cache the router's scores, start reading layer + 1's predicted experts, then get this
+    layer's in ascending id order (the order the MoE block adds them in, so the order a
+    trace stores them in does not matter). Returns {expert: value}."""
+    cache.observe(layer, scores)
+    nxt = [int(e) for e in predicted_next if e >= 0]
+    if nxt and layer + 1 < len(cache.slots):
+        cache.prefetch(layer + 1, nxt)
+    return {e: cache.get(layer, e) for e in sorted({int(e) for e in experts})}
+
+
+def replay(
+    trace: Trace,
+    policy: str | Policy,
+    slots: int | Sequence[int],
+    expert_bytes: int = 0,
+    prefetch: bool = True,
+    scheme: str = "uniform",
+) -> ExpertCache:
+    """Run `trace` through a cache (loads are free); return it, with its counters.
+
+    `slots` is a total (split by `allocate(.., scheme)`) or a list per layer; `policy` a
+    name (a fresh policy) or a Policy. prefetch=False ignores the predictions.
+    """
+    if isinstance(slots, int):
+        slots = allocate(slots, trace.n_layers, trace.n_experts, scheme)
+    if len(slots) != trace.n_layers:
+        raise InferError(f"{len(slots)} slot counts for a trace of {trace.n_layers} layers")
+    policy = make_policy(policy) if isinstance(policy, str) else policy
+    cache = ExpertCache(lambda layer, e: (layer, e), slots, policy, expert_bytes)
+    none = np.zeros(0, np.int16)
+    for t in range(trace.n_tokens):
+        for layer in range(trace.n_layers):
+            pred = trace.predicted[t, layer] if prefetch else none
+            visit(cache, layer, trace.experts[t, layer], trace.scores(t, layer), pred)
+    return cache

@@ -1,0 +1,367 @@
+"""The expert cache (offload/expert_cache.py) and routing traces (offload/trace.py).
+
+Policies are checked on hand-made access sequences; the live-versus-replay test drives a
+cache from a tiny random Qwen3-MoE (transformers, decoding token by token), computes the
+MoE layers from the cached experts, and replays the recorded trace offline.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from infer.offload.expert_cache import (
+    CacheStats,
+    ExpertCache,
+    LFUPolicy,
+    LRUPolicy,
+    ScorePolicy,
+    allocate,
+    make_policy,
+)
+from infer.offload.trace import Trace, TraceRecorder, replay, visit
+from infer.runtime.errors import InferError
+
+
+def make_cache(policy, slots, expert_bytes=10, **kw):
+    loads = []
+
+    def load(layer, e):
+        loads.append((layer, e))
+        return f"L{layer}E{e}"
+
+    return ExpertCache(load, slots, policy, expert_bytes, **kw), loads
+
+
+def gets(cache, layer, experts):
+    return [cache.get(layer, e) for e in experts]
+
+
+# ---------------------------------------------------------------------------------------
+# Eviction order
+# ---------------------------------------------------------------------------------------
+
+
+def test_lru_evicts_least_recently_used():
+    cache, loads = make_cache(LRUPolicy(), [2])
+    assert gets(cache, 0, [0, 1, 0, 2]) == ["L0E0", "L0E1", "L0E0", "L0E2"]
+    assert cache.resident(0) == [0, 2]  # 1 was older than 0
+    cache.get(0, 1)  # evicts 0 (2 was used after it)
+    assert cache.resident(0) == [1, 2]
+    st = cache.stats[0]
+    assert (st.hits, st.misses, st.evictions, st.bytes_read) == (1, 4, 2, 40)
+    assert loads == [(0, 0), (0, 1), (0, 2), (0, 1)]
+
+
+def test_lfu_evicts_least_frequent_and_remembers_evicted_counts():
+    cache, _ = make_cache(LFUPolicy(), [2])
+    gets(cache, 0, [0, 0, 1, 2])  # at 2: counts 0->2, 1->1
+    assert cache.resident(0) == [0, 2]
+    gets(cache, 0, [1])  # 1's count survives its eviction: 1->2 now, 2->1
+    assert cache.resident(0) == [0, 1]
+
+
+def test_lfu_ties_go_to_least_recent():
+    cache, _ = make_cache(LFUPolicy(), [2])
+    gets(cache, 0, [0, 1, 2])  # all counts 1: 0 is least recent
+    assert cache.resident(0) == [1, 2]
+
+
+def score_sequence(cache):
+    # single-expert visits; the router's probabilities rate expert 0 highly all along
+    for probs, e in [([0.7, 0.2, 0.1, 0], 0), ([0.2, 0.5, 0.3, 0], 1), ([0.3, 0.1, 0.6, 0], 2)]:
+        cache.observe(0, np.array(probs))
+        cache.get(0, e)
+
+
+def test_score_evicts_lowest_decayed_score_not_oldest():
+    cache, _ = make_cache(ScorePolicy(alpha=0.5), [2])
+    score_sequence(cache)
+    # S = .5 p + .5 S: [.35 .1 .05 0] -> [.275 .3 .175 0] -> [.2875 .2 .3875 0]
+    assert cache.resident(0) == [0, 2]  # 1 (0.2) goes although 0 is older
+    lru, _ = make_cache(LRUPolicy(), [2])
+    score_sequence(lru)
+    assert lru.resident(0) == [1, 2]
+
+
+def test_score_ties_go_to_least_recent():
+    cache, _ = make_cache(ScorePolicy(), [2])
+    gets(cache, 0, [3, 1, 2])  # nothing observed: all scores 0
+    assert cache.resident(0) == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "score"])
+def test_capacity_one_and_zero(name):
+    cache, loads = make_cache(make_policy(name), [1, 0])
+    gets(cache, 0, [0, 1, 1, 0])
+    assert cache.resident(0) == [0]
+    assert (cache.stats[0].hits, cache.stats[0].misses) == (1, 3)
+    gets(cache, 1, [5, 5])  # no slots: every use reads
+    assert cache.resident(1) == [] and cache.stats[1].misses == 2
+    assert len(loads) == 5
+
+
+def test_layers_are_separate():
+    cache, _ = make_cache(LRUPolicy(), [1, 1])
+    cache.get(0, 3)
+    cache.get(1, 3)
+    assert cache.resident(0) == [3] and cache.resident(1) == [3]
+
+
+def test_unknown_policy():
+    with pytest.raises(InferError, match="lru, lfu, score"):
+        make_policy("fifo")
+
+
+# ---------------------------------------------------------------------------------------
+# Slots across layers
+# ---------------------------------------------------------------------------------------
+
+
+def test_allocate_uniform():
+    assert allocate(64, 6, 32) == [11, 11, 11, 11, 10, 10]
+    assert allocate(1000, 4, 8) == [8, 8, 8, 8]
+    assert allocate(0, 3, 8) == [0, 0, 0]
+
+
+def test_allocate_shallow_favouring():
+    a = allocate(64, 6, 32, "shallow")
+    assert sum(a) == 64 and a == sorted(a, reverse=True)
+    assert a[0] == 2 * a[-1]
+    # the first layer is capped at n_experts; its excess moves deeper
+    a = allocate(120, 4, 32, "shallow")
+    assert a == [32, 32, 32, 24]
+    assert allocate(10, 1, 32, "shallow") == [10]
+    with pytest.raises(InferError, match="uniform or shallow"):
+        allocate(10, 2, 4, "deep")
+
+
+# ---------------------------------------------------------------------------------------
+# Prefetch
+# ---------------------------------------------------------------------------------------
+
+
+def test_prefetch_precision_recall_arithmetic():
+    cache, loads = make_cache(LRUPolicy(), [4, 4])
+    cache.prefetch(1, [0, 1, 2])
+    assert cache.resident(1) == [0, 1, 2]
+    gets(cache, 1, [0, 3])
+    st = cache.stats[1]
+    assert (st.predicted, st.predicted_used, st.prefetched, st.prefetch_used) == (3, 1, 3, 1)
+    assert (st.hits, st.misses, st.bytes_read) == (1, 1, 40)
+    assert st.precision == pytest.approx(1 / 3) and st.recall == pytest.approx(1 / 2)
+    # next visit: both predictions are resident already, so nothing is read
+    cache.prefetch(1, [0, 3])
+    cache.get(1, 3)
+    assert (st.predicted, st.predicted_used, st.prefetched, st.uses) == (5, 2, 3, 3)
+    assert st.precision == pytest.approx(2 / 5) and st.recall == pytest.approx(2 / 3)
+    assert len(loads) == 4
+    tot = cache.totals()
+    assert isinstance(tot, CacheStats) and tot.predicted == 5 and cache.stats[0].uses == 0
+
+
+def test_prefetch_never_evicts_the_current_layers_experts():
+    cache, _ = make_cache(LRUPolicy(), [2])
+    gets(cache, 0, [0, 1])
+    cache.prefetch(0, [2])  # both slots are in use by this layer: no room
+    assert cache.resident(0) == [0, 1] and cache.stats[0].prefetched == 0
+    cache.release()
+    cache.prefetch(0, [2])
+    assert cache.resident(0) == [1, 2]
+
+
+def test_prefetch_keeps_its_own_predictions():
+    cache, _ = make_cache(LRUPolicy(), [2])
+    cache.prefetch(0, [5, 6, 7])  # 7 would have to evict 5 or 6, predicted in the same call
+    assert cache.resident(0) == [5, 6] and cache.stats[0].prefetched == 2
+
+
+def test_get_waits_for_a_prefetch_in_flight():
+    gate, started, calls = threading.Event(), threading.Event(), []
+
+    def load(layer, e):
+        calls.append((layer, e))
+        started.set()
+        assert gate.wait(5)
+        return e * 10
+
+    with ThreadPoolExecutor(1) as pool:
+        cache = ExpertCache(load, [2], LRUPolicy(), 8, submit=pool.submit)
+        cache.prefetch(0, [3])
+        assert started.wait(5)
+        threading.Timer(0.05, gate.set).start()
+        assert cache.get(0, 3) == 30
+    st = cache.stats[0]
+    assert calls == [(0, 3)] and st.hits == 1 and st.prefetch_used == 1
+    assert st.stall_s > 0 and st.bytes_read == 8
+
+
+def test_failed_read_raises_and_frees_the_slot():
+    fail = {3}
+
+    def load(layer, e):
+        if e in fail:
+            raise OSError(f"bad read {e}")
+        return e
+
+    with ThreadPoolExecutor(1) as pool:
+        cache = ExpertCache(load, [2], LRUPolicy(), 8, submit=pool.submit)
+        cache.prefetch(0, [3])
+        with pytest.raises(OSError, match="bad read 3"):
+            cache.get(0, 3)
+    assert cache.resident(0) == []
+    fail.clear()
+    assert cache.get(0, 3) == 3 and cache.resident(0) == [3]
+    with pytest.raises(OSError):
+        fail.add(4)
+        cache.get(0, 4)
+    assert cache.resident(0) == [3] and cache.stats[0].bytes_read == 8
+
+
+def test_prefetch_after_the_reader_shut_down():
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    cache = ExpertCache(lambda layer, e: e, [2], LRUPolicy(), submit=pool.submit)
+    with pytest.raises(RuntimeError, match="shutdown"):
+        cache.prefetch(0, [1, 2])
+    assert cache.resident(0) == []  # no slot left waiting for a read that never comes
+    assert cache.get(0, 1) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# Traces: live run versus replay
+# ---------------------------------------------------------------------------------------
+
+LAYERS, EXPERTS, TOP_K, HIDDEN, WIDTH = 3, 8, 2, 32, 16
+
+
+def tiny_moe():
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        moe_intermediate_size=WIDTH,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():  # routers initialised near zero route almost uniformly: sharpen
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(20)
+    return model
+
+
+def decode_with_cache(model, cache, recorder, prompt, n_new):
+    """Greedy decoding, one token per forward; each MoE layer computes from cache.get()."""
+    layers = model.model.layers
+
+    def router(layer, x):  # (1, H) -> (E,) probabilities
+        return torch.softmax(x @ layers[layer].mlp.gate.weight.T, -1)[0]
+
+    def moe_hook(mod, args, out):
+        x = args[0].reshape(-1, HIDDEN)  # (1, H): one token
+        layer = mod.layer_id
+        probs = router(layer, x)
+        w, ids = probs.topk(TOP_K)
+        w = w / w.sum()
+        pred = router(layer + 1, x).topk(TOP_K).indices if layer + 1 < LAYERS else None
+        recorder.record(
+            layer, ids[None], w[None], probs[None], None if pred is None else pred[None]
+        )
+        values = visit(cache, layer, ids, probs.numpy(), () if pred is None else pred)
+        y = torch.zeros_like(x)
+        for e, (g, u, d) in values.items():  # ascending ids, as transformers adds them
+            y += w[ids.tolist().index(e)] * (torch.nn.functional.silu(x @ g.T) * (x @ u.T)) @ d.T
+        return y.reshape(out.shape)
+
+    handles = []
+    for i, layer in enumerate(layers):
+        layer.mlp.layer_id = i
+        handles.append(layer.mlp.register_forward_hook(moe_hook))
+    ids, logits, past = list(prompt), [], None
+    try:
+        with torch.no_grad():
+            for t in range(len(prompt) + n_new - 1):
+                step = torch.tensor([[ids[t]]])
+                out = model(input_ids=step, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                logits.append(out.logits[0, -1])
+                if t >= len(prompt) - 1:
+                    ids.append(int(out.logits[0, -1].argmax()))
+    finally:
+        for h in handles:
+            h.remove()
+    return ids, torch.stack(logits)
+
+
+def expert_loader(model):
+    def load(layer, e):  # (gate, up, down) of one expert, copied as a disk read would be
+        ex = model.model.layers[layer].mlp.experts
+        gate, up = ex.gate_up_proj[e].detach().clone().chunk(2, dim=0)
+        return gate, up, ex.down_proj[e].detach().clone()
+
+    return load, 3 * WIDTH * HIDDEN * 4
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "score"])
+def test_live_run_equals_resident_and_replay(tmp_path, name):
+    model = tiny_moe()
+    load, nbytes = expert_loader(model)
+    slots = allocate(9, LAYERS, EXPERTS, "shallow")
+    cache = ExpertCache(load, slots, make_policy(name), nbytes)
+    rec = TraceRecorder(LAYERS, EXPERTS, meta={"policy": name})
+    prompt = [5, 17, 33, 2, 60, 41]
+    ids, logits = decode_with_cache(model, cache, rec, prompt, 14)
+
+    # the cached run computes what the resident model computes
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids[:-1]])).logits[0]
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    live = cache.totals()
+    assert live.evictions > 0 and live.hits > 0 and live.prefetched > 0
+
+    path = tmp_path / "trace.npz"
+    rec.trace().save(path)
+    trace = Trace.load(path)
+    assert trace.experts.shape == (len(ids) - 1, LAYERS, TOP_K)
+    assert (trace.predicted[:, -1] == -1).all() and trace.meta == {"policy": name}
+    again = replay(trace, name, slots, expert_bytes=nbytes)
+    for mine, theirs in zip(again.stats, cache.stats):
+        assert mine == CacheStats(**{**vars(theirs), "stall_s": mine.stall_s})
+
+
+def test_replay_without_prefetch_and_from_weights_only():
+    rng = np.random.default_rng(0)
+    rec = TraceRecorder(2, 6)
+    for _ in range(50):
+        for layer in range(2):
+            e = rng.choice(6, 2, replace=False)
+            rec.record(layer, e[None], [[0.6, 0.4]], predicted=e[None])
+    trace = rec.trace()
+    assert trace.probs is None
+    assert trace.scores(0, 0)[trace.experts[0, 0]].tolist() == pytest.approx([0.6, 0.4])
+    no = replay(trace, "score", 6, prefetch=False).totals()
+    assert no.predicted == 0 and no.prefetched == 0 and no.uses == 200
+    full = replay(trace, "lru", 12, prefetch=False).totals()
+    assert full.misses == 12  # all experts fit: only cold misses
+
+
+def test_bad_trace_files(tmp_path):
+    with pytest.raises(InferError, match="no trace file"):
+        Trace.load(tmp_path / "missing.npz")
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(InferError, match="not a routing trace"):
+        Trace.load(tmp_path / "bad.npz")

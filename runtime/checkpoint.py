@@ -451,6 +451,17 @@ def _check_units(file: Path, header: dict, data_start: int, ranges: dict) -> dic
     return units
 
 
+def unit_views(ckpt: Checkpoint, unit: str, raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: tensor} over `raw` (uint8, the bytes of `unit`'s range as read from the file):
+    the unit's tensors lie back to back in file order, so each is a view, no copy."""
+    views, pos = {}, 0
+    for name in ckpt.units[unit]:
+        t = ckpt.tensors[name]
+        views[name] = raw[pos : pos + t.nbytes].view(t.dtype).view(t.shape)
+        pos += t.nbytes
+    return views
+
+
 def verify(ckpt: Checkpoint, units: list[str] | None = None) -> None:
     """Check the crc32 of `units` (default: all); a mismatch names the corrupt unit."""
     mm = np.memmap(ckpt.file, dtype=np.uint8, mode="r")

@@ -1,0 +1,484 @@
+"""Stream transformer layers from disk during the forward pass (TPI-LLM's sliding window).
+
+`load_streamed` builds the model from our checkpoint (runtime/checkpoint.py) with every
+layer's tensors left out, so the file map never faults their pages in; the plan
+(budget.py) then pins the first layers, bound to the map as a normal load would, and
+the rest stream: `LayerStream` owns `slots` page-aligned read buffers and hooks on the
+blocks. Layer i's pre-hook waits for its unit and binds each module's parameter or
+buffer to a view of the buffer; its post-hook unbinds it (to meta tensors: a stray use
+fails loudly) and hands the buffer to the reader for the layer `slots` places further
+on, wrapping round to the first streamed layer for the next token. So while layer i
+computes, the next `slots - 1` streamed layers are being read. llama.py is untouched:
+a block does not know whether it streams.
+
+A forward pass interrupted half way (Ctrl-C, an error) leaves the window mid-cycle; the
+next pass notices at the model's pre-hook, lets reads in flight finish, and restarts
+the cycle at the first streamed layer.
+
+`prefetch=False` is naive load-on-demand, the benchmark's baseline: every layer is read
+when it is needed, into one buffer, and nothing is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..runtime.checkpoint import (
+    GLOBALS,
+    Checkpoint,
+    build_model,
+    unit_views,
+    verify,
+)
+from ..runtime.config import ModelArgs
+from ..runtime.errors import InferError
+from ..runtime.llama import Transformer
+from .budget import LayerCost, Overheads, Plan, plan_memory
+from .reader import Ticket, UnitReader, alloc_buffer, round_up
+
+PREFILL_CHUNK = 512  # generate.prefill's chunk: the most tokens one forward sees
+
+
+# ------------------------------------------------------------------------------------------
+# Costs: what the planner weighs
+# ------------------------------------------------------------------------------------------
+
+
+def layer_units(ckpt: Checkpoint, n_layers: int) -> list[list[str]]:
+    """Each layer's units: "layers.N", then its experts' units (a MoE layer), file order."""
+    groups: list[list[str]] = [[] for _ in range(n_layers)]
+    for unit in ckpt.ranges:
+        if unit == GLOBALS:
+            continue
+        i = int(unit.split(".")[1])
+        if i >= n_layers:
+            raise InferError(f"{ckpt.file}: unit '{unit}' but the model has {n_layers} layers")
+        groups[i].append(unit)
+    for i, g in enumerate(groups):
+        if f"layers.{i}" not in g:
+            raise InferError(f"{ckpt.file}: no unit 'layers.{i}'")
+    return groups
+
+
+def _convert_bytes(ckpt: Checkpoint, units: list[str], dtype: torch.dtype) -> int:
+    """Bytes of `units`' tensors that the model holds converted to `dtype`."""
+    n = 0
+    for unit in units:
+        for name in ckpt.units[unit]:
+            held = _held_dtype(ckpt, name, dtype)
+            if held != ckpt.tensors[name].dtype:
+                n += ckpt.tensors[name].numel() * held.itemsize
+    return n
+
+
+def layer_costs(ckpt: Checkpoint, groups: list[list[str]], dtype: torch.dtype) -> list[LayerCost]:
+    costs = []
+    for i, units in enumerate(groups):
+        spans = [ckpt.ranges[u] for u in units]
+        read = sum(round_up(e - b) for b, e in spans)
+        convert = _convert_bytes(ckpt, units, dtype)
+        # Resident with conversion: the mapped source pages and the converted copy.
+        resident = sum(e - b for b, e in spans) + convert
+        costs.append(LayerCost(f"layers.{i}", read, resident, convert))
+    return costs
+
+
+def overheads(
+    ckpt: Checkpoint, args: ModelArgs, dtype: torch.dtype, max_seq_len: int, process: int
+) -> Overheads:
+    """What every plan pays besides the layers (estimates, at the full context)."""
+    b, e = ckpt.ranges.get(GLOBALS, (0, 0))
+    globals_ = (e - b) + _convert_bytes(ckpt, [GLOBALS], dtype) if GLOBALS in ckpt.ranges else 0
+    el = dtype.itemsize
+    kv = 2 * args.n_layers * args.n_kv_heads * max_seq_len * args.head_dim * el
+    rope = 2 * max_seq_len * args.head_dim * el
+    T = min(max_seq_len, PREFILL_CHUNK)
+    qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+    acts = T * (6 * args.dim + 3 * args.hidden_dim + qkv) * 4  # float32 at most
+    scores = args.n_heads * T * T * 4  # attention weights of a masked prefill chunk
+    logits = T * args.vocab_size * 4  # every position's logits (infer eval)
+    # Formats without a kernel for this dtype dequantize a whole weight per call
+    # (QuantLinear.forward's reference path): float32, then the compute dtype.
+    dequant = 0
+    if ckpt.quant and dtype != torch.float32:
+        dequant = max(_linear_elements(ckpt, name) for name in ckpt.quant) * (4 + el)
+    return Overheads(process, globals_, kv + rope, acts + scores + logits + dequant)
+
+
+def _linear_elements(ckpt: Checkpoint, module: str) -> int:
+    """out x in of a quantized module, from the config by its name."""
+    args = ckpt.args
+    leaf = module.rsplit(".", 1)[-1]
+    dims = {
+        "q_proj": args.n_heads * args.head_dim * args.dim,
+        "k_proj": args.n_kv_heads * args.head_dim * args.dim,
+        "v_proj": args.n_kv_heads * args.head_dim * args.dim,
+        "o_proj": args.n_heads * args.head_dim * args.dim,
+        "gate_proj": args.hidden_dim * args.dim,
+        "up_proj": args.hidden_dim * args.dim,
+        "down_proj": args.hidden_dim * args.dim,
+    }
+    return dims.get(leaf, args.vocab_size * args.dim)  # lm_head, embed_tokens.table
+
+
+def process_rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+# ------------------------------------------------------------------------------------------
+# Binding a layer's tensors to buffers
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Target:
+    """Where one stored tensor lives in the model."""
+
+    name: str
+    module: nn.Module
+    attr: str
+    is_param: bool
+    dtype: torch.dtype  # as the model holds it (the compute dtype for floats)
+    unbound: torch.Tensor  # a meta tensor of the right shape: what is there when not bound
+
+    def set(self, t: torch.Tensor) -> None:
+        setattr(
+            self.module, self.attr, nn.Parameter(t, requires_grad=False) if self.is_param else t
+        )
+
+
+def _held_dtype(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype build_model gives stored tensor `name`: a quantized module's packed
+    buffers as stored, float weights and biases in the compute dtype."""
+    t = ckpt.tensors[name]
+    owner, _, suffix = name.rpartition(".")
+    packed = owner in ckpt.quant and suffix != "bias"
+    return dtype if t.is_floating_point() and not packed else t.dtype
+
+
+def _placeholder(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """One element expanded to the tensor's shape, in the dtype the model will hold:
+    build_model assigns it as it is, without reading the file."""
+    shape = ckpt.tensors[name].shape
+    return torch.zeros((), dtype=_held_dtype(ckpt, name, dtype)).expand(shape)
+
+
+def _targets(model: Transformer, ckpt: Checkpoint, units, placeholders) -> list[_Target]:
+    """The module attribute holding each of `units`' tensors, checked to be the very
+    placeholder build_model was given (a format that transformed it cannot stream)."""
+    targets = []
+    for unit in units:
+        for name in ckpt.units[unit]:
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            held = module._parameters.get(attr)
+            is_param = held is not None
+            if held is None:
+                held = module._buffers.get(attr)
+            ph = placeholders[name]
+            if held is None or held.data_ptr() != ph.data_ptr() or held.shape != ph.shape:
+                raise InferError(
+                    f"{ckpt.file}: '{name}' is transformed when the model is built, so "
+                    "its layer cannot be streamed"
+                )
+            meta = torch.empty(ph.shape, dtype=ph.dtype, device="meta")
+            targets.append(_Target(name, module, attr, is_param, ph.dtype, meta))
+    return targets
+
+
+class _Binding:
+    """One streamed layer's tensors, as views of one slot's buffer, ready to assign."""
+
+    def __init__(self, targets: list[_Target], views: dict[str, torch.Tensor], arena):
+        self.assign: list[tuple[_Target, torch.Tensor]] = []
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dst in arena, src)
+        pos = 0
+        for tg in targets:
+            src = views[tg.name]
+            if src.dtype == tg.dtype:
+                value = src
+            else:  # the file's float dtype is not the compute dtype: convert on bind
+                n = src.numel() * tg.dtype.itemsize
+                pos = round_up(pos, 64)
+                value = arena[pos : pos + n].view(tg.dtype).view(src.shape)
+                self.copies.append((value, src))
+                pos += n
+            param = nn.Parameter(value, requires_grad=False) if tg.is_param else value
+            self.assign.append((tg, param))
+
+    def bind(self) -> None:
+        for dst, src in self.copies:
+            dst.copy_(src)
+        for tg, value in self.assign:
+            setattr(tg.module, tg.attr, value)
+
+
+# ------------------------------------------------------------------------------------------
+# The stream
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamStats:
+    passes: int = 0  # forward passes (one per decoded token; prefill chunks too)
+    stall_s: float = 0.0  # compute waiting for reads
+    bytes_read: int = 0
+    read_busy_s: float = 0.0  # wall time with a read in flight
+    check_s: float = 0.0  # crc32, summed over reader threads
+
+    @property
+    def bytes_per_pass(self) -> float:
+        return self.bytes_read / self.passes if self.passes else 0.0
+
+    @property
+    def read_gb_s(self) -> float:
+        return self.bytes_read / self.read_busy_s / 1e9 if self.read_busy_s > 0 else 0.0
+
+
+class LayerStream:
+    """Hooks that stream `plan.streamed` layers of `model` through `slots` buffers."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        ckpt: Checkpoint,
+        plan: Plan,
+        groups: list[list[str]],
+        targets: dict[int, list[_Target]],
+        reader: UnitReader,
+        *,
+        prefetch: bool = True,
+    ):
+        self.plan = plan
+        self.reader = reader
+        self.prefetch = prefetch
+        self.order = [int(u.split(".")[1]) for u in plan.streamed]  # block indices
+        self.slots = [alloc_buffer(plan.slot_bytes) for _ in range(plan.slots)]
+        arena = (
+            torch.zeros(plan.convert_bytes + 64, dtype=torch.uint8) if plan.convert_bytes else None
+        )
+        # (slot, layer) -> the reads that fill the slot with the layer's units, and the
+        # views that bind it
+        self._reads: dict[tuple[int, int], list[tuple[str, memoryview]]] = {}
+        self._bindings: dict[tuple[int, int], _Binding] = {}
+        for s, buf in enumerate(self.slots):
+            raw = torch.frombuffer(buf, dtype=torch.uint8)
+            mv = memoryview(buf)
+            for i in self.order:
+                views, pos, reads = {}, 0, []
+                for unit in groups[i]:
+                    b, e = ckpt.ranges[unit]
+                    views.update(unit_views(ckpt, unit, raw[pos : pos + e - b]))
+                    reads.append((unit, mv[pos : pos + round_up(e - b)]))
+                    pos += round_up(e - b)
+                self._reads[s, i] = reads
+                self._bindings[s, i] = _Binding(targets[i], views, arena)
+        self.targets = targets
+        self.stats = StreamStats()
+        self._t = 0  # position in the endless cycle of streamed layers to compute next
+        self._tickets: dict[int, list[Ticket]] = {}  # slot -> reads in flight
+        self._bound: int | None = None
+        self._handles = [model.register_forward_pre_hook(self._begin_pass)]
+        for i in self.order:
+            block = model.layers[i]
+            self._handles.append(block.register_forward_pre_hook(self._before(i)))
+            self._handles.append(block.register_forward_hook(self._after(i)))
+        self._finalizer = weakref.finalize(self, reader.close)
+
+    # -- the cycle -----------------------------------------------------------------------
+
+    def _submit(self, t: int) -> None:
+        s, i = t % len(self.slots), self.order[t % len(self.order)]
+        self._tickets[s] = [self.reader.submit(u, mv) for u, mv in self._reads[s, i]]
+
+    def _begin_pass(self, module, args) -> None:
+        if self._bound is not None or self._t % len(self.order):
+            self._resync()  # the last pass stopped half way
+        if self.prefetch and not self._tickets:
+            for t in range(self._t, self._t + len(self.slots)):
+                self._submit(t)
+        self.stats.passes += 1
+
+    def _before(self, i: int):
+        def hook(module, args) -> None:
+            t = self._t
+            if self.order[t % len(self.order)] != i:
+                raise InferError(f"layer stream out of order: layer {i} ran, expected another")
+            s = t % len(self.slots)
+            if not self.prefetch:
+                self._submit(t)
+            t0 = time.perf_counter()
+            for ticket in self._tickets[s]:
+                ticket.wait()
+            self.stats.stall_s += time.perf_counter() - t0
+            self._bindings[s, i].bind()
+            self._bound = i
+
+        return hook
+
+    def _after(self, i: int):
+        def hook(module, args, output) -> None:
+            self._unbind(i)
+            s = self._t % len(self.slots)
+            del self._tickets[s]
+            self._t += 1
+            if self.prefetch:  # this buffer now takes the layer `slots` places further on
+                self._submit(self._t - 1 + len(self.slots))
+
+        return hook
+
+    def _unbind(self, i: int) -> None:
+        for tg in self.targets[i]:
+            tg.set(tg.unbound)
+        self._bound = None
+
+    def _resync(self) -> None:
+        """Back to the start of the cycle: reads in flight finish (errors dropped, the
+        next pass reads again), nothing stays bound."""
+        if self._bound is not None:
+            self._unbind(self._bound)
+        for tickets in self._tickets.values():
+            for ticket in tickets:
+                ticket.cancel()
+        for tickets in self._tickets.values():
+            for ticket in tickets:
+                try:
+                    ticket.wait()
+                except InferError:
+                    pass
+        self._tickets.clear()
+        self._t = 0
+
+    # -- the outside -----------------------------------------------------------------
+
+    def snapshot(self) -> StreamStats:
+        """The counters so far (reader figures included)."""
+        r = self.reader.stats
+        return dataclasses.replace(
+            self.stats, bytes_read=r.bytes, read_busy_s=r.busy_s, check_s=r.check_s
+        )
+
+    def reset_stats(self) -> None:
+        self.stats = StreamStats()
+        self.reader.stats = type(self.reader.stats)()
+
+    def close(self) -> None:
+        """Stop the reader; the model cannot run its streamed layers afterwards."""
+        for h in self._handles:
+            h.remove()
+        self._finalizer()
+
+
+# ------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------
+
+
+def load_streamed(
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    budget: int,
+    *,
+    process_bytes: int | None = None,
+    prefetch: bool = True,
+    check: bool = True,
+    direct: bool = True,
+    workers: int = 2,
+) -> tuple[Transformer, LayerStream | None, Plan]:
+    """Build `ckpt`'s model to run within `budget` bytes of process footprint.
+
+    Returns (model, stream, plan); stream is None when the plan pins every layer.
+    prefetch=False: naive load-on-demand (no pinned layers, one buffer, no read-ahead).
+    check: crc32 every streamed unit as it is read. direct: try O_DIRECT.
+    """
+    args = ckpt.args
+    max_seq_len = min(max_seq_len, args.max_seq_len)
+    groups = layer_units(ckpt, args.n_layers)
+    costs = layer_costs(ckpt, groups, dtype)
+    process = process_rss() if process_bytes is None else process_bytes
+    fixed = overheads(ckpt, args, dtype, max_seq_len, process)
+    plan = plan_memory(costs, fixed, budget)
+    if not prefetch:  # naive: everything read when needed, into one buffer
+        plan = dataclasses.replace(
+            plan,
+            pinned=(),
+            streamed=tuple(c.unit for c in costs),
+            slots=1,
+            slot_bytes=max(c.read_bytes for c in costs),
+            convert_bytes=max(c.convert_bytes for c in costs),
+            pinned_bytes=0,
+            streamed_bytes=sum(c.read_bytes for c in costs),
+        )
+
+    layer_names = [n for g in groups for u in g for n in ckpt.units[u]]
+    placeholders = {n: _placeholder(ckpt, n, dtype) for n in layer_names}
+    model = build_model(
+        dataclasses.replace(ckpt, tensors={**ckpt.tensors, **placeholders}), dtype, max_seq_len
+    )
+    targets = {i: _targets(model, ckpt, g, placeholders) for i, g in enumerate(groups)}
+    pinned = [int(u.split(".")[1]) for u in plan.pinned]
+    # Resident units are checked now, as load_model checks a resident model; streamed
+    # ones as they are read.
+    verify(ckpt, [GLOBALS, *(u for i in pinned for u in groups[i])])
+    for i in pinned:  # mapped from the file, as a normal load keeps them
+        for tg in targets[i]:
+            t = ckpt.tensors[tg.name]
+            tg.set(t.to(tg.dtype) if t.dtype != tg.dtype else t)
+    streamed = [int(u.split(".")[1]) for u in plan.streamed]
+    for i in streamed:
+        for tg in targets[i]:
+            tg.set(tg.unbound)
+    if not streamed:
+        model.prepare_fused_decode()  # over the real tensors, now in place
+        return model, None, plan
+    # The fused decode step holds data pointers to every layer's weights; streamed
+    # layers move between buffers, so decode runs block by block (through the hooks).
+    model.fused_decode = None
+    _drop_cached(ckpt, [u for i in streamed for u in groups[i]])
+    reader = UnitReader(
+        ckpt.file, ckpt.ranges, ckpt.crc32 if check else None, workers=workers, direct=direct
+    )
+    try:
+        stream = LayerStream(model, ckpt, plan, groups, targets, reader, prefetch=prefetch)
+    except BaseException:
+        reader.close()
+        raise
+    return model, stream, plan
+
+
+def _drop_cached(ckpt: Checkpoint, units: list[str]) -> None:
+    """Drop pages of streamed units a previous run left in the page cache: they are not
+    this process's, but they would count in a measured footprint."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(ckpt.file, os.O_RDONLY)
+    try:
+        for unit in units:
+            b, e = ckpt.ranges[unit]
+            os.posix_fadvise(fd, b, e - b, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def describe(stream: LayerStream | None, plan: Plan) -> str:
+    """One line for --verbose: the plan and what streaming cost so far."""
+    line = plan.describe()
+    if stream is None:
+        return line
+    s = stream.snapshot()
+    return (
+        f"{line}; read {s.bytes_read / 1e9:.2f} GB in {s.passes} passes "
+        f"({s.bytes_per_pass / 1e6:.1f} MB/token) at {s.read_gb_s:.2f} GB/s "
+        f"({stream.reader.method}{', crc32' if stream.reader.crc32 else ''}), "
+        f"stalled {s.stall_s:.2f} s"
+    )

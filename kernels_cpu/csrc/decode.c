@@ -77,6 +77,36 @@ static int linear(const int64_t *L, const float *x, float *y, const model_t *m) 
     return rc;
 }
 
+/* y[i] = W_i x (+ bias_i) for n linears of the plan that share x: one pool job when all
+   are int8/int4 (q_gemv_many), else one after another. */
+static int linears(int n, const int64_t *const *L, const float *x, float *const *y,
+                   const model_t *m) {
+    int bits[Q_GEMV_MANY_MAX];
+    qmat a[Q_GEMV_MANY_MAX];
+    const qmat *pa[Q_GEMV_MANY_MAX];
+    int all_q = n <= Q_GEMV_MANY_MAX;
+    for (int i = 0; i < n && all_q; i++) {
+        all_q = L[i][0] == 8 || L[i][0] == 4;
+        bits[i] = (int)L[i][0];
+        a[i] = (qmat){.x = x, .qw = PTR(const void *, L[i][1]),
+                      .scales = PTR(const void *, L[i][2]), .mins = PTR(const uint16_t *, L[i][3]),
+                      .y = y[i], .M = 1, .N = L[i][5], .K = L[i][6], .g = L[i][7]};
+        pa[i] = &a[i];
+    }
+    if (!all_q) {
+        int rc = 0;
+        for (int i = 0; i < n; i++) rc |= linear(L[i], x, y[i], m);
+        return rc;
+    }
+    int rc = q_gemv_many(n, bits, pa, m->isa, m->nthreads);
+    for (int i = 0; i < n; i++) {
+        const float *bias = PTR(const float *, L[i][4]);
+        if (bias)
+            for (int64_t r = 0; r < L[i][5]; r++) y[i][r] += bias[r];
+    }
+    return rc;
+}
+
 /* out = w * (x / sqrt(mean(x^2) + eps)), as RMSNorm.forward in float32 */
 static void rmsnorm(const float *x, const float *w, float *out, int64_t n, float eps) {
     float p[8] = {0};
@@ -148,9 +178,8 @@ static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
     int rc = 0;
 
     rmsnorm(x, attn_norm, m->xn, dim, m->eps);
-    rc |= linear(lin + L_Q * LIN, m->xn, m->q, m);
-    rc |= linear(lin + L_K * LIN, m->xn, m->k, m);
-    rc |= linear(lin + L_V * LIN, m->xn, m->v, m);
+    const int64_t *qkv[3] = {lin + L_Q * LIN, lin + L_K * LIN, lin + L_V * LIN};
+    rc |= linears(3, qkv, m->xn, (float *const[]){m->q, m->k, m->v}, m);
     if (q_norm) {
         for (int64_t h = 0; h < m->n_heads; h++)
             rmsnorm(m->q + h * d, q_norm, m->q + h * d, d, m->eps);
@@ -170,8 +199,8 @@ static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
     for (int64_t i = 0; i < dim; i++) x[i] += m->xn[i];
 
     rmsnorm(x, ffn_norm, m->xn, dim, m->eps);
-    rc |= linear(lin + L_GATE * LIN, m->xn, m->gate, m);
-    rc |= linear(lin + L_UP * LIN, m->xn, m->up, m);
+    const int64_t *gate_up[2] = {lin + L_GATE * LIN, lin + L_UP * LIN};
+    rc |= linears(2, gate_up, m->xn, (float *const[]){m->gate, m->up}, m);
     for (int64_t i = 0; i < m->hidden; i++) {
         const float gi = m->gate[i];
         m->gate[i] = gi / (1.0f + expf(-gi)) * m->up[i];

@@ -50,13 +50,16 @@ static void *aligned(size_t bytes) {
     return posix_memalign(&p, 64, bytes ? bytes : 64) ? NULL : p;
 }
 
-static int gemv(int bits, qmat *a, const kernel_table *kt, int nthreads) {
-    job_t j = {a, bits == 8 ? kt->q8_gemv : kt->q4_gemv, NULL, NULL, 0, NULL};
-    float *xsum = NULL;
-    void *xq = NULL;
+/* Prepare one GEMV as a job: what its rows share (x's group sums and int8 digits) and its
+ * split into tasks for `nthreads`. `tmp` receives what must be freed after the job. */
+static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads, job_t *j,
+                        void *tmp[2]) {
+    *j = (job_t){a, bits == 8 ? kt->q8_gemv : kt->q4_gemv, NULL, NULL, 0, NULL};
+    tmp[0] = tmp[1] = NULL;
     if (bits == 4) { /* group sums of x, shared by every row: the mins' (or -8 d's) term */
         const int64_t G = a->K / a->g;
-        if (!(xsum = malloc((size_t)G * sizeof *xsum))) return -1;
+        float *xsum = malloc((size_t)G * sizeof *xsum);
+        if (!(tmp[0] = xsum)) return -1;
         const float f = a->mins ? 1.0f : -8.0f;
         for (int64_t gi = 0; gi < G; gi++) { /* 8 partial sums: no add-latency chain */
             const float *xg = a->x + gi * a->g;
@@ -67,26 +70,76 @@ static int gemv(int bits, qmat *a, const kernel_table *kt, int nthreads) {
         }
         a->xsum = xsum;
         if (kt->q4_xprep) { /* x as int8 digits; x with inf or NaN keeps the float GEMV */
-            if (!(xq = aligned(XPREP_BYTES(a->K)))) {
-                free(xsum);
-                return -1;
-            }
-            if (kt->q4_xprep(a->x, a->K, xq) == 0) {
-                a->xq = xq;
-                j.gemv = kt->q4_gemv_digits;
+            if (!(tmp[1] = aligned(XPREP_BYTES(a->K)))) return -1;
+            if (kt->q4_xprep(a->x, a->K, tmp[1]) == 0) {
+                a->xq = tmp[1];
+                j->gemv = kt->q4_gemv_digits;
             }
         }
     }
     const int64_t row_bytes = a->K * bits / 8;
-    const int64_t most = a->N * row_bytes / GEMV_MIN_BYTES_PER_THREAD;
-    if (nthreads > most) nthreads = most > 1 ? (int)most : 1;
     int64_t rows = (GEMV_TASK_BYTES + row_bytes - 1) / row_bytes;
     const int64_t fair = (a->N + 4 * nthreads - 1) / (4 * nthreads);
-    j.rows = rows < fair ? rows : fair;
-    pool_run(nthreads, (a->N + j.rows - 1) / j.rows, gemv_task, &j);
-    free(xq);
-    free(xsum);
+    j->rows = rows < fair ? rows : fair;
     return 0;
+}
+
+/* Threads worth using for `bytes` of weights. */
+static int gemv_threads(int64_t bytes, int nthreads) {
+    const int64_t most = bytes / GEMV_MIN_BYTES_PER_THREAD;
+    return nthreads > most ? (most > 1 ? (int)most : 1) : nthreads;
+}
+
+static int gemv(int bits, qmat *a, const kernel_table *kt, int nthreads) {
+    const int64_t row_bytes = a->K * bits / 8;
+    nthreads = gemv_threads(a->N * row_bytes, nthreads);
+    job_t j;
+    void *tmp[2];
+    int rc = gemv_prepare(bits, a, kt, nthreads, &j, tmp);
+    if (!rc) pool_run(nthreads, (a->N + j.rows - 1) / j.rows, gemv_task, &j);
+    free(tmp[0]);
+    free(tmp[1]);
+    return rc;
+}
+
+/* Several GEMVs as one pool job: tasks numbered across the matrices in order. */
+typedef struct {
+    int n;
+    job_t jobs[Q_GEMV_MANY_MAX];
+    int64_t first[Q_GEMV_MANY_MAX + 1]; /* first task of each job; first[n] = all */
+} many_job;
+
+static void many_task(void *ctx, int64_t t, int tid) {
+    const many_job *m = ctx;
+    int i = 0;
+    while (t >= m->first[i + 1]) i++;
+    gemv_task((void *)&m->jobs[i], t - m->first[i], tid);
+}
+
+int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nthreads) {
+    const kernel_table *kt = kernels_for(isa);
+    if (!kt || n < 1 || n > Q_GEMV_MANY_MAX) return n == 0 ? 0 : -1;
+    qmat a[Q_GEMV_MANY_MAX];
+    int64_t bytes = 0;
+    for (int i = 0; i < n; i++) {
+        a[i] = *a_in[i];
+        if (a[i].M != 1) return -1;
+        bytes += a[i].N * a[i].K * bits[i] / 8;
+    }
+    nthreads = gemv_threads(bytes, nthreads < 1 ? 1 : nthreads);
+    many_job m = {.n = n};
+    void *tmp[Q_GEMV_MANY_MAX][2] = {{0}};
+    int rc = 0;
+    for (int i = 0; i < n && !rc; i++) {
+        rc = gemv_prepare(bits[i], &a[i], kt, nthreads, &m.jobs[i], tmp[i]);
+        m.first[i + 1] = m.first[i] + (a[i].N + m.jobs[i].rows - 1) / m.jobs[i].rows;
+    }
+    if (!rc) pool_run(nthreads, m.first[n], many_task, &m);
+    for (int i = 0; i < n; i++) {
+        free(tmp[i][0]);
+        free(tmp[i][1]);
+    }
+    return rc;
 }
 
 static int gemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {

@@ -50,10 +50,18 @@ def is_gguf(path: Path) -> bool:
 
 
 SUPPORTED_ARCHS = {
-    "llama": "LlamaForCausalLM",
+    "llama": "LlamaForCausalLM",  # Mixtral too: a llama file with experts
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+# GGUF architecture -> Hugging Face model_type, where they differ.
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# Whether llama.cpp renormalises the top-k expert weights for this architecture when the
+# file has no `expert_weights_norm` key (build_moe_ffn's norm_w in src/models/<arch>.cpp).
+_NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 # ---------------------------------------------------------------------------------------
 # Key/value parsing
@@ -239,8 +247,29 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts (runtime/moe.py)
+    "ffn_gate_inp": "mlp.gate",  # the router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # a vector here, (1, dim) in HF
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# blk.N.<key>.weight stacks all experts, (n_expert, rows, cols) in torch order: expert E's
+# slice is model.layers.N.mlp.experts.E.<value>.weight.
+_STACKED_EXPERTS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+# Older Mixtral files store each expert's matrix alone: blk.N.ffn_<gate|up|down>.E.weight.
+_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
+
+
+def _stacked(gguf_name: str) -> re.Match | None:
+    """The _BLOCK_RE match of a stacked expert tensor's name, None for any other name."""
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    return m if m and m.group(2) in _STACKED_EXPERTS and m.group(3) == "weight" else None
 
 
 def _unpermute_rows(rows: int, n_head: int) -> np.ndarray:
@@ -371,7 +400,8 @@ class GGUFFile:
         if not isinstance(arch, str):
             raise r.fail("no general.architecture key")
         self.arch: str = arch
-        self._hf_to_gguf: dict[str, str] | None = None
+        # HF name -> (GGUF name, expert index into a stacked tensor or None)
+        self._hf_to_gguf: dict[str, tuple[str, int | None]] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -408,9 +438,14 @@ class GGUFFile:
                 vocab_size = self.tensors["token_embd.weight"].shape[0]
             else:
                 raise InferError(f"{self.path}: cannot tell the vocabulary size")
+        n_expert = self._key("expert_count", 0)
+        model_type = _MODEL_TYPES.get(self.arch, self.arch)
+        architecture = SUPPORTED_ARCHS[self.arch]
+        if self.arch == "llama" and n_expert:
+            model_type, architecture = "mixtral", "MixtralForCausalLM"
         config = {
-            "model_type": self.arch,
-            "architectures": [SUPPORTED_ARCHS[self.arch]],
+            "model_type": model_type,
+            "architectures": [architecture],
             "hidden_size": hidden,
             "intermediate_size": self._require("feed_forward_length"),
             "num_hidden_layers": self._require("block_count"),
@@ -429,7 +464,43 @@ class GGUFFile:
         rope_scaling = self._rope_scaling()
         if rope_scaling is not None:
             config["rope_scaling"] = rope_scaling
+        if n_expert:
+            config.update(self._moe_config(n_expert, config["num_hidden_layers"]))
         return config
+
+    def _moe_config(self, n_expert: int, n_layers: int) -> dict:
+        """The MoE keys of config.json. Which layers are sparse, and the expert widths,
+        are read off the tensors where the metadata does not say."""
+        sparse = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in self.tensors]
+        if not sparse:
+            raise InferError(f"{self.path}: expert_count is {n_expert} but no layer has a router")
+        first = sparse[0]
+        gate = self.tensors.get(f"blk.{first}.ffn_gate_exps.weight")
+        if gate is None:  # the older one-tensor-per-expert layout
+            gate = self.tensors.get(f"blk.{first}.ffn_gate.0.weight")
+        if gate is None:
+            raise InferError(f"{self.path}: layer {first} has a router but no expert tensors")
+        gating = self._key("expert_gating_func", 1)  # gguf.ExpertGatingFuncType.SOFTMAX
+        scale = self._key("expert_weights_scale", 1.0)
+        if gating != 1 or scale not in (0.0, 1.0):
+            raise InferError(
+                f"{self.path}: unsupported expert routing (gating function {gating}, "
+                f"weights scale {scale}); supported: softmax, unscaled"
+            )
+        norm = self._key("expert_weights_norm")
+        moe = {
+            "num_experts": n_expert,
+            "num_experts_per_tok": self._require("expert_used_count"),
+            "moe_intermediate_size": self._key("expert_feed_forward_length", gate.shape[-2]),
+            "norm_topk_prob": _NORM_TOPK_PROB[self.arch] if norm is None else bool(norm),
+            "mlp_only_layers": [i for i in range(n_layers) if i not in sparse],
+        }
+        shared = self.tensors.get(f"blk.{first}.ffn_up_shexp.weight")
+        if shared is not None:
+            moe["shared_expert_intermediate_size"] = self._key(
+                "expert_shared_feed_forward_length", shared.shape[0]
+            )
+        return moe
 
     def _rope_scaling(self) -> dict | None:
         # Best effort: llama.cpp writes rope.scaling.{type,factor,original_context_length}
@@ -445,26 +516,62 @@ class GGUFFile:
         return scaling
 
     def hf_name(self, gguf_name: str) -> str:
-        """The Hugging Face parameter name of a GGUF tensor name."""
+        """The Hugging Face parameter name of a GGUF tensor name (not a stacked one: see
+        `hf_names`)."""
         if gguf_name in _TOP_LEVEL_NAMES:
             return _TOP_LEVEL_NAMES[gguf_name]
+        m = _EXPERT_RE.fullmatch(gguf_name)
+        if m is not None:
+            layer, proj, expert = m.groups()
+            return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
+        if _stacked(gguf_name) is not None:
+            raise InferError(f"{self.path}: {gguf_name!r} stacks experts: it has one name each")
         m = _BLOCK_RE.fullmatch(gguf_name)
         if m is None or m.group(2) not in _BLOCK_NAMES:
             raise InferError(f"{self.path}: unsupported tensor {gguf_name!r}")
         layer, key, kind = m.groups()
         return f"model.layers.{layer}.{_BLOCK_NAMES[key]}.{kind}"
 
+    def hf_names(self, gguf_name: str) -> list[str]:
+        """The Hugging Face names of a tensor of this file: one per expert for a stacked
+        MoE tensor, in expert order; otherwise the one `hf_name`."""
+        m = _stacked(gguf_name)
+        if m is None:
+            return [self.hf_name(gguf_name)]
+        shape = self.tensors[gguf_name].shape
+        if len(shape) != 3:
+            raise InferError(
+                f"{self.path}: {gguf_name!r} has shape {shape}, not (experts, rows, cols)"
+            )
+        prefix = f"model.layers.{m.group(1)}.mlp.experts"
+        return [f"{prefix}.{e}.{_STACKED_EXPERTS[m.group(2)]}.weight" for e in range(shape[0])]
+
     def hf_tensor(self, hf_name: str) -> GGUFTensor:
-        """The raw tensor for a Hugging Face name, still in its ggml type, q/k rows un-permuted.
+        """The raw tensor for a Hugging Face name, still in its ggml type, q/k rows un-permuted,
+        an expert's slice of a stacked tensor.
 
         Rows are whole runs of blocks (blocks run along the input dim), so reordering rows of
-        quantized data is lossless: the result can be imported block for block.
+        quantized data, or taking one expert's rows, is lossless: the result can be imported
+        block for block.
         """
         if self._hf_to_gguf is None:
-            self._hf_to_gguf = {self.hf_name(name): name for name in self.tensors}
+            self._hf_to_gguf = {}
+            for name in self.tensors:
+                stacked = _stacked(name) is not None
+                for e, hf in enumerate(self.hf_names(name)):
+                    self._hf_to_gguf[hf] = (name, e if stacked else None)
         if hf_name not in self._hf_to_gguf:
             raise InferError(f"{self.path}: no tensor for {hf_name!r}")
-        t = self.tensors[self._hf_to_gguf[hf_name]]
+        name, expert = self._hf_to_gguf[hf_name]
+        t = self.tensors[name]
+        if expert is not None:  # a view of the map: expert E's rows follow expert E-1's
+            data = t.data[expert]
+            return GGUFTensor(
+                f"{name}[{expert}]", t.ggml_type, t.shape[1:], data, t.offset + expert * data.nbytes
+            )
+        if name.endswith(".ffn_gate_inp_shexp.weight") and len(t.shape) == 1:
+            # Qwen2-MoE's shared expert gate: llama.cpp stores the (1, dim) Linear as a vector.
+            return GGUFTensor(name, t.ggml_type, (1, *t.shape), t.data[None], t.offset)
         n_head = self._permuted_heads(t.name)
         if n_head is None:
             return t
@@ -497,8 +604,8 @@ class GGUFFile:
         self.config()  # fail early, with the list of supported architectures
         state = {}
         for name in self.tensors:
-            hf = self.hf_name(name)
-            state[hf] = dequantize(self.hf_tensor(hf), dtype)
+            for hf in self.hf_names(name):
+                state[hf] = dequantize(self.hf_tensor(hf), dtype)
         return state
 
 

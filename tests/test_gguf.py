@@ -297,7 +297,7 @@ def test_hf_names(tmp_path):
     hf_name = GGUFFile(write_gguf(tmp_path / "n.gguf", "llama", {})).hf_name
     for gguf_name, hf in names.items():
         assert hf_name(gguf_name) == hf
-    for bad in ["blk.0.ffn_gate_exps.weight", "blk.x.attn_q.weight", "mystery.weight"]:
+    for bad in ["blk.0.attn_qkv.weight", "blk.x.attn_q.weight", "mystery.weight"]:
         with pytest.raises(InferError, match="unsupported tensor"):
             hf_name(bad)
 

@@ -204,6 +204,10 @@ def quantize_model(
         for hessians in gptq.layer_hessians(model, windows, calibrated):
             for name, hessian in hessians.items():
                 run(*by_name[name], hessian)
+        # An MoE expert the router never picked on the calibration text has no inputs to
+        # fit: round it to nearest, as without calibration.
+        for name in [n for n in by_name if n in calibrated and n not in reports]:
+            run(*by_name[name])
     if isinstance(model, Transformer):
         model.prepare_fused_decode()  # the step's plan points at the modules replaced here
     return [reports[name] for name, _, _ in jobs]

@@ -10,6 +10,12 @@ Every named recipe keeps the embeddings and the output layer in int8 (Q8_0-compa
 in the "int8" recipe they follow its group_size like every other weight):
 they are the most sensitive tensors (llama.cpp keeps the output at Q6_K or better), and
 in small models with tied embeddings, like the default one, they are one tensor.
+
+Mixture-of-experts layers: each expert's projections ("layers.3.mlp.experts.7.down_proj")
+and a shared expert's ("layers.3.mlp.shared_expert.up_proj") are treated as the MLP's
+projections of the same name. The router ("layers.3.mlp.gate") and the shared expert's
+gate stay in float in every recipe, as llama.cpp keeps ffn_gate_inp: they are a tiny
+fraction of the weights, and an error there changes which experts run.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from .base import FORMATS
 
 Recipe = Callable[[str], "dict | None"]
 
-_BLOCK = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
+# layers.N.<self_attn|mlp>.<projection>, an expert's or shared expert's projection included
+_BLOCK = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(?:experts\.\d+\.|shared_expert\.)?(\w+)")
+_ROUTER = re.compile(r"layers\.\d+\.mlp\.(gate|shared_expert_gate)")
 INT8 = {"format": "int8", "group_size": 32}
 INT4 = {"format": "int4", "group_size": 32, "symmetric": False}
 
@@ -110,4 +118,5 @@ def get_recipe(name: str, *, n_layers: int | None = None, **overrides) -> Recipe
     }
     if name in _NEEDS_LAYERS and n_layers is None:
         raise InferError(f"recipe {name!r} needs the model's layer count (n_layers)")
-    return build(main, n_layers)
+    recipe = build(main, n_layers)
+    return lambda module: None if _ROUTER.fullmatch(module) else recipe(module)

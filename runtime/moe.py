@@ -21,6 +21,8 @@ The pieces are separate so an expert cache (offload/) can drive them:
     route(x) -> (ids, weights)   the router alone: (N, k) expert ids and weights for the N
                                  tokens of x; callable on any hidden state, e.g. layer l+1's
                                  router on layer l's input to predict the experts it will want
+    probs(x) -> (N, n_experts)   the router's softmax over all experts, which route() takes
+                                 the top k of (for score-based cache policies)
     expert(e) -> module          the one place an expert is looked up: override it (or swap
                                  `experts[e]`) to fetch experts on demand
     run_expert(e, x) -> y        expert e on the tokens x routed to it, (n, dim) -> (n, dim)
@@ -57,12 +59,16 @@ class MoE(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
+    def probs(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., dim) -> (N, n_experts) float32: the router's softmax for each of the
+        N = x.numel() // dim tokens."""
+        logits = self.gate(x.reshape(-1, x.shape[-1]))  # in x's dtype, as transformers
+        return logits.float().softmax(dim=-1)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (..., dim) -> (ids, weights), both (N, top_k) for the N = x.numel() // dim
-        tokens: int64 expert ids by falling weight, weights in x's dtype."""
-        logits = self.gate(x.reshape(-1, x.shape[-1]))  # (N, n_experts)
-        probs = logits.float().softmax(dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
+        """x (..., dim) -> (ids, weights), both (N, top_k): int64 expert ids by falling
+        weight, weights in x's dtype."""
+        weights, ids = self.probs(x).topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights.to(x.dtype)

@@ -51,8 +51,14 @@ ARCHS = {
     "mistral_window": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
-    # Mixtures of experts: 8 experts, top 2 or 3, expert widths a multiple of 32 (int4 g32).
-    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2)),
+}
+
+# Mixtures of experts: 8 experts, top 2 or 3, expert widths a multiple of 32 (int4 g32).
+MOE_ARCHS = {
+    "mixtral": (
+        "MixtralConfig",
+        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    ),
     # Layer 1 dense through mlp_only_layers; a shared expert; norm_topk_prob false.
     "qwen2_moe": (
         "Qwen2MoeConfig",
@@ -84,7 +90,6 @@ ARCHS = {
     ),
     "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=3, intermediate_size=64)),
 }
-MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe_nonorm", "olmoe"]
 
 
 def write_tokenizer(path: Path) -> None:
@@ -112,7 +117,7 @@ def make_hf_model(arch: str, path: Path, seed: int = 0):
     """Save a random `arch` model (float32) with a tokenizer to `path`; return the HF model."""
     import transformers
 
-    cls_name, extra = ARCHS[arch]
+    cls_name, extra = {**ARCHS, **MOE_ARCHS}[arch]
     config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

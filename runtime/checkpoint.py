@@ -36,9 +36,10 @@ quantized (the embedding wraps it), as "embed_tokens.weight" when float. A quant
 embedding that is not tied is the module "embed_tokens.table" (QuantEmbedding.table).
 
 Units are name prefixes: a tensor belongs to the unit its name starts with (`unit_of`),
-"globals" if none. A mixture-of-experts layer will store each expert as its own unit,
-"layers.N.<...>.experts.E", written after the unit "layers.N" that keeps the layer's
-attention, norms and router; nothing else in the format changes.
+"globals" if none. A mixture-of-experts layer (runtime/moe.py) stores each expert as its
+own unit, "layers.N.mlp.experts.E" (its gate, up and down projections), written after the
+unit "layers.N" that keeps the layer's attention, norms, router and any shared expert:
+one aligned read fetches one expert. Nothing else in the format changes.
 
 Integrity: `verify` checks units against their crc32 (~5 GB/s from the page cache here).
 `loader.load_model` verifies every unit: a resident model faults in every page on its

@@ -103,6 +103,20 @@ def test_sanitize_maps_transformers_in_memory_names(pair):
     torch.testing.assert_close(model(torch.tensor([PROMPT]), 0, all_logits=True), expected)
 
 
+@torch.inference_mode()
+def test_bfloat16_close_to_float32(pair):
+    _, ours = pair
+    with torch.device("meta"):
+        bf16 = Transformer(ours.args)
+    state = {k: v.bfloat16() for k, v in ours.state_dict().items()}
+    bf16.load_state_dict(state, strict=True, assign=True)
+    bf16.setup_caches(64, torch.bfloat16)
+    a = ours(torch.tensor([PROMPT]), 0, all_logits=True)
+    b = bf16(torch.tensor([PROMPT]), 0, all_logits=True).float()
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    assert bf16(torch.tensor([[PROMPT[-1]]]), len(PROMPT) - 1).dtype == torch.bfloat16
+
+
 def test_n_params_counts_every_expert(pair):
     _, ours = pair
     assert ours.args.n_params == sum(p.numel() for p in ours.parameters())

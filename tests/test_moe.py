@@ -209,6 +209,22 @@ def test_bad_moe_configs_are_one_line_errors(change, words):
         ModelArgs.from_dict(cfg)
 
 
+def test_recipes_quantize_experts_and_keep_routers_float():
+    for name in ["int8", "int4", "lut3", "mixed", "q4_k_m"]:
+        recipe = get_recipe(name, n_layers=8)
+        assert recipe("layers.3.mlp.gate") is None
+        assert recipe("layers.3.mlp.shared_expert_gate") is None
+        for proj in ["gate_proj", "up_proj", "down_proj"]:
+            expected = recipe(f"layers.4.mlp.{proj}")  # the dense MLP's projection
+            assert expected is not None
+            assert recipe(f"layers.4.mlp.experts.17.{proj}") == expected
+            assert recipe(f"layers.4.mlp.shared_expert.{proj}") == expected
+    # q4_k_m gives ffn_down more bits in llama.cpp's layers, experts' included (ffn_down_exps).
+    q4_k_m = get_recipe("q4_k_m", n_layers=8)
+    assert q4_k_m("layers.0.mlp.experts.3.down_proj")["format"] == "int8"
+    assert q4_k_m("layers.1.mlp.experts.3.down_proj")["format"] == "int4"
+
+
 # ---------------------------------------------------------------------------------------
 # GGUF: stacked ffn_*_exps tensors, as llama.cpp's convert_hf_to_gguf.py writes them
 # ---------------------------------------------------------------------------------------

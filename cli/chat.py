@@ -46,6 +46,15 @@ class Answer:
         )
 
 
+def stream_line(lm: LoadedModel) -> str | None:
+    """What streaming layers from disk cost so far (--verbose), or None if nothing streams."""
+    if lm.stream is None:
+        return None
+    from infer.offload.stream import describe
+
+    return "stream: " + describe(lm.stream, lm.plan)
+
+
 def _reused_prefix(cached: list[int], prompt: list[int]) -> int:
     """How many prompt tokens prefill will take from the cache (as generate.prefill does)."""
     n, limit = 0, min(len(cached), len(prompt) - 1)
@@ -225,4 +234,6 @@ def chat_loop(lm: LoadedModel, settings: ChatSettings) -> None:
             print("(stopped)", file=sys.stderr)
         if settings.verbose:
             print(answer.stats_line(), file=sys.stderr)
+            if line := stream_line(lm):
+                print(line, file=sys.stderr)
         print(file=out, flush=True)  # a blank line before the next prompt

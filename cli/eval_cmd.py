@@ -16,7 +16,16 @@ from typing import Annotated
 import typer
 
 from infer.cli.common import is_tty, print_json, print_table, set_threads, status, torch_dtype
-from infer.cli.options import Debug, DType, DTypeOpt, Json, RequiredModelArg, Threads
+from infer.cli.options import (
+    Debug,
+    DType,
+    DTypeOpt,
+    Json,
+    MaxMemory,
+    RequiredModelArg,
+    Threads,
+)
+from infer.offload.budget import parse_size
 from infer.runtime.errors import InferError
 
 TextFile = Annotated[
@@ -54,10 +63,16 @@ def eval_model(
     ref: Ref = None,
     threads: Threads = None,
     dtype: DTypeOpt = DType.float32,
+    max_memory: MaxMemory = None,
     json_out: Json = False,
     debug: Debug = False,
 ) -> None:
-    """Measure perplexity over a text, as llama-perplexity does; with --ref, KL divergence."""
+    """Measure perplexity over a text, as llama-perplexity does; with --ref, KL divergence.
+
+    --max-memory budgets the whole process: with --ref, the reference is loaded second
+    and its share is what the first model left.
+    """
+    budget = parse_size(max_memory) if max_memory is not None else None
     if not text.is_file():
         raise InferError(f"{text}: no such file")
     try:
@@ -77,8 +92,12 @@ def eval_model(
     n_threads = set_threads(threads)
     compute_dtype = torch_dtype(dtype)
     with status(f"loading {resolved.name}"):
-        lm = load_model(resolved.path, compute_dtype, max_seq_len=ctx)
-        ref_lm = load_model(resolved_ref.path, compute_dtype, max_seq_len=ctx) if ref else None
+        lm = load_model(resolved.path, compute_dtype, max_seq_len=ctx, max_memory=budget)
+        ref_lm = None
+        if ref:
+            ref_lm = load_model(
+                resolved_ref.path, compute_dtype, max_seq_len=ctx, max_memory=budget
+            )
     with _progress_bar() as progress:
         result = evaluate(lm, content, ctx=ctx, chunks=chunks, ref=ref_lm, progress=progress)
 

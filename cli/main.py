@@ -34,6 +34,7 @@ from infer.cli.options import (
     DType,
     DTypeOpt,
     Json,
+    MaxMemory,
     MaxTokens,
     MinP,
     ModelArg,
@@ -47,6 +48,7 @@ from infer.cli.options import (
     Verbose,
 )
 from infer.cli.quantize_cmd import quantize
+from infer.offload.budget import parse_size
 from infer.runtime.errors import InferError
 
 app = typer.Typer(
@@ -115,6 +117,7 @@ def run(
     threads: Threads = None,
     ctx: Ctx = None,
     dtype: DTypeOpt = DType.float32,
+    max_memory: MaxMemory = None,
     json_out: Json = False,
     verbose: Verbose = False,
     debug: Debug = False,
@@ -135,6 +138,8 @@ def run(
     if interactive and json_out:
         raise InferError("--json needs a prompt: give PROMPT or pipe text to stdin")
 
+    budget = parse_size(max_memory) if max_memory is not None else None
+
     from infer.runtime.registry import resolve
 
     resolved = resolve(model)  # before importing torch: a wrong name fails at once
@@ -142,17 +147,21 @@ def run(
     from infer.runtime.generate import make_sampler
     from infer.runtime.loader import load_model
 
-    from .chat import ChatSettings, chat_loop, stream_answer
+    from .chat import ChatSettings, chat_loop, stream_answer, stream_line
 
     n_threads = set_threads(threads)
     with status(f"loading {resolved.name}"):
-        lm = load_model(resolved.path, torch_dtype(dtype), max_seq_len=ctx or DEFAULT_CTX)
+        lm = load_model(
+            resolved.path, torch_dtype(dtype), max_seq_len=ctx or DEFAULT_CTX, max_memory=budget
+        )
     if verbose:
         print(
             f"loaded {resolved.name} in {lm.load_seconds:.2f} s "
             f"(context {lm.model.max_seq_len}, {n_threads} threads, {dtype.value})",
             file=sys.stderr,
         )
+        if lm.plan is not None:
+            print(f"memory: {lm.plan.describe()}", file=sys.stderr)
     sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
 
     if interactive:
@@ -201,6 +210,8 @@ def run(
         print("" if answer.text.endswith("\n") else "\n", end="", flush=True)
     if verbose:
         print(answer.stats_line(), file=sys.stderr)
+        if line := stream_line(lm):
+            print(line, file=sys.stderr)
 
 
 @app.command()
@@ -316,11 +327,14 @@ def bench(
             "layers vs the rest.",
         ),
     ] = False,
+    max_memory: MaxMemory = None,
     json_out: Json = False,
     debug: Debug = False,
 ) -> None:
     """Measure load time, prefill and decode speed, memory and bandwidth."""
     from dataclasses import asdict
+
+    budget = parse_size(max_memory) if max_memory is not None else None
 
     from infer.runtime.registry import resolve
 
@@ -338,6 +352,7 @@ def bench(
             dtype=torch_dtype(dtype),
             name=resolved.name,
             roofline=roofline,
+            max_memory=budget,
         )
     if json_out:
         print_json(asdict(result))

@@ -51,6 +51,18 @@ Ctx = Annotated[
     ),
 ]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Compute dtype.")]
+MaxMemory = Annotated[
+    str | None,
+    typer.Option(
+        "--max-memory",
+        metavar="SIZE",
+        help="Memory budget for the whole process (RSS plus the model's cached pages), "
+        "e.g. 2GB, 1.5GiB, 800MB: layers that do not fit stream from disk. infer's own "
+        "format only (infer quantize converts). Default: stream only when the model "
+        "does not fit in available memory.",
+        show_default=False,
+    ),
+]
 Json = Annotated[
     bool, typer.Option("--json", help="Print one JSON object instead of text or a table.")
 ]

@@ -91,15 +91,17 @@ class Overheads:
     globals: int  # embedding, final norm, lm_head (and any conversion of them)
     kv_cache: int  # KV caches and rope tables, at the full context
     scratch: int  # activations and logits of a prefill chunk, dequantized temporaries
+    runtime: int = 0  # libraries loaded and thread pools started by the first passes
 
     @property
     def total(self) -> int:
-        return self.process + self.globals + self.kv_cache + self.scratch
+        return self.process + self.runtime + self.globals + self.kv_cache + self.scratch
 
     def describe(self) -> str:
         return (
-            f"process {format_size(self.process)}, globals {format_size(self.globals)}, "
-            f"KV cache {format_size(self.kv_cache)}, activations {format_size(self.scratch)}"
+            f"process {format_size(self.process + self.runtime)}, "
+            f"globals {format_size(self.globals)}, KV cache {format_size(self.kv_cache)}, "
+            f"activations {format_size(self.scratch)}"
         )
 
 
@@ -147,8 +149,10 @@ def _need(layers: Sequence[LayerCost], k: int, slots: int, overheads: Overheads)
 
 
 def minimum_bytes(layers: Sequence[LayerCost], overheads: Overheads) -> int:
-    """The smallest workable budget: every layer streamed through two buffers."""
-    return _need(layers, 0, min(MIN_SLOTS, len(layers)), overheads)[0]
+    """The smallest workable budget: usually every layer streamed through two buffers
+    (pinning an unusually large first layer can cost less than buffers its size)."""
+    n = len(layers)
+    return min(_need(layers, k, min(MIN_SLOTS, n - k), overheads)[0] for k in range(n + 1))
 
 
 def plan_memory(
@@ -179,10 +183,9 @@ def plan_memory(
             streamed_bytes=sum(c.read_bytes for c in layers[k:]),
         )
     minimum = minimum_bytes(layers, overheads)
-    slot = max((c.read_bytes for c in layers), default=0)
     raise InferError(
         f"memory budget {format_size(budget)} is below this model's minimum working set "
-        f"of {format_size(minimum)} ({overheads.describe()}, "
-        f"{min(MIN_SLOTS, n)} layer buffers of {format_size(slot)}); "
+        f"of {format_size(minimum)} ({overheads.describe()}, layers "
+        f"{format_size(minimum - overheads.total)} streamed through {MIN_SLOTS} buffers); "
         f"give at least --max-memory {math.ceil(minimum / 1e6)}MB"
     )

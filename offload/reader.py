@@ -95,8 +95,6 @@ class Ticket:
                 )
         if self.error is not None:
             raise self.error
-        if self.cancelled and reader.closed:
-            raise InferError(f"{reader.file}: the reader was closed before '{self.unit}'")
 
 
 class UnitReader:
@@ -205,7 +203,9 @@ class UnitReader:
             ticket = self._queue.get()
             if ticket is None:
                 return
-            if not (ticket.cancelled or self.closed):
+            if self.closed:
+                ticket.error = InferError(f"{self.file}: the reader was closed")
+            elif not ticket.cancelled:
                 try:
                     self._read(ticket.unit, ticket.buf)
                 except InferError as e:

@@ -21,10 +21,13 @@ when it is needed, into one buffer, and nothing is kept.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import mmap
 import os
 import time
 import weakref
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -35,15 +38,18 @@ from ..runtime.checkpoint import (
     Checkpoint,
     build_model,
     unit_views,
-    verify,
 )
 from ..runtime.config import ModelArgs
 from ..runtime.errors import InferError
 from ..runtime.llama import Transformer
-from .budget import LayerCost, Overheads, Plan, plan_memory
+from .budget import LayerCost, Overheads, Plan, minimum_bytes, plan_memory
 from .reader import Ticket, UnitReader, alloc_buffer, round_up
 
 PREFILL_CHUNK = 512  # generate.prefill's chunk: the most tokens one forward sees
+# RSS the process gains after the baseline besides the model: the C kernels and quant
+# modules imported, torch's and the kernels' thread pools started by the first passes.
+# Measured 16 MB on a tiny model (2 threads); twice that is kept.
+RUNTIME_BYTES = 32 * 2**20
 
 
 # ------------------------------------------------------------------------------------------
@@ -109,7 +115,8 @@ def overheads(
     dequant = 0
     if ckpt.quant and dtype != torch.float32:
         dequant = max(_linear_elements(ckpt, name) for name in ckpt.quant) * (4 + el)
-    return Overheads(process, globals_, kv + rope, acts + scores + logits + dequant)
+    scratch = acts + scores + logits + dequant
+    return Overheads(process, globals_, kv + rope, scratch, RUNTIME_BYTES)
 
 
 def _linear_elements(ckpt: Checkpoint, module: str) -> int:
@@ -301,6 +308,8 @@ class LayerStream:
         self._tickets[s] = [self.reader.submit(u, mv) for u, mv in self._reads[s, i]]
 
     def _begin_pass(self, module, args) -> None:
+        if self.reader.closed:
+            raise InferError("this model's layer stream was closed; load the model again")
         if self._bound is not None or self._t % len(self.order):
             self._resync()  # the last pass stopped half way
         if self.prefetch and not self._tickets:
@@ -372,9 +381,7 @@ class LayerStream:
         self.reader.stats = type(self.reader.stats)()
 
     def close(self) -> None:
-        """Stop the reader; the model cannot run its streamed layers afterwards."""
-        for h in self._handles:
-            h.remove()
+        """Stop the reader; the model cannot run afterwards (it says so)."""
         self._finalizer()
 
 
@@ -394,12 +401,16 @@ def load_streamed(
     check: bool = True,
     direct: bool = True,
     workers: int = 2,
+    raise_to_minimum: bool = False,
 ) -> tuple[Transformer, LayerStream | None, Plan]:
     """Build `ckpt`'s model to run within `budget` bytes of process footprint.
 
     Returns (model, stream, plan); stream is None when the plan pins every layer.
     prefetch=False: naive load-on-demand (no pinned layers, one buffer, no read-ahead).
     check: crc32 every streamed unit as it is read. direct: try O_DIRECT.
+    raise_to_minimum: a budget below the minimum working set becomes that minimum
+    (the automatic budget of a model too large for the memory available) instead of
+    being refused.
     """
     args = ckpt.args
     max_seq_len = min(max_seq_len, args.max_seq_len)
@@ -407,6 +418,8 @@ def load_streamed(
     costs = layer_costs(ckpt, groups, dtype)
     process = process_rss() if process_bytes is None else process_bytes
     fixed = overheads(ckpt, args, dtype, max_seq_len, process)
+    if raise_to_minimum:
+        budget = max(budget, minimum_bytes(costs, fixed))
     plan = plan_memory(costs, fixed, budget)
     if not prefetch:  # naive: everything read when needed, into one buffer
         plan = dataclasses.replace(
@@ -427,9 +440,9 @@ def load_streamed(
     )
     targets = {i: _targets(model, ckpt, g, placeholders) for i, g in enumerate(groups)}
     pinned = [int(u.split(".")[1]) for u in plan.pinned]
-    # Resident units are checked now, as load_model checks a resident model; streamed
-    # ones as they are read.
-    verify(ckpt, [GLOBALS, *(u for i in pinned for u in groups[i])])
+    # Resident units are read and checked now, as load_model checks a resident model;
+    # streamed ones as they are read.
+    _map_resident(ckpt, [GLOBALS, *(u for i in pinned for u in groups[i])])
     for i in pinned:  # mapped from the file, as a normal load keeps them
         for tg in targets[i]:
             t = ckpt.tensors[tg.name]
@@ -456,6 +469,33 @@ def load_streamed(
     return model, stream, plan
 
 
+def _map_resident(ckpt: Checkpoint, units: list[str]) -> None:
+    """Fault in exactly `units`' pages of the file map and check their crc32.
+
+    The kernel reads around a faulting page (read_ahead_kb: 8 MB here), which would pull
+    streamed layers' pages into the page cache, into the footprint: the map is marked
+    MADV_RANDOM (no read-around) and the resident ranges MADV_WILLNEED (read now).
+    """
+    storage = max(ckpt.tensors.values(), key=lambda t: t.nbytes).untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage)  # the file, as mapped
+    if hasattr(mmap, "MADV_RANDOM"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        base = storage.data_ptr()
+        libc.madvise(base, storage.nbytes(), mmap.MADV_RANDOM)
+        for unit in units:
+            b, e = ckpt.ranges[unit]
+            libc.madvise(base + b, e - b, mmap.MADV_WILLNEED)
+    for unit in units:
+        b, e = ckpt.ranges[unit]
+        crc = zlib.crc32(whole[b:e].numpy())
+        if crc != ckpt.crc32[unit]:
+            raise InferError(
+                f"{ckpt.file}: unit '{unit}' is corrupt (crc32 {crc:08x}, expected "
+                f"{ckpt.crc32[unit]:08x}); convert the model again"
+            )
+
+
 def _drop_cached(ckpt: Checkpoint, units: list[str]) -> None:
     """Drop pages of streamed units a previous run left in the page cache: they are not
     this process's, but they would count in a measured footprint."""
@@ -468,6 +508,50 @@ def _drop_cached(ckpt: Checkpoint, units: list[str]) -> None:
             os.posix_fadvise(fd, b, e - b, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+@dataclass
+class StreamReport:
+    """A budgeted run's figures, for `infer bench` (table and --json)."""
+
+    budget_bytes: int
+    planned_bytes: int  # the plan's estimate of the peak
+    footprint_bytes: int  # measured: RSS + the model file's cached pages not in RSS
+    resident_bytes: int  # globals and pinned layers
+    streamed_bytes: int  # layers read per forward pass
+    layers_pinned: int
+    layers_streamed: int
+    window: int
+    read_method: str  # "O_DIRECT", "pread+DONTNEED"
+    crc32: bool
+    passes: int
+    bytes_read_per_token: float
+    read_gb_s: float
+    stall_s: float
+    stall_s_per_token: float
+
+
+def report(plan: Plan, stream: LayerStream | None, file) -> StreamReport:
+    from .footprint import footprint
+
+    s = stream.snapshot() if stream is not None else StreamStats()
+    return StreamReport(
+        budget_bytes=plan.budget,
+        planned_bytes=plan.footprint,
+        footprint_bytes=footprint(file),
+        resident_bytes=plan.overheads.globals + plan.pinned_bytes,
+        streamed_bytes=plan.streamed_bytes,
+        layers_pinned=len(plan.pinned),
+        layers_streamed=len(plan.streamed),
+        window=plan.window,
+        read_method=stream.reader.method if stream is not None else "-",
+        crc32=stream is not None and stream.reader.crc32 is not None,
+        passes=s.passes,
+        bytes_read_per_token=s.bytes_per_pass,
+        read_gb_s=s.read_gb_s,
+        stall_s=s.stall_s,
+        stall_s_per_token=s.stall_s / s.passes if s.passes else 0.0,
+    )
 
 
 def describe(stream: LayerStream | None, plan: Plan) -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..offload.stream import StreamReport, report
 from ..quant.base import QuantEmbedding, QuantLinear
 from .errors import InferError
 from .generate import generate, make_sampler
@@ -95,6 +96,7 @@ class BenchResult:
     decode_gb_s: float  # weight_bytes_per_token x decode_tok_s / 1e9
     roofline: Roofline | None = None
     breakdown: Breakdown | None = None
+    offload: StreamReport | None = None  # under --max-memory (or a model too large)
 
     def rows(self) -> list[list[str]]:
         """(metric, value) pairs as text, for a table."""
@@ -110,6 +112,8 @@ class BenchResult:
             ["peak RSS", f"{self.peak_rss_bytes / 1e6:.0f} MB"],
             ["repeats", f"{self.repeats} (median, after a warm-up)"],
         ]
+        if o := self.offload:
+            rows += _offload_rows(o)
         if r := self.roofline:
             bw = f"{r.bandwidth_gb_s:.2f} GB/s ({self.threads} threads, {r.bandwidth_method})"
             rows += [
@@ -129,6 +133,27 @@ class BenchResult:
                 ["  linear by name (ms)", by_name],
             ]
         return rows
+
+
+def _offload_rows(o: StreamReport) -> list[list[str]]:
+    mb = 1e6
+    rows = [
+        ["memory budget", f"{o.budget_bytes / mb:.0f} MB (planned {o.planned_bytes / mb:.0f} MB)"],
+        ["footprint now", f"{o.footprint_bytes / mb:.0f} MB (RSS + model pages cached)"],
+        [
+            "layers",
+            f"{o.layers_pinned} resident, {o.layers_streamed} streamed (window {o.window})",
+        ],
+        ["resident / streamed", f"{o.resident_bytes / mb:.0f} MB / {o.streamed_bytes / mb:.0f} MB"],
+    ]
+    if o.layers_streamed:
+        check = ", crc32" if o.crc32 else ""
+        rows += [
+            ["read per token", f"{o.bytes_read_per_token / mb:.1f} MB"],
+            ["read bandwidth", f"{o.read_gb_s:.2f} GB/s ({o.read_method}{check})"],
+            ["stalled on reads", f"{o.stall_s_per_token * 1000:.1f} ms per token"],
+        ]
+    return rows
 
 
 def _embedding_table(model: Transformer) -> tuple[list[torch.Tensor], int, bool]:
@@ -160,9 +185,11 @@ def weight_bytes_per_token(model: Transformer) -> int:
     total = 0 if tied else row_bytes
     # state_dict holds parameters and persistent buffers only (no KV cache, no rope tables).
     for t in model.state_dict(keep_vars=True).values():
-        if t.data_ptr() in seen:
+        # A streamed layer's tensors are meta between uses (offload/): no data pointer.
+        key = id(t) if t.is_meta else t.data_ptr()
+        if key in seen:
             continue
-        seen.add(t.data_ptr())
+        seen.add(key)
         if tied or t.data_ptr() not in table_ptrs:
             total += t.nbytes
     return total
@@ -320,15 +347,18 @@ def run_bench(
     name: str | None = None,
     roofline: bool = False,
     bandwidth_bytes: int | None = None,
+    max_memory: int | None = None,
 ) -> BenchResult:
     """Load the model at `path` and time it; figures are medians over `repeats` runs.
 
     roofline: also measure memory bandwidth (over a `bandwidth_bytes` buffer,
     default 1 GiB) for the decode ceiling, and split decode time by a hooked run.
+    max_memory: a footprint budget (bytes); layers beyond it stream from disk, and the
+    result's `offload` has the streaming figures of the timed runs.
     """
     if n_prompt < 1 or n_gen < 1 or repeats < 1:
         raise InferError("n_prompt, n_gen and repeats must be at least 1")
-    lm = load_model(path, dtype, max_seq_len=n_prompt + n_gen + 1)
+    lm = load_model(path, dtype, max_seq_len=n_prompt + n_gen + 1, max_memory=max_memory)
     model = lm.model
     if n_prompt + n_gen > model.max_seq_len:
         raise InferError(
@@ -337,7 +367,10 @@ def run_bench(
         )
     prompt = bench_prompt(lm.tokenizer, n_prompt)
     _timed_run(model, prompt, min(n_gen, 4))  # warm-up: allocator, caches, lazy init
+    if lm.stream is not None:
+        lm.stream.reset_stats()  # streaming figures of the timed runs only
     runs = [_timed_run(model, prompt, n_gen) for _ in range(repeats)]
+    offload = None if lm.plan is None else report(lm.plan, lm.stream, lm.info.checkpoint.file)
     ttft = statistics.median(r[0] for r in runs)
     decode_s = statistics.median(r[1] for r in runs)
     bytes_per_token = weight_bytes_per_token(model)
@@ -369,4 +402,5 @@ def run_bench(
         decode_gb_s=bytes_per_token * decode_tok_s / 1e9,
         roofline=ceiling,
         breakdown=breakdown,
+        offload=offload,
     )

@@ -9,6 +9,7 @@ already matches, converted (or dequantized, for GGUF blocks) exactly once otherw
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -16,6 +17,15 @@ from pathlib import Path
 
 import torch
 
+from ..offload.budget import Plan
+from ..offload.stream import (
+    LayerStream,
+    layer_costs,
+    layer_units,
+    load_streamed,
+    overheads,
+    process_rss,
+)
 from .checkpoint import Checkpoint, build_model, is_checkpoint, read_checkpoint, verify
 from .config import ModelArgs
 from .errors import InferError
@@ -46,6 +56,11 @@ class LoadedModel:
     info: ModelInfo
     dtype: torch.dtype
     load_seconds: float
+    # Under a memory budget (offload/): what stays resident, and the stream that reads
+    # the rest (None when every layer fits).
+    plan: Plan | None = None
+    stream: LayerStream | None = None
+    auto_budget: bool = False  # the budget was chosen because the model does not fit
 
     @property
     def args(self) -> ModelArgs:
@@ -177,12 +192,56 @@ def load_weights(
     return model.eval().requires_grad_(False)
 
 
+# Without --max-memory a model streams when its estimated footprint exceeds this share
+# of the memory available now; the budget it then gets is a smaller share, leaving room
+# for the page cache and the rest of the system.
+FITS_SHARE = 0.9
+AUTO_BUDGET_SHARE = 0.8
+
+
 def load_model(
-    path: Path, dtype: torch.dtype = torch.float32, max_seq_len: int | None = None
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    max_seq_len: int | None = None,
+    max_memory: int | None = None,
 ) -> LoadedModel:
-    """Load weights, tokenizer and caches. `max_seq_len` defaults to the model's context."""
+    """Load weights, tokenizer and caches. `max_seq_len` defaults to the model's context.
+
+    `max_memory`: the process's footprint budget in bytes (RSS plus the page cache it
+    holds); layers that do not fit stream from disk (offload/). Without it, a model
+    too large for the available memory streams on its own, and says so on stderr.
+    """
     t0 = time.perf_counter()
+    process = process_rss()  # before anything of this model: torch and all
     info = inspect_model(path)
+    ctx = min(max_seq_len or info.args.max_seq_len, info.args.max_seq_len)
+    budget, auto = max_memory, False
+    if budget is None:
+        budget = _auto_budget(info, dtype, ctx, process)
+        auto = budget is not None
+    if budget is not None and info.checkpoint is None:
+        what = "a GGUF file" if info.format == "gguf" else "a Hugging Face directory"
+        advice = (
+            f"streaming layers from disk needs infer's own format; convert it first: "
+            f"infer quantize {info.path} -o DIR --to int8 (or int4)"
+        )
+        if not auto:
+            raise InferError(f"{info.path} is {what}: {advice}")
+        print(f"note: {info.path} may not fit in available memory; {advice}", file=sys.stderr)
+        budget = None
+    if budget is not None:
+        tokenizer = load_tokenizer(info)
+        model, stream, plan = load_streamed(
+            info.checkpoint, dtype, ctx, budget, process_bytes=process_rss(), raise_to_minimum=auto
+        )
+        if auto:
+            print(
+                f"note: {info.path.name} does not fit in available memory: "
+                f"{plan.describe()} (--max-memory sets the budget)",
+                file=sys.stderr,
+            )
+        load_s = time.perf_counter() - t0
+        return LoadedModel(model, tokenizer, info, dtype, load_s, plan, stream, auto)
     if info.checkpoint is not None:
         # crc32 of every unit (~5 GB/s from the page cache): the first forward pass
         # faults these pages in anyway, and a corrupt byte fails here, naming its unit.
@@ -190,3 +249,21 @@ def load_model(
     model = load_weights(info, dtype, max_seq_len)
     tokenizer = load_tokenizer(info)
     return LoadedModel(model, tokenizer, info, dtype, time.perf_counter() - t0)
+
+
+def _auto_budget(info: ModelInfo, dtype: torch.dtype, ctx: int, process: int) -> int | None:
+    """A budget when the model's estimated footprint exceeds the memory available now;
+    None when it fits."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if info.checkpoint is not None:
+        ckpt = info.checkpoint
+        costs = layer_costs(ckpt, layer_units(ckpt, info.args.n_layers), dtype)
+        fixed = overheads(ckpt, info.args, dtype, ctx, 0)
+        need = fixed.total + sum(c.resident_bytes for c in costs)
+    else:  # GGUF blocks are dequantized and HF weights converted to `dtype` on load
+        need = info.args.n_params * dtype.itemsize
+    if need <= FITS_SHARE * available:
+        return None
+    return process + int(AUTO_BUDGET_SHARE * available)

@@ -62,29 +62,42 @@ def cached_bytes(path: Path) -> int:
     return resident * mmap.PAGESIZE
 
 
-def mapped_rss(path: Path) -> int:
-    """Bytes of `path` resident in this process through its maps (Linux; else 0)."""
-    target = str(Path(path).resolve())
+def _smaps_rss(path: Path | None) -> tuple[int, int]:
+    """(this process's RSS, the part of it that is `path` mapped), from one read of
+    /proc/self/smaps, so the two agree even while maps come and go. Linux; elsewhere
+    (psutil's RSS, 0)."""
+    target = str(Path(path).resolve()) if path is not None else None
     try:
         text = Path("/proc/self/smaps").read_text()
     except OSError:
-        return 0
-    total, inside = 0, False
+        return psutil.Process().memory_info().rss, 0
+    total = mapped = 0
+    inside = False
     for line in text.splitlines():
         first = line.split(maxsplit=1)[0] if line else ""
         if "-" in first and not first.endswith(":"):  # a mapping's header line
-            inside = line.rstrip().endswith(target)
-        elif inside and first == "Rss:":
-            total += int(line.split()[1]) * 1024
-    return total
+            inside = target is not None and line.rstrip().endswith(target)
+        elif first == "Rss:":
+            kb = int(line.split()[1]) * 1024
+            total += kb
+            mapped += kb if inside else 0
+    return total, mapped
+
+
+def mapped_rss(path: Path) -> int:
+    """Bytes of `path` resident in this process through its maps (Linux; else 0)."""
+    return _smaps_rss(path)[1]
 
 
 def footprint(path: Path | None) -> int:
-    """RSS plus `path`'s cached pages not already counted in RSS."""
-    rss = psutil.Process().memory_info().rss
+    """RSS plus `path`'s cached pages not already counted in RSS.
+
+    RSS and the mapped part come from one snapshot, and the page cache is counted after
+    it: a map dropped in between leaves its pages counted once (as cached), not twice."""
+    rss, mapped = _smaps_rss(path)
     if path is None:
         return rss
-    return rss + max(0, cached_bytes(path) - mapped_rss(path))
+    return rss + max(0, cached_bytes(path) - mapped)
 
 
 class PeakSampler:

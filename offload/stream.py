@@ -398,7 +398,7 @@ def load_streamed(
     *,
     process_bytes: int | None = None,
     prefetch: bool = True,
-    check: bool = True,
+    check: str | None = "first",
     direct: bool = True,
     workers: int = 2,
     raise_to_minimum: bool = False,
@@ -407,7 +407,8 @@ def load_streamed(
 
     Returns (model, stream, plan); stream is None when the plan pins every layer.
     prefetch=False: naive load-on-demand (no pinned layers, one buffer, no read-ahead).
-    check: crc32 every streamed unit as it is read. direct: try O_DIRECT.
+    check: the crc32 of streamed units, "first" (a unit's first read), "always" (every
+    read) or None. direct: try O_DIRECT.
     raise_to_minimum: a budget below the minimum working set becomes that minimum
     (the automatic budget of a model too large for the memory available) instead of
     being refused.
@@ -459,7 +460,12 @@ def load_streamed(
     model.fused_decode = None
     _drop_cached(ckpt, [u for i in streamed for u in groups[i]])
     reader = UnitReader(
-        ckpt.file, ckpt.ranges, ckpt.crc32 if check else None, workers=workers, direct=direct
+        ckpt.file,
+        ckpt.ranges,
+        ckpt.crc32 if check else None,
+        check=check or "first",
+        workers=workers,
+        direct=direct,
     )
     try:
         stream = LayerStream(model, ckpt, plan, groups, targets, reader, prefetch=prefetch)
@@ -523,7 +529,7 @@ class StreamReport:
     layers_streamed: int
     window: int
     read_method: str  # "O_DIRECT", "pread+DONTNEED"
-    crc32: bool
+    crc32_check: str  # "first" (each unit's first read), "always", "off"
     passes: int
     bytes_read_per_token: float
     read_gb_s: float
@@ -545,13 +551,19 @@ def report(plan: Plan, stream: LayerStream | None, file) -> StreamReport:
         layers_streamed=len(plan.streamed),
         window=plan.window,
         read_method=stream.reader.method if stream is not None else "-",
-        crc32=stream is not None and stream.reader.crc32 is not None,
+        crc32_check=_check_mode(stream),
         passes=s.passes,
         bytes_read_per_token=s.bytes_per_pass,
         read_gb_s=s.read_gb_s,
         stall_s=s.stall_s,
         stall_s_per_token=s.stall_s / s.passes if s.passes else 0.0,
     )
+
+
+def _check_mode(stream: LayerStream | None) -> str:
+    if stream is None or stream.reader.crc32 is None:
+        return "off"
+    return stream.reader.check
 
 
 def describe(stream: LayerStream | None, plan: Plan) -> str:
@@ -563,6 +575,6 @@ def describe(stream: LayerStream | None, plan: Plan) -> str:
     return (
         f"{line}; read {s.bytes_read / 1e9:.2f} GB in {s.passes} passes "
         f"({s.bytes_per_pass / 1e6:.1f} MB/token) at {s.read_gb_s:.2f} GB/s "
-        f"({stream.reader.method}{', crc32' if stream.reader.crc32 else ''}), "
+        f"({stream.reader.method}, crc32 {_check_mode(stream)}), "
         f"stalled {s.stall_s:.2f} s"
     )

@@ -147,10 +147,9 @@ def _offload_rows(o: StreamReport) -> list[list[str]]:
         ["resident / streamed", f"{o.resident_bytes / mb:.0f} MB / {o.streamed_bytes / mb:.0f} MB"],
     ]
     if o.layers_streamed:
-        check = ", crc32" if o.crc32 else ""
         rows += [
             ["read per token", f"{o.bytes_read_per_token / mb:.1f} MB"],
-            ["read bandwidth", f"{o.read_gb_s:.2f} GB/s ({o.read_method}{check})"],
+            ["read bandwidth", f"{o.read_gb_s:.2f} GB/s ({o.read_method}, crc32 {o.crc32_check})"],
             ["stalled on reads", f"{o.stall_s_per_token * 1000:.1f} ms per token"],
         ]
     return rows

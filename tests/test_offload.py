@@ -361,6 +361,37 @@ def test_reader_times_out_instead_of_hanging(ckpts, monkeypatch):
     assert not any(t.is_alive() for t in reader._threads)
 
 
+def test_crc_on_first_read_or_every_read(hf, tmp_path):
+    # "first" checks a unit's first read; later changes are caught by the file's identity
+    # (mtime, size, inode). A byte changed in place with the mtime put back is caught
+    # only by "always".
+    ckpt = read_checkpoint(convert(hf, tmp_path / "ck", "int8"))
+    b, e = ckpt.ranges["layers.1"]
+    buf = alloc_buffer(e - b)
+
+    def flip():
+        st = os.stat(ckpt.file)
+        with open(ckpt.file, "r+b") as f:
+            f.seek(b + 100)
+            byte = f.read(1)
+            f.seek(b + 100)
+            f.write(bytes([byte[0] ^ 1]))
+        os.utime(ckpt.file, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    for check in ("first", "always"):
+        with UnitReader(ckpt.file, ckpt.ranges, ckpt.crc32, check=check) as reader:
+            reader.read("layers.1", buf)
+            flip()
+            try:
+                if check == "always":
+                    with pytest.raises(InferError, match="'layers.1' is corrupt"):
+                        reader.read("layers.1", buf)
+                else:
+                    reader.read("layers.1", buf)
+            finally:
+                flip()
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_reader_reads_units_exactly(ckpts, direct):
     ckpt = read_checkpoint(ckpts["int4"])

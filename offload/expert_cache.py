@@ -19,7 +19,9 @@ order, so offline figures equal live ones):
     observe(layer, scores)     the router's probabilities over the layer's experts on this
                                visit (only ScorePolicy uses them)
     get(layer, expert)         the expert's value, from memory or read now by
-                               `load(layer, expert)` (a miss: the caller waits, "stall")
+                               `load(layer, expert)` (a miss: the caller waits, "stall");
+                               a miss never evicts an expert predicted for this visit
+                               and not yet used
     prefetch(layer, experts)   the experts predicted for `layer`'s next visit: those not
                                in memory are read, through `submit` when given (a reader
                                thread), else at once; they take slots through the same
@@ -283,7 +285,7 @@ class ExpertCache:
             else:
                 st.misses += 1
                 fut = Future()
-                self._admit(layer, expert, fut, protect=())
+                self._admit(layer, expert, fut, protect=self._predicted[layer])
         if miss:  # ours to read, on this thread
             t0 = time.perf_counter()
             self._fill(layer, expert, fut)
@@ -329,11 +331,13 @@ class ExpertCache:
         """Give `fut` a slot of `layer`, evicting if full; False if no slot can be had.
 
         A miss with no slot still reads (into `fut`, which then lives only with the caller).
-        Called under the lock; slots being read are never victims.
+        Called under the lock. A slot still being read may be the victim: its read
+        finishes unused (whoever waits on it still gets it), and the choice does not depend
+        on how fast reads are, so a replayed trace evicts as the live run did.
         """
         entries = self._entries[layer]
         if len(entries) >= self.slots[layer]:
-            candidates = [(layer, e) for e, f in entries.items() if f.done() and e not in protect]
+            candidates = [(layer, e) for e in entries if e not in protect]
             if not candidates:
                 return False
             victim = self.policy.victim(candidates)

@@ -365,3 +365,107 @@ def test_bad_trace_files(tmp_path):
     (tmp_path / "bad.npz").write_bytes(b"not a zip")
     with pytest.raises(InferError, match="not a routing trace"):
         Trace.load(tmp_path / "bad.npz")
+
+
+# ---------------------------------------------------------------------------------------
+# Experts served from disk through the cache (offload/experts.py)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE (MoE layers 1 and 3 of 4, 8 experts, top 2) in our format, int8."""
+    root = tmp_path_factory.mktemp("moe")
+    return int8_checkpoint("qwen3_moe", root)
+
+
+def int8_checkpoint(arch: str, root):
+    import subprocess
+    import sys
+
+    from tiny import make_hf_model
+
+    make_hf_model(arch, root / "hf")
+    cmd = [sys.executable, "-m", "infer.cli.main", "quantize", root / "hf", "-o", root / "q"]
+    r = subprocess.run([*cmd, "--to", "int8"], check=False, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return root / "q"
+
+
+def run_tokens(model, tokens, prompt_len):
+    """Logits of a prompt in one forward, then one token at a time."""
+    with torch.no_grad():
+        out = [model(torch.tensor([tokens[:prompt_len]]), 0, all_logits=True)[0]]
+        for pos in range(prompt_len, len(tokens)):
+            out.append(model(torch.tensor([[tokens[pos]]]), pos)[0])
+    return torch.cat(out)
+
+
+TOKENS = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140, 8, 8, 300, 41, 12, 190, 77, 6]
+
+
+@pytest.mark.parametrize(("name", "slots", "prefetch"), [("lfu", 5, True), ("lru", 4, False)])
+def test_expert_cached_model_equals_resident(moe_checkpoint, name, slots, prefetch):
+    from infer.offload.experts import load_expert_cached
+    from infer.runtime.checkpoint import read_checkpoint
+    from infer.runtime.loader import load_model
+
+    resident = load_model(moe_checkpoint, max_seq_len=64).model
+    expected = run_tokens(resident, TOKENS, 6)
+    rec = TraceRecorder(2, 8)
+    ckpt = read_checkpoint(moe_checkpoint)
+    model, off = load_expert_cached(
+        ckpt, torch.float32, 64, slots, policy=name, prefetch=prefetch, recorder=rec
+    )
+    try:
+        assert off.layer_ids == [1, 3]
+        # nothing of the experts is in the model until a block runs one
+        assert all(p.is_meta for n, p in model.named_parameters() if ".experts." in n)
+        got = run_tokens(model, TOKENS, 6)
+    finally:
+        off.close()
+    assert torch.equal(got, expected)  # the same tensors, read instead of mapped
+    live = off.cache.stats
+    tot = off.cache.totals()
+    assert tot.misses > 0 and tot.hits > 0 and tot.evictions > 0
+    assert tot.bytes_read == (tot.misses + tot.prefetched) * off.expert_bytes
+    # The trace has a row per token, the prompt's too; the live run predicted the union
+    # of the prompt's rows once, then each decoded token's top 2.
+    trace = rec.trace()
+    assert trace.n_tokens == len(TOKENS)
+    assert (trace.predicted[:, 0] >= 0).all() and (trace.predicted[:, 1] == -1).all()
+    n_predicted = len(set(trace.predicted[:6, 0].ravel().tolist())) + 2 * (len(TOKENS) - 6)
+    assert (tot.prefetched > 0) == prefetch
+    assert live[1].predicted == (n_predicted if prefetch else 0)
+
+
+def test_expert_cached_decode_replays_exactly(moe_checkpoint, tmp_path):
+    from infer.offload.experts import load_expert_cached
+    from infer.runtime.checkpoint import read_checkpoint
+
+    rec = TraceRecorder(2, 8)
+    model, off = load_expert_cached(
+        read_checkpoint(moe_checkpoint), torch.float32, 64, 6, policy="score", recorder=rec
+    )
+    try:
+        run_tokens(model, TOKENS, 1)  # every token alone: visits as a replay makes them
+    finally:
+        off.close()
+    rec.trace().save(tmp_path / "t.npz")
+    again = replay(Trace.load(tmp_path / "t.npz"), "score", off.cache.slots, off.expert_bytes)
+    for mine, theirs in zip(again.stats, off.cache.stats):
+        assert mine == CacheStats(**{**vars(theirs), "stall_s": mine.stall_s})
+
+
+def test_expert_cache_needs_one_unit_per_expert(moe_checkpoint):
+    import dataclasses
+
+    from infer.offload.experts import load_expert_cached
+    from infer.runtime.checkpoint import read_checkpoint
+
+    ckpt = read_checkpoint(moe_checkpoint)
+    units = {u: n for u, n in ckpt.units.items() if u != "layers.3.mlp.experts.5"}
+    with pytest.raises(InferError, match="no unit 'layers.3.mlp.experts.5'"):
+        load_expert_cached(dataclasses.replace(ckpt, units=units), torch.float32, 64, 4)
+    with pytest.raises(InferError, match="3 slot counts for 2 MoE layers"):
+        load_expert_cached(ckpt, torch.float32, 64, [1, 1, 1])

@@ -50,6 +50,7 @@ PREFILL_CHUNK = 512  # generate.prefill's chunk: the most tokens one forward see
 # modules imported, torch's and the kernels' thread pools started by the first passes.
 # Measured 16 MB on a tiny model (2 threads); twice that is kept.
 RUNTIME_BYTES = 32 * 2**20
+WILLNEED_CHUNK = 2 * 2**20
 
 
 # ------------------------------------------------------------------------------------------
@@ -489,9 +490,10 @@ def _map_resident(ckpt: Checkpoint, units: list[str]) -> None:
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         base = storage.data_ptr()
         libc.madvise(base, storage.nbytes(), mmap.MADV_RANDOM)
-        for unit in units:
+        for unit in units:  # the kernel reads at most read_ahead_kb per call: 2 MiB calls
             b, e = ckpt.ranges[unit]
-            libc.madvise(base + b, e - b, mmap.MADV_WILLNEED)
+            for off in range(b, e, WILLNEED_CHUNK):
+                libc.madvise(base + off, min(WILLNEED_CHUNK, e - off), mmap.MADV_WILLNEED)
     for unit in units:
         b, e = ckpt.ranges[unit]
         crc = zlib.crc32(whole[b:e].numpy())

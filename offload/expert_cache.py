@@ -156,7 +156,8 @@ class LFUPolicy(Policy):
 class ScorePolicy(Policy):
     name = "score"
 
-    def __init__(self, alpha: float = 0.3):
+    # 0.03: the best of 0.01-0.5 on the trained MoE at 50% cached (benchmarks/README.md)
+    def __init__(self, alpha: float = 0.03):
         super().__init__()
         self.alpha = alpha
         self._score: dict[int, np.ndarray] = {}  # layer -> (n_experts,) decayed scores
@@ -172,6 +173,7 @@ class ScorePolicy(Policy):
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (LRUPolicy, LFUPolicy, ScorePolicy)}
+DEFAULT_POLICY = "lfu"  # the best hit rates on the trained MoE (benchmarks/README.md)
 
 
 def make_policy(name: str, **kwargs) -> Policy:

@@ -33,7 +33,7 @@ import torch
 from ..runtime.checkpoint import Checkpoint, build_model, unit_views
 from ..runtime.errors import InferError
 from ..runtime.llama import Transformer
-from .expert_cache import ExpertCache, allocate, make_policy
+from .expert_cache import DEFAULT_POLICY, ExpertCache, allocate, make_policy
 from .reader import UnitReader, alloc_buffer, round_up
 from .stream import _drop_cached, _placeholder, _Target, _targets
 from .trace import TraceRecorder
@@ -139,7 +139,7 @@ def load_expert_cached(
     max_seq_len: int,
     slots: int | list[int],
     *,
-    policy: str = "lfu",
+    policy: str = DEFAULT_POLICY,
     scheme: str = "shallow",
     prefetch: bool = True,
     recorder: TraceRecorder | None = None,

@@ -22,7 +22,9 @@ that run's disk bandwidth (the shared disk here moves between 1 and 2.6 GB/s fro
 to minute, so each run is held against the disk of its own minute).
 
 For each: decode tok/s (greedy, after prefill and one token), the I/O ceiling
-(disk GB/s / bytes read per token), tok/s / ceiling, speedup over naive, the peak
+(disk GB/s / bytes read per token), tok/s / ceiling, the stream's own read rate and the
+share of the run with a read in flight ("disk busy": how well reads overlap compute,
+whatever the disk's speed that minute), speedup over naive, the peak
 footprint (RSS + the model file's cached pages not in RSS, sampled every 50 ms, and
 ru_maxrss) against the budget, and whether the generated tokens and every step's logits
 equal the resident run's (decoded block by block, as a streamed model decodes; the fused
@@ -236,6 +238,7 @@ def child(path: Path, mode: str, budget: int, n_tokens: int, logits_out: Path) -
             "streamed_bytes": plan.streamed_bytes,
             "bytes_per_pass": stats.bytes_per_pass,
             "read_gb_s": stats.read_gb_s,
+            "read_busy_s": stats.read_busy_s,
             "stall_s": stats.stall_s,
             "check_s": stats.check_s,
             "passes": stats.passes,
@@ -344,6 +347,7 @@ def report(results: dict, size: int, budget: int, tmp: Path) -> None:
             row |= {
                 "disk GB/s": f"{r['disk']['gb_s']:.2f}",
                 "stream GB/s": f"{r['read_gb_s']:.2f}",
+                "disk busy": f"{100 * r['read_busy_s'] / sum(r['step_s']):.0f} %",
                 "MB read/token": f"{per_token / 1e6:.0f}",
                 "I/O ceiling tok/s": f"{ceiling:.3f}",
                 "of ceiling": f"{100 * r['decode_tok_s'] / ceiling:.0f} %",

@@ -9,7 +9,7 @@ use). This model is what the routing figures (benchmarks/moe_routing.py) are mea
 - Layout: Qwen3-MoE (transformers' Qwen3MoeForCausalLM is the trainer): 6 layers, hidden
   128, 32 experts of intermediate 64, top-4 with normalised top-k weights (an eighth of the
   experts per token, as Qwen3-30B-A3B's 8 of 128 is a sixteenth), q/k norms, untied
-  embeddings. Every layer is an MoE layer. About 10 minutes on one thread.
+  embeddings. Every layer is an MoE layer. 10 to 15 minutes on one shared thread.
 - Loss: next-byte cross entropy plus Qwen3-MoE's Switch-style load-balancing aux loss
   (`router_aux_loss_coef` * num_experts * sum_e f_e * P_e), so experts share the load.
 - Tokenizer: byte level, no merges (tests/tiny.py `write_tokenizer`): one token per byte.

@@ -12,11 +12,14 @@ The budget is the whole process's footprint (RSS plus the page cache it holds):
             + convert_bytes               a bound layer's tensors in the compute dtype,
                                           where the file stores another one
 
-Pinning a layer saves reading it every token; one more slot only lets the reader run
-further ahead. Reads cost more than compute when streaming, so the plan pins as many
-layers as fit (the first k, a contiguous set) with two slots, then spends what is left
-on slots (`max_slots` at most). Below the minimum working set (nothing pinned, two
-slots) the budget is refused, naming that minimum.
+Pinning a layer saves reading it every token. A slot lets the reader run one layer
+further ahead, which is what keeps the disk busy while compute varies and, above all,
+while the pinned layers and the output layer compute (the reader can fill only the free
+slots then). Measured on a 7B int4 model at a 1/3 budget: 3 pinned + 4 slots decoded at
+0.66 tok/s, 4 + 3 at 0.56-0.61, 5 + 2 at 0.43-0.50 (benchmarks/README.md). So the plan
+takes the window first, `max_slots` buffers (or as many as fit, at least two), then pins
+as many layers as fit beside them (the first k, a contiguous set). Below the minimum
+working set (the fewest pins with two slots) the budget is refused, naming that minimum.
 
 Pure standard library: the CLI parses sizes with it before torch is imported.
 """
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from ..runtime.errors import InferError
 
 MIN_SLOTS = 2  # the computing layer and at least one being read ahead
-MAX_SLOTS = 3
+MAX_SLOTS = 4
 
 _UNITS = {
     "": 1,
@@ -161,27 +164,26 @@ def plan_memory(
     budget: int,
     max_slots: int = MAX_SLOTS,
 ) -> Plan:
-    """Pin the most layers (a prefix) that fit beside the read buffers; stream the rest."""
+    """The most read buffers that fit (up to `max_slots`), then the most pinned layers
+    (a prefix) beside them; everything if it all fits."""
     n = len(layers)
-    for k in range(n, -1, -1):
-        m = n - k
-        slots = min(MIN_SLOTS, m)
-        need, slot, convert = _need(layers, k, slots, overheads)
-        if need > budget:
-            continue
-        if slot:  # spare room: more read-ahead, up to max_slots and one slot per layer
-            slots = min(max(max_slots, slots), m, slots + (budget - need) // slot)
-        return Plan(
-            budget=budget,
-            overheads=overheads,
-            pinned=tuple(c.unit for c in layers[:k]),
-            streamed=tuple(c.unit for c in layers[k:]),
-            slots=slots,
-            slot_bytes=slot,
-            convert_bytes=convert,
-            pinned_bytes=sum(c.resident_bytes for c in layers[:k]),
-            streamed_bytes=sum(c.read_bytes for c in layers[k:]),
-        )
+    for want in range(max(max_slots, MIN_SLOTS), MIN_SLOTS - 1, -1):
+        for k in range(n, -1, -1):  # the most pins that fit with this window
+            slots = min(want, n - k)
+            need, slot, convert = _need(layers, k, slots, overheads)
+            if need > budget:
+                continue
+            return Plan(
+                budget=budget,
+                overheads=overheads,
+                pinned=tuple(c.unit for c in layers[:k]),
+                streamed=tuple(c.unit for c in layers[k:]),
+                slots=slots,
+                slot_bytes=slot,
+                convert_bytes=convert,
+                pinned_bytes=sum(c.resident_bytes for c in layers[:k]),
+                streamed_bytes=sum(c.read_bytes for c in layers[k:]),
+            )
     minimum = minimum_bytes(layers, overheads)
     raise InferError(
         f"memory budget {format_size(budget)} is below this model's minimum working set "

@@ -276,16 +276,16 @@ class UnitReader:
             )
 
     def _busy(self, step: int, nbytes: int = 0) -> None:
+        """A read starts (+1) or ends (-1); busy time grows while any is in flight."""
         with self._lock:
             now = time.perf_counter()
-            if step > 0 and self._active == 0:
-                self._busy_since = now
+            if self._active:
+                self.stats.busy_s += now - self._busy_since
+            self._busy_since = now
             self._active += step
             if step < 0:
                 self.stats.reads += 1
                 self.stats.bytes += nbytes
-                if self._active == 0:
-                    self.stats.busy_s += now - self._busy_since
 
 
 def _identity(st: os.stat_result) -> tuple:

@@ -13,21 +13,30 @@ does); a policy picks the victim when a layer's slots are full:
                  it was not among the top k this time
     Ties go to the least recently used, then to the lower expert id.
 
-The cache has three verbs, called by the MoE block (and by `trace.replay`, in the same
+The cache has four verbs, called by the MoE block (and by `trace.replay`, in the same
 order, so offline figures equal live ones):
 
     observe(layer, scores)     the router's probabilities over the layer's experts on this
                                visit (only ScorePolicy uses them)
+    start(layer, experts)      the experts this visit will use (the router's exact choice,
+                               known before the first of them runs): those not in memory
+                               start reading now, all at once, through `submit`, so misses
+                               are read side by side instead of one after another; they
+                               still count as misses, and `get` waits for them ("stall").
+                               Experts that get no slot (all protected) are still read, at
+                               most `k` of them (the rest on demand): they live until used
     get(layer, expert)         the expert's value, from memory or read now by
                                `load(layer, expert)` (a miss: the caller waits, "stall");
                                a miss never evicts an expert predicted for this visit
-                               and not yet used
+                               and not yet used, nor one `start` is reading
     prefetch(layer, experts)   the experts predicted for `layer`'s next visit: those not
                                in memory are read, through `submit` when given (a reader
                                thread), else at once; they take slots through the same
                                eviction path, but never evict an expert the current layer
                                is using (got since `get` last moved to another layer) or
-                               one predicted in the same call
+                               one predicted in the same call. refine=True adds to the
+                               visit's prediction instead of replacing it (a second,
+                               later guess, e.g. from the state entering the layer)
 
 Loads run outside the lock; a slot holds a Future, so a `get` of an expert whose
 prefetch is still reading waits for that read instead of issuing a second one. A read
@@ -93,6 +102,12 @@ class CacheStats:
     def __add__(self, other: CacheStats) -> CacheStats:
         return CacheStats(
             *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self))
+        )
+
+    def __sub__(self, other: CacheStats) -> CacheStats:
+        """The counters since `other` was copied (e.g. one phase of a run)."""
+        return CacheStats(
+            *(getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self))
         )
 
 
@@ -233,18 +248,23 @@ class ExpertCache:
         policy: Policy,
         expert_bytes: int = 0,
         submit: Callable[..., Future] | None = None,
+        unslotted: int = 0,
     ):
         """`load(layer, expert)` reads one expert; `slots[layer]` experts stay per layer;
         `expert_bytes` is what one read costs (for bytes_read); `submit(fn, *args)`, e.g.
-        a ThreadPoolExecutor's, runs prefetch reads in the background (None: at once)."""
+        a ThreadPoolExecutor's, runs prefetch reads in the background (None: at once);
+        `unslotted`: how many of a visit's experts `start` reads without a slot."""
         self._load = load
         self.slots = list(slots)
         self.policy = policy
         self.expert_bytes = expert_bytes
+        self.unslotted = unslotted
         self._submit = submit
         self._lock = threading.Lock()
         n = len(self.slots)
         self._entries: list[dict[int, Future]] = [{} for _ in range(n)]  # expert -> its value
+        self._pending: dict[int, Future] = {}  # the visit's started reads that have no slot
+        self._demand: set[Key] = set()  # started by `start`: a miss when got
         self._predicted: list[set[int]] = [set() for _ in range(n)]  # not yet used
         self._from_prefetch: set[Key] = set()  # read by prefetch, not yet used
         self._in_use_layer, self._in_use = -1, set()
@@ -267,49 +287,81 @@ class ExpertCache:
         with self._lock:
             self._in_use_layer, self._in_use = -1, set()
 
+    def _enter(self, layer: int) -> None:
+        """Under the lock: `layer` becomes the one whose experts are in use."""
+        if layer != self._in_use_layer:
+            self._in_use_layer, self._in_use = layer, set()
+            self._pending.clear()  # an interrupted visit's leftovers
+
+    def start(self, layer: int, experts: Sequence[int]) -> None:
+        experts = sorted({int(e) for e in experts})
+        todo = []
+        with self._lock:
+            self._enter(layer)
+            self._in_use.update(experts)
+            protect = self._predicted[layer] | self._in_use
+            entries, spare = self._entries[layer], self.unslotted
+            for e in experts:
+                if e in entries or e in self._pending:
+                    continue
+                fut = Future()
+                if not self._admit(layer, e, fut, protect):
+                    if spare <= 0:
+                        continue  # read by get, on demand
+                    spare -= 1
+                    self._pending[e] = fut
+                self._demand.add((layer, e))
+                todo.append((e, fut))
+        self._read_all(layer, todo)
+
     def get(self, layer: int, expert: int):
         key, st = (layer, expert), self.stats[layer]
         with self._lock:
-            if layer != self._in_use_layer:
-                self._in_use_layer, self._in_use = layer, set()
+            self._enter(layer)
             self._in_use.add(expert)
             if expert in self._predicted[layer]:
                 self._predicted[layer].discard(expert)
                 st.predicted_used += 1
             self.policy.touch(key)
-            fut = self._entries[layer].get(expert)
-            miss = fut is None
-            if not miss:
+            fut = self._entries[layer].get(expert) or self._pending.pop(expert, None)
+            started = fut is not None and key in self._demand
+            self._demand.discard(key)
+            if fut is not None and not started:
                 st.hits += 1
                 if key in self._from_prefetch:
                     self._from_prefetch.discard(key)
                     st.prefetch_used += 1
             else:
                 st.misses += 1
+            miss = fut is None
+            if miss:
                 fut = Future()
-                self._admit(layer, expert, fut, protect=self._predicted[layer])
+                waiting = {e for lay, e in self._demand if lay == layer}  # started, not got
+                self._admit(layer, expert, fut, self._predicted[layer] | waiting)
         if miss:  # ours to read, on this thread
             t0 = time.perf_counter()
             self._fill(layer, expert, fut)
             with self._lock:
                 st.stall_s += time.perf_counter() - t0
-        elif not fut.done():  # a prefetch still reading
+        elif not fut.done():  # a read still in flight
             t0 = time.perf_counter()
             fut.exception()
             with self._lock:
                 st.stall_s += time.perf_counter() - t0
         return fut.result()
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+    def prefetch(self, layer: int, experts: Sequence[int], refine: bool = False) -> None:
         experts = list(dict.fromkeys(int(e) for e in experts))
         st, todo = self.stats[layer], []
         with self._lock:
-            self._predicted[layer] = set(experts)
-            st.predicted += len(experts)
-            protect = set(experts)
+            before = self._predicted[layer] if refine else set()
+            new = [e for e in experts if e not in before]
+            self._predicted[layer] = before | set(new)
+            st.predicted += len(new)
+            protect = set(self._predicted[layer])
             if layer == self._in_use_layer:
                 protect |= self._in_use
-            for e in experts:
+            for e in new:
                 if e in self._entries[layer]:
                     continue
                 fut = Future()
@@ -318,6 +370,10 @@ class ExpertCache:
                 self._from_prefetch.add((layer, e))
                 st.prefetched += 1
                 todo.append((e, fut))
+        self._read_all(layer, todo)
+
+    def _read_all(self, layer: int, todo: list[tuple[int, Future]]) -> None:
+        """Read each (expert, future) of `todo`: in the background when there is `submit`."""
         for i, (e, fut) in enumerate(todo):
             if self._submit is None:
                 self._fill(layer, e, fut)
@@ -345,6 +401,7 @@ class ExpertCache:
             victim = self.policy.victim(candidates)
             del entries[victim[1]]
             self._from_prefetch.discard(victim)
+            self._demand.discard(victim)
             self.stats[layer].evictions += 1
         entries[expert] = fut
         self.policy.insert((layer, expert))
@@ -366,5 +423,8 @@ class ExpertCache:
         with self._lock:
             if self._entries[layer].get(expert) is fut:
                 del self._entries[layer][expert]
+            if self._pending.get(expert) is fut:
+                del self._pending[expert]
             self._from_prefetch.discard((layer, expert))
+            self._demand.discard((layer, expert))
         fut.set_exception(exc)

@@ -8,6 +8,9 @@ among the MoE layers; `meta["layer_ids"]` names their model layers):
     predicted  (T, L, P) int16    the experts predicted at layer l for layer l + 1 (Fate:
                                   layer l+1's router on layer l's hidden state); -1 pads,
                                   the last layer's row is all -1; P may be 0
+    refined    (T, L, R) int16    the experts predicted for layer l on entering it, before
+                                  its attention (layer l's router on the residual stream
+                                  there), added to the prediction; -1 pads; R may be 0
     probs      (T, L, E) float32  the router's probabilities over all experts (optional)
 
 It is one .npz file (`save` writes a temp name, then renames). `visit` is the order a
@@ -38,6 +41,11 @@ class Trace:
     probs: np.ndarray | None
     n_experts: int
     meta: dict = dataclasses.field(default_factory=dict)
+    refined: np.ndarray | None = None  # None: (T, L, 0)
+
+    def __post_init__(self):
+        if self.refined is None:
+            self.refined = np.full((*self.experts.shape[:2], 0), -1, np.int16)
 
     @property
     def n_tokens(self) -> int:
@@ -49,7 +57,12 @@ class Trace:
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
-        arrays = {"experts": self.experts, "weights": self.weights, "predicted": self.predicted}
+        arrays = {
+            "experts": self.experts,
+            "weights": self.weights,
+            "predicted": self.predicted,
+            "refined": self.refined,
+        }
         if self.probs is not None:
             arrays["probs"] = self.probs
         meta = dict(self.meta, n_experts=self.n_experts)
@@ -64,8 +77,15 @@ class Trace:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
                 probs = z["probs"] if "probs" in z.files else None
+                refined = z["refined"] if "refined" in z.files else None
                 return cls(
-                    z["experts"], z["weights"], z["predicted"], probs, meta.pop("n_experts"), meta
+                    z["experts"],
+                    z["weights"],
+                    z["predicted"],
+                    probs,
+                    meta.pop("n_experts"),
+                    meta,
+                    refined,
                 )
         except FileNotFoundError:
             raise InferError(f"no trace file {path}") from None
@@ -89,15 +109,21 @@ class TraceRecorder:
         self.n_experts, self.meta = n_experts, dict(meta or {})
         self._rows: list[list[tuple]] = [[] for _ in range(n_layers)]
 
-    def record(self, layer: int, experts, weights, probs=None, predicted=None) -> None:
-        """experts, weights (N, k); probs (N, E) or None; predicted (N, P) or None."""
+    def record(
+        self, layer: int, experts, weights, probs=None, predicted=None, refined=None
+    ) -> None:
+        """experts, weights (N, k); probs (N, E) or None; predicted (N, P) or None;
+        refined (N, R) or None."""
         experts = np.asarray(experts, dtype=np.int16).reshape(len(experts), -1)
         n = len(experts)
         weights = np.asarray(weights, dtype=np.float32).reshape(n, -1)
-        predicted = np.full((n, 0), -1, np.int16) if predicted is None else predicted
-        predicted = np.asarray(predicted, dtype=np.int16).reshape(n, -1)
+
+        def ids(a):
+            a = np.full((n, 0), -1, np.int16) if a is None else a
+            return np.asarray(a, dtype=np.int16).reshape(n, -1)
+
         probs = None if probs is None else np.asarray(probs, dtype=np.float32).reshape(n, -1)
-        self._rows[layer].append((experts, weights, predicted, probs))
+        self._rows[layer].append((experts, weights, ids(predicted), probs, ids(refined)))
 
     def trace(self) -> Trace:
         cols = []
@@ -107,11 +133,15 @@ class TraceRecorder:
             cols.append([np.concatenate(c) if c[0] is not None else None for c in zip(*rows)])
         if len({c[0].shape[0] for c in cols}) != 1:
             raise InferError("trace layers saw different numbers of tokens")
+
         # The last layer predicts nothing; pad every layer to the widest prediction.
-        width = max(c[2].shape[1] for c in cols)
-        pred = [
-            np.pad(c[2], ((0, 0), (0, width - c[2].shape[1])), constant_values=-1) for c in cols
-        ]
+        def padded(i):
+            width = max(c[i].shape[1] for c in cols)
+            return [
+                np.pad(c[i], ((0, 0), (0, width - c[i].shape[1])), constant_values=-1) for c in cols
+            ]
+
+        pred = padded(2)
         pred[-1][:] = -1
         has_probs = all(c[3] is not None for c in cols)
         return Trace(
@@ -121,19 +151,27 @@ class TraceRecorder:
             probs=np.stack([c[3] for c in cols], axis=1) if has_probs else None,
             n_experts=self.n_experts,
             meta=self.meta,
+            refined=np.stack(padded(4), axis=1),
         )
 
 
-def visit(cache: ExpertCache, layer: int, experts, scores, predicted_next=()) -> dict:
-    """One MoE layer, one token (or a batch: the experts any of its tokens chose): tell the
-    cache the router's scores, start reading layer + 1's predicted experts, then get this
-    layer's in ascending id order (the order the MoE block adds them in, so the order a
-    trace stores them in does not matter). Returns {expert: value}."""
+def visit(cache: ExpertCache, layer: int, experts, scores, predicted_next=(), refined=()) -> dict:
+    """One MoE layer, one token (or a batch: the experts any of its tokens chose), in the
+    order the live run drives the cache: on entering the layer, add the `refined`
+    prediction for it; at its MoE block, tell the cache the router's scores, start
+    reading this visit's experts, start reading layer + 1's predicted experts, then get
+    this layer's in ascending id order (the order the MoE block adds them in, so the order
+    a trace stores them in does not matter). Returns {expert: value}."""
+    ref = [int(e) for e in refined if e >= 0]
+    if ref:
+        cache.prefetch(layer, ref, refine=True)
     cache.observe(layer, scores)
+    used = sorted({int(e) for e in experts})
+    cache.start(layer, used)
     nxt = [int(e) for e in predicted_next if e >= 0]
     if nxt and layer + 1 < len(cache.slots):
         cache.prefetch(layer + 1, nxt)
-    return {e: cache.get(layer, e) for e in sorted({int(e) for e in experts})}
+    return {e: cache.get(layer, e) for e in used}
 
 
 def replay(
@@ -147,17 +185,20 @@ def replay(
     """Run `trace` through a cache (loads are free); return it, with its counters.
 
     `slots` is a total (split by `allocate(.., scheme)`) or a list per layer; `policy` a
-    name (a fresh policy) or a Policy. prefetch=False ignores the predictions.
+    name (a fresh policy) or a Policy. prefetch=False ignores the predictions (both).
     """
     if isinstance(slots, int):
         slots = allocate(slots, trace.n_layers, trace.n_experts, scheme)
     if len(slots) != trace.n_layers:
         raise InferError(f"{len(slots)} slot counts for a trace of {trace.n_layers} layers")
     policy = make_policy(policy) if isinstance(policy, str) else policy
-    cache = ExpertCache(lambda layer, e: (layer, e), slots, policy, expert_bytes)
+    k = trace.experts.shape[2]  # a visit's experts read without a slot, as live
+    cache = ExpertCache(lambda layer, e: (layer, e), slots, policy, expert_bytes, unslotted=k)
     none = np.zeros(0, np.int16)
     for t in range(trace.n_tokens):
         for layer in range(trace.n_layers):
-            pred = trace.predicted[t, layer] if prefetch else none
-            visit(cache, layer, trace.experts[t, layer], trace.scores(t, layer), pred)
+            pred, ref = (
+                (trace.predicted[t, layer], trace.refined[t, layer]) if prefetch else (none, none)
+            )
+            visit(cache, layer, trace.experts[t, layer], trace.scores(t, layer), pred, ref)
     return cache

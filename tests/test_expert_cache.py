@@ -321,7 +321,7 @@ def test_live_run_equals_resident_and_replay(tmp_path, name):
     model = tiny_moe()
     load, nbytes = expert_loader(model)
     slots = allocate(9, LAYERS, EXPERTS, "shallow")
-    cache = ExpertCache(load, slots, make_policy(name), nbytes)
+    cache = ExpertCache(load, slots, make_policy(name), nbytes, unslotted=TOP_K)
     rec = TraceRecorder(LAYERS, EXPERTS, meta={"policy": name})
     prompt = [5, 17, 33, 2, 60, 41]
     ids, logits = decode_with_cache(model, cache, rec, prompt, 14)

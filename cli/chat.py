@@ -47,7 +47,10 @@ class Answer:
 
 
 def stream_line(lm: LoadedModel) -> str | None:
-    """What streaming layers from disk cost so far (--verbose), or None if nothing streams."""
+    """What streaming layers (or experts) from disk cost so far (--verbose), or None if
+    nothing streams."""
+    if lm.experts is not None:
+        return "experts: " + lm.experts.describe()
     if lm.stream is None:
         return None
     from infer.offload.stream import describe

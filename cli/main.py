@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -33,6 +34,7 @@ from infer.cli.options import (
     Debug,
     DType,
     DTypeOpt,
+    ExpertPolicyOpt,
     Json,
     MaxMemory,
     MaxTokens,
@@ -45,6 +47,7 @@ from infer.cli.options import (
     Threads,
     TopK,
     TopP,
+    TraceOut,
     Verbose,
 )
 from infer.cli.quantize_cmd import quantize
@@ -66,6 +69,13 @@ DEFAULT_CTX = 4096
 # ------------------------------------------------------------------------------------------
 # Helpers
 # ------------------------------------------------------------------------------------------
+
+
+def _save_trace(lm, path) -> None:
+    """Write the routing trace a run recorded (--trace), if it recorded any."""
+    if path is not None and lm.routing is not None and lm.routing.tokens:
+        lm.routing.trace().save(path)
+        print(f"trace: {lm.routing.tokens} tokens routed, saved to {path}", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------------
@@ -118,6 +128,8 @@ def run(
     ctx: Ctx = None,
     dtype: DTypeOpt = DType.float32,
     max_memory: MaxMemory = None,
+    expert_policy: ExpertPolicyOpt = None,
+    trace: TraceOut = None,
     json_out: Json = False,
     verbose: Verbose = False,
     debug: Debug = False,
@@ -152,7 +164,12 @@ def run(
     n_threads = set_threads(threads)
     with status(f"loading {resolved.name}"):
         lm = load_model(
-            resolved.path, torch_dtype(dtype), max_seq_len=ctx or DEFAULT_CTX, max_memory=budget
+            resolved.path,
+            torch_dtype(dtype),
+            max_seq_len=ctx or DEFAULT_CTX,
+            max_memory=budget,
+            expert_policy=expert_policy and expert_policy.value,
+            record_routing=trace is not None,
         )
     if verbose:
         print(
@@ -162,13 +179,18 @@ def run(
         )
         if lm.plan is not None:
             print(f"memory: {lm.plan.describe()}", file=sys.stderr)
+        if lm.experts is not None:
+            print(f"memory: {lm.experts.plan.describe()}", file=sys.stderr)
     sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
 
     if interactive:
         if is_tty():
             print(f"{resolved.name}: /help for commands, Ctrl-D to quit", file=sys.stderr)
         settings = ChatSettings(sampler, max_tokens, repeat_penalty, system, verbose)
-        chat_loop(lm, settings)
+        try:
+            chat_loop(lm, settings)
+        finally:
+            _save_trace(lm, trace)
         return
 
     tok = lm.tokenizer
@@ -188,6 +210,7 @@ def run(
     if answer.finish_reason == "interrupted":
         if not json_out:
             print(flush=True)
+        _save_trace(lm, trace)
         raise typer.Exit(130)
     if json_out:
         print_json(
@@ -208,6 +231,7 @@ def run(
         )
     else:
         print("" if answer.text.endswith("\n") else "\n", end="", flush=True)
+    _save_trace(lm, trace)
     if verbose:
         print(answer.stats_line(), file=sys.stderr)
         if line := stream_line(lm):
@@ -328,12 +352,30 @@ def bench(
         ),
     ] = False,
     max_memory: MaxMemory = None,
+    expert_policy: ExpertPolicyOpt = None,
+    trace: TraceOut = None,
+    replay: Annotated[
+        Path | None,
+        typer.Option(
+            "--replay",
+            metavar="TRACE",
+            help="Instead of running a model: replay a routing trace (run --trace) through "
+            "each expert policy at 25/50/75 % of experts cached, with and without its "
+            "predictions, and print hit rates, prefetch precision/recall and reads.",
+            show_default=False,
+        ),
+    ] = None,
     json_out: Json = False,
     debug: Debug = False,
 ) -> None:
     """Measure load time, prefill and decode speed, memory and bandwidth."""
     from dataclasses import asdict
 
+    if replay is not None:
+        if model is not None:
+            raise InferError("--replay takes a trace, not a model: drop MODEL")
+        _replay(replay, json_out)
+        return
     budget = parse_size(max_memory) if max_memory is not None else None
 
     from infer.runtime.registry import resolve
@@ -353,11 +395,37 @@ def bench(
             name=resolved.name,
             roofline=roofline,
             max_memory=budget,
+            expert_policy=expert_policy and expert_policy.value,
+            trace=trace,
         )
     if json_out:
         print_json(asdict(result))
         return
     print_table(["METRIC", "VALUE"], result.rows(), title=f"infer bench: {resolved.name}")
+
+
+def _replay(path: Path, json_out: bool) -> None:
+    from infer.offload.trace import Trace, compare
+
+    trace = Trace.load(path)
+    rows = compare(trace)
+    if json_out:
+        print_json({"trace": str(path), "tokens": trace.n_tokens, "rows": rows})
+        return
+    table = [
+        [
+            r["policy"],
+            f"{100 * r['cached']:.0f} % ({sum(r['slots'])})",
+            "yes" if r["prefetch"] else "no",
+            f"{r['hit_rate']:.3f}",
+            f"{r['precision']:.3f} / {r['recall']:.3f}" if r["prefetch"] else "-",
+            f"{r['reads_per_token']:.2f}",
+        ]
+        for r in rows
+    ]
+    title = f"{path.name}: {trace.n_tokens} tokens, {trace.n_layers} MoE layers"
+    headers = ["POLICY", "CACHED", "PREFETCH", "HIT RATE", "PRECISION / RECALL", "READS/TOKEN"]
+    print_table(headers, table, title=title if is_tty() else None)
 
 
 app.command("eval")(eval_model)

@@ -7,6 +7,7 @@ for torch.
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,6 +18,14 @@ class DType(str, Enum):
 
     float32 = "float32"
     bfloat16 = "bfloat16"
+
+
+class ExpertPolicy(str, Enum):
+    """Which cached expert a mixture-of-experts model evicts (offload/expert_cache.py)."""
+
+    lru = "lru"
+    lfu = "lfu"
+    score = "score"
 
 
 _SAMPLING = "Sampling"
@@ -60,6 +69,26 @@ MaxMemory = Annotated[
         "e.g. 2GB, 1.5GiB, 800MB: layers that do not fit stream from disk. infer's own "
         "format only (infer quantize converts). Default: stream only when the model "
         "does not fit in available memory.",
+        show_default=False,
+    ),
+]
+ExpertPolicyOpt = Annotated[
+    ExpertPolicy | None,
+    typer.Option(
+        "--expert-policy",
+        help="Eviction policy of the expert cache, for a mixture-of-experts model whose "
+        "experts do not all fit (--max-memory): least recently used, least frequently "
+        "used, or lowest decayed router score. Default: lfu (the best measured).",
+        show_default=False,
+    ),
+]
+TraceOut = Annotated[
+    Path | None,
+    typer.Option(
+        "--trace",
+        metavar="FILE",
+        help="Record what a mixture-of-experts model's routers choose (and predict) into "
+        "FILE (.npz), for `infer bench --replay FILE`.",
         show_default=False,
     ),
 ]

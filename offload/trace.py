@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime.errors import InferError
-from .expert_cache import ExpertCache, Policy, allocate, make_policy
+from .expert_cache import CacheStats, ExpertCache, Policy, allocate, make_policy
 
 
 @dataclasses.dataclass
@@ -125,14 +125,21 @@ class TraceRecorder:
         probs = None if probs is None else np.asarray(probs, dtype=np.float32).reshape(n, -1)
         self._rows[layer].append((experts, weights, ids(predicted), probs, ids(refined)))
 
+    @property
+    def tokens(self) -> int:
+        """Tokens recorded so far (by the first MoE layer)."""
+        return sum(len(r[0]) for r in self._rows[0])
+
     def trace(self) -> Trace:
+        """The rows so far; a forward pass cut short (Ctrl-C) leaves its first layers a
+        batch ahead of the rest: that batch is left out."""
         cols = []
         for layer, rows in enumerate(self._rows):
             if not rows:
                 raise InferError(f"trace has nothing for MoE layer {layer}")
             cols.append([np.concatenate(c) if c[0] is not None else None for c in zip(*rows)])
-        if len({c[0].shape[0] for c in cols}) != 1:
-            raise InferError("trace layers saw different numbers of tokens")
+        n = min(c[0].shape[0] for c in cols)
+        cols = [[None if a is None else a[:n] for a in c] for c in cols]
 
         # The last layer predicts nothing; pad every layer to the widest prediction.
         def padded(i):
@@ -202,3 +209,42 @@ def replay(
             )
             visit(cache, layer, trace.experts[t, layer], trace.scores(t, layer), pred, ref)
     return cache
+
+
+CACHE_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def compare(
+    trace: Trace,
+    policies: Sequence[str] = ("lru", "lfu", "score"),
+    fractions: Sequence[float] = CACHE_FRACTIONS,
+    scheme: str = "shallow",
+) -> list[dict]:
+    """Replay `trace` through each policy and cache size (a share of all experts), with
+    its predictions and without: one row of counters each (`infer bench --replay`).
+    Precision and recall cover the layers that had predictions."""
+    L, E = trace.n_layers, trace.n_experts
+    has_pred = bool((trace.predicted >= 0).any() or (trace.refined >= 0).any())
+    rows = []
+    for frac in fractions:
+        slots = allocate(round(frac * L * E), L, E, scheme)
+        for prefetch in (False, True) if has_pred else (False,):
+            for policy in policies:
+                cache = replay(trace, policy, slots, prefetch=prefetch)
+                t = cache.totals()
+                p = sum((s for s in cache.stats if s.predicted), CacheStats())
+                n = max(trace.n_tokens, 1)
+                rows.append(
+                    {
+                        "policy": policy,
+                        "cached": frac,
+                        "slots": slots,
+                        "prefetch": prefetch,
+                        "hit_rate": t.hit_rate,
+                        "precision": p.precision,
+                        "recall": p.recall,
+                        "reads_per_token": (t.misses + t.prefetched) / n,
+                        "misses_per_token": t.misses / n,
+                    }
+                )
+    return rows

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..offload.experts import ExpertReport
 from ..offload.stream import StreamReport, report
 from ..quant.base import QuantEmbedding, QuantLinear
 from .errors import InferError
@@ -97,6 +98,7 @@ class BenchResult:
     roofline: Roofline | None = None
     breakdown: Breakdown | None = None
     offload: StreamReport | None = None  # under --max-memory (or a model too large)
+    experts: ExpertReport | None = None  # a MoE model's expert cache, decode steps only
 
     def rows(self) -> list[list[str]]:
         """(metric, value) pairs as text, for a table."""
@@ -114,6 +116,8 @@ class BenchResult:
         ]
         if o := self.offload:
             rows += _offload_rows(o)
+        if e := self.experts:
+            rows += _expert_rows(e)
         if r := self.roofline:
             bw = f"{r.bandwidth_gb_s:.2f} GB/s ({self.threads} threads, {r.bandwidth_method})"
             rows += [
@@ -155,6 +159,33 @@ def _offload_rows(o: StreamReport) -> list[list[str]]:
     return rows
 
 
+def _expert_rows(e: ExpertReport) -> list[list[str]]:
+    mb = 1e6
+    per_layer = " ".join(f"{h:.2f}" for h in e.hit_rate_per_layer)
+    cached = sum(e.slots)
+    share = 100 * cached / e.experts_total
+    each = f"{e.expert_bytes / mb:.2f} MB each; {e.policy}, {e.scheme} slots"
+    used = f"{100 * e.prefetch_reads_used:.0f} % of those used"
+    reads = f"{e.reads_per_token:.2f} experts, {e.prefetch_reads_per_token:.2f} by prefetch"
+    rows = []
+    if e.budget_bytes is not None:
+        planned = f"{e.budget_bytes / mb:.0f} MB (planned {e.planned_bytes / mb:.0f} MB)"
+        rows.append(["memory budget", planned])
+    rows += [
+        ["footprint now", f"{e.footprint_bytes / mb:.0f} MB (RSS + model pages cached)"],
+        ["experts cached", f"{cached} of {e.experts_total} ({share:.1f} %, {each})"],
+        ["expert hit rate", f"{e.hit_rate:.3f} (decode; per MoE layer {per_layer})"],
+        ["prefetch precision / recall", f"{e.precision:.3f} / {e.recall:.3f}"],
+        ["experts read per token", f"{e.bytes_read_per_token / mb:.2f} MB ({reads}; {used})"],
+        ["expert reads", f"{e.read_gb_s:.2f} GB/s ({e.read_method}, crc32 {e.crc32_check})"],
+        ["stalled on reads", f"{e.stall_s_per_token * 1000:.1f} ms per token"],
+    ]
+    if e.dense_layers_streamed:
+        dense = f"{e.dense_layers_streamed} ({e.dense_bytes_read_per_token / mb:.1f} MB per token)"
+        rows.append(["dense layers streamed", dense])
+    return rows
+
+
 def _embedding_table(model: Transformer) -> tuple[list[torch.Tensor], int, bool]:
     """The embedding table's tensors, the bytes of one row, and whether lm_head is it."""
     embed = model.embed_tokens
@@ -176,22 +207,26 @@ def weight_bytes_per_token(model: Transformer) -> int:
 
     Every parameter and persistent buffer (quantized weights live in buffers) counts
     once, except the embedding table, of which a token reads one row. A tied lm_head
-    reads the whole table, so then it counts in full, once. Float or quantized alike.
+    reads the whole table, so then it counts in full, once. A mixture of experts' routed
+    experts count top_k / n_experts of their bytes: a token runs k of them per layer.
+    Float or quantized alike.
     """
     table, row_bytes, tied = _embedding_table(model)
     table_ptrs = {t.data_ptr() for t in table}
     seen: set[int] = set()
     total = 0 if tied else row_bytes
+    args = model.args
+    routed = args.n_experts_per_tok / args.n_experts if args.n_experts else 1.0
     # state_dict holds parameters and persistent buffers only (no KV cache, no rope tables).
-    for t in model.state_dict(keep_vars=True).values():
+    for name, t in model.state_dict(keep_vars=True).items():
         # A streamed layer's tensors are meta between uses (offload/): no data pointer.
         key = id(t) if t.is_meta else t.data_ptr()
         if key in seen:
             continue
         seen.add(key)
         if tied or t.data_ptr() not in table_ptrs:
-            total += t.nbytes
-    return total
+            total += t.nbytes * (routed if ".mlp.experts." in name else 1.0)
+    return int(total)
 
 
 def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -322,8 +357,9 @@ def bench_prompt(tokenizer, n: int) -> list[int]:
     return list(itertools.islice(itertools.cycle(ids), n))
 
 
-def _timed_run(model: Transformer, prompt: list[int], n_gen: int) -> tuple[float, float]:
-    """One cold-cache greedy run: (seconds to the first token, seconds for n_gen more)."""
+def _timed_run(model: Transformer, prompt: list[int], n_gen: int, snapshot=None):
+    """One cold-cache greedy run: (seconds to the first token, seconds for n_gen more,
+    and what `snapshot()` counted over those n_gen if given, else None)."""
     model.cached_tokens.clear()  # recompute the whole prompt
     greedy = make_sampler(temperature=0)
     # n_gen + 1 tokens: the first comes from prefill, each later one costs one forward.
@@ -331,9 +367,11 @@ def _timed_run(model: Transformer, prompt: list[int], n_gen: int) -> tuple[float
     t0 = time.perf_counter()
     next(tokens)
     t1 = time.perf_counter()
+    before = snapshot() if snapshot else None
     for _ in tokens:  # not stopping at EOS: the speed is what is measured
         pass
-    return t1 - t0, time.perf_counter() - t1
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, (snapshot() - before) if snapshot else None
 
 
 def run_bench(
@@ -347,17 +385,28 @@ def run_bench(
     roofline: bool = False,
     bandwidth_bytes: int | None = None,
     max_memory: int | None = None,
+    expert_policy: str | None = None,
+    trace: Path | None = None,
 ) -> BenchResult:
     """Load the model at `path` and time it; figures are medians over `repeats` runs.
 
     roofline: also measure memory bandwidth (over a `bandwidth_bytes` buffer,
     default 1 GiB) for the decode ceiling, and split decode time by a hooked run.
     max_memory: a footprint budget (bytes); layers beyond it stream from disk, and the
-    result's `offload` has the streaming figures of the timed runs.
+    result's `offload` has the streaming figures of the timed runs. A mixture-of-experts
+    model caches experts instead (`expert_policy`), and `experts` has the cache's
+    figures over the timed runs' decode steps. trace: save its routing there.
     """
     if n_prompt < 1 or n_gen < 1 or repeats < 1:
         raise InferError("n_prompt, n_gen and repeats must be at least 1")
-    lm = load_model(path, dtype, max_seq_len=n_prompt + n_gen + 1, max_memory=max_memory)
+    lm = load_model(
+        path,
+        dtype,
+        max_seq_len=n_prompt + n_gen + 1,
+        max_memory=max_memory,
+        expert_policy=expert_policy,
+        record_routing=trace is not None,
+    )
     model = lm.model
     if n_prompt + n_gen > model.max_seq_len:
         raise InferError(
@@ -368,8 +417,15 @@ def run_bench(
     _timed_run(model, prompt, min(n_gen, 4))  # warm-up: allocator, caches, lazy init
     if lm.stream is not None:
         lm.stream.reset_stats()  # streaming figures of the timed runs only
-    runs = [_timed_run(model, prompt, n_gen) for _ in range(repeats)]
+    snapshot = lm.experts.snapshot if lm.experts is not None else None
+    runs = [_timed_run(model, prompt, n_gen, snapshot) for _ in range(repeats)]
     offload = None if lm.plan is None else report(lm.plan, lm.stream, lm.info.checkpoint.file)
+    experts = None
+    if lm.experts is not None:
+        decode = sum((r[2] for r in runs[1:]), runs[0][2])
+        experts = lm.experts.report(decode, phase="decode")
+    if trace is not None and lm.routing is not None:
+        lm.routing.trace().save(trace)
     ttft = statistics.median(r[0] for r in runs)
     decode_s = statistics.median(r[1] for r in runs)
     bytes_per_token = weight_bytes_per_token(model)
@@ -402,4 +458,5 @@ def run_bench(
         roofline=ceiling,
         breakdown=breakdown,
         offload=offload,
+        experts=experts,
     )

@@ -18,6 +18,14 @@ from pathlib import Path
 import torch
 
 from ..offload.budget import Plan
+from ..offload.expert_cache import DEFAULT_POLICY
+from ..offload.experts import (
+    ExpertOffload,
+    RoutingRecorder,
+    load_moe_budgeted,
+    new_recorder,
+    stores_experts_apart,
+)
 from ..offload.stream import (
     LayerStream,
     layer_costs,
@@ -26,6 +34,7 @@ from ..offload.stream import (
     overheads,
     process_rss,
 )
+from ..offload.trace import TraceRecorder
 from .checkpoint import Checkpoint, build_model, is_checkpoint, read_checkpoint, verify
 from .config import ModelArgs
 from .errors import InferError
@@ -61,6 +70,11 @@ class LoadedModel:
     plan: Plan | None = None
     stream: LayerStream | None = None
     auto_budget: bool = False  # the budget was chosen because the model does not fit
+    # A mixture-of-experts model under a budget: its experts served from an expert cache
+    # (offload/experts.py; its plan covers the dense parts too, `plan` is then None).
+    experts: ExpertOffload | None = None
+    # What the MoE blocks routed, when asked for (--trace): save with .trace().save(path).
+    routing: TraceRecorder | None = None
 
     @property
     def args(self) -> ModelArgs:
@@ -204,12 +218,18 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     max_seq_len: int | None = None,
     max_memory: int | None = None,
+    *,
+    expert_policy: str | None = None,
+    record_routing: bool = False,
 ) -> LoadedModel:
     """Load weights, tokenizer and caches. `max_seq_len` defaults to the model's context.
 
     `max_memory`: the process's footprint budget in bytes (RSS plus the page cache it
     holds); layers that do not fit stream from disk (offload/). Without it, a model
     too large for the available memory streams on its own, and says so on stderr.
+    A mixture-of-experts model that does not fit keeps its dense parts resident and its
+    experts in an expert cache of policy `expert_policy` (default: expert_cache's).
+    record_routing: record what its MoE blocks route (`LoadedModel.routing`).
     """
     t0 = time.perf_counter()
     process = process_rss()  # before anything of this model: torch and all
@@ -229,10 +249,36 @@ def load_model(
             raise InferError(f"{info.path} is {what}: {advice}")
         print(f"note: {info.path} may not fit in available memory; {advice}", file=sys.stderr)
         budget = None
+    now = process_rss()  # what the plans count as the process (the tokenizer is small)
+    if budget is not None and _offloads_experts(info.checkpoint, dtype, ctx, budget, now):
+        tokenizer = load_tokenizer(info)
+        ckpt = info.checkpoint
+        recorder = new_recorder(ckpt.args, {"model": str(info.path)}) if record_routing else None
+        model, experts = load_moe_budgeted(
+            ckpt,
+            dtype,
+            ctx,
+            budget,
+            process_bytes=now,
+            raise_to_minimum=auto,
+            policy=expert_policy or DEFAULT_POLICY,
+            recorder=recorder,
+        )
+        if auto:
+            print(
+                f"note: {info.path.name} does not fit in available memory: "
+                f"{experts.plan.describe()} (--max-memory sets the budget)",
+                file=sys.stderr,
+            )
+        load_s = time.perf_counter() - t0
+        return LoadedModel(
+            model, tokenizer, info, dtype, load_s, auto_budget=auto, experts=experts,
+            routing=recorder,
+        )  # fmt: skip
     if budget is not None:
         tokenizer = load_tokenizer(info)
         model, stream, plan = load_streamed(
-            info.checkpoint, dtype, ctx, budget, process_bytes=process_rss(), raise_to_minimum=auto
+            info.checkpoint, dtype, ctx, budget, process_bytes=now, raise_to_minimum=auto
         )
         if auto:
             print(
@@ -241,14 +287,31 @@ def load_model(
                 file=sys.stderr,
             )
         load_s = time.perf_counter() - t0
-        return LoadedModel(model, tokenizer, info, dtype, load_s, plan, stream, auto)
-    if info.checkpoint is not None:
-        # crc32 of every unit (~5 GB/s from the page cache): the first forward pass
-        # faults these pages in anyway, and a corrupt byte fails here, naming its unit.
-        verify(info.checkpoint)
-    model = load_weights(info, dtype, max_seq_len)
-    tokenizer = load_tokenizer(info)
-    return LoadedModel(model, tokenizer, info, dtype, time.perf_counter() - t0)
+        lm = LoadedModel(model, tokenizer, info, dtype, load_s, plan, stream, auto)
+    else:
+        if info.checkpoint is not None:
+            # crc32 of every unit (~5 GB/s from the page cache): the first forward pass
+            # faults these pages in anyway, and a corrupt byte fails here, naming its unit.
+            verify(info.checkpoint)
+        model = load_weights(info, dtype, max_seq_len)
+        tokenizer = load_tokenizer(info)
+        lm = LoadedModel(model, tokenizer, info, dtype, time.perf_counter() - t0)
+    if record_routing:  # the experts are resident: hooks that only record
+        lm.routing = new_recorder(info.args, {"model": str(info.path)})
+        RoutingRecorder(lm.model, lm.routing)
+    return lm
+
+
+def _offloads_experts(
+    ckpt: Checkpoint | None, dtype: torch.dtype, ctx: int, budget: int, process: int
+) -> bool:
+    """Whether a budgeted load caches experts: a MoE checkpoint storing each expert apart
+    that does not fit whole (a model that fits loads resident, as any other)."""
+    if ckpt is None or not stores_experts_apart(ckpt):
+        return False
+    costs = layer_costs(ckpt, layer_units(ckpt, ckpt.args.n_layers), dtype)
+    need = overheads(ckpt, ckpt.args, dtype, ctx, process).total
+    return need + sum(c.resident_bytes for c in costs) > budget
 
 
 def _auto_budget(info: ModelInfo, dtype: torch.dtype, ctx: int, process: int) -> int | None:

@@ -1,0 +1,344 @@
+"""A mixture-of-experts model under a memory budget (offload/experts.py): the plan, outputs
+equal to the resident run at every cache size, the footprint, traces, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from tiny import COMMON, MOE_ARCHS, write_tokenizer
+
+from infer.offload.budget import Overheads
+from infer.offload.expert_cache import CacheStats
+from infer.offload.experts import (
+    ExpertCosts,
+    budget_inputs,
+    expert_costs,
+    in_flight_buffers,
+    load_expert_cached,
+    load_moe_budgeted,
+    minimum_budget,
+    plan_experts,
+)
+from infer.offload.footprint import footprint
+from infer.offload.stream import layer_costs, overheads
+from infer.offload.trace import Trace, TraceRecorder, replay
+from infer.runtime.checkpoint import read_checkpoint
+from infer.runtime.errors import InferError
+from infer.runtime.loader import load_model
+
+INFER = [sys.executable, "-c", "from infer.cli.main import main; main()"]
+TOKENS = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140, 8, 8, 300, 41, 12, 190, 77, 6]
+
+
+def make_moe(root, name="qwen3_moe", quant="int8", **overrides):
+    """A random Qwen3-MoE HF directory (router weights sharpened so routing varies from
+    token to token), converted to our format by `infer quantize`."""
+    cls_name, extra = MOE_ARCHS[name]
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+            if n.endswith("mlp.gate.weight"):
+                p.mul_(20)
+    model.save_pretrained(root / "hf")
+    write_tokenizer(root / "hf")
+    cmd = [*INFER, "quantize", str(root / "hf"), "-o", str(root / "q"), "--to", quant]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return root / "q"
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """MoE layers 1 and 3 of 4, 8 experts each, top 2, int8."""
+    return make_moe(tmp_path_factory.mktemp("moe"))
+
+
+@pytest.fixture(scope="module")
+def wide_moe(tmp_path_factory):
+    """Every layer MoE, 16 experts of 256 x 512 (int8, 400 KB each, 25 MB in all): large
+    enough for the footprint to show where expert bytes go."""
+    return make_moe(
+        tmp_path_factory.mktemp("wide_moe"),
+        name="qwen3_moe_nonorm",
+        hidden_size=256,
+        moe_intermediate_size=512,
+        num_experts=16,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        head_dim=64,
+    )
+
+
+def run_tokens(model, tokens=TOKENS, prompt_len=6):
+    """Logits of a prompt in one forward, then one token at a time."""
+    model.cached_tokens.clear()
+    with torch.no_grad():
+        out = [model(torch.tensor([tokens[:prompt_len]]), 0, all_logits=True)[0]]
+        for pos in range(prompt_len, len(tokens)):
+            out.append(model(torch.tensor([[tokens[pos]]]), pos)[0])
+    return torch.cat(out)
+
+
+def resident_logits(path):
+    return run_tokens(load_model(path, max_seq_len=64).model)
+
+
+def fixed_costs(ckpt, process=0):
+    args = ckpt.args
+    fixed = overheads(ckpt, args, torch.float32, 64, process)
+    dense = layer_costs(ckpt, [[f"layers.{i}"] for i in range(args.n_layers)], torch.float32)
+    return fixed, dense
+
+
+# -- the plan ------------------------------------------------------------------------------
+
+
+def plan_inputs():
+    fixed = Overheads(process=100, globals=50, kv_cache=20, scratch=30)  # total 200
+    from infer.offload.budget import LayerCost
+
+    dense = [LayerCost(f"layers.{i}", 40, 40, 0) for i in range(4)]  # 160 resident
+    experts = ExpertCosts(read_bytes=10, memory_bytes=10, n_layers=4, n_experts=8, top_k=2)
+    return fixed, dense, experts
+
+
+def test_plan_gives_what_dense_leaves_to_expert_slots():
+    fixed, dense, experts = plan_inputs()
+    in_flight = in_flight_buffers(2, workers=3)  # 2 + 3 + 1
+    assert in_flight == 6
+    base = 200 + 160 + 6 * 10
+    for extra, slots in ((0, 0), (9, 0), (10, 1), (125, 12), (10**6, 32)):
+        plan = plan_experts(dense, fixed, experts, base + extra, workers=3, scheme="uniform")
+        assert sum(plan.slots) == slots and not plan.dense.streamed
+        assert plan.buffers == slots + 6 and plan.footprint <= base + extra
+    plan = plan_experts(dense, fixed, experts, base + 125, workers=3, scheme="shallow")
+    assert plan.slots == (4, 3, 3, 2)
+    assert "12 of 32 experts cached" in plan.describe()
+
+
+def test_plan_streams_dense_layers_when_even_they_do_not_fit():
+    fixed, dense, experts = plan_inputs()
+    plan = plan_experts(dense, fixed, experts, 200 + 60 + 120, workers=3)
+    assert sum(plan.slots) == 0 and plan.dense.streamed and plan.footprint <= 380
+    # the minimum: two of the 40-byte layers streamed (nothing pinned) and the 6 in flight
+    minimum = 200 + 2 * 40 + 6 * 10
+    with pytest.raises(InferError) as e:
+        plan_experts(dense, fixed, experts, minimum - 1, workers=3)
+    msg = str(e.value)
+    assert "below this model's minimum working set" in msg and "6 experts in flight" in msg
+    assert msg.endswith(f"--max-memory {-(-minimum // 10**6)}MB")
+    plan_experts(dense, fixed, experts, minimum, workers=3)
+
+
+def test_budget_sets_the_slots(moe):
+    ckpt = read_checkpoint(moe)
+    fixed, dense = fixed_costs(ckpt, process=10**8)
+    costs = expert_costs(ckpt, torch.float32)
+    assert costs.read_bytes % 4096 == 0 and costs.total == 16 and costs.top_k == 2
+    base = fixed.total + sum(c.resident_bytes for c in dense)
+    floor = in_flight_buffers(2, 4) * costs.memory_bytes
+    budget = base + floor + 5 * costs.memory_bytes + costs.memory_bytes // 2
+    _, off = load_moe_budgeted(ckpt, torch.float32, 64, budget, process_bytes=10**8)
+    try:
+        assert sum(off.cache.slots) == 5 and off.pool.n == 5 + in_flight_buffers(2, 4)
+        assert off.plan.footprint <= budget and not off.plan.dense.streamed
+    finally:
+        off.close()
+    with pytest.raises(InferError, match="minimum working set"):
+        load_moe_budgeted(ckpt, torch.float32, 64, base // 2, process_bytes=10**8)
+
+
+# -- outputs equal the resident run ----------------------------------------------------
+
+
+def test_every_cache_size_equals_resident(moe):
+    expected = resident_logits(moe)
+    ckpt = read_checkpoint(moe)
+    for slots in range(17):
+        model, off = load_expert_cached(ckpt, torch.float32, 64, slots, refine=2, workers=2)
+        try:
+            got = run_tokens(model)
+        finally:
+            off.close()
+        assert torch.equal(got, expected), slots
+        tot = off.cache.totals()
+        assert tot.uses > 0 and (tot.hits == 0) == (slots == 0)
+        assert off.pool.peak <= off.pool.n
+
+
+def test_naive_and_streamed_dense_equal_resident(moe):
+    expected = resident_logits(moe)
+    ckpt = read_checkpoint(moe)
+    model, off = load_expert_cached(ckpt, torch.float32, 64, 0, prefetch=False)
+    try:
+        assert torch.equal(run_tokens(model), expected)
+        tot = off.cache.totals()
+        assert tot.hits == 0 and tot.prefetched == 0 and tot.predicted == 0
+    finally:
+        off.close()
+    # a budget below the dense parts: layers stream too (routers and norms stay resident)
+    fixed, dense, costs, routers = budget_inputs(ckpt, torch.float32, 64, 10**8)
+    budget = minimum_budget(dense, fixed, costs, 4, routers) + 2**13
+    model, off = load_moe_budgeted(ckpt, torch.float32, 64, budget, process_bytes=10**8)
+    try:
+        assert off.plan.dense.streamed and off.stream is not None
+        assert torch.equal(run_tokens(model), expected)
+        assert off.snapshot().dense_bytes_read > 0
+    finally:
+        off.close()
+
+
+def test_live_run_replays_to_the_same_counters(moe, tmp_path):
+    ckpt = read_checkpoint(moe)
+    rec = TraceRecorder(2, 8)
+    model, off = load_expert_cached(
+        ckpt, torch.float32, 64, 6, policy="lru", refine=2, width=3, recorder=rec
+    )
+    try:
+        run_tokens(model, prompt_len=1)  # one token per forward, as a replay visits
+    finally:
+        off.close()
+    rec.trace().save(tmp_path / "t.npz")
+    trace = Trace.load(tmp_path / "t.npz")
+    assert trace.refined.shape == (len(TOKENS), 2, 2) and trace.predicted.shape[2] == 3
+    again = replay(trace, "lru", off.cache.slots, off.expert_bytes)
+    for mine, theirs in zip(again.stats, off.cache.stats):
+        assert mine == CacheStats(**{**vars(theirs), "stall_s": mine.stall_s})
+    assert off.cache.stats[0].predicted > 0  # layer 0 is predicted on entry
+
+
+def test_corrupt_expert_is_an_error_and_threads_stop(moe, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(moe, bad)
+    ckpt = read_checkpoint(bad)
+    b, _ = ckpt.ranges["layers.1.mlp.experts.3"]
+    with open(ckpt.file, "r+b") as f:
+        f.seek(b + 10)
+        byte = f.read(1)
+        f.seek(b + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    model, off = load_expert_cached(read_checkpoint(bad), torch.float32, 64, 4)
+    threads = off.reader._threads
+    with pytest.raises(InferError, match="'layers.1.mlp.experts.3' is corrupt"), torch.no_grad():
+        for t in range(40):  # until expert 3 of layer 1 is routed to
+            model(torch.tensor([[t * 7 % 300]]), t % 60)
+    off.close()
+    assert not any(t.is_alive() for t in threads)
+    with pytest.raises(InferError, match="closed"):
+        model(torch.tensor([[1]]), 0)
+
+
+# -- the footprint ---------------------------------------------------------------------------
+
+
+def drop_cache(path):
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def test_footprint_stays_under_the_budget(wide_moe):
+    ckpt = read_checkpoint(wide_moe)
+    drop_cache(ckpt.file)
+    before = footprint(ckpt.file)
+    fixed, dense = fixed_costs(ckpt, process=before)
+    costs = expert_costs(ckpt, torch.float32)
+    floor = in_flight_buffers(costs.top_k, 4) * costs.memory_bytes
+    budget = fixed.total + sum(c.resident_bytes for c in dense) + floor + 16 * costs.memory_bytes
+    lm = load_model(wide_moe, torch.float32, 64, max_memory=budget)
+    off = lm.experts
+    try:
+        # about 16 (the process grew a little since `before`)
+        slots = sum(off.cache.slots)
+        assert off is not None and 10 <= slots <= 16 and off.plan.footprint <= budget
+        for _ in range(2):
+            run_tokens(lm.model)
+        assert footprint(ckpt.file) <= budget
+        t = off.cache.totals()
+        assert t.misses > slots and t.bytes_read > slots * costs.read_bytes  # came and went
+        assert off.pool.peak <= off.pool.n
+    finally:
+        off.close()
+
+
+# -- the command line ---------------------------------------------------------------------
+
+
+def infer(*args):
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    return subprocess.run([*INFER, *args], capture_output=True, text=True, env=env, check=False)
+
+
+def test_cli_budget_policy_trace_and_replay(wide_moe, tmp_path):
+    model = str(wide_moe)
+    common = ["--no-chat", "-n", "8", "--temperature", "0", "--ctx", "64", "--json"]
+    too_small = infer("run", model, "hi", *common, "--max-memory", "1MB")
+    assert too_small.returncode == 2
+    lines = too_small.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: memory budget 1.00 MB is below")
+    minimum = int(lines[0].rsplit("--max-memory ", 1)[1].removesuffix("MB"))
+    budget = f"{minimum + 8}MB"  # ~20 of 64 experts of 0.4 MB cached
+
+    plain = infer("run", model, "hello there", *common)
+    assert plain.returncode == 0, plain.stderr
+    trace = tmp_path / "run.npz"
+    run = infer(
+        "run", model, "hello there", *common, "--max-memory", budget,
+        "--expert-policy", "lru", "--trace", str(trace), "-v",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["text"] == json.loads(plain.stdout)["text"]
+    assert "experts cached" in run.stderr and "experts: lru" in run.stderr
+    assert "hit rate" in run.stderr and "precision" in run.stderr
+    t = Trace.load(trace)
+    assert t.n_layers == 4 and t.n_experts == 16 and t.n_tokens >= 8
+    assert not list(tmp_path.glob("*.tmp"))
+
+    rep = infer("bench", "--replay", str(trace), "--json")
+    assert rep.returncode == 0, rep.stderr
+    rows = json.loads(rep.stdout)["rows"]
+    assert {r["policy"] for r in rows} == {"lru", "lfu", "score"} and len(rows) == 18
+    assert all(0 <= r["hit_rate"] <= 1 for r in rows)
+    table = infer("bench", "--replay", str(trace))
+    assert table.returncode == 0 and "PRECISION / RECALL" in table.stdout
+
+    bench = infer(
+        "bench", model, "-p", "8", "-n", "6", "-r", "1", "--json",
+        "--max-memory", budget, "--expert-policy", "score",
+    )  # fmt: skip
+    assert bench.returncode == 0, bench.stderr
+    ex = json.loads(bench.stdout)["experts"]
+    assert ex["policy"] == "score" and ex["phase"] == "decode" and ex["tokens"] == 6
+    assert len(ex["hit_rate_per_layer"]) == 4 and 0 <= ex["hit_rate"] <= 1
+    assert ex["budget_bytes"] == (minimum + 8) * 10**6 and 10 <= sum(ex["slots"]) < 64
+    assert ex["footprint_bytes"] <= ex["budget_bytes"]
+    assert ex["bytes_read_per_token"] > 0 and ex["stall_s"] >= 0 and ex["read_gb_s"] > 0
+    assert 0 <= ex["precision"] <= 1 and 0 <= ex["recall"] <= 1
+    text = infer("bench", model, "-p", "8", "-n", "4", "-r", "1", "--max-memory", budget)
+    assert text.returncode == 0 and "expert hit rate" in text.stdout
+
+
+def test_trace_of_a_resident_model_and_not_of_a_dense_one(moe, tmp_path):
+    from tiny import make_hf_model
+
+    out = tmp_path / "res.npz"
+    r = infer("run", str(moe), "hi", "--no-chat", "-n", "4", "--temperature", "0", "--ctx", "32",
+              "--trace", str(out), "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    t = Trace.load(out)
+    assert t.n_tokens >= 4 and t.probs is not None and (t.predicted[:, 0] >= 0).all()
+    make_hf_model("llama", tmp_path / "dense")
+    with pytest.raises(InferError, match="--trace needs a mixture-of-experts model"):
+        load_model(tmp_path / "dense", max_seq_len=32, record_routing=True)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import transformers
-from tiny import ARCHS, COMMON, write_tokenizer
+from tiny import ARCHS, COMMON, make_hf_model, write_tokenizer
 
 from infer.offload.budget import LayerCost, Overheads, minimum_bytes, parse_size, plan_memory
 from infer.offload.footprint import cached_bytes, footprint
@@ -214,6 +214,25 @@ def test_streamed_equals_resident_one_layer_window(ckpts, kind):
         assert s.passes == 8 and s.bytes_read >= 8 * plan.streamed_bytes
         # Streamed layers are meta between uses: nothing of them stays bound.
         assert all(p.is_meta for p in model.layers[1].parameters())
+    finally:
+        stop_threads(stream)
+
+
+@pytest.mark.parametrize("recipe", [None, "int8"])
+def test_moe_layers_stream_with_their_experts(tmp_path, recipe):
+    # Each expert is its own unit ("layers.N.mlp.experts.E"): a streamed layer is read
+    # as its units into one buffer, back to back.
+    src = tmp_path / "hf"
+    make_hf_model("qwen3_moe", src)
+    ckpt = read_checkpoint(convert(src, tmp_path / "ck", recipe))
+    assert "layers.1.mlp.experts.7" in ckpt.ranges
+    budget, _ = min_budget(ckpt)
+    model, stream, plan = load_streamed(ckpt, torch.float32, 64, budget, process_bytes=0)
+    assert len(plan.streamed) >= 3
+    try:
+        expected = run(resident(ckpt))
+        for _ in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(expected, run(model)))
     finally:
         stop_threads(stream)
 

@@ -80,6 +80,7 @@ class CacheStats:
     predicted_used: int = 0
     prefetched: int = 0
     prefetch_used: int = 0
+    cancelled: int = 0  # prefetch reads dropped before they started (not in prefetched)
 
     @property
     def uses(self) -> int:
@@ -249,17 +250,26 @@ class ExpertCache:
         expert_bytes: int = 0,
         submit: Callable[..., Future] | None = None,
         unslotted: int = 0,
+        urgent: Callable[..., Future] | None = None,
+        cancel: bool = False,
     ):
         """`load(layer, expert)` reads one expert; `slots[layer]` experts stay per layer;
         `expert_bytes` is what one read costs (for bytes_read); `submit(fn, *args)`, e.g.
         a ThreadPoolExecutor's, runs prefetch reads in the background (None: at once);
-        `unslotted`: how many of a visit's experts `start` reads without a slot."""
+        `urgent(fn, *args)` the same for `start`'s reads, ahead of queued prefetches
+        (default: submit); `unslotted`: how many of a visit's experts `start` reads
+        without a slot. cancel: `start` drops the layer's prefetch reads that have not
+        begun and that this visit does not use (their handles' cancel()), freeing their
+        slots; how many depends on timing, so a replay then differs from the live run."""
         self._load = load
         self.slots = list(slots)
         self.policy = policy
         self.expert_bytes = expert_bytes
         self.unslotted = unslotted
         self._submit = submit
+        self._urgent = urgent or submit
+        self._cancel = cancel
+        self._queued: dict[Key, tuple[Future, object]] = {}  # prefetch reads not begun
         self._lock = threading.Lock()
         n = len(self.slots)
         self._entries: list[dict[int, Future]] = [{} for _ in range(n)]  # expert -> its value
@@ -296,6 +306,8 @@ class ExpertCache:
     def start(self, layer: int, experts: Sequence[int]) -> None:
         experts = sorted({int(e) for e in experts})
         todo = []
+        if self._cancel:
+            self._drop_queued(layer, set(experts))
         with self._lock:
             self._enter(layer)
             self._in_use.update(experts)
@@ -312,7 +324,24 @@ class ExpertCache:
                     self._pending[e] = fut
                 self._demand.add((layer, e))
                 todo.append((e, fut))
-        self._read_all(layer, todo)
+        self._read_all(layer, todo, self._urgent)
+
+    def _drop_queued(self, layer: int, used: set[int]) -> None:
+        """Cancel `layer`'s prefetch reads that have not begun and are not in `used`."""
+        with self._lock:
+            drop = [k for k in self._queued if k[0] == layer and k[1] not in used]
+            for key in drop:
+                fut, handle = self._queued[key]
+                if not handle.cancel():
+                    continue  # a reader has it: it completes
+                del self._queued[key]
+                if self._entries[layer].get(key[1]) is fut:
+                    del self._entries[layer][key[1]]
+                self._from_prefetch.discard(key)
+                st = self.stats[layer]
+                st.prefetched -= 1
+                st.cancelled += 1
+                fut.cancel()
 
     def get(self, layer: int, expert: int):
         key, st = (layer, expert), self.stats[layer]
@@ -370,16 +399,20 @@ class ExpertCache:
                 self._from_prefetch.add((layer, e))
                 st.prefetched += 1
                 todo.append((e, fut))
-        self._read_all(layer, todo)
+        self._read_all(layer, todo, self._submit, queued=self._cancel)
 
-    def _read_all(self, layer: int, todo: list[tuple[int, Future]]) -> None:
-        """Read each (expert, future) of `todo`: in the background when there is `submit`."""
+    def _read_all(self, layer: int, todo: list[tuple[int, Future]], submit, queued=False):
+        """Read each (expert, future) of `todo`: in the background through `submit`, if
+        any (queued: remember the handles, to cancel), else now."""
         for i, (e, fut) in enumerate(todo):
-            if self._submit is None:
+            if submit is None:
                 self._fill(layer, e, fut)
                 continue
             try:
-                self._submit(self._fill, layer, e, fut)
+                with self._lock:  # before _fill can run and forget it
+                    handle = submit(self._fill, layer, e, fut)
+                    if queued:
+                        self._queued[layer, e] = (fut, handle)
             except BaseException as exc:  # e.g. the reader was shut down: fail, then re-raise
                 for e2, fut2 in todo[i:]:
                     self._fail(layer, e2, fut2, exc)
@@ -409,6 +442,10 @@ class ExpertCache:
 
     def _fill(self, layer: int, expert: int, fut: Future) -> None:
         """Read one expert into `fut` (on the caller's thread or a reader's)."""
+        if self._cancel:
+            with self._lock:
+                if self._queued.get((layer, expert), (None,))[0] is fut:
+                    del self._queued[layer, expert]
         try:
             value = self._load(layer, expert)
         except BaseException as exc:  # noqa: BLE001 - Ctrl-C too: a slot must never stay pending

@@ -44,10 +44,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
+import queue
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -272,6 +273,81 @@ class BufferPool:
             self._cond.notify()
 
 
+class ReadQueue:
+    """`workers` threads running reads from one queue: `urgent` ones (a visit's misses)
+    before any queued `submit` (prefetches), first come first served within each. A
+    queued read can be cancelled until a thread takes it (`_Task.cancel()`)."""
+
+    def __init__(self, workers: int):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"infer-expert-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        self.closed = False
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args) -> _Task:
+        return self._put(1, fn, args)
+
+    def urgent(self, fn, *args) -> _Task:
+        return self._put(0, fn, args)
+
+    def _put(self, priority: int, fn, args) -> _Task:
+        if self.closed:
+            raise InferError("the expert reader is closed")
+        task = _Task(fn, args)
+        self._queue.put((priority, next(self._seq), task))
+        return task
+
+    def _work(self) -> None:
+        while True:
+            _, _, task = self._queue.get()
+            if task is None:
+                return
+            if task.claim():
+                task.fn(*task.args)  # ExpertCache._fill: delivers its own errors
+
+    def shutdown(self) -> None:
+        """Queued reads are cancelled; reads in progress finish; the threads stop."""
+        self.closed = True
+        while True:
+            try:
+                _, _, task = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if task is not None:
+                task.cancel()
+        for _ in self._threads:
+            self._queue.put((2, next(self._seq), None))
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
+
+
+class _Task:
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+        self._state = "queued"
+        self._lock = threading.Lock()
+
+    def claim(self) -> bool:
+        with self._lock:
+            if self._state != "queued":
+                return False
+            self._state = "running"
+            return True
+
+    def cancel(self) -> bool:
+        """True if the read will not run."""
+        with self._lock:
+            if self._state == "queued":
+                self._state = "cancelled"
+            return self._state == "cancelled"
+
+
 @dataclass(eq=False)
 class _Loaded:
     """One expert read into a pool buffer: (target, tensor) pairs ready to bind. The
@@ -376,6 +452,7 @@ class ExpertOffload:
         reader: UnitReader,
         placeholders: dict[str, torch.Tensor],
         workers: int,
+        cancel: bool = True,
         plan: ExpertPlan | None = None,
         stream: LayerStream | None = None,
     ):
@@ -398,14 +475,16 @@ class ExpertOffload:
         self.plan, self.stream = plan, stream
         k = args.n_experts_per_tok
         self.pool = BufferPool(sum(slots) + in_flight_buffers(k, workers), self.costs.read_bytes)
-        self._threads = ThreadPoolExecutor(workers, thread_name_prefix="expert-read")
+        self._threads = ReadQueue(workers)
         self.cache = ExpertCache(
             self._load,
             slots,
             make_policy(policy),
             self.expert_bytes,
             submit=self._threads.submit,
+            urgent=self._threads.urgent,
             unslotted=k if prefetch else 0,
+            cancel=cancel,
         )
         self._tokens = self._passes = 0
         self._refined: list[torch.Tensor | None] = [None] * len(self.blocks)
@@ -561,8 +640,8 @@ class ExpertOffload:
         self._finalizer()
 
 
-def _shutdown(threads: ThreadPoolExecutor, reader: UnitReader, stream) -> None:
-    threads.shutdown(wait=True, cancel_futures=True)
+def _shutdown(threads: ReadQueue, reader: UnitReader, stream) -> None:
+    threads.shutdown()
     reader.close()
     if stream is not None:
         stream.close()
@@ -630,6 +709,7 @@ def load_expert_cached(
     check: str | None = "first",
     direct: bool = True,
     workers: int = DEFAULT_WORKERS,
+    cancel: bool = True,
 ) -> tuple[Transformer, ExpertOffload]:
     """`ckpt`'s model with its dense parts resident and its experts served from an
     ExpertCache of `slots` experts (a total split over MoE layers by `scheme`, or a list
@@ -651,6 +731,7 @@ def load_expert_cached(
         check=check,
         direct=direct,
         workers=workers,
+        cancel=cancel,
     )
 
 
@@ -671,6 +752,7 @@ def load_moe_budgeted(
     check: str | None = "first",
     direct: bool = True,
     workers: int = DEFAULT_WORKERS,
+    cancel: bool = True,
 ) -> tuple[Transformer, ExpertOffload]:
     """`ckpt`'s model within `budget` bytes of process footprint (see the module doc);
     the plan is `offload.plan`. raise_to_minimum: a budget below the minimum working
@@ -698,6 +780,7 @@ def load_moe_budgeted(
         check=check,
         direct=direct,
         workers=workers,
+        cancel=cancel,
     )
 
 
@@ -735,6 +818,7 @@ def _load(
     check: str | None,
     direct: bool,
     workers: int,
+    cancel: bool,
 ) -> tuple[Transformer, ExpertOffload]:
     args = ckpt.args
     units = expert_units(ckpt)
@@ -786,6 +870,7 @@ def _load(
             reader=reader,
             placeholders=placeholders,
             workers=workers,
+            cancel=cancel,
             plan=plan,
             stream=stream,
         )

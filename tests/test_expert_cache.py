@@ -8,6 +8,7 @@ MoE layers from the cached experts, and replays the recorded trace offline.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -445,8 +446,9 @@ def test_expert_cached_decode_replays_exactly(moe_checkpoint, tmp_path):
 
     rec = TraceRecorder(2, 8)
     model, off = load_expert_cached(
-        read_checkpoint(moe_checkpoint), torch.float32, 64, 6, policy="score", recorder=rec
-    )
+        read_checkpoint(moe_checkpoint), torch.float32, 64, 6, policy="score", recorder=rec,
+        cancel=False,
+    )  # fmt: skip
     try:
         run_tokens(model, TOKENS, 1)  # every token alone: visits as a replay makes them
     finally:
@@ -469,3 +471,57 @@ def test_expert_cache_needs_one_unit_per_expert(moe_checkpoint):
         load_expert_cached(dataclasses.replace(ckpt, units=units), torch.float32, 64, 4)
     with pytest.raises(InferError, match="3 slot counts for 2 MoE layers"):
         load_expert_cached(ckpt, torch.float32, 64, [1, 1, 1])
+
+
+def test_start_cancels_wrong_predictions_not_yet_begun():
+    queued = []
+
+    class Handle:
+        def __init__(self, fn, args):
+            self.fn, self.args, self.state = fn, args, "queued"
+
+        def cancel(self):
+            if self.state == "queued":
+                self.state = "cancelled"
+            return self.state == "cancelled"
+
+    def submit(fn, *args):
+        queued.append(Handle(fn, args))
+        return queued[-1]
+
+    cache, loads = make_cache(LRUPolicy(), [4, 4], submit=submit, cancel=True)
+    cache.prefetch(1, [0, 1, 2])
+    queued[0].state = "running"  # a reader took expert 0's read: it cannot be cancelled
+    queued[0].fn(*queued[0].args)
+    cache.start(1, [1, 3])  # 2 is dropped; 1 is used; 3 is a miss: queued as a read
+    st = cache.stats[1]
+    assert (st.prefetched, st.cancelled) == (2, 1) and cache.resident(1) == [0, 1, 3]
+    for h in queued[1:]:
+        if h.state == "queued":
+            h.state = "running"
+            h.fn(*h.args)
+    assert [cache.get(1, e) for e in (1, 3)] == ["L1E1", "L1E3"]
+    assert (st.hits, st.misses, st.prefetch_used, st.predicted_used) == (1, 1, 1, 1)
+    assert sorted(loads) == [(1, 0), (1, 1), (1, 3)]  # 2 was never read
+
+
+def test_read_queue_runs_urgent_reads_first_and_cancels():
+    from infer.offload.experts import ReadQueue
+
+    gate, order = threading.Event(), []
+    q = ReadQueue(1)
+    try:
+        q.submit(gate.wait, 5)  # occupies the only thread
+        a = q.submit(order.append, "prefetch a")
+        b = q.submit(order.append, "prefetch b")
+        q.urgent(order.append, "urgent")
+        assert b.cancel() and b.cancel()
+        gate.set()
+        deadline = time.monotonic() + 5
+        while len(order) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert order == ["urgent", "prefetch a"] and not a.cancel()
+    finally:
+        q.shutdown()
+    with pytest.raises(InferError, match="closed"):
+        q.submit(order.append, "late")

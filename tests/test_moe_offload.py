@@ -202,7 +202,7 @@ def test_live_run_replays_to_the_same_counters(moe, tmp_path):
     ckpt = read_checkpoint(moe)
     rec = TraceRecorder(2, 8)
     model, off = load_expert_cached(
-        ckpt, torch.float32, 64, 6, policy="lru", refine=2, width=3, recorder=rec
+        ckpt, torch.float32, 64, 6, policy="lru", refine=2, width=3, recorder=rec, cancel=False
     )
     try:
         run_tokens(model, prompt_len=1)  # one token per forward, as a replay visits

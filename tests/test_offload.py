@@ -218,6 +218,22 @@ def test_streamed_equals_resident_one_layer_window(ckpts, kind):
         stop_threads(stream)
 
 
+@pytest.mark.parametrize("kind", ["f32", "int8"])
+def test_streamed_equals_resident_in_bfloat16(ckpts, kind):
+    # float32 tensors in the file, bfloat16 compute: streamed layers are converted into
+    # one preallocated buffer when bound (the norms of int8, every weight of f32).
+    ckpt = read_checkpoint(ckpts[kind])
+    budget, _ = min_budget(ckpt, torch.bfloat16)
+    model, stream, plan = load_streamed(ckpt, torch.bfloat16, 64, budget, process_bytes=0)
+    assert plan.convert_bytes > 0 and plan.streamed
+    try:
+        expected = run(resident(ckpt, torch.bfloat16))
+        assert all(torch.equal(a, b) for a, b in zip(expected, run(model)))
+        assert model.layers[1].input_layernorm.weight.is_meta
+    finally:
+        stop_threads(stream)
+
+
 @pytest.mark.parametrize("recipe", [None, "int8"])
 def test_moe_layers_stream_with_their_experts(tmp_path, recipe):
     # Each expert is its own unit ("layers.N.mlp.experts.E"): a streamed layer is read

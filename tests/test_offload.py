@@ -462,19 +462,22 @@ def test_footprint_stays_under_the_budget(wide):
     _, costs = min_budget(ckpt)
     layer = costs[0].read_bytes
     before = footprint(ckpt.file)
-    # Room for the fixed costs, four read buffers and a pinned layer or two.
+    # Room for the fixed costs, four read buffers and two pinned layers (one if the
+    # process grew by a layer's size since `before`).
     base = minimum_bytes(costs, overheads(ckpt, ckpt.args, torch.float32, 64, before))
-    budget = base + 3 * layer + layer // 2
+    budget = base + 4 * layer + layer // 2
     lm = load_model(wide, torch.float32, 64, max_memory=budget)
     pinned = len(lm.plan.pinned)
-    assert pinned in (1, 2) and lm.plan.slots == 4 and lm.plan.footprint <= budget
+    assert pinned in (1, 2) and lm.plan.slots == 4, lm.plan
+    assert lm.plan.footprint <= budget
     try:
         for _ in range(3):
             run(lm.model)
-        assert footprint(ckpt.file) <= budget
+        now = footprint(ckpt.file)
+        assert now <= budget, (now, lm.plan)
         # Streamed reads bypass the page cache: only resident units' pages are cached.
         resident = ckpt.ranges["globals"][1] - ckpt.ranges["globals"][0] + pinned * layer
-        assert cached_bytes(ckpt.file) <= resident + 2**20
+        assert cached_bytes(ckpt.file) <= resident + 2**20, lm.plan
         assert lm.stream.snapshot().bytes_read >= 3 * 4 * (8 - pinned) * layer
     finally:
         stop_threads(lm.stream)

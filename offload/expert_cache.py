@@ -295,11 +295,14 @@ class ExpertCache:
     def release(self) -> None:
         """The current layer is done with its experts (optional: moving on does it too)."""
         with self._lock:
-            self._in_use_layer, self._in_use = -1, set()
+            self._enter(-1)
 
     def _enter(self, layer: int) -> None:
-        """Under the lock: `layer` becomes the one whose experts are in use."""
+        """Under the lock: `layer` becomes the one whose experts are in use; the visit
+        of the layer before it is over, and so is what was predicted for that visit."""
         if layer != self._in_use_layer:
+            if self._in_use_layer >= 0:
+                self._predicted[self._in_use_layer] = set()
             self._in_use_layer, self._in_use = layer, set()
             self._pending.clear()  # an interrupted visit's leftovers
 

@@ -52,6 +52,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..runtime.checkpoint import Checkpoint, build_model, unit_views
 from ..runtime.errors import InferError
@@ -350,10 +351,17 @@ class _Task:
 
 @dataclass(eq=False)
 class _Loaded:
-    """One expert read into a pool buffer: (target, tensor) pairs ready to bind. The
-    buffer goes back to the pool when this is garbage (weakref.finalize)."""
+    """One expert read into a pool buffer: (module's parameter or buffer dict, name,
+    value) triples ready to bind. The buffer goes back to the pool when this is garbage
+    (weakref.finalize)."""
 
-    tensors: list[tuple[_Target, torch.Tensor]]
+    values: list[tuple[dict, str, torch.Tensor]]
+
+
+def _store(tg: _Target) -> dict:
+    """The module dict that holds target `tg`: assigning there binds it without
+    nn.Module.__setattr__ (15 ms a token on a 128-expert model: 12 assignments an expert)."""
+    return tg.module._parameters if tg.is_param else tg.module._buffers
 
 
 # ---------------------------------------------------------------------------------------
@@ -450,6 +458,7 @@ class ExpertOffload:
         refine: int,
         recorder: TraceRecorder | None,
         reader: UnitReader,
+        ahead: int = 1,
         placeholders: dict[str, torch.Tensor],
         workers: int,
         cancel: bool = True,
@@ -465,12 +474,20 @@ class ExpertOffload:
             for targets in per_layer:
                 for tg in targets:
                     tg.set(tg.unbound)
+        # (dict, name, meta value) per expert: what unbinding puts back
+        self._unbound = [
+            [[(_store(tg), tg.attr, getattr(tg.module, tg.attr)) for tg in tgs] for tgs in layer]
+            for layer in self.targets
+        ]
         self.ckpt, self.dtype, self.reader = ckpt, dtype, reader
         self.costs = expert_costs(ckpt, dtype)
         self.expert_bytes = self.costs.read_bytes
         self.policy = policy
         self.prefetch, self.recorder = prefetch, recorder
         self.width = args.n_experts_per_tok if width is None else width
+        if ahead not in (1, 2):
+            raise InferError(f"ahead {ahead}: predict 1 or 2 layers ahead")
+        self.ahead = ahead
         self.refine = refine if prefetch else 0
         self.plan, self.stream = plan, stream
         k = args.n_experts_per_tok
@@ -511,23 +528,24 @@ class ExpertOffload:
             raise
         b, end = self.ckpt.ranges[unit]
         views = unit_views(self.ckpt, unit, torch.frombuffer(buf, dtype=torch.uint8)[: end - b])
-        tensors = []
+        values = []
         for tg in self.targets[j][e]:
             t = views[tg.name]
-            tensors.append((tg, t if t.dtype == tg.dtype else t.to(tg.dtype)))
-        loaded = _Loaded(tensors)
+            t = t if t.dtype == tg.dtype else t.to(tg.dtype)
+            values.append((_store(tg), tg.attr, nn.Parameter(t, False) if tg.is_param else t))
+        loaded = _Loaded(values)
         weakref.finalize(loaded, self.pool.give, buf)
         return loaded
 
     def _run(self, j: int, block, e: int, x: torch.Tensor) -> torch.Tensor:
         loaded = self.cache.get(j, e)
-        for tg, t in loaded.tensors:
-            tg.set(t)
+        for store, name, value in loaded.values:
+            store[name] = value
         try:
             return block.experts[e](x)
         finally:
-            for tg, _ in loaded.tensors:
-                tg.set(tg.unbound)
+            for store, name, value in self._unbound[j][e]:
+                store[name] = value
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -560,14 +578,16 @@ class ExpertOffload:
         ids = probs.topk(block.top_k, dim=-1).indices  # what route(x) chooses
         if self.prefetch:
             self.cache.start(j, ids.flatten().tolist())
-        pred = None
-        if j + 1 < len(self.blocks):
-            pred = self.blocks[j + 1].probs(x).topk(self.width, dim=-1).indices  # (N, width)
-            if self.prefetch:
-                self.cache.prefetch(j + 1, pred.flatten().tolist())
+        preds = [None, None]  # (N, width) for layers j + 1 and j + 2
+        for d in range(1, self.ahead + 1):
+            if j + d < len(self.blocks) and self.width:
+                preds[d - 1] = self.blocks[j + d].probs(x).topk(self.width, dim=-1).indices
+                if self.prefetch:
+                    self.cache.prefetch(j + d, preds[d - 1].flatten().tolist(), refine=True)
         if self.recorder is not None:
             ids, weights = block.route(x)
-            self.recorder.record(j, ids, weights.float(), probs, pred, self._refined[j])
+            pred, ahead = preds
+            self.recorder.record(j, ids, weights.float(), probs, pred, self._refined[j], ahead)
         self._refined[j] = None
 
     # -- figures -----------------------------------------------------------------------
@@ -705,6 +725,7 @@ def load_expert_cached(
     prefetch: bool = True,
     width: int | None = None,
     refine: int = 0,
+    ahead: int = 1,
     recorder: TraceRecorder | None = None,
     check: str | None = "first",
     direct: bool = True,
@@ -714,7 +735,8 @@ def load_expert_cached(
     """`ckpt`'s model with its dense parts resident and its experts served from an
     ExpertCache of `slots` experts (a total split over MoE layers by `scheme`, or a list
     per MoE layer). `width`: experts predicted per token for the next layer (default
-    top_k); `refine`: experts predicted on entering a layer (0: off). check: crc32 of
+    top_k; 0: no cross-layer prediction); `refine`: experts predicted on entering a
+    layer (0: off). prefetch=False: neither, nor `start` (naive on-demand reads). check: crc32 of
     each expert's first read ("first"), of every read ("always"), or None."""
     return _load(
         ckpt,
@@ -727,6 +749,7 @@ def load_expert_cached(
         prefetch=prefetch,
         width=width,
         refine=refine,
+        ahead=ahead,
         recorder=recorder,
         check=check,
         direct=direct,
@@ -748,6 +771,7 @@ def load_moe_budgeted(
     prefetch: bool = True,
     width: int | None = None,
     refine: int = 0,
+    ahead: int = 1,
     recorder: TraceRecorder | None = None,
     check: str | None = "first",
     direct: bool = True,
@@ -776,6 +800,7 @@ def load_moe_budgeted(
         prefetch=prefetch,
         width=width,
         refine=refine,
+        ahead=ahead,
         recorder=recorder,
         check=check,
         direct=direct,
@@ -814,6 +839,7 @@ def _load(
     prefetch: bool,
     width: int | None,
     refine: int,
+    ahead: int,
     recorder: TraceRecorder | None,
     check: str | None,
     direct: bool,
@@ -830,8 +856,6 @@ def _load(
     for name, n in (("width", width), ("refine", refine)):
         if n is not None and not 0 <= n <= args.n_experts:
             raise InferError(f"{name} {n}: must be 0 to {args.n_experts} experts")
-    if width == 0:
-        raise InferError("width 0 predicts nothing: use prefetch=False")
     streamed = [int(u.split(".")[1]) for u in plan.dense.streamed] if plan else []
     flat = [u for us in units for u in us]
     dense_units = [f"layers.{i}" for i in streamed]
@@ -866,6 +890,7 @@ def _load(
             prefetch=prefetch,
             width=width,
             refine=refine,
+            ahead=ahead,
             recorder=recorder,
             reader=reader,
             placeholders=placeholders,

@@ -11,6 +11,11 @@ among the MoE layers; `meta["layer_ids"]` names their model layers):
     refined    (T, L, R) int16    the experts predicted for layer l on entering it, before
                                   its attention (layer l's router on the residual stream
                                   there), added to the prediction; -1 pads; R may be 0
+    ahead      (T, L, A) int16    the experts predicted at layer l for layer l + 2 (layer
+                                  l+2's router on layer l's hidden state); -1 pads (the
+                                  last two layers' rows); A may be 0
+
+A visit's predictions accumulate, from the first made for it until the visit ends.
     probs      (T, L, E) float32  the router's probabilities over all experts (optional)
 
 It is one .npz file (`save` writes a temp name, then renames). `visit` is the order a
@@ -42,10 +47,13 @@ class Trace:
     n_experts: int
     meta: dict = dataclasses.field(default_factory=dict)
     refined: np.ndarray | None = None  # None: (T, L, 0)
+    ahead: np.ndarray | None = None  # None: (T, L, 0)
 
     def __post_init__(self):
         if self.refined is None:
             self.refined = np.full((*self.experts.shape[:2], 0), -1, np.int16)
+        if self.ahead is None:
+            self.ahead = np.full((*self.experts.shape[:2], 0), -1, np.int16)
 
     @property
     def n_tokens(self) -> int:
@@ -62,6 +70,7 @@ class Trace:
             "weights": self.weights,
             "predicted": self.predicted,
             "refined": self.refined,
+            "ahead": self.ahead,
         }
         if self.probs is not None:
             arrays["probs"] = self.probs
@@ -78,6 +87,7 @@ class Trace:
                 meta = json.loads(str(z["meta"]))
                 probs = z["probs"] if "probs" in z.files else None
                 refined = z["refined"] if "refined" in z.files else None
+                ahead = z["ahead"] if "ahead" in z.files else None
                 return cls(
                     z["experts"],
                     z["weights"],
@@ -86,6 +96,7 @@ class Trace:
                     meta.pop("n_experts"),
                     meta,
                     refined,
+                    ahead,
                 )
         except FileNotFoundError:
             raise InferError(f"no trace file {path}") from None
@@ -110,10 +121,17 @@ class TraceRecorder:
         self._rows: list[list[tuple]] = [[] for _ in range(n_layers)]
 
     def record(
-        self, layer: int, experts, weights, probs=None, predicted=None, refined=None
+        self,
+        layer: int,
+        experts,
+        weights,
+        probs=None,
+        predicted=None,
+        refined=None,
+        ahead=None,
     ) -> None:
-        """experts, weights (N, k); probs (N, E) or None; predicted (N, P) or None;
-        refined (N, R) or None."""
+        """experts, weights (N, k); probs (N, E) or None; predicted (N, P), refined (N, R),
+        ahead (N, A) or None."""
         experts = np.asarray(experts, dtype=np.int16).reshape(len(experts), -1)
         n = len(experts)
         weights = np.asarray(weights, dtype=np.float32).reshape(n, -1)
@@ -123,7 +141,8 @@ class TraceRecorder:
             return np.asarray(a, dtype=np.int16).reshape(n, -1)
 
         probs = None if probs is None else np.asarray(probs, dtype=np.float32).reshape(n, -1)
-        self._rows[layer].append((experts, weights, ids(predicted), probs, ids(refined)))
+        row = (experts, weights, ids(predicted), probs, ids(refined), ids(ahead))
+        self._rows[layer].append(row)
 
     @property
     def tokens(self) -> int:
@@ -150,6 +169,9 @@ class TraceRecorder:
 
         pred = padded(2)
         pred[-1][:] = -1
+        ahead = padded(5)
+        for a in ahead[-2:]:
+            a[:] = -1
         has_probs = all(c[3] is not None for c in cols)
         return Trace(
             experts=np.stack([c[0] for c in cols], axis=1),
@@ -159,25 +181,30 @@ class TraceRecorder:
             n_experts=self.n_experts,
             meta=self.meta,
             refined=np.stack(padded(4), axis=1),
+            ahead=np.stack(ahead, axis=1),
         )
 
 
-def visit(cache: ExpertCache, layer: int, experts, scores, predicted_next=(), refined=()) -> dict:
+def visit(
+    cache: ExpertCache, layer: int, experts, scores, predicted_next=(), refined=(), ahead=()
+) -> dict:
     """One MoE layer, one token (or a batch: the experts any of its tokens chose), in the
     order the live run drives the cache: on entering the layer, add the `refined`
     prediction for it; at its MoE block, tell the cache the router's scores, start
-    reading this visit's experts, start reading layer + 1's predicted experts, then get
-    this layer's in ascending id order (the order the MoE block adds them in, so the order
-    a trace stores them in does not matter). Returns {expert: value}."""
+    reading this visit's experts, start reading layer + 1's and layer + 2's (`ahead`)
+    predicted experts, then get this layer's in ascending id order (the order the MoE
+    block adds them in, so the order a trace stores them in does not matter). Returns
+    {expert: value}."""
     ref = [int(e) for e in refined if e >= 0]
     if ref:
         cache.prefetch(layer, ref, refine=True)
     cache.observe(layer, scores)
     used = sorted({int(e) for e in experts})
     cache.start(layer, used)
-    nxt = [int(e) for e in predicted_next if e >= 0]
-    if nxt and layer + 1 < len(cache.slots):
-        cache.prefetch(layer + 1, nxt)
+    for d, pred in ((1, predicted_next), (2, ahead)):
+        nxt = [int(e) for e in pred if e >= 0]
+        if nxt and layer + d < len(cache.slots):
+            cache.prefetch(layer + d, nxt, refine=True)
     return {e: cache.get(layer, e) for e in used}
 
 
@@ -204,10 +231,12 @@ def replay(
     none = np.zeros(0, np.int16)
     for t in range(trace.n_tokens):
         for layer in range(trace.n_layers):
-            pred, ref = (
-                (trace.predicted[t, layer], trace.refined[t, layer]) if prefetch else (none, none)
+            preds = (
+                (trace.predicted[t, layer], trace.refined[t, layer], trace.ahead[t, layer])
+                if prefetch
+                else (none, none, none)
             )
-            visit(cache, layer, trace.experts[t, layer], trace.scores(t, layer), pred, ref)
+            visit(cache, layer, trace.experts[t, layer], trace.scores(t, layer), *preds)
     return cache
 
 
@@ -224,7 +253,7 @@ def compare(
     its predictions and without: one row of counters each (`infer bench --replay`).
     Precision and recall cover the layers that had predictions."""
     L, E = trace.n_layers, trace.n_experts
-    has_pred = bool((trace.predicted >= 0).any() or (trace.refined >= 0).any())
+    has_pred = any((a >= 0).any() for a in (trace.predicted, trace.refined, trace.ahead))
     rows = []
     for frac in fractions:
         slots = allocate(round(frac * L * E), L, E, scheme)

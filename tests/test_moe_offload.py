@@ -198,19 +198,43 @@ def test_naive_and_streamed_dense_equal_resident(moe):
         off.close()
 
 
-def test_live_run_replays_to_the_same_counters(moe, tmp_path):
-    ckpt = read_checkpoint(moe)
-    rec = TraceRecorder(2, 8)
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_float_experts_equal_resident(moe, tmp_path, stored):
+    """Float experts are parameters (quantized ones buffers); bfloat16 ones are converted
+    to the compute dtype as they are read."""
+    from infer.runtime.checkpoint import save_checkpoint
+    from infer.runtime.loader import inspect_model, load_tokenizer, load_weights
+
+    info = inspect_model(moe.parent / "hf")
+    model = load_weights(info, torch.float32, 64).to(stored)
+    source = {"path": "/src", "sha256": {}, "format": "safetensors"}
+    dest = save_checkpoint(model, info.config, load_tokenizer(info), tmp_path / "f", source=source)
+    expected = resident_logits(dest)
+    model, off = load_expert_cached(read_checkpoint(dest), torch.float32, 64, 5)
+    try:
+        assert torch.equal(run_tokens(model), expected)
+        assert off.costs.memory_bytes > off.costs.read_bytes or stored == torch.float32
+    finally:
+        off.close()
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_live_run_replays_to_the_same_counters(wide_moe, tmp_path, ahead):
+    ckpt = read_checkpoint(wide_moe)
+    rec = TraceRecorder(4, 16)
     model, off = load_expert_cached(
-        ckpt, torch.float32, 64, 6, policy="lru", refine=2, width=3, recorder=rec, cancel=False
-    )
+        ckpt, torch.float32, 64, 20, policy="lru", refine=2, width=3, ahead=ahead,
+        recorder=rec, cancel=False,
+    )  # fmt: skip
     try:
         run_tokens(model, prompt_len=1)  # one token per forward, as a replay visits
     finally:
         off.close()
     rec.trace().save(tmp_path / "t.npz")
     trace = Trace.load(tmp_path / "t.npz")
-    assert trace.refined.shape == (len(TOKENS), 2, 2) and trace.predicted.shape[2] == 3
+    assert trace.refined.shape == (len(TOKENS), 4, 2) and trace.predicted.shape[2] == 3
+    assert trace.ahead.shape[2] == (3 if ahead == 2 else 0)
+    assert (trace.ahead[:, :2] >= 0).all() and (trace.ahead[:, 2:] < 0).all()
     again = replay(trace, "lru", off.cache.slots, off.expert_bytes)
     for mine, theirs in zip(again.stats, off.cache.stats):
         assert mine == CacheStats(**{**vars(theirs), "stall_s": mine.stall_s})

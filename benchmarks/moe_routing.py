@@ -11,8 +11,10 @@ from which layer l+1's experts are predicted with layer l+1's router (Fate):
     moe_in     layer l+1's router on layer l's MoE input (post_attention_layernorm_l out)
     residual   layer l+1's router on post_attention_layernorm_{l+1} of layer l's residual
                after attention
-    layer_out  the same on layer l's output: known only once layer l's experts ran, so
-               not a prefetch source; the best a prediction one layer ahead can see
+    layer_out  the same on layer l's output, i.e. on the residual entering layer l+1:
+               known before l+1's attention runs, so its reads overlap only that
+               attention (SmallThinker's pre-attention prediction; offload/experts.py's
+               `refine`, which also predicts layer 0 from the embeddings)
 
 A causal forward routes each position as decoding it would, so the windows stand in for
 a decoded stream: the trace replays them one token at a time, the cache kept across
@@ -53,7 +55,7 @@ WINDOW = 128  # the length the model was trained on
 def capture(model, windows: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     """Per MoE layer, over all windows' tokens in order: router probs (N, E), the MoE
     input, the residual after attention, and the layer's output (N, dim)."""
-    got = {"probs": [], "moe_in": [], "residual": [], "layer_out": []}
+    got = {"probs": [], "moe_in": [], "residual": [], "layer_out": [], "layer_in": []}
     per: dict[str, list[list[torch.Tensor]]] = {k: [[] for _ in model.layers] for k in got}
 
     def keep(kind, i):
@@ -65,13 +67,14 @@ def capture(model, windows: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         hooks.append(norm.register_forward_hook(keep("moe_in", i)))
         hooks.append(norm.register_forward_pre_hook(keep("residual", i)))
         hooks.append(block.register_forward_hook(keep("layer_out", i)))
+        hooks.append(block.register_forward_pre_hook(keep("layer_in", i)))
     try:
         for w in windows:
             model(w[None], 0)
     finally:
         for h in hooks:
             h.remove()
-    for kind in ("moe_in", "residual", "layer_out"):
+    for kind in ("moe_in", "residual", "layer_out", "layer_in"):
         got[kind] = [torch.cat(xs) for xs in per[kind]]
     got["probs"] = [b.mlp.probs(x) for b, x in zip(model.layers, got["moe_in"])]
     return got
@@ -87,6 +90,16 @@ def predict(model, got, source: str, width: int) -> list[torch.Tensor]:
             x = layers[lay + 1].post_attention_layernorm(x)
         out.append(layers[lay + 1].mlp.probs(x).topk(width, -1).indices)
     return out
+
+
+@torch.no_grad()
+def predict_entry(model, got, width: int) -> list[torch.Tensor]:
+    """(N, width) experts predicted for each layer l on entering it: its router on
+    post_attention_layernorm_l of the residual stream entering layer l."""
+    return [
+        b.mlp.probs(b.post_attention_layernorm(x)).topk(width, -1).indices
+        for b, x in zip(model.layers, got["layer_in"])
+    ]
 
 
 def overlap(pred: torch.Tensor, actual: torch.Tensor) -> tuple[float, float]:
@@ -175,24 +188,45 @@ def main() -> None:
             if source != "layer_out" and width == k and hit_p > best_pr:
                 best, best_pr = source, hit_p
 
+    entry = predict_entry(model, got, 2 * k)
+    cells = [overlap(entry[lay][:, :k], actual[lay].indices) for lay in range(L)]
+    print(
+        f"| entry (own router, residual entering l) | top {k} | "
+        + " | ".join(f"{p:.3f} / {r:.3f}" for p, r in cells[1:])
+        + f" | {sum(p for p, _ in cells[1:]) / (L - 1):.3f} / "
+        f"{sum(r for _, r in cells[1:]) / (L - 1):.3f} |  (layer 0: {cells[0][0]:.3f})"
+    )
+
     # ---- the trace: predictions of the top 2k, so replay can prefetch k or 2k ----
     pred = predict(model, got, best, 2 * k)
-    meta = {"model": str(args.model), "predictor": best, "text": "held-out"}
+    meta = {"model": str(args.model), "predictor": best, "refined": "entry", "text": "held-out"}
     rec = TraceRecorder(L, E, meta=meta)
     for lay in range(L):
         w = actual[lay].values / actual[lay].values.sum(-1, keepdim=True)
-        rec.record(lay, actual[lay].indices, w, probs[lay], pred[lay] if lay < L - 1 else None)
+        nxt = pred[lay] if lay < L - 1 else None
+        rec.record(lay, actual[lay].indices, w, probs[lay], nxt, entry[lay])
     trace = rec.trace()
     trace.save(args.trace)
-    print(f"\ntrace: {args.trace} ({trace.n_tokens} tokens), predictor {best}, top {2 * k} kept")
-    widths = {"none": None, f"top {k}": k, f"top {2 * k}": 2 * k}
+    print(
+        f"\ntrace: {args.trace} ({trace.n_tokens} tokens), predictor {best} and entry, top {2 * k}"
+    )
+    # prefetch variants: (Fate width, entry width); None: no prefetch at all
+    widths = {
+        "none": None,
+        f"top {k}": (k, 0),
+        f"top {2 * k}": (2 * k, 0),
+        f"entry {k}": (0, k),
+        f"top {k} + entry {k}": (k, k),
+    }
+
+    def cut(width):
+        w, r = width
+        return dataclasses.replace(
+            trace, predicted=trace.predicted[:, :, :w], refined=trace.refined[:, :, :r]
+        )
 
     def run(policy, slots, width, scheme="uniform"):
-        t = (
-            trace
-            if width is None
-            else dataclasses.replace(trace, predicted=trace.predicted[:, :, :width])
-        )
+        t = trace if width is None else cut(width)
         return replay(t, policy, slots, prefetch=width is not None, scheme=scheme).totals()
 
     # ---- replay ----
@@ -214,17 +248,13 @@ def main() -> None:
     total = int(0.5 * L * E)
     print(f"\nScorePolicy alpha at 50% ({total} slots, uniform): none / top {k} prefetch")
     for alpha in (0.01, 0.03, 0.1, 0.3, 0.5):
-        a, b = (run(ScorePolicy(alpha), total, w) for w in (None, k))
+        a, b = (run(ScorePolicy(alpha), total, w) for w in (None, (k, 0)))
         print(f"  alpha {alpha}: {a.hit_rate:.3f} / {b.hit_rate:.3f}")
 
-    print(f"\nprefetch bookkeeping at 50% (lfu, shallow), layers 1..{L - 1} (layer 0 is never")
-    print("predicted): precision = predicted and used / predicted; recall = / used")
+    print(f"\nprefetch bookkeeping at 50% (lfu, shallow), layers 1..{L - 1} (layer 0 has no")
+    print("Fate prediction): precision = predicted and used / predicted; recall = / used")
     for label, width in list(widths.items())[1:]:
-        cache = replay(
-            dataclasses.replace(trace, predicted=trace.predicted[:, :, :width]),
-            "lfu",
-            allocate(total, L, E, "shallow"),
-        )
+        cache = replay(cut(width), "lfu", allocate(total, L, E, "shallow"))
         st = sum(cache.stats[1:], CacheStats())
         print(
             f"  {label}: precision {st.precision:.3f}, recall {st.recall:.3f}, "

@@ -18,24 +18,27 @@ page cache first (posix_fadvise DONTNEED); reads are O_DIRECT:
 
   POLICY:SHARE  load_moe_budgeted with a budget of the dense parts (resident) plus the
                 expert buffers in flight plus SHARE of all experts, the cache's policy
-                POLICY; reads on 4 threads, a visit's misses first (start), Fate
-                prediction of the next layer's top 8 prefetched, wrong queued predictions
-                cancelled (the defaults)
+                POLICY; the defaults: reads on 4 threads, a visit's misses first
+                (start), the top 8 predicted for the next two layers (Fate: their routers
+                on this layer's MoE input) and on entering each layer (its router on the
+                residual stream there), wrong predictions still queued cancelled
   naive         load-on-demand: each routed expert read when MoE.forward asks for it,
                 one at a time, nothing cached, nothing prefetched
-  POLICY:SHARE:FLAG...  variants: nopred (no cross-layer prediction: only a visit's
-                misses read side by side), refine (also predict 8 on entering a layer),
-                nocancel (wrong queued predictions still read), nocrc (no crc32 on
-                an expert's first read), ahead2 (also predict 2 layers ahead)
+  POLICY:SHARE:FLAG...  variants: nopred (no prediction: only a visit's misses read
+                side by side), ahead1 (no prediction two layers ahead), norefine (no
+                prediction on entering a layer), nocancel (wrong queued predictions still
+                read), nocrc (no crc32 on an expert's first read)
 
 Decoding, one token per forward pass after an 8-token prompt, of a fixed random token
 sequence (teacher-forced: a random model's greedy output repeats one token, and the same
 token routes to the same experts, which would make any cache look perfect); the first
---warmup tokens fill the cache and are not counted. For each run: decode tok/s, hit rate, prefetch precision / recall, experts
-read per token (and the MB), stalls; the I/O ceiling = disk GB/s / bytes of experts that
-still have to be read per token (the uses that were not resident: misses and prefetch
-reads that were used), and tok/s against it; the disk's busy share (a read in flight);
-speed-up over naive; the peak footprint against the budget; whether every run produced
+--warmup tokens fill the cache and are not counted. For each run (medians over --repeat interleaved rounds): decode tok/s, hit
+rate, prefetch precision / recall, experts read per token (and the MB), stalls; the I/O
+ceiling = disk GB/s / bytes of experts that still have to be read per token (the uses
+that were not resident: misses and prefetch reads that were used), and tok/s against
+it; compute per token (time minus waiting for reads) against the reads at the disk's
+speed, and the overlap max(compute, reads) / time; the disk's busy share (a read in
+flight); speed-up over naive; the peak footprint against the budget; whether every run produced
 the same tokens and logits (sha256 of each step's logits; it must: the experts are the same
 bytes).
 
@@ -255,11 +258,11 @@ def child(path: Path, run: str, n_tokens: int, warmup: int, logits_out: Path) ->
             model, off = load_expert_cached(ckpt, torch.float32, ctx, 0, prefetch=False)
         else:
             policy, share, *flags = run.split(":")
-            opts = {"width": 0} if "nopred" in flags else {}
-            opts |= {"refine": 8} if "refine" in flags else {}
+            opts = {"width": 0, "refine": 0} if "nopred" in flags else {}
+            opts |= {"refine": 0} if "norefine" in flags else {}
+            opts |= {"ahead": 1} if "ahead1" in flags else {}
             opts |= {"cancel": False} if "nocancel" in flags else {}
             opts |= {"check": None} if "nocrc" in flags else {}
-            opts |= {"ahead": 2} if "ahead2" in flags else {}
             fixed, dense, costs, _ = budget_inputs(ckpt, torch.float32, ctx, process_rss())
             slots = round(float(share) * costs.total)
             buffers = in_flight_buffers(costs.top_k, DEFAULT_WORKERS) + slots

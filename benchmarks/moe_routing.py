@@ -81,14 +81,14 @@ def capture(model, windows: torch.Tensor) -> dict[str, list[torch.Tensor]]:
 
 
 @torch.no_grad()
-def predict(model, got, source: str, width: int) -> list[torch.Tensor]:
-    """(N, width) experts predicted for layer l+1 at each layer l < L-1 from `source`."""
+def predict(model, got, source: str, width: int, d: int = 1) -> list[torch.Tensor]:
+    """(N, width) experts predicted for layer l+d at each layer l < L-d from `source`."""
     layers, out = model.layers, []
-    for lay in range(len(layers) - 1):
+    for lay in range(len(layers) - d):
         x = got[source][lay]
         if source != "moe_in":
-            x = layers[lay + 1].post_attention_layernorm(x)
-        out.append(layers[lay + 1].mlp.probs(x).topk(width, -1).indices)
+            x = layers[lay + d].post_attention_layernorm(x)
+        out.append(layers[lay + d].mlp.probs(x).topk(width, -1).indices)
     return out
 
 
@@ -197,6 +197,13 @@ def main() -> None:
         f"{sum(r for _, r in cells[1:]) / (L - 1):.3f} |  (layer 0: {cells[0][0]:.3f})"
     )
 
+    ahead = predict(model, got, "moe_in", k, d=2)
+    cells = [overlap(ahead[lay], actual[lay + 2].indices)[0] for lay in range(L - 2)]
+    print(
+        f"two layers ahead (layer l+2's router on layer l's MoE input), top {k}: precision "
+        f"{sum(cells) / len(cells):.3f} (" + " ".join(f"{c:.2f}" for c in cells) + ")"
+    )
+
     # ---- the trace: predictions of the top 2k, so replay can prefetch k or 2k ----
     pred = predict(model, got, best, 2 * k)
     meta = {"model": str(args.model), "predictor": best, "refined": "entry", "text": "held-out"}
@@ -204,25 +211,30 @@ def main() -> None:
     for lay in range(L):
         w = actual[lay].values / actual[lay].values.sum(-1, keepdim=True)
         nxt = pred[lay] if lay < L - 1 else None
-        rec.record(lay, actual[lay].indices, w, probs[lay], nxt, entry[lay])
+        two = ahead[lay] if lay < L - 2 else None
+        rec.record(lay, actual[lay].indices, w, probs[lay], nxt, entry[lay], two)
     trace = rec.trace()
     trace.save(args.trace)
     print(
         f"\ntrace: {args.trace} ({trace.n_tokens} tokens), predictor {best} and entry, top {2 * k}"
     )
-    # prefetch variants: (Fate width, entry width); None: no prefetch at all
+    # prefetch variants: (Fate width, entry width, two-ahead width); None: no prefetch
     widths = {
         "none": None,
-        f"top {k}": (k, 0),
-        f"top {2 * k}": (2 * k, 0),
-        f"entry {k}": (0, k),
-        f"top {k} + entry {k}": (k, k),
+        f"top {k}": (k, 0, 0),
+        f"top {2 * k}": (2 * k, 0, 0),
+        f"entry {k}": (0, k, 0),
+        f"top {k} + entry {k}": (k, k, 0),
+        f"top {k} + entry {k} + 2 ahead {k} (default)": (k, k, k),
     }
 
     def cut(width):
-        w, r = width
+        w, r, a = width
         return dataclasses.replace(
-            trace, predicted=trace.predicted[:, :, :w], refined=trace.refined[:, :, :r]
+            trace,
+            predicted=trace.predicted[:, :, :w],
+            refined=trace.refined[:, :, :r],
+            ahead=trace.ahead[:, :, :a],
         )
 
     def run(policy, slots, width, scheme="uniform"):
@@ -239,6 +251,12 @@ def main() -> None:
         for scheme in ("uniform", "shallow"):
             slots = allocate(total, L, E, scheme)
             for label, width in widths.items():
+                if (
+                    scheme == "shallow"
+                    and label not in ("none", f"top {k}")
+                    and not (label.endswith("(default)"))
+                ):
+                    continue  # the variants once, with uniform slots
                 st = {name: run(name, slots, width) for name in ("lru", "lfu", "score")}
                 reads = (st["lfu"].misses + st["lfu"].prefetched) / trace.n_tokens
                 mn = f"{belady(trace, slots):.3f}" if width is None else ""
@@ -248,7 +266,7 @@ def main() -> None:
     total = int(0.5 * L * E)
     print(f"\nScorePolicy alpha at 50% ({total} slots, uniform): none / top {k} prefetch")
     for alpha in (0.01, 0.03, 0.1, 0.3, 0.5):
-        a, b = (run(ScorePolicy(alpha), total, w) for w in (None, (k, 0)))
+        a, b = (run(ScorePolicy(alpha), total, w) for w in (None, (k, 0, 0)))
         print(f"  alpha {alpha}: {a.hit_rate:.3f} / {b.hit_rate:.3f}")
 
     print(f"\nprefetch bookkeeping at 50% (lfu, shallow), layers 1..{L - 1} (layer 0 has no")

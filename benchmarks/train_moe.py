@@ -10,6 +10,9 @@ use). This model is what the routing figures (benchmarks/moe_routing.py) are mea
   128, 32 experts of intermediate 64, top-4 with normalised top-k weights (an eighth of the
   experts per token, as Qwen3-30B-A3B's 8 of 128 is a sixteenth), q/k norms, untied
   embeddings. Every layer is an MoE layer. 10 to 15 minutes on one shared thread.
+  `--layers 12 --steps 1200` (27 minutes here, the machine busy) routes more predictably:
+  a layer changes the residual stream less when there are more of them, which is what
+  cross-layer prediction relies on (benchmarks/README.md has both models' figures).
 - Loss: next-byte cross entropy plus Qwen3-MoE's Switch-style load-balancing aux loss
   (`router_aux_loss_coef` * num_experts * sum_e f_e * P_e), so experts share the load.
 - Tokenizer: byte level, no merges (tests/tiny.py `write_tokenizer`): one token per byte.

@@ -64,6 +64,7 @@ import time
 from pathlib import Path
 
 import torch
+from offload_bench import byte_tokenizer, drop_cache  # benchmarks/, beside this script
 
 CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -97,27 +98,6 @@ DEFAULT_RUNS = "lfu:0.25,lru:0.25,score:0.25,lfu:0.1,lfu:0.5,naive"
 # ------------------------------------------------------------------------------------------
 # The model
 # ------------------------------------------------------------------------------------------
-
-
-def byte_tokenizer(path: Path):
-    """A byte-level BPE tokenizer with no merges (the model's ids beyond it never print)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    from infer.runtime.tokenizer import Tokenizer as InferTokenizer
-
-    specials = ["<unk>", "<s>", "</s>"]
-    vocab = {ch: i + len(specials) for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
-    vocab.update({s: i for i, s in enumerate(specials)})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return InferTokenizer.from_hf_dir(path)
 
 
 class Int4Source:
@@ -197,14 +177,6 @@ def make_model(dest: Path, config: dict, seed: int = 0) -> None:
 # ------------------------------------------------------------------------------------------
 # Measurements, each in a child process
 # ------------------------------------------------------------------------------------------
-
-
-def drop_cache(file: Path) -> None:
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def disk_bandwidth(path: Path, n_reads: int = 96) -> dict:

@@ -90,7 +90,7 @@ class FusedDecode:
         header_words, layer_words, _ = _C.decode_layout()
         rows, keep = [], [cos, sin]
         for block in model.layers:
-            attn, mlp = block.self_attn, block.mlp
+            attn = block.self_attn
             norms = [block.input_layernorm, block.post_attention_layernorm]
             if attn.q_norm is not None:
                 norms += [attn.q_norm, attn.k_norm]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+
 from infer.runtime.errors import InferError
 from infer.runtime.gguf_file import GGUFFile, dequantize
 

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from tiny import ARCHS, make_hf_model
 
 from infer.runtime.generate import prefill
 from infer.runtime.loader import inspect_model, load_weights
-from tiny import ARCHS, make_hf_model
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
 

@@ -55,8 +55,9 @@ def test_recipe_errors():
         get_recipe("lut3", symmetric=True)
     with pytest.raises(InferError, match="group_size 16"):
         get_recipe("int4", group_size=16)
-    with pytest.raises(InferError, match="n_layers"):
-        get_recipe("q4_k_m")
+    for name in ("q4_k_m", "lut2_m", "lut3_m"):
+        with pytest.raises(InferError, match="n_layers"):
+            get_recipe(name)
 
 
 def test_mixed_recipe():
@@ -76,6 +77,28 @@ def test_q4_k_m_promotes_llama_cpp_layers():
         for m in BLOCK:
             more = m in ("self_attn.v_proj", "mlp.down_proj") and i in promoted
             assert f[f"layers.{i}.{m}"] == ("int8" if more else "int4"), (i, m)
+
+
+@pytest.mark.parametrize(("name", "bits"), [("lut2_m", 2), ("lut3_m", 3)])
+def test_lut_m_promotes_v_o_down_and_the_edge_layers(name, bits):
+    # llama.cpp's Q2_K / Q3_K_M keep attn_v, attn_output, ffn_down one type up; the first
+    # and last layer are lut4 whole.
+    f = formats(get_recipe(name, n_layers=30), 30)
+    assert f.pop("embed_tokens") == f.pop("lm_head") == "int8"
+    for i in range(30):
+        for m in BLOCK:
+            more = m in ("self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj")
+            want = 4 if i in (0, 29) else bits + more
+            assert f[f"layers.{i}.{m}"] == f"lut{want}", (i, m)
+    # An expert's projection is treated as the dense one of the same name.
+    assert get_recipe(name, n_layers=30)("layers.5.mlp.experts.3.down_proj") == {
+        "format": f"lut{bits + 1}", "group_size": 64}  # fmt: skip
+    # Every block weight follows the main group size, --group-size included.
+    for g in (None, 32):
+        recipe = get_recipe(name, n_layers=30, group_size=g)
+        sizes = {recipe(f"layers.{i}.{m}")["group_size"] for i in range(30) for m in BLOCK}
+        assert sizes == {g or 64}
+        assert recipe("lm_head") == {"format": "int8", "group_size": 32}
 
 
 # ---------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ To = Annotated[
     typer.Option(
         "--to",
         help="int8, int4, lut2, lut3, lut4, or a recipe: mixed (int8 attention, int4 MLP), "
-        "q4_k_m (like llama.cpp's Q4_K_M).",
+        "q4_k_m (like llama.cpp's Q4_K_M), lut3_m, lut2_m (like Q3_K_M, Q2_K).",
         show_default=False,
     ),
 ]

@@ -90,18 +90,18 @@ def _q4_k_m(main: dict, n_layers: int | None) -> Recipe:
 
 
 def _lut_m(main: dict, n_layers: int | None) -> Recipe:
-    """lut2_m, lut3_m: the main lut format with llama.cpp's Q2_K / Q3_K_M promotions
-    (llama_tensor_get_type in src/llama-quant.cpp keeps attn_v, attn_output and ffn_down
-    one k-quant up: Q3_K in Q2_K, Q4_K in Q3_K_M), and the first and last layer whole at
-    lut4:
-      q, k, gate, up                       -> main (lut2 / lut3)
-      v, o, down                           -> one bit more (lut3 / lut4)
-      every weight of the first and last layer -> lut4
-    All at the main group size. Why the edge layers: quantized alone to lut2 on the
-    calibration text, the first and last layer cost 3-6x the KL of a typical middle one; on
-    the default model (GPTQ) lut4 there took lut2_m's KL on WikiText from 1.10 to 0.85
-    for 0.11 bpw. Measured there as well: the promotions take lut2 (2.5 bpw) from KL 2.0
-    to 0.85 at 2.98 bpw, lut3 from 0.38 to 0.19 at 3.92 bpw (README)."""
+    """lut2_m, lut3_m: the main lut format with llama.cpp's Q2_K / Q3_K_M promotions and
+    two of our own, all at the main group size:
+      q, gate, up                               -> main (lut2 / lut3)
+      v, o, down, as llama.cpp keeps attn_v, attn_output and ffn_down one k-quant up
+        (Q3_K in Q2_K, Q4_K in Q3_K_M; llama_tensor_get_type in src/llama-quant.cpp),
+        and k                                   -> one bit more (lut3 / lut4)
+      every weight of the first and last layer  -> lut4
+    Why k and the edge layers, on the default model: quantized alone to lut2 (on the
+    calibration text), k costs more KL per weight than anything but v, and the first and
+    last layer 3-6x a typical middle one. With GPTQ the edge layers took the KL on WikiText
+    (10 windows) of lut2 with v/o/down promoted from 1.10 to 0.85 for 0.11 bpw, and k
+    then 0.85 to 0.84 (lut3: 0.19 to 0.16) for 0.03 bpw. Full figures in the README."""
     bits = FORMATS[main["format"]].bits
     more = {**main, "format": f"lut{bits + 1}"}
     edge = {**main, "format": "lut4"}
@@ -113,7 +113,7 @@ def _lut_m(main: dict, n_layers: int | None) -> Recipe:
         layer, proj = int(m.group(1)), m.group(3)
         if layer in (0, n_layers - 1):
             return edge
-        return more if proj in ("v_proj", "o_proj", "down_proj") else main
+        return more if proj in ("k_proj", "v_proj", "o_proj", "down_proj") else main
 
     return recipe
 

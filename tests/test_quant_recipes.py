@@ -80,14 +80,14 @@ def test_q4_k_m_promotes_llama_cpp_layers():
 
 
 @pytest.mark.parametrize(("name", "bits"), [("lut2_m", 2), ("lut3_m", 3)])
-def test_lut_m_promotes_v_o_down_and_the_edge_layers(name, bits):
-    # llama.cpp's Q2_K / Q3_K_M keep attn_v, attn_output, ffn_down one type up; the first
-    # and last layer are lut4 whole.
+def test_lut_m_promotes_k_v_o_down_and_the_edge_layers(name, bits):
+    # llama.cpp's Q2_K / Q3_K_M keep attn_v, attn_output, ffn_down one type up; we add
+    # attn_k, and the first and last layer are lut4 whole.
     f = formats(get_recipe(name, n_layers=30), 30)
     assert f.pop("embed_tokens") == f.pop("lm_head") == "int8"
     for i in range(30):
         for m in BLOCK:
-            more = m in ("self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj")
+            more = m.split(".")[1] in ("k_proj", "v_proj", "o_proj", "down_proj")
             want = 4 if i in (0, 29) else bits + more
             assert f[f"layers.{i}.{m}"] == f"lut{want}", (i, m)
     # An expert's projection is treated as the dense one of the same name.

@@ -27,7 +27,13 @@ every format).
 With act_order (the reference code's --act-order) columns go in order of decreasing
 H diagonal (the most active inputs first); groups stay contiguous in the stored layout,
 so a group's scale is fitted when its first column in that order comes up. Off by
-default: on the default model, lut2, it raised KL on WikiText from 1.99 to 2.15.
+default: on the default model, lut2, it raised KL on WikiText from 1.99 to 2.15 (a mix
+like lut2_m: 0.84 to 0.87).
+
+Not done: the paper's true-sequential order (within a block, q/k/v first, then o_proj on
+their quantized outputs, then gate/up, then down). Tried on the default model, lut2 with
+v/o/down at lut3, it raised KL on WikiText from 1.10 to 1.20 and doubled the time
+(probably: the later layers fit the Shakespeare calibration text still more closely).
 
 `layer_hessians` collects H for a model's linear layers block by block, each block fed
 the outputs of the blocks before it already quantized, as in the paper; quantize.py's
@@ -51,7 +57,8 @@ from .lut import LutLinear, pack_planes
 BLOCK_SIZE = 128  # columns per lazy-update block (the paper's B)
 # Dampening, as a fraction of H's mean diagonal. The paper uses 0.01; with calibration
 # text unlike the text a model then sees (Shakespeare vs WikiText) that overfits: on the
-# default model, lut3, KL on WikiText was 0.44 at 0.03, 0.39 at 0.1, 0.38 at 0.3.
+# default model, lut3, KL on WikiText was 0.44 at 0.03, 0.39 at 0.1, 0.38 at 0.3; a mix
+# like lut2_m 0.93 at 0.03, 0.85 at 0.1, 0.84 at 0.3, 0.89 at 1 (10 windows).
 DAMP = 0.1
 
 

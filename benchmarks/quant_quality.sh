@@ -1,40 +1,61 @@
 #!/usr/bin/env bash
 # Quality of each quantization of a model against its float32 self, as llama.cpp users
 # compare them: `infer quantize` to each format, then `infer eval --ref` on WikiText-2
-# (40 windows of 512 tokens). One JSON file per format in OUT; a table at the end.
+# (40 windows of 512 tokens). The formats in `calibrated` are quantized a second time by
+# GPTQ on tinyshakespeare (never the evaluation text). One JSON file per run in OUT
+# (NAME.json; NAME.gptq.json for GPTQ); tables at the end.
 #
 #   benchmarks/quant_quality.sh [MODEL] [OUT]     (defaults: smollm2-135m, ./quant-quality)
 set -euo pipefail
 model=${1:-smollm2-135m}
 out=${2:-quant-quality}
-text=$(dirname "$0")/../../shared/data/wikitext-2-test.txt
+data=$(dirname "$0")/../../shared/data
+text=$data/wikitext-2-test.txt
+calib=$data/tinyshakespeare.txt
 chunks=${CHUNKS:-40}
 mkdir -p "$out"
 
-formats=("int8" "int8 -g 0" "int4 --symmetric" "int4 --asymmetric" "mixed" "q4_k_m" "lut4" "lut3" "lut2")
-for f in "${formats[@]}"; do
-  name=$(echo "$f" | tr -d ' -')
-  [ -f "$out/$name.json" ] && continue
+formats=("int8" "int8 -g 0" "int4 --symmetric" "int4 --asymmetric" "mixed" "q4_k_m" "lut4"
+         "lut3_m" "lut3" "lut2_m" "lut2")
+calibrated=("int4 --symmetric" "lut4" "lut3_m" "lut3" "lut2_m" "lut2")
+
+run() {  # run NAME FORMAT... : quantize (with any extra options) and evaluate, once
+  local name=$1; shift
+  [ -f "$out/$name.json" ] && return
   # Results land under their final names only when complete, so a rerun resumes.
-  infer quantize "$model" -o "$out/$name" --to $f --force --json > "$out/$name.quantize.json.tmp"
+  infer quantize "$model" -o "$out/$name" --to "$@" --force --json > "$out/$name.quantize.json.tmp"
   mv "$out/$name.quantize.json.tmp" "$out/$name.quantize.json"
   infer eval "$out/$name" --ref "$model" --text "$text" --chunks "$chunks" --json > "$out/$name.json.tmp"
   mv "$out/$name.json.tmp" "$out/$name.json"
+}
+for f in "${formats[@]}"; do
+  run "$(echo "$f" | tr -d ' -')" $f
+done
+for f in "${calibrated[@]}"; do
+  run "$(echo "$f" | tr -d ' -').gptq" $f --calibrate "$calib"
 done
 
-python3 - "$out" "${formats[@]}" <<'PY'
+python3 - "$out" "${#formats[@]}" "${formats[@]}" "${calibrated[@]}" <<'PY'
 import json, os, sys
-out, formats = sys.argv[1], sys.argv[2:]
-print(f"{'format':<20} {'bpw':>5} {'size MB':>8} {'PPL':>8} {'KL mean':>9} {'KL p99':>8} {'top-1 %':>8}")
-for f in formats:
-    name = f.replace(" ", "").replace("-", "")
-    q = json.load(open(f"{out}/{name}.quantize.json"))
-    e = json.load(open(f"{out}/{name}.json"))
-    n = sum(t["shape"][0] * t["shape"][1] for t in q["tensors"])
-    bpw = 8 * q["bytes_after"] / n
-    size = os.path.getsize(f"{out}/{name}/model.safetensors") / 1e6
-    d = e["divergence"]
-    print(f"{f:<20} {bpw:5.2f} {size:8.1f} {e['model']['ppl']:8.3f} {d['kl_mean']:9.5f} "
-          f"{d['kl_p99']:8.4f} {d['top1_agreement']:8.2f}")
+out, n = sys.argv[1], int(sys.argv[2])
+formats, calibrated = sys.argv[3 : 3 + n], sys.argv[3 + n :]
+
+def table(title, names):
+    print(title)
+    print(f"{'format':<20} {'bpw':>5} {'size MB':>8} {'PPL':>8} {'KL mean':>9} {'KL p99':>8} {'top-1 %':>8}")
+    for f, name in names:
+        q = json.load(open(f"{out}/{name}.quantize.json"))
+        e = json.load(open(f"{out}/{name}.json"))
+        n = sum(t["shape"][0] * t["shape"][1] for t in q["tensors"])
+        bpw = 8 * q["bytes_after"] / n
+        size = os.path.getsize(f"{out}/{name}/model.safetensors") / 1e6
+        d = e["divergence"]
+        print(f"{f:<20} {bpw:5.2f} {size:8.1f} {e['model']['ppl']:8.3f} {d['kl_mean']:9.5f} "
+              f"{d['kl_p99']:8.4f} {d['top1_agreement']:8.2f}")
+    return e
+
+key = lambda f: f.replace(" ", "").replace("-", "")
+table("round to nearest", [(f, key(f)) for f in formats])
+e = table("\nGPTQ (--calibrate tinyshakespeare.txt)", [(f, key(f) + ".gptq") for f in calibrated])
 print(f"reference (float32): PPL {e['ref']['ppl']:.3f}")
 PY

@@ -284,9 +284,10 @@ def test_footprint_stays_under_the_budget(wide_moe):
     lm = load_model(wide_moe, torch.float32, 64, max_memory=budget)
     off = lm.experts
     try:
-        # about 16 (the process grew a little since `before`)
+        # about 16: the process's RSS at load differs a little from `before` (it grows
+        # with imports, shrinks when the allocator returns memory), by a few experts
         slots = sum(off.cache.slots)
-        assert off is not None and 10 <= slots <= 16 and off.plan.footprint <= budget
+        assert off is not None and 10 <= slots <= 20 and off.plan.footprint <= budget
         for _ in range(2):
             run_tokens(lm.model)
         assert footprint(ckpt.file) <= budget

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 MODES = ("resident", "stream", "always", "naive")
 
@@ -255,7 +256,7 @@ def child(path: Path, mode: str, budget: int, n_tokens: int, logits_out: Path) -
             "passes": stats.passes,
             "method": stream.reader.method,
         }
-    torch.save(logits, logits_out)
+    save_file({"logits": torch.stack(logits)}, logits_out)  # (steps, vocab); no pickles
     return out
 
 
@@ -280,6 +281,11 @@ def decode(model, n_tokens: int):
 # ------------------------------------------------------------------------------------------
 # The table
 # ------------------------------------------------------------------------------------------
+
+
+def load_logits(path: Path) -> torch.Tensor:
+    """(steps, vocab): each decode step's logits, as the child saved them."""
+    return load_file(path)["logits"]
 
 
 def run_child(args, mode: str, budget: int, logits_out: Path) -> dict:
@@ -320,13 +326,13 @@ def main() -> None:
     tmp.mkdir(exist_ok=True)
     results = {}
     for mode in args.modes.split(","):
-        results[mode] = run_child(args, mode, budget, tmp / f"{mode}.pt")
+        results[mode] = run_child(args, mode, budget, tmp / f"{mode}.safetensors")
         print(f"{mode}: {json.dumps(results[mode])}", file=sys.stderr)
     report(results, size, budget, tmp)
 
 
 def report(results: dict, size: int, budget: int, tmp: Path) -> None:
-    ref = torch.load(tmp / "resident.pt") if "resident" in results else None
+    ref = load_logits(tmp / "resident.safetensors") if "resident" in results else None
     naive = results.get("naive", {}).get("decode_tok_s")
     rows = []
     for mode, r in results.items():
@@ -357,7 +363,7 @@ def report(results: dict, size: int, budget: int, tmp: Path) -> None:
                 "layers": f"{r['pinned']} pinned, {r['streamed']} streamed, w={r['window']}",
             }
             if ref is not None:
-                got = torch.load(tmp / f"{mode}.pt")
+                got = load_logits(tmp / f"{mode}.safetensors")
                 same = r["tokens"] == results["resident"]["tokens"] and all(
                     torch.equal(a, b) for a, b in zip(ref, got)
                 )

@@ -91,6 +91,8 @@ TI __m256 q8_group(const int8_t *q, const float *x, int64_t k0, const int64_t g)
     __m256 t = _mm256_mul_ps(widen_i8(q + k0), _mm256_loadu_ps(x + k0));
     for (int64_t k = k0 + 8; k < k0 + g; k += 8)
         t = _mm256_fmadd_ps(widen_i8(q + k), _mm256_loadu_ps(x + k), t);
+    for (int64_t l = k0; l < k0 + g; l += 64) /* once per 64 bytes */
+        if (!(l & 63)) PREFETCH_STREAM(q + l);
     return t;
 }
 
@@ -121,9 +123,11 @@ TI void q8_gemv_row(const qmat *a, int64_t n, const int64_t g) {
         a->y[n] = hsum_acc(acc);
     } else {
         int64_t k = 0;
-        for (; k + 8 * ACC <= K; k += 8 * ACC)
+        for (; k + 8 * ACC <= K; k += 8 * ACC) {
+            if (!(k & 63)) PREFETCH_STREAM(q + k);
             for (int i = 0; i < ACC; i++)
                 acc[i] = _mm256_fmadd_ps(widen_i8(q + k + 8 * i), _mm256_loadu_ps(x + k + 8 * i), acc[i]);
+        }
         for (; k + 8 <= K; k += 8)
             acc[0] = _mm256_fmadd_ps(widen_i8(q + k), _mm256_loadu_ps(x + k), acc[0]);
         if (k < K)
@@ -281,6 +285,7 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
         const __m256i *xc = (const __m256i *)(xd + c * CHUNK_BYTES);                            \
         const __m256i m4 = _mm256_set1_epi8(0x0f);                                              \
         const uint8_t *qc = q + 32 * c;                                                         \
+        if (!(c & 1)) PREFETCH_STREAM(qc); /* once per 64 bytes */                              \
         __m256i w = KB - 32 * c >= 32                                                           \
                         ? _mm256_loadu_si256((const __m256i *)qc)                               \
                         : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)qc));          \

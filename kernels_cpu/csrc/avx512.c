@@ -105,6 +105,8 @@ TI __m512 q8_group(const int8_t *q, const float *x, int64_t k0, const int64_t g)
     __m512 t = _mm512_mul_ps(widen_i8(q + k0), _mm512_loadu_ps(x + k0));
     for (int64_t k = k0 + 16; k < k0 + g; k += 16)
         t = _mm512_fmadd_ps(widen_i8(q + k), _mm512_loadu_ps(x + k), t);
+    for (int64_t l = k0; l < k0 + g; l += 64) /* once per 64 bytes */
+        if (!(l & 63)) PREFETCH_STREAM(q + l);
     return t;
 }
 
@@ -137,9 +139,11 @@ TI void q8_gemv_row(const qmat *a, int64_t n, const int64_t g) {
         a->y[n] = hsum_acc(acc);
     } else {
         int64_t k = 0;
-        for (; k + 16 * ACC <= K; k += 16 * ACC)
+        for (; k + 16 * ACC <= K; k += 16 * ACC) {
+            if (!(k & 63)) PREFETCH_STREAM(q + k);
             for (int i = 0; i < ACC; i++)
                 acc[i] = _mm512_fmadd_ps(widen_i8(q + k + 16 * i), _mm512_loadu_ps(x + k + 16 * i), acc[i]);
+        }
         for (; k < K; k += 16) {
             const __mmask16 m = first16(K - k);
             __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + k)));
@@ -291,6 +295,7 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
         const int64_t bytes = KB - 64 * c < 64 ? KB - 64 * c : 64;                              \
         const __m512i *xc = (const __m512i *)(xd + c * CHUNK_BYTES);                            \
         const __m512i m4 = _mm512_set1_epi8(0x0f);                                              \
+        PREFETCH_STREAM(q + 64 * c);                                                            \
         /* masked loads only at the tail: streaming from memory through masked loads runs */   \
         /* ~4x slower on Zen 5 */                                                               \
         __m512i w = bytes == 64 ? _mm512_loadu_si512(q + 64 * c)                                \

@@ -57,8 +57,12 @@
    ~22-26 GB/s of packed weights (benchmarks/bench_lut.py), near one core's bandwidth.
 */
 
+/* INFER_NO_PYTHON leaves out the CPython functions at the end, so the kernels build alone
+   (tests/native/lut_neon_check.c, cross-compiled for AArch64). */
+#ifndef INFER_NO_PYTHON
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#endif
 
 #include <math.h>
 #include <stdatomic.h>
@@ -180,6 +184,23 @@ static void rows_scalar(const lut_problem *P, int64_t m, int64_t n0, int64_t n1,
             epilogue_row(I, 1, P->scales + n * ngroups, P->mins + n * ngroups, P->c1 + m * ngroups,
                          P->c2 + m * ngroups, P->asum + m * ngroups, ngroups);
     }
+}
+
+/* Prefetching. The kernels read 8 or 16 rows of every plane at once, interleaved, which
+   the hardware prefetcher does not follow, and in power-of-two shapes the planes' streams
+   alias (cache sets, DRAM banks: lut4 4096 x 4096 ran at half speed with a prefetch of the
+   same bytes a block on). The rows after the current block are, in each plane, one region
+   of contiguous bytes: before each chunk, prefetch_next fetches the next `count` lines of
+   every plane's region, a sequential run per plane, a block ahead of use. Measured on Zen
+   5 (lut4, 11008 x 4096, one core): this loop as written 20 GB/s; the same prefetches
+   unrolled into one burst (gcc -O3 does that to a constant trip count) 12; one beside
+   each weight load 4-6. Hence `unroll 1`. */
+static inline void prefetch_next(const uint8_t *base, int64_t plane, int bits, int64_t first,
+                                 int count) {
+    for (int p = 0; p < bits; p++)
+#pragma GCC unroll 1
+        for (int64_t l = first; l < first + count; l++)
+            __builtin_prefetch(base + p * plane + l * 64, 0, 3); /* prefetcht0 / prfm pldl1keep */
 }
 
 #ifdef INFER_X86
@@ -364,23 +385,6 @@ static LUT_AVX2 void build_tables_avx2(const float *x, int64_t K, int g, int bit
             _mm_storeu_si128((__m128i *)(hi + 48), _mm256_extracti128_si256(t3, 1));
         }
     }
-}
-
-/* Prefetching. The kernels read 8 or 16 rows of every plane at once, interleaved, which
-   the hardware prefetcher does not follow, and in power-of-two shapes the planes' streams
-   alias (cache sets, DRAM banks: lut4 4096 x 4096 ran at half speed with a prefetch of the
-   same bytes a block on). The rows after the current block are, in each plane, one region
-   of contiguous bytes: before each chunk, prefetch_next fetches the next `count` lines of
-   every plane's region, a sequential run per plane, a block ahead of use. Measured on Zen
-   5 (lut4, 11008 x 4096, one core): this loop as written 20 GB/s; the same prefetches
-   unrolled into one burst (gcc -O3 does that to a constant trip count) 12; one beside
-   each weight load 4-6. Hence `unroll 1`. */
-static inline void prefetch_next(const uint8_t *base, int64_t plane, int bits, int64_t first,
-                                 int count) {
-    for (int p = 0; p < bits; p++)
-#pragma GCC unroll 1
-        for (int64_t l = first; l < first + count; l++)
-            _mm_prefetch((const char *)(base + p * plane + l * 64), _MM_HINT_T0);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -917,6 +921,7 @@ done:
     return rc;
 }
 
+#ifndef INFER_NO_PYTHON
 /* ------------------------------------------------------------------------------------ */
 /* Python functions, added to infer.kernels_cpu._C by module.c                           */
 /* ------------------------------------------------------------------------------------ */
@@ -1022,3 +1027,4 @@ PyMethodDef infer_lut_methods[] = {
     {"lut_isa", py_lut_isa, METH_O, "the path lut_matmul runs for a requested one"},
     {NULL, NULL, 0, NULL},
 };
+#endif /* INFER_NO_PYTHON */

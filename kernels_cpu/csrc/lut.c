@@ -36,7 +36,7 @@
    VBMI looks a byte up in 8 tables at once with vpermi2b, index (t << 4) | nibble.
 
    Paths (same integers, same float order), chosen from kernels.h's ids by lut_isa:
-     scalar      any g (multiple of 8); also NEON for now
+     scalar      any g (multiple of 8)
      avx2        (avx2, avx2vnni, avx512) g % 32 == 0; 16 rows at a time: a 16x16 byte
                  transpose per 128-bit lane puts one byte position of 16 rows in a lane,
                  looked up with vpshufb (one table per lane); int16 accumulation (a
@@ -47,6 +47,11 @@
                  vpdpbusd with 2^p bytes sums 4 lookups and weights the plane, into int32.
                  Prefill (M > 1, g = 64) runs superblocks of 4 blocks, so each activation
                  row's tables are read once per 32 weight rows.
+     neon        (neon, neondot) g % 32 == 0; the AVX2 path in 128 bits: 16 rows at a time,
+                 a 16x16 byte transpose (trn1/trn2) puts byte j of 16 rows in a register,
+                 looked up with tbl (vqtbl1q_s8, one table per register); int16 sums per
+                 unit, int32 per group. neondot runs it too: with rows in lanes, sdot would
+                 sum 4 rows' lookups, so it has nothing to add here.
    Rows past the last full block, and groups that are not a multiple of 32, use scalar.
    Weight rows are read 8 or 16 at a time, interleaved, which the hardware prefetcher
    does not follow: the kernels prefetch the next block (superblock) themselves.
@@ -73,6 +78,9 @@
 
 #ifdef INFER_X86
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 typedef struct {
@@ -764,6 +772,168 @@ static LUT_AVX512 void rows_avx512(const lut_problem *P, int64_t m0, int64_t m1,
 }
 #endif /* INFER_X86 */
 
+#if defined(__aarch64__)
+/* ------------------------------------------------------------------------------------ */
+/* NEON: 16 rows x 16 bytes per plane, byte-transposed, tbl                               */
+/* ------------------------------------------------------------------------------------ */
+
+/* R[r] = 16 bytes of row r  ->  O[i] = byte i of rows 0..15: trn1 / trn2 at 8, 16, 32 and
+   64 bits; after the stage of width d bytes, register i holds rows (i & ~(2d - 1)) ..
+   + 2d - 1 of the columns congruent to i mod 2d. */
+static inline void transpose16x16_u8(const uint8x16_t R[16], uint8x16_t O[16]) {
+    uint8x16_t A[16], B[16], C[16];
+    for (int i = 0; i < 16; i += 2) {
+        A[i] = vtrn1q_u8(R[i], R[i + 1]);
+        A[i + 1] = vtrn2q_u8(R[i], R[i + 1]);
+    }
+    for (int i = 0; i < 16; i++) {
+        if (i & 2) continue;
+        uint16x8_t a = vreinterpretq_u16_u8(A[i]), b = vreinterpretq_u16_u8(A[i + 2]);
+        B[i] = vreinterpretq_u8_u16(vtrn1q_u16(a, b));
+        B[i + 2] = vreinterpretq_u8_u16(vtrn2q_u16(a, b));
+    }
+    for (int i = 0; i < 16; i++) {
+        if (i & 4) continue;
+        uint32x4_t a = vreinterpretq_u32_u8(B[i]), b = vreinterpretq_u32_u8(B[i + 4]);
+        C[i] = vreinterpretq_u8_u32(vtrn1q_u32(a, b));
+        C[i + 4] = vreinterpretq_u8_u32(vtrn2q_u32(a, b));
+    }
+    for (int i = 0; i < 8; i++) {
+        uint64x2_t a = vreinterpretq_u64_u8(C[i]), b = vreinterpretq_u64_u8(C[i + 8]);
+        O[i] = vreinterpretq_u8_u64(vtrn1q_u64(a, b));
+        O[i + 8] = vreinterpretq_u8_u64(vtrn2q_u64(a, b));
+    }
+}
+
+/* Group integers of rows [n0, n0+16) for activation row m -> I[h * ld + G * 8 + row] for
+   the two halves h of 8 rows. Per chunk of 16 bytes of each plane (4 units of 32
+   elements): transpose, then per byte j one tbl of the low nibbles in table (j, low) and
+   one of the high nibbles in (j, high); a unit's 8 lookups per row are summed in int16
+   (|.| <= 1016), weighted 2^p per plane (<= 15240 over the planes), then widened into
+   int32 per group. */
+static void block16_neon(const lut_problem *P, int64_t m, int64_t n0, int32_t *I, int64_t ld) {
+    const int64_t rb = P->K / 8, upg = P->g / 32, plane = P->N * rb;
+    const int8_t *tab = P->tables + m * P->tables_stride;
+    const uint8x16_t low4 = vdupq_n_u8(15);
+    int32x4_t gacc[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
+    int64_t unit = 0, G = 0;
+    for (int64_t c = 0; c < rb; c += 16) {
+        const int nb = (int)(rb - c < 16 ? rb - c : 16); /* bytes, a multiple of 4 */
+        int16x8_t acc[4][2];
+        for (int u = 0; u < 4; u++) acc[u][0] = acc[u][1] = vdupq_n_s16(0);
+        /* the next block of 16 rows: rb / 4 lines a plane, 4 per chunk of 16 bytes */
+        prefetch_next(P->qweight + (n0 + 16) * rb, plane, P->bits, c / 16 * 4, 4);
+        for (int p = 0; p < P->bits; p++) {
+            const uint8_t *w = P->qweight + ((int64_t)p * P->N + n0) * rb + c;
+            uint8x16_t R[16], O[16];
+            for (int r = 0; r < 16; r++) {
+                if (nb == 16) {
+                    R[r] = vld1q_u8(w + r * rb);
+                } else { /* the last chunk of a row: 4, 8 or 12 bytes */
+                    uint8_t tmp[16] = {0};
+                    memcpy(tmp, w + r * rb, (size_t)nb);
+                    R[r] = vld1q_u8(tmp);
+                }
+            }
+            transpose16x16_u8(R, O);
+            const int16_t pw = (int16_t)(1 << p);
+            for (int u = 0; u < nb / 4; u++) {
+                int16x8_t s0 = vdupq_n_s16(0), s1 = vdupq_n_s16(0); /* rows 0-7, 8-15 */
+                for (int j = 4 * u; j < 4 * u + 4; j++) {
+                    /* byte c + j: qword (c + j) / 8, position (c + j) % 8 (c % 16 == 0) */
+                    const int8_t *t = tab + (c / 8 + j / 8) * 256 + (j % 8) * 16;
+                    int8x16_t rl = vqtbl1q_s8(vld1q_s8(t), vandq_u8(O[j], low4));
+                    int8x16_t rh = vqtbl1q_s8(vld1q_s8(t + 128), vshrq_n_u8(O[j], 4));
+                    s0 = vaddq_s16(s0, vaddl_s8(vget_low_s8(rl), vget_low_s8(rh)));
+                    s1 = vaddq_s16(s1, vaddl_high_s8(rl, rh));
+                }
+                acc[u][0] = vmlaq_n_s16(acc[u][0], s0, pw);
+                acc[u][1] = vmlaq_n_s16(acc[u][1], s1, pw);
+            }
+        }
+        for (int u = 0; u < nb / 4; u++) {
+            for (int h = 0; h < 2; h++) {
+                gacc[2 * h] = vaddw_s16(gacc[2 * h], vget_low_s16(acc[u][h]));
+                gacc[2 * h + 1] = vaddw_high_s16(gacc[2 * h + 1], acc[u][h]);
+            }
+            if (++unit == upg) {
+                for (int h = 0; h < 2; h++) {
+                    vst1q_s32(I + h * ld + G * 8, gacc[2 * h]);
+                    vst1q_s32(I + h * ld + G * 8 + 4, gacc[2 * h + 1]);
+                }
+                for (int k = 0; k < 4; k++) gacc[k] = vdupq_n_s32(0);
+                unit = 0;
+                G++;
+            }
+        }
+    }
+}
+
+/* s or m of 8 rows, all groups, as float dst[G * 8 + row] (the epilogue reads rows in
+   lanes): 4x4 float transposes; the last ngroups % 4 groups one by one. Prefetches the
+   same half of the next block of 16 rows. */
+static inline void transpose_sm8_neon(const uint16_t *src, int64_t ngroups, float *dst) {
+    int64_t G = 0;
+    for (; G + 4 <= ngroups; G += 4) {
+        float32x4_t v[8];
+        for (int r = 0; r < 8; r++) {
+            v[r] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(src + r * ngroups + G)));
+            __builtin_prefetch(src + (r + 16) * ngroups + G, 0, 3);
+        }
+        for (int h = 0; h < 2; h++) { /* rows 4h .. 4h + 3 */
+            const float32x4_t *q = v + 4 * h;
+            float64x2_t t0 = vreinterpretq_f64_f32(vtrn1q_f32(q[0], q[1]));
+            float64x2_t t1 = vreinterpretq_f64_f32(vtrn2q_f32(q[0], q[1]));
+            float64x2_t t2 = vreinterpretq_f64_f32(vtrn1q_f32(q[2], q[3]));
+            float64x2_t t3 = vreinterpretq_f64_f32(vtrn2q_f32(q[2], q[3]));
+            vst1q_f32(dst + G * 8 + 4 * h, vreinterpretq_f32_f64(vtrn1q_f64(t0, t2)));
+            vst1q_f32(dst + (G + 1) * 8 + 4 * h, vreinterpretq_f32_f64(vtrn1q_f64(t1, t3)));
+            vst1q_f32(dst + (G + 2) * 8 + 4 * h, vreinterpretq_f32_f64(vtrn2q_f64(t0, t2)));
+            vst1q_f32(dst + (G + 3) * 8 + 4 * h, vreinterpretq_f32_f64(vtrn2q_f64(t1, t3)));
+        }
+    }
+    for (; G < ngroups; G++)
+        for (int r = 0; r < 8; r++) dst[G * 8 + r] = half_to_float(src[r * ngroups + G]);
+}
+
+/* The epilogue of 16 rows (two halves of 8 at ld apart in I, s and mn), activation row
+   constants c1, c2, asum: the canonical order per row, 4 independent FMA chains.
+   vfmaq_n_f32(a, b, n) = fma(b, n, a): u = fma(c1, I, c2) as the scalar path's fmaf. */
+static void epilogue16_neon(const int32_t *I, const float *s, const float *mn, int64_t ld,
+                            const float *c1, const float *c2, const float *asum,
+                            int64_t ngroups, float *y) {
+    float32x4_t acc[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f),
+                          vdupq_n_f32(0.0f)};
+    for (int64_t G = 0; G < ngroups; G++)
+        for (int k = 0; k < 4; k++) { /* rows 4k .. 4k + 3: half k / 2, lanes 4 (k % 2) */
+            const int64_t o = (k / 2) * ld + G * 8 + 4 * (k % 2);
+            float32x4_t u = vfmaq_n_f32(vdupq_n_f32(c2[G]), vcvtq_f32_s32(vld1q_s32(I + o)), c1[G]);
+            acc[k] = vfmaq_f32(acc[k], vld1q_f32(s + o), u);
+            acc[k] = vfmaq_n_f32(acc[k], vld1q_f32(mn + o), asum[G]);
+        }
+    for (int k = 0; k < 4; k++) vst1q_f32(y + 4 * k, acc[k]);
+}
+
+static void rows_neon(const lut_problem *P, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                      lut_scratch *S) {
+    const int64_t ngroups = P->K / P->g, ld = S->ld;
+    int64_t n = n0;
+    for (; n + 16 <= n1; n += 16) {
+        for (int h = 0; h < 2; h++) {
+            transpose_sm8_neon(P->scales + (n + 8 * h) * ngroups, ngroups, S->s + h * ld);
+            transpose_sm8_neon(P->mins + (n + 8 * h) * ngroups, ngroups, S->mn + h * ld);
+        }
+        for (int64_t m = m0; m < m1; m++) { /* prefill: the block's weights stay in L1 */
+            block16_neon(P, m, n, S->I, ld);
+            epilogue16_neon(S->I, S->s, S->mn, ld, P->c1 + m * ngroups, P->c2 + m * ngroups,
+                            P->asum + m * ngroups, ngroups, P->y + m * P->N + n);
+        }
+    }
+    if (n < n1)
+        for (int64_t m = m0; m < m1; m++) rows_scalar(P, m, n, n1, S->I);
+}
+#endif /* __aarch64__ */
+
 /* ------------------------------------------------------------------------------------ */
 /* Driver: tables once per activation row, then row blocks on the pool                   */
 /* ------------------------------------------------------------------------------------ */
@@ -781,7 +951,7 @@ static int64_t scratch_ld(int64_t K, int g) { return 8 * ((K / g + 31) / 32 * 32
 
 /* The path lut.c runs for a requested one (cached: CPUID is slow in a VM): its AVX-512
    path (ISA_AVX512_VNNI) also needs VBMI (Ice Lake, Zen 4 and later); plain avx512 promises
-   no VNNI, so it and the AVX-VNNI level run the AVX2 path; NEON has no path yet. */
+   no VNNI, so it and the AVX-VNNI level run the AVX2 path; neondot runs the NEON path. */
 static int lut_isa_detect(int isa) {
 #ifdef INFER_X86
     __builtin_cpu_init();
@@ -792,6 +962,9 @@ static int lut_isa_detect(int isa) {
          isa == ISA_AVX512_VNNI) &&
         isa_supported(ISA_AVX2))
         return ISA_AVX2;
+#endif
+#if defined(__aarch64__)
+    if ((isa == ISA_NEON || isa == ISA_NEON_DOT) && isa_supported(isa)) return ISA_NEON;
 #endif
     (void)isa;
     return ISA_SCALAR;
@@ -815,6 +988,12 @@ static void rows_any(const lut_problem *P, int isa, int64_t m0, int64_t m1, int6
     }
     if (P->g % 32 == 0 && isa == ISA_AVX2) {
         rows_avx2(P, m0, m1, n0, n1, S);
+        return;
+    }
+#endif
+#if defined(__aarch64__)
+    if (P->g % 32 == 0 && isa == ISA_NEON) {
+        rows_neon(P, m0, m1, n0, n1, S);
         return;
     }
 #endif

@@ -805,6 +805,32 @@ static inline void transpose16x16_u8(const uint8x16_t R[16], uint8x16_t O[16]) {
     }
 }
 
+/* The lookups of one plane of a chunk: units [0, nu) (4 bytes each) of O, the transposed
+   bytes, in the tables at tab (the chunk's first qword); acc[u][h] += 2^p times the unit's
+   sum for rows 8h .. 8h + 7. Inlined with nu = 4 the loops unroll and O stays in
+   registers. */
+static inline __attribute__((always_inline)) void lookups_neon(const uint8x16_t O[16],
+                                                               const int8_t *tab, int nu,
+                                                               int16_t pw,
+                                                               int16x8_t acc[4][2]) {
+    const uint8x16_t low4 = vdupq_n_u8(15);
+#pragma GCC unroll 4
+    for (int u = 0; u < nu; u++) {
+        int16x8_t s0 = vdupq_n_s16(0), s1 = vdupq_n_s16(0); /* rows 0-7, 8-15 */
+#pragma GCC unroll 4
+        for (int j = 4 * u; j < 4 * u + 4; j++) {
+            /* byte j: qword j / 8, position j % 8 */
+            const int8_t *t = tab + (j / 8) * 256 + (j % 8) * 16;
+            int8x16_t rl = vqtbl1q_s8(vld1q_s8(t), vandq_u8(O[j], low4));
+            int8x16_t rh = vqtbl1q_s8(vld1q_s8(t + 128), vshrq_n_u8(O[j], 4));
+            s0 = vaddq_s16(s0, vaddl_s8(vget_low_s8(rl), vget_low_s8(rh)));
+            s1 = vaddq_s16(s1, vaddl_high_s8(rl, rh));
+        }
+        acc[u][0] = vmlaq_n_s16(acc[u][0], s0, pw);
+        acc[u][1] = vmlaq_n_s16(acc[u][1], s1, pw);
+    }
+}
+
 /* Group integers of rows [n0, n0+16) for activation row m -> I[h * ld + G * 8 + row] for
    the two halves h of 8 rows. Per chunk of 16 bytes of each plane (4 units of 32
    elements): transpose, then per byte j one tbl of the low nibbles in table (j, low) and
@@ -814,7 +840,6 @@ static inline void transpose16x16_u8(const uint8x16_t R[16], uint8x16_t O[16]) {
 static void block16_neon(const lut_problem *P, int64_t m, int64_t n0, int32_t *I, int64_t ld) {
     const int64_t rb = P->K / 8, upg = P->g / 32, plane = P->N * rb;
     const int8_t *tab = P->tables + m * P->tables_stride;
-    const uint8x16_t low4 = vdupq_n_u8(15);
     int32x4_t gacc[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
     int64_t unit = 0, G = 0;
     for (int64_t c = 0; c < rb; c += 16) {
@@ -826,29 +851,18 @@ static void block16_neon(const lut_problem *P, int64_t m, int64_t n0, int32_t *I
         for (int p = 0; p < P->bits; p++) {
             const uint8_t *w = P->qweight + ((int64_t)p * P->N + n0) * rb + c;
             uint8x16_t R[16], O[16];
-            for (int r = 0; r < 16; r++) {
-                if (nb == 16) {
-                    R[r] = vld1q_u8(w + r * rb);
-                } else { /* the last chunk of a row: 4, 8 or 12 bytes */
+            if (nb == 16) {
+                for (int r = 0; r < 16; r++) R[r] = vld1q_u8(w + r * rb);
+                transpose16x16_u8(R, O);
+                lookups_neon(O, tab + c / 8 * 256, 4, (int16_t)(1 << p), acc);
+            } else { /* the last chunk of a row: 4, 8 or 12 bytes */
+                for (int r = 0; r < 16; r++) {
                     uint8_t tmp[16] = {0};
                     memcpy(tmp, w + r * rb, (size_t)nb);
                     R[r] = vld1q_u8(tmp);
                 }
-            }
-            transpose16x16_u8(R, O);
-            const int16_t pw = (int16_t)(1 << p);
-            for (int u = 0; u < nb / 4; u++) {
-                int16x8_t s0 = vdupq_n_s16(0), s1 = vdupq_n_s16(0); /* rows 0-7, 8-15 */
-                for (int j = 4 * u; j < 4 * u + 4; j++) {
-                    /* byte c + j: qword (c + j) / 8, position (c + j) % 8 (c % 16 == 0) */
-                    const int8_t *t = tab + (c / 8 + j / 8) * 256 + (j % 8) * 16;
-                    int8x16_t rl = vqtbl1q_s8(vld1q_s8(t), vandq_u8(O[j], low4));
-                    int8x16_t rh = vqtbl1q_s8(vld1q_s8(t + 128), vshrq_n_u8(O[j], 4));
-                    s0 = vaddq_s16(s0, vaddl_s8(vget_low_s8(rl), vget_low_s8(rh)));
-                    s1 = vaddq_s16(s1, vaddl_high_s8(rl, rh));
-                }
-                acc[u][0] = vmlaq_n_s16(acc[u][0], s0, pw);
-                acc[u][1] = vmlaq_n_s16(acc[u][1], s1, pw);
+                transpose16x16_u8(R, O);
+                lookups_neon(O, tab + c / 8 * 256, nb / 4, (int16_t)(1 << p), acc);
             }
         }
         for (int u = 0; u < nb / 4; u++) {

@@ -51,7 +51,8 @@
                  a 16x16 byte transpose (trn1/trn2) puts byte j of 16 rows in a register,
                  looked up with tbl (vqtbl1q_s8, one table per register); int16 sums per
                  unit, int32 per group. neondot runs it too: with rows in lanes, sdot would
-                 sum 4 rows' lookups, so it has nothing to add here.
+                 sum 4 rows' lookups, so it has nothing to add here. Tables (g % 16 == 0):
+                 4 at a time, mirrored with one tbl of 4 registers each.
    Rows past the last full block, and groups that are not a multiple of 32, use scalar.
    Weight rows are read 8 or 16 at a time, interleaved, which the hardware prefetcher
    does not follow: the kernels prefetch the next block (superblock) themselves.
@@ -777,6 +778,75 @@ static LUT_AVX512 void rows_avx512(const lut_problem *P, int64_t m0, int64_t m1,
 /* NEON: 16 rows x 16 bytes per plane, byte-transposed, tbl                               */
 /* ------------------------------------------------------------------------------------ */
 
+/* build_tables, 4 tables (16 activations) at a time, lanes = tables: the same operations
+   per lane as the scalar code, so the same bits (vcvtnq rounds to nearest even, as rintf
+   in the default mode; maxnm ignores a NaN as the scalar compare does). Needs g % 16 == 0. */
+static void build_tables_neon(const float *x, int64_t K, int g, int bits, int8_t *tables,
+                              float *c1, float *c2, float *asum) {
+    const int64_t ngroups = K / g;
+    const float half_levels = 0.5f * (float)((1 << bits) - 1);
+    const int32x4_t lim = vdupq_n_s32(127), nlim = vdupq_n_s32(-127);
+    /* table k of 4 from the bytes {B0, B1} = entry e, table k at 4e + k, and their
+       negatives {N0, N1} at 32 + 4e + k: entries 0..7, then 7..0 negated (the mirror) */
+    uint8x16_t sel[4];
+    for (int k = 0; k < 4; k++) {
+        uint8_t v[16];
+        for (int e = 0; e < 8; e++) v[e] = (uint8_t)(4 * e + k), v[15 - e] = (uint8_t)(32 + v[e]);
+        sel[k] = vld1q_u8(v);
+    }
+    memset(tables + K / 64 * 256, 0, tables_bytes(K) - K / 64 * 256); /* past K */
+    for (int64_t G = 0; G < ngroups; G++) {
+        const float *xg = x + G * g;
+        float32x4_t amax = vdupq_n_f32(0.0f);
+        float A = 0.0f;
+        for (int64_t c = 0; c < g; c += 16) {
+            const float32x4x4_t a = vld4q_f32(xg + c); /* a.val[i] = a_i of 4 tables */
+            float32x4_t sa = vaddq_f32(vaddq_f32(vaddq_f32(vabsq_f32(a.val[0]),
+                                                           vabsq_f32(a.val[1])),
+                                                 vabsq_f32(a.val[2])),
+                                       vabsq_f32(a.val[3]));
+            amax = vmaxnmq_f32(amax, sa);
+            float t[4];
+            vst1q_f32(t, vaddq_f32(vaddq_f32(vaddq_f32(a.val[0], a.val[1]), a.val[2]), a.val[3]));
+            for (int k = 0; k < 4; k++) A += t[k]; /* sequential, in table order */
+        }
+        const float am = vmaxnmvq_f32(amax);
+        const float inv = am >= AMAX_MIN ? 127.0f / am : 0.0f;
+        c1[G] = (am / 127.0f) * 0.5f;
+        c2[G] = half_levels * A;
+        asum[G] = A;
+        for (int64_t c = 0; c < g; c += 16) {
+            const float32x4x4_t a = vld4q_f32(xg + c);
+            const float32x4_t a0 = a.val[0], a1 = a.val[1], a2 = a.val[2], a3 = a.val[3];
+            const float32x4_t n0 = vnegq_f32(a0), n2 = vnegq_f32(a2);
+            const float32x4_t p01[4] = {vsubq_f32(n0, a1), vsubq_f32(a0, a1), vaddq_f32(n0, a1),
+                                        vaddq_f32(a0, a1)};
+            int16x8_t e16[4];
+            for (int idx = 0; idx < 8; idx += 2) {
+                int32x4_t r[2];
+                for (int i = 0; i < 2; i++) {
+                    const int d = idx + i;
+                    float32x4_t v = vsubq_f32(vaddq_f32(p01[d & 3], (d & 4) ? a2 : n2), a3);
+                    r[i] = vminq_s32(vmaxq_s32(vcvtnq_s32_f32(vmulq_n_f32(v, inv)), nlim), lim);
+                }
+                e16[idx / 2] = vcombine_s16(vmovn_s32(r[0]), vmovn_s32(r[1]));
+            }
+            /* byte 4e + k: entry e of table k */
+            const int8x16_t b0 = vcombine_s8(vmovn_s16(e16[0]), vmovn_s16(e16[1]));
+            const int8x16_t b1 = vcombine_s8(vmovn_s16(e16[2]), vmovn_s16(e16[3]));
+            const int8x16x4_t src = {{b0, b1, vnegq_s8(b0), vnegq_s8(b1)}};
+            /* tables j0 .. j0 + 3: j0, j0 + 2 low nibbles (adjacent slots), j0 + 1, j0 + 3
+               high nibbles (128 on) */
+            const int64_t j0 = (G * g + c) / 4;
+            int8_t *lo = tables + (j0 / 16) * 256 + ((j0 % 16) / 2) * 16, *hi = lo + 128;
+            vst1q_s8(lo, vqtbl4q_s8(src, sel[0]));
+            vst1q_s8(hi, vqtbl4q_s8(src, sel[1]));
+            vst1q_s8(lo + 16, vqtbl4q_s8(src, sel[2]));
+            vst1q_s8(hi + 16, vqtbl4q_s8(src, sel[3]));
+        }
+    }
+}
+
 /* R[r] = 16 bytes of row r  ->  O[i] = byte i of rows 0..15: trn1 / trn2 at 8, 16, 32 and
    64 bits; after the stage of width d bytes, register i holds rows (i & ~(2d - 1)) ..
    + 2d - 1 of the columns congruent to i mod 2d. */
@@ -1029,6 +1099,12 @@ static void tables_row(const float *x, int64_t K, int g, int bits, int isa, int8
 #ifdef INFER_X86
     if (isa != ISA_SCALAR && g % 32 == 0) {
         build_tables_avx2(x, K, g, bits, tables, c1, c2, asum);
+        return;
+    }
+#endif
+#if defined(__aarch64__)
+    if (isa == ISA_NEON && g % 16 == 0) {
+        build_tables_neon(x, K, g, bits, tables, c1, c2, asum);
         return;
     }
 #endif

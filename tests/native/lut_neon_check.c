@@ -62,6 +62,20 @@ static int check(int64_t M, int64_t N, int64_t K, int g, int bits, int dot) {
     for (int64_t i = 0; i < nq; i++) qw[i] = (uint8_t)next_u32();
     for (int64_t i = 0; i < ns; i++) s[i] = rand_half(), mn[i] = rand_half();
     int bad = 0;
+    /* tables and constants of every activation row: the NEON builder gives the same bits */
+    const int64_t tb = (int64_t)tables_bytes(K), ng = K / g;
+    int8_t *t0 = malloc((size_t)tb), *t1 = malloc((size_t)tb);
+    float *f0 = malloc(sizeof(float) * 3 * ng), *f1 = malloc(sizeof(float) * 3 * ng);
+    for (int64_t m = 0; m < M; m++) {
+        build_tables(x + m * K, K, g, bits, t0, f0, f0 + ng, f0 + 2 * ng);
+        memset(t1, 0x55, (size_t)tb);
+        tables_row(x + m * K, K, g, bits, lut_isa(ISA_NEON), t1, f1, f1 + ng, f1 + 2 * ng);
+        if (memcmp(t0, t1, (size_t)tb) || memcmp(f0, f1, sizeof(float) * 3 * ng)) {
+            printf("TABLES differ: row %ld K=%ld g=%d bits=%d\n", (long)m, (long)K, g, bits);
+            bad = 1;
+        }
+    }
+    free(t0), free(t1), free(f0), free(f1);
     if (lut_matmul(x, qw, s, mn, ys, M, N, K, bits, g, ISA_SCALAR, 1)) bad = 1;
     /* the requested paths: neon, neondot where this CPU has it, on 1 and 2 threads */
     const int isas[3] = {ISA_NEON, ISA_NEON, ISA_NEON_DOT}, threads[3] = {1, 2, 1};

@@ -162,6 +162,26 @@ def test_special_values(isa):
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_gemv_extreme_activations(isa, kind):
+    """Decode (M = 1), where x becomes integer digits per block of 32 on VNNI paths: a
+    block of zeros, a block of tiny values, one huge value; then inf, which takes the
+    float GEMV (the outputs' finiteness as the reference's)."""
+    bits, g, sym = kind
+    K = 256
+    w = packed(bits, g, sym, 9, K)
+    x = torch.randn(1, K)
+    x[0, :32] = 0
+    x[0, 32:64] *= 1e-30
+    x[0, 100] = 3e30
+    assert_matches(run(bits, g, w, x, isa=isa), x, bits, g, w)
+    x[0, 200] = float("inf")
+    ref, _ = expected(bits, g, w, x)
+    assert torch.equal(run(bits, g, w, x, isa=isa).isfinite(), ref.isfinite())
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("M", [1, 5])
 def test_threads_give_identical_bits(isa, kind, M):
     bits, g, sym = kind

@@ -97,6 +97,9 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * instructions per weight byte than widening nibbles to float (which is compute-bound,
  * not bandwidth-bound, on one core). It is not llama.cpp's one int8 digit (Q8_0
  * activations), which costs accuracy. Blocks with inf or NaN take the float GEMV.
+ * Where vpdpbusd exists the int8 GEMV does the same with |X| <= 2^21 (22 significant
+ * bits: sum_4 (q + 128) X must fit int32), the weights made unsigned by q ^ 0x80 and the
+ * 128 * X that adds taken back per block of x: sum q X = sum (q + 128) X - 128 sum X.
  * M > 1 (prefill) runs the GEMM: a tile of weight rows is dequantized once, exactly as
  * the format defines it, into float32 scratch and multiplied with all M rows.
  * ---------------------------------------------------------------------------------- */
@@ -108,8 +111,9 @@ typedef struct {
     const uint16_t *mins; /* float16 (N, K/g) for asymmetric int4, else NULL */
     float *y;             /* (M, N) */
     int64_t M, N, K, g;   /* g == 0: int8 per output channel */
-    const float *xsum;    /* GEMV, int4: (K/g) group sums of x[0] (times -8 if symmetric) */
-    const void *xq;       /* GEMV, int4, digit path: x[0] as digits and scales (xprep_fn) */
+    const float *xsum;    /* GEMV, int4: (K/g) group sums of x[0] (times -8 if symmetric);
+                           * int8 digit path: per group (one when g == 0), -128 sx sum X */
+    const void *xq;       /* GEMV, digit paths: x[0] as digits and scales (xprep_fn) */
 } qmat;
 
 /* One instruction set's kernels. Each computes the columns [n0, n1) of y. */
@@ -127,12 +131,26 @@ typedef void (*tile_fn)(const float *x, int64_t ldx, const float *w, int64_t ldw
 typedef int (*xprep_fn)(const float *x, int64_t K, void *buf);
 #define XPREP_BYTES(K) ((((K) + 127) / 128) * 448 + 64)
 
+/* The int8 digit GEMV's x: per 64 elements three digit vectors of 64 bytes, then per
+ * 64 elements 16 lane scales (lane l: elements 4l..4l+3, scale of their block of 32),
+ * then per block of 32 its term -128 * sx * sum(X) (see q8_gemv_digits). */
+#define XPREP8_CHUNK_BYTES 192 /* three digit vectors of 64 bytes */
+#define XPREP8_BYTES(K) ((((K) + 63) / 64) * (XPREP8_CHUNK_BYTES + 64) + (((K) + 31) / 32) * 4 + 64)
+/* where the per-block terms -128 sx sum X start in such a buffer */
+static inline float *xprep8_xs(void *buf, int64_t K) {
+    const int64_t C = (K + 63) / 64;
+    return (float *)((int8_t *)buf + C * XPREP8_CHUNK_BYTES) + 16 * C;
+}
+
 typedef struct {
     gemv_fn q8_gemv, q4_gemv;
     xprep_fn q4_xprep;      /* NULL: the path has no digit GEMV */
     gemv_fn q4_gemv_digits;
     dequant_fn q8_dequant, q4_dequant;
     tile_fn tile;
+    xprep_fn q8_xprep;      /* NULL: the path has no int8 digit GEMV (it needs vpdpbusd:
+                             * vpmaddubsw's int16 pairs overflow on 8-bit weights) */
+    gemv_fn q8_gemv_digits;
 } kernel_table;
 
 extern const kernel_table kernels_scalar;

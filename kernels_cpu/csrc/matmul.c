@@ -77,6 +77,24 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
             }
         }
     }
+    if (bits == 8 && kt->q8_xprep) { /* x as int8 digits; x with inf or NaN: float GEMV */
+        const int64_t K = a->K, B = (K + 31) / 32;
+        const int64_t G = a->g ? K / a->g : 1, per = a->g ? a->g / 32 : B; /* blocks a group */
+        if (!(tmp[1] = aligned(XPREP8_BYTES(K))) || !(tmp[0] = malloc((size_t)G * sizeof(float))))
+            return -1;
+        if (kt->q8_xprep(a->x, K, tmp[1]) == 0) {
+            const float *xs = xprep8_xs(tmp[1], K);
+            float *xsum = tmp[0];
+            for (int64_t gi = 0; gi < G; gi++) { /* -128 sx sum X over the group's blocks */
+                float t = 0;
+                for (int64_t b = gi * per; b < (gi + 1) * per; b++) t += xs[b];
+                xsum[gi] = t;
+            }
+            a->xq = tmp[1];
+            a->xsum = xsum;
+            j->gemv = kt->q8_gemv_digits;
+        }
+    }
     const int64_t row_bytes = a->K * bits / 8;
     int64_t rows = (GEMV_TASK_BYTES + row_bytes - 1) / row_bytes;
     const int64_t fair = (a->N + 4 * nthreads - 1) / (4 * nthreads);

@@ -5,8 +5,8 @@ prefill GEMM speed against float32 torch.
 
 Napkin math (llm.c style): decode's GEMV reads every weight byte once and does ~2 flops
 per weight, so it is bound by memory bandwidth; GB/s = packed bytes (codes + scales +
-mins) / seconds, held against a streaming read on the same threads taken in alternation
-with the kernel's samples (best of each). Weights
+mins) / seconds (the best sample), held against a streaming read on the same threads
+taken just before each kernel sample (the median of the pairs' ratios). Weights
 are cycled through copies totalling > 256 MB, so no call finds its matrix in the
 last-level cache. Prefill's GEMM does 2 M flops per weight and is bound by arithmetic:
 it is held against torch.nn.functional.linear on the same float32 shapes.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import time
 
 import torch
@@ -91,17 +92,22 @@ def bench_gemv(isas, threads_list, repeats, shapes):
 
                     # the scalar path is slow: a few matrices, not the whole cycle
                     n = 4 if isa == "scalar" else len(copies)
-                    # The guest's bandwidth moves by tens of percent within seconds: each
-                    # kernel sample alternates with a read-bandwidth sample, and the best
-                    # of each is compared (the bandwidth of those same seconds).
-                    sec, bw = float("inf"), 0.0
+                    # The guest's bandwidth moves by tens of percent within seconds (and
+                    # now and then reads at twice its usual rate): each kernel sample is
+                    # paired with a read-bandwidth sample taken just before it, and the
+                    # median of the pairs' ratios is the figure.
+                    secs, ratios, bws = [], [], []
                     for _ in range(repeats if isa != "scalar" else 1):
-                        bw = max(bw, ops.read_bandwidth(BW_BYTES, threads=t, repeats=1))
-                        sec = min(sec, best_time(run, 1, inner=n))
+                        bws.append(ops.read_bandwidth(BW_BYTES, threads=t, repeats=1))
+                        secs.append(best_time(run, 1, inner=n))
+                        ratios.append(nbytes(first) / secs[-1] / 1e9 / bws[-1])
+                    sec = min(secs)
                     gbs = nbytes(first) / sec / 1e9
                     print(
                         f"{N:>6}x{K:<5} {name:<21} {isa:<10} {t} thr  {sec * 1e6:9.0f} us  "
-                        f"{gbs:6.1f} GB/s  ({gbs / bw:4.0%} of {bw:4.1f} GB/s read)"
+                        f"{gbs:6.1f} GB/s  ({statistics.median(ratios):4.0%} of the read "
+                        f"bandwidth, median of {len(ratios)} pairs; read "
+                        f"{statistics.median(bws):4.1f} GB/s)"
                     )
             del copies
 

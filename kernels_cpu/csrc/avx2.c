@@ -1,8 +1,9 @@
 /* AVX2 paths (with FMA and F16C): 8 float lanes; "avx2vnni" is the same with AVX-VNNI's
- * vpdpbusd in the int4 GEMV. The same algorithms as avx512.c (see there).
+ * vpdpbusd in the int4 and int8 GEMVs. The same algorithms as avx512.c (see there).
  *
- * GEMV: one row at a time. int8: 8 weights widened per FMA. int4: x as three int8
- * digits, 64 weights (32 bytes) per load.
+ * GEMV: one row at a time. int8: 8 weights widened per FMA; with AVX-VNNI x as three
+ * int8 digits, 32 weights per load (1.2x the float path on one core: 21.5 GB/s against
+ * 17.9). int4: x as three int8 digits, 64 weights (32 bytes) per load.
  * GEMM: 4 x 2 blocks of dot products (8 accumulators, 6 loads per 8 FMAs: 16 registers
  * do not hold the 4 x 4 block avx512.c uses).
  */
@@ -342,6 +343,118 @@ Q4_GEMV_DIGITS(q4_gemv_digits, TARGET_AVX2, DOT2_MADD)
 Q4_GEMV_DIGITS(q4_gemv_digits_vnni, TARGET_AVX2_VNNI, DOT2_VNNI)
 
 /* ------------------------------------------------------------------------------------
+ * int8 GEMV on x as int8 digits (AVX-VNNI only: vpmaddubsw's int16 pairs overflow on
+ * 8-bit weights). x in avx512.c's layout (kernels.h XPREP8_BYTES): per 64 elements three
+ * 64-byte digit vectors, 16 lane scales, and per block of 32 its -128 sx sum X. Here a
+ * block is one 32-byte half of a chunk, and its 8 dword lanes share one scale.
+ * ---------------------------------------------------------------------------------- */
+
+T int q8_xprep(const float *x, int64_t K, void *buf) {
+    const int64_t C = (K + 63) / 64, B = (K + 31) / 32;
+    int8_t *xd = buf;
+    float *lanes = (float *)(xd + C * XPREP8_CHUNK_BYTES), *xs = xprep8_xs(buf, K);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t k = 32 * b, n = K - k < 32 ? K - k : 32;
+        int8_t *d = xd + (b / 2) * XPREP8_CHUNK_BYTES + 32 * (b % 2);
+        __m256 xv[4], m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            const int64_t left = n - 8 * i;
+            xv[i] = left >= 8 ? _mm256_loadu_ps(x + k + 8 * i)
+                    : left > 0 ? _mm256_maskload_ps(x + k + 8 * i, first_lanes(left))
+                               : _mm256_setzero_ps();
+            m = _mm256_max_ps(m, _mm256_and_ps(xv[i], absmask));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv[i], xv[i], _CMP_UNORD_Q));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const int e = block_exponent(_mm_cvtss_f32(h));
+        if (e == 999 || _mm256_movemask_ps(nan)) return -1;
+        /* X = x * 2^(21 - e), |X| <= 2^21 (avx512.c) */
+        const __m256 s1 = _mm256_set1_ps(pow2((21 - e) / 2)), s2 = _mm256_set1_ps(pow2(21 - e - (21 - e) / 2));
+        __m256i X[4], dg[3], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            X[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(xv[i], s1), s2));
+            sum = _mm256_add_epi32(sum, X[i]);
+        }
+        digits32(X, dg);
+        for (int p = 0; p < 3; p++) _mm256_storeu_si256((__m256i *)(d + 64 * p), dg[p]);
+        const float sx = pow2((e - 21) / 2) * pow2(e - 21 - (e - 21) / 2);
+        for (int i = 0; i < 8; i++) lanes[16 * (b / 2) + 8 * (b % 2) + i] = sx;
+        int32_t v[8];
+        _mm256_storeu_si256((__m256i *)v, sum);
+        int64_t total = 0;
+        for (int i = 0; i < 8; i++) total += v[i];
+        xs[b] = (float)(-128.0 * (double)sx * (double)total);
+    }
+    if (B % 2) { /* the last chunk's second block: zero digits, zero scale */
+        int8_t *d = xd + (B / 2) * XPREP8_CHUNK_BYTES + 32;
+        for (int p = 0; p < 3; p++) memset(d + 64 * p, 0, 32);
+        for (int i = 0; i < 8; i++) lanes[16 * (B / 2) + 8 + i] = 0;
+    }
+    return 0;
+}
+
+/* sum over block b of (q + 128) * X, per dword lane */
+TARGET_AVX2_VNNI static inline __attribute__((always_inline)) __m256i q8_digits_block(
+    const int8_t *q, const int8_t *xd, int64_t K, int64_t b) {
+    const int64_t bytes = K - 32 * b < 32 ? K - 32 * b : 32;
+    const int8_t *xb = xd + (b / 2) * XPREP8_CHUNK_BYTES + 32 * (b % 2);
+    if (!(b & 1)) PREFETCH_STREAM(q + 32 * b); /* once per 64 bytes */
+    __m256i w;
+    if (bytes == 32) {
+        w = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+    } else { /* the row's tail: past K the digits are 0 */
+        int8_t tail[32] = {0};
+        memcpy(tail, q + 32 * b, (size_t)bytes);
+        w = _mm256_loadu_si256((const __m256i *)tail);
+    }
+    const __m256i u = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+    __m256i t = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, _mm256_loadu_si256((const __m256i *)xb));
+    t = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(t, 8), u, _mm256_loadu_si256((const __m256i *)(xb + 64)));
+    return _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(t, 8), u, _mm256_loadu_si256((const __m256i *)(xb + 128)));
+}
+
+TARGET_AVX2_VNNI static inline __attribute__((always_inline)) void q8_gemv_digits_row(
+    const qmat *a, int64_t n, const int64_t g) {
+    const int64_t K = a->K, B = (K + 31) / 32, C = (K + 63) / 64;
+    const int8_t *xd = a->xq;
+    const float *lanes = (const float *)(xd + C * XPREP8_CHUNK_BYTES);
+    const int8_t *q = (const int8_t *)a->qw + n * K;
+    const uint16_t *s = g ? (const uint16_t *)a->scales + n * (K / g) : NULL;
+    __m256 acc[ACC];
+    for (int i = 0; i < ACC; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; b += ACC) {
+        const int u_end = B - b < ACC ? (int)(B - b) : ACC;
+        for (int u = 0; u < ACC; u++) {
+            if (u >= u_end) break;
+            const int64_t bu = b + u;
+            __m256 f = _mm256_cvtepi32_ps(q8_digits_block(q, xd, K, bu));
+            float sc = lanes[16 * (bu / 2) + 8 * (bu % 2)];
+            if (g) sc *= _cvtsh_ss(s[bu * 32 / g]);
+            if (u_end == ACC)
+                acc[u] = _mm256_fmadd_ps(f, _mm256_set1_ps(sc), acc[u]);
+            else
+                acc[0] = _mm256_fmadd_ps(f, _mm256_set1_ps(sc), acc[0]);
+        }
+    }
+    if (g)
+        a->y[n] = hsum_acc(acc) + group_offset(s, K / g, a->xsum);
+    else
+        a->y[n] = (hsum_acc(acc) + a->xsum[0]) * ((const float *)a->scales)[n];
+}
+
+TARGET_AVX2_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
+    switch (a->g) {
+    case 32: ROWS_LOOP(q8_gemv_digits_row, 32); break;
+    case 64: ROWS_LOOP(q8_gemv_digits_row, 64); break;
+    case 128: ROWS_LOOP(q8_gemv_digits_row, 128); break;
+    default: ROWS_LOOP(q8_gemv_digits_row, 0); break;
+    }
+}
+
+/* ------------------------------------------------------------------------------------
  * Dequantization for the GEMM (the formats' definitions: no FMA)
  * ---------------------------------------------------------------------------------- */
 
@@ -449,6 +562,7 @@ const kernel_table kernels_avx2 = {
 };
 const kernel_table kernels_avx2_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
+    q8_xprep, q8_gemv_digits,
 };
 
 #endif

@@ -68,15 +68,15 @@ from .expert_cache import DEFAULT_POLICY, CacheStats, ExpertCache, allocate, mak
 from .reader import DEFAULT_TIMEOUT_S, UnitReader, alloc_buffer, round_up
 from .stream import (
     LayerStream,
-    _convert_bytes,
-    _drop_cached,
-    _map_resident,
-    _placeholder,
-    _Target,
-    _targets,
+    TensorSlot,
+    converted_bytes,
+    drop_cached,
     layer_costs,
+    map_resident,
     overheads,
+    placeholder_tensor,
     process_rss,
+    tensor_slots,
 )
 from .trace import TraceRecorder
 
@@ -138,7 +138,7 @@ def expert_costs(ckpt: Checkpoint, dtype: torch.dtype) -> ExpertCosts:
     units = expert_units(ckpt)
     flat = [u for us in units for u in us]
     read = max(round_up(e - b) for b, e in map(ckpt.ranges.get, flat))
-    convert = max(_convert_bytes(ckpt, [u], dtype) for u in flat)
+    convert = max(converted_bytes(ckpt, [u], dtype) for u in flat)
     args = ckpt.args
     return ExpertCosts(read, read + convert, len(units), args.n_experts, args.n_experts_per_tok)
 
@@ -368,7 +368,7 @@ class _Loaded:
     values: list[tuple[dict, str, torch.Tensor]]
 
 
-def _store(tg: _Target) -> dict:
+def _store(tg: TensorSlot) -> dict:
     """The module dict that holds target `tg`: assigning there binds it without
     nn.Module.__setattr__ (15 ms a token on a 128-expert model: 12 assignments an expert)."""
     return tg.module._parameters if tg.is_param else tg.module._buffers
@@ -479,7 +479,9 @@ class ExpertOffload:
         self.layer_ids = moe_layers(ckpt)
         self.blocks = [model.layers[i].mlp for i in self.layer_ids]
         self.units = expert_units(ckpt)
-        self.targets = [[_targets(model, ckpt, [u], placeholders) for u in us] for us in self.units]
+        self.targets = [
+            [tensor_slots(model, ckpt, [u], placeholders) for u in us] for us in self.units
+        ]
         for per_layer in self.targets:
             for targets in per_layer:
                 for tg in targets:
@@ -724,49 +726,34 @@ def new_recorder(ckpt_args, meta: dict | None = None) -> TraceRecorder:
 # ---------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ExpertOptions:
+    """How the experts are cached, predicted and read (load_expert_cached's and
+    load_moe_budgeted's keyword arguments)."""
+
+    policy: str = DEFAULT_POLICY  # the cache's eviction policy: lru, lfu or score
+    scheme: str = DEFAULT_SCHEME  # slots over the MoE layers: uniform or shallow
+    prefetch: bool = True  # False: naive on-demand reads, one at a time, nothing predicted
+    # experts predicted per token for the next layer (and, with ahead=2, the one after);
+    # None: top_k; 0: no cross-layer prediction
+    width: int | None = None
+    refine: int | None = None  # experts predicted on entering a layer (None: top_k; 0: off)
+    ahead: int = DEFAULT_AHEAD  # layers predicted ahead: 1 or 2
+    recorder: TraceRecorder | None = None  # records the routing (offload/trace.py)
+    # crc32 of each expert's first read ("first"), of every read ("always"), or None
+    check: str | None = "first"
+    direct: bool = True  # O_DIRECT reads (no page cache)
+    workers: int = DEFAULT_WORKERS  # expert reads in flight
+    cancel: bool = True  # queued predictions that turned out wrong are not read
+
+
 def load_expert_cached(
-    ckpt: Checkpoint,
-    dtype: torch.dtype,
-    max_seq_len: int,
-    slots: int | list[int],
-    *,
-    policy: str = DEFAULT_POLICY,
-    scheme: str = DEFAULT_SCHEME,
-    prefetch: bool = True,
-    width: int | None = None,
-    refine: int | None = None,
-    ahead: int = DEFAULT_AHEAD,
-    recorder: TraceRecorder | None = None,
-    check: str | None = "first",
-    direct: bool = True,
-    workers: int = DEFAULT_WORKERS,
-    cancel: bool = True,
+    ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, slots: int | list[int], **options
 ) -> tuple[Transformer, ExpertOffload]:
     """`ckpt`'s model with its dense parts resident and its experts served from an
-    ExpertCache of `slots` experts (a total split over MoE layers by `scheme`, or a list
-    per MoE layer). `width`: experts predicted per token for the next layer (and, with
-    ahead=2, the one after; default top_k; 0: no cross-layer prediction); `refine`:
-    experts predicted on entering a layer (default top_k; 0: off). prefetch=False:
-    none of these, nor `start` (naive on-demand reads, one at a time). check: crc32 of
-    each expert's first read ("first"), of every read ("always"), or None."""
-    return _load(
-        ckpt,
-        dtype,
-        max_seq_len,
-        None,
-        slots,
-        policy=policy,
-        scheme=scheme,
-        prefetch=prefetch,
-        width=width,
-        refine=refine,
-        ahead=ahead,
-        recorder=recorder,
-        check=check,
-        direct=direct,
-        workers=workers,
-        cancel=cancel,
-    )
+    ExpertCache of `slots` experts (a total split over MoE layers by the scheme, or a
+    list per MoE layer). `options`: ExpertOptions' fields."""
+    return _load(ckpt, dtype, max_seq_len, None, slots, ExpertOptions(**options))
 
 
 def load_moe_budgeted(
@@ -777,47 +764,28 @@ def load_moe_budgeted(
     *,
     process_bytes: int | None = None,
     raise_to_minimum: bool = False,
-    policy: str = DEFAULT_POLICY,
-    scheme: str = DEFAULT_SCHEME,
-    prefetch: bool = True,
-    width: int | None = None,
-    refine: int | None = None,
-    ahead: int = DEFAULT_AHEAD,
-    recorder: TraceRecorder | None = None,
-    check: str | None = "first",
-    direct: bool = True,
-    workers: int = DEFAULT_WORKERS,
-    cancel: bool = True,
+    **options,
 ) -> tuple[Transformer, ExpertOffload]:
     """`ckpt`'s model within `budget` bytes of process footprint (see the module doc);
     the plan is `offload.plan`. raise_to_minimum: a budget below the minimum working
-    set becomes that minimum (the automatic budget of a model too large for memory)."""
+    set becomes that minimum (the automatic budget of a model too large for memory).
+    `options`: ExpertOptions' fields."""
+    opts = ExpertOptions(**options)
     max_seq_len = min(max_seq_len, ckpt.args.max_seq_len)
     process = process_rss() if process_bytes is None else process_bytes
     fixed, dense_costs, costs, routers = budget_inputs(ckpt, dtype, max_seq_len, process)
     if raise_to_minimum:
-        budget = max(budget, minimum_budget(dense_costs, fixed, costs, workers, routers))
+        budget = max(budget, minimum_budget(dense_costs, fixed, costs, opts.workers, routers))
     plan = plan_experts(
-        dense_costs, fixed, costs, budget, workers=workers, scheme=scheme, router_bytes=routers
+        dense_costs,
+        fixed,
+        costs,
+        budget,
+        workers=opts.workers,
+        scheme=opts.scheme,
+        router_bytes=routers,
     )
-    return _load(
-        ckpt,
-        dtype,
-        max_seq_len,
-        plan,
-        list(plan.slots),
-        policy=policy,
-        scheme=scheme,
-        prefetch=prefetch,
-        width=width,
-        refine=refine,
-        ahead=ahead,
-        recorder=recorder,
-        check=check,
-        direct=direct,
-        workers=workers,
-        cancel=cancel,
-    )
+    return _load(ckpt, dtype, max_seq_len, plan, list(plan.slots), opts)
 
 
 def budget_inputs(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, process: int):
@@ -844,53 +812,41 @@ def _load(
     max_seq_len: int,
     plan: ExpertPlan | None,
     slots: int | list[int],
-    *,
-    policy: str,
-    scheme: str,
-    prefetch: bool,
-    width: int | None,
-    refine: int | None,
-    ahead: int,
-    recorder: TraceRecorder | None,
-    check: str | None,
-    direct: bool,
-    workers: int,
-    cancel: bool,
+    opts: ExpertOptions,
 ) -> tuple[Transformer, ExpertOffload]:
     args = ckpt.args
     units = expert_units(ckpt)
-    make_policy(policy)  # an unknown name fails before anything is read
+    make_policy(opts.policy)  # an unknown name fails before anything is read
     if isinstance(slots, int):
-        slots = allocate(slots, len(units), args.n_experts, scheme)
+        slots = allocate(slots, len(units), args.n_experts, opts.scheme)
     if len(slots) != len(units):
         raise InferError(f"{len(slots)} slot counts for {len(units)} MoE layers")
-    if refine is None:
-        refine = args.n_experts_per_tok
-    for name, n in (("width", width), ("refine", refine)):
+    refine = args.n_experts_per_tok if opts.refine is None else opts.refine
+    for name, n in (("width", opts.width), ("refine", refine)):
         if n is not None and not 0 <= n <= args.n_experts:
             raise InferError(f"{name} {n}: must be 0 to {args.n_experts} experts")
     streamed = [int(u.split(".")[1]) for u in plan.dense.streamed] if plan else []
     flat = [u for us in units for u in us]
     dense_units = [f"layers.{i}" for i in streamed]
     names = [n for u in flat + dense_units for n in ckpt.units[u]]
-    placeholders = {n: _placeholder(ckpt, n, dtype) for n in names}
+    placeholders = {n: placeholder_tensor(ckpt, n, dtype) for n in names}
     # Resident units: faulted in exactly (no read-around into experts' pages) and checked.
-    _map_resident(ckpt, [u for u in ckpt.ranges if u not in set(flat + dense_units)])
+    map_resident(ckpt, [u for u in ckpt.ranges if u not in set(flat + dense_units)])
     model = build_model(
         dataclasses.replace(ckpt, tensors={**ckpt.tensors, **placeholders}), dtype, max_seq_len
     )
     # The fused decode step holds pointers to every weight; experts move between buffers.
     model.fused_decode = None
-    _drop_cached(ckpt, flat + dense_units)
+    drop_cached(ckpt, flat + dense_units)
     reader = stream = None
     try:
         reader = UnitReader(
             ckpt.file,
             ckpt.ranges,
-            ckpt.crc32 if check else None,
-            check=check or "first",
-            workers=workers,
-            direct=direct,
+            ckpt.crc32 if opts.check else None,
+            check=opts.check or "first",
+            workers=opts.workers,
+            direct=opts.direct,
         )
         if streamed:
             stream = _dense_stream(model, ckpt, plan.dense, dtype, streamed, placeholders)
@@ -899,16 +855,16 @@ def _load(
             ckpt,
             dtype,
             list(slots),
-            policy,
-            prefetch=prefetch,
-            width=width,
+            opts.policy,
+            prefetch=opts.prefetch,
+            width=opts.width,
             refine=refine,
-            ahead=ahead,
-            recorder=recorder,
+            ahead=opts.ahead,
+            recorder=opts.recorder,
             reader=reader,
             placeholders=placeholders,
-            workers=workers,
-            cancel=cancel,
+            workers=opts.workers,
+            cancel=opts.cancel,
             plan=plan,
             stream=stream,
         )
@@ -930,7 +886,7 @@ def _dense_stream(model, ckpt, plan: Plan, dtype, streamed, placeholders) -> Lay
     targets = {}
     for i in streamed:
         keep = []
-        for tg in _targets(model, ckpt, groups[i], placeholders):
+        for tg in tensor_slots(model, ckpt, groups[i], placeholders):
             if tg.name.endswith(_ALWAYS_RESIDENT):
                 t = ckpt.tensors[tg.name]
                 tg.set(t if t.dtype == tg.dtype else t.to(tg.dtype))

@@ -74,7 +74,7 @@ def layer_units(ckpt: Checkpoint, n_layers: int) -> list[list[str]]:
     return groups
 
 
-def _convert_bytes(ckpt: Checkpoint, units: list[str], dtype: torch.dtype) -> int:
+def converted_bytes(ckpt: Checkpoint, units: list[str], dtype: torch.dtype) -> int:
     """Bytes of `units`' tensors that the model holds converted to `dtype`."""
     n = 0
     for unit in units:
@@ -90,7 +90,7 @@ def layer_costs(ckpt: Checkpoint, groups: list[list[str]], dtype: torch.dtype) -
     for i, units in enumerate(groups):
         spans = [ckpt.ranges[u] for u in units]
         read = sum(round_up(e - b) for b, e in spans)
-        convert = _convert_bytes(ckpt, units, dtype)
+        convert = converted_bytes(ckpt, units, dtype)
         # Resident with conversion: the mapped source pages and the converted copy.
         resident = sum(e - b for b, e in spans) + convert
         costs.append(LayerCost(f"layers.{i}", read, resident, convert))
@@ -102,7 +102,7 @@ def overheads(
 ) -> Overheads:
     """What every plan pays besides the layers (estimates, at the full context)."""
     b, e = ckpt.ranges.get(GLOBALS, (0, 0))
-    globals_ = (e - b) + _convert_bytes(ckpt, [GLOBALS], dtype) if GLOBALS in ckpt.ranges else 0
+    globals_ = (e - b) + converted_bytes(ckpt, [GLOBALS], dtype) if GLOBALS in ckpt.ranges else 0
     el = dtype.itemsize
     kv = 2 * args.n_layers * args.n_kv_heads * max_seq_len * args.head_dim * el
     rope = 2 * max_seq_len * args.head_dim * el
@@ -148,7 +148,7 @@ def process_rss() -> int:
 
 
 @dataclass
-class _Target:
+class TensorSlot:
     """Where one stored tensor lives in the model."""
 
     name: str
@@ -173,14 +173,14 @@ def _held_dtype(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if t.is_floating_point() and not packed else t.dtype
 
 
-def _placeholder(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch.Tensor:
+def placeholder_tensor(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch.Tensor:
     """One element expanded to the tensor's shape, in the dtype the model will hold:
     build_model assigns it as it is, without reading the file."""
     shape = ckpt.tensors[name].shape
     return torch.zeros((), dtype=_held_dtype(ckpt, name, dtype)).expand(shape)
 
 
-def _targets(model: Transformer, ckpt: Checkpoint, units, placeholders) -> list[_Target]:
+def tensor_slots(model: Transformer, ckpt: Checkpoint, units, placeholders) -> list[TensorSlot]:
     """The module attribute holding each of `units`' tensors, checked to be the very
     placeholder build_model was given (a format that transformed it cannot stream)."""
     targets = []
@@ -199,15 +199,15 @@ def _targets(model: Transformer, ckpt: Checkpoint, units, placeholders) -> list[
                     "its layer cannot be streamed"
                 )
             meta = torch.empty(ph.shape, dtype=ph.dtype, device="meta")
-            targets.append(_Target(name, module, attr, is_param, ph.dtype, meta))
+            targets.append(TensorSlot(name, module, attr, is_param, ph.dtype, meta))
     return targets
 
 
 class _Binding:
     """One streamed layer's tensors, as views of one slot's buffer, ready to assign."""
 
-    def __init__(self, targets: list[_Target], views: dict[str, torch.Tensor], arena):
-        self.assign: list[tuple[_Target, torch.Tensor]] = []
+    def __init__(self, targets: list[TensorSlot], views: dict[str, torch.Tensor], arena):
+        self.assign: list[tuple[TensorSlot, torch.Tensor]] = []
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dst in arena, src)
         pos = 0
         for tg in targets:
@@ -261,7 +261,7 @@ class LayerStream:
         ckpt: Checkpoint,
         plan: Plan,
         groups: list[list[str]],
-        targets: dict[int, list[_Target]],
+        targets: dict[int, list[TensorSlot]],
         reader: UnitReader,
         *,
         prefetch: bool = True,
@@ -436,15 +436,15 @@ def load_streamed(
         )
 
     layer_names = [n for g in groups for u in g for n in ckpt.units[u]]
-    placeholders = {n: _placeholder(ckpt, n, dtype) for n in layer_names}
+    placeholders = {n: placeholder_tensor(ckpt, n, dtype) for n in layer_names}
     model = build_model(
         dataclasses.replace(ckpt, tensors={**ckpt.tensors, **placeholders}), dtype, max_seq_len
     )
-    targets = {i: _targets(model, ckpt, g, placeholders) for i, g in enumerate(groups)}
+    targets = {i: tensor_slots(model, ckpt, g, placeholders) for i, g in enumerate(groups)}
     pinned = [int(u.split(".")[1]) for u in plan.pinned]
     # Resident units are read and checked now, as load_model checks a resident model;
     # streamed ones as they are read.
-    _map_resident(ckpt, [GLOBALS, *(u for i in pinned for u in groups[i])])
+    map_resident(ckpt, [GLOBALS, *(u for i in pinned for u in groups[i])])
     for i in pinned:  # mapped from the file, as a normal load keeps them
         for tg in targets[i]:
             t = ckpt.tensors[tg.name]
@@ -459,7 +459,7 @@ def load_streamed(
     # The fused decode step holds data pointers to every layer's weights; streamed
     # layers move between buffers, so decode runs block by block (through the hooks).
     model.fused_decode = None
-    _drop_cached(ckpt, [u for i in streamed for u in groups[i]])
+    drop_cached(ckpt, [u for i in streamed for u in groups[i]])
     reader = UnitReader(
         ckpt.file,
         ckpt.ranges,
@@ -476,7 +476,7 @@ def load_streamed(
     return model, stream, plan
 
 
-def _map_resident(ckpt: Checkpoint, units: list[str]) -> None:
+def map_resident(ckpt: Checkpoint, units: list[str]) -> None:
     """Fault in exactly `units`' pages of the file map and check their crc32.
 
     The kernel reads around a faulting page (read_ahead_kb: 8 MB here), which would pull
@@ -504,7 +504,7 @@ def _map_resident(ckpt: Checkpoint, units: list[str]) -> None:
             )
 
 
-def _drop_cached(ckpt: Checkpoint, units: list[str]) -> None:
+def drop_cached(ckpt: Checkpoint, units: list[str]) -> None:
     """Drop pages of streamed units a previous run left in the page cache: they are not
     this process's, but they would count in a measured footprint."""
     if not hasattr(os, "posix_fadvise"):

@@ -303,6 +303,12 @@ def info(model: ModelArg = None, json_out: Json = False, debug: Debug = False) -
         "vocab_size": a.vocab_size,
         "rope_theta": a.rope_theta,
         "tied_embeddings": a.tie_embeddings,
+        "experts": a.n_experts,
+        "experts_per_token": a.n_experts_per_tok,
+        "expert_intermediate_size": a.moe_hidden_dim,
+        "shared_expert_intermediate_size": a.shared_expert_dim,
+        "moe_layers": a.n_moe_layers,
+        "active_parameters": a.n_active_params,
         "format": mi.format,
         "quantization": mi.quantization,
         "file_bytes": mi.file_bytes,
@@ -322,12 +328,26 @@ def info(model: ModelArg = None, json_out: Json = False, debug: Debug = False) -
         ["vocab", str(a.vocab_size)],
         ["rope theta", f"{a.rope_theta:g}"],
         ["tied embeddings", "yes" if a.tie_embeddings else "no"],
+        *_expert_rows(a),
         ["format", mi.format],
         ["quantization", mi.quantization],
         ["on disk", f"{human_bytes(mi.file_bytes)} ({mi.file_bytes:,} bytes)"],
         ["path", str(mi.path)],
     ]
     print_table(None, rows, title=resolved.name if is_tty() else None)
+
+
+def _expert_rows(a) -> list[list[str]]:
+    """`infer info`'s mixture-of-experts lines (none for a dense model)."""
+    if not a.n_experts:
+        return []
+    shared = f" + a shared expert of {a.shared_expert_dim}" if a.shared_expert_dim else ""
+    return [
+        ["experts", f"{a.n_experts} per MoE layer, {a.n_experts_per_tok} a token{shared}"],
+        ["expert ffn size", str(a.moe_hidden_dim)],
+        ["MoE layers", f"{a.n_moe_layers} of {a.n_layers}"],
+        ["active parameters", f"{human_count(a.n_active_params)} ({a.n_active_params:,})"],
+    ]
 
 
 @app.command()

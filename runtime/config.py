@@ -129,6 +129,18 @@ class ModelArgs:
     @property
     def n_params(self) -> int:
         """Parameter count, every expert included (embeddings counted once when tied)."""
+        return self._count_params(self.n_experts)
+
+    @property
+    def n_active_params(self) -> int:
+        """Parameters a token uses: as n_params with top-k routed experts per MoE layer."""
+        return self._count_params(self.n_experts_per_tok)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def _count_params(self, experts: int) -> int:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         if self.attention_bias:
             attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
@@ -140,7 +152,7 @@ class ModelArgs:
             if not self.is_moe_layer(i):
                 mlps += 3 * self.dim * self.hidden_dim
                 continue
-            mlps += self.n_experts * (self.dim + 3 * self.dim * self.moe_hidden_dim)
+            mlps += self.n_experts * self.dim + experts * 3 * self.dim * self.moe_hidden_dim
             if self.shared_expert_dim:
                 mlps += self.dim + 3 * self.dim * self.shared_expert_dim
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)

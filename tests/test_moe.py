@@ -122,6 +122,30 @@ def test_n_params_counts_every_expert(pair):
     assert ours.args.n_params == sum(p.numel() for p in ours.parameters())
 
 
+def test_active_params_count_top_k_experts(pair):
+    _, ours = pair
+    a = ours.args
+    unused = a.n_experts - a.n_experts_per_tok
+    expert = 3 * a.dim * a.moe_hidden_dim
+    assert a.n_moe_layers == len(moe_blocks(ours))
+    assert a.n_active_params == a.n_params - a.n_moe_layers * unused * expert
+
+
+def test_info_lists_experts(tmp_path):
+    make_hf_model("qwen2_moe", tmp_path)  # with a shared expert
+    a = inspect_model(tmp_path).args
+    cmd = [sys.executable, "-m", "infer.cli.main", "info", str(tmp_path)]
+    r = subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert (data["experts"], data["experts_per_token"]) == (a.n_experts, a.n_experts_per_tok)
+    assert data["shared_expert_intermediate_size"] == a.shared_expert_dim > 0
+    assert data["active_parameters"] == a.n_active_params < data["parameters"]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert r.returncode == 0 and f"{a.n_experts} per MoE layer" in r.stdout
+    assert "shared expert" in r.stdout
+
+
 # ---------------------------------------------------------------------------------------
 # The interface an expert cache drives: route, expert(e), run_expert
 # ---------------------------------------------------------------------------------------

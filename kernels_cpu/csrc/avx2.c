@@ -350,9 +350,8 @@ Q4_GEMV_DIGITS(q4_gemv_digits_vnni, TARGET_AVX2_VNNI, DOT2_VNNI)
  * ---------------------------------------------------------------------------------- */
 
 T int q8_xprep(const float *x, int64_t K, void *buf) {
-    const int64_t C = (K + 63) / 64, B = (K + 31) / 32;
+    const int64_t B = (K + 31) / 32;
     int8_t *xd = buf;
-    float *lanes = (float *)(xd + C * XPREP8_CHUNK_BYTES), *xs = xprep8_xs(buf, K);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < B; b++) {
         const int64_t k = 32 * b, n = K - k < 32 ? K - k : 32;
@@ -380,19 +379,13 @@ T int q8_xprep(const float *x, int64_t K, void *buf) {
         }
         digits32(X, dg);
         for (int p = 0; p < 3; p++) _mm256_storeu_si256((__m256i *)(d + 64 * p), dg[p]);
-        const float sx = pow2((e - 21) / 2) * pow2(e - 21 - (e - 21) / 2);
-        for (int i = 0; i < 8; i++) lanes[16 * (b / 2) + 8 * (b % 2) + i] = sx;
         int32_t v[8];
         _mm256_storeu_si256((__m256i *)v, sum);
         int64_t total = 0;
         for (int i = 0; i < 8; i++) total += v[i];
-        xs[b] = (float)(-128.0 * (double)sx * (double)total);
+        xprep8_block(buf, K, b, pow2((e - 21) / 2) * pow2(e - 21 - (e - 21) / 2), total);
     }
-    if (B % 2) { /* the last chunk's second block: zero digits, zero scale */
-        int8_t *d = xd + (B / 2) * XPREP8_CHUNK_BYTES + 32;
-        for (int p = 0; p < 3; p++) memset(d + 64 * p, 0, 32);
-        for (int i = 0; i < 8; i++) lanes[16 * (B / 2) + 8 + i] = 0;
-    }
+    xprep8_pad(buf, K);
     return 0;
 }
 

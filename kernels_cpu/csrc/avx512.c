@@ -372,9 +372,8 @@ Q4_GEMV_DIGITS(q4_gemv_digits_vnni, TARGET_AVX512_VNNI, DOT2_VNNI)
  * ---------------------------------------------------------------------------------- */
 
 T int q8_xprep(const float *x, int64_t K, void *buf) {
-    const int64_t C = (K + 63) / 64, B = (K + 31) / 32;
+    const int64_t B = (K + 31) / 32;
     int8_t *xd = buf;
-    float *lanes = (float *)(xd + C * XPREP8_CHUNK_BYTES), *xs = xprep8_xs(buf, K);
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < B; b++) {
         const int64_t k = 32 * b, n = K - k < 32 ? K - k : 32;
@@ -400,16 +399,9 @@ T int q8_xprep(const float *x, int64_t K, void *buf) {
         _mm_storeu_si128((__m128i *)(d + 64 + 16), d1);
         _mm_storeu_si128((__m128i *)(d + 128 + 16), d0);
         const float sx = pow2((e - 21) / 2) * pow2(e - 21 - (e - 21) / 2);
-        for (int i = 0; i < 8; i++) lanes[16 * (b / 2) + 8 * (b % 2) + i] = sx;
-        /* sum X exactly (|sum| <= 2^26), then one rounding */
-        const int64_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(X0, X1));
-        xs[b] = (float)(-128.0 * (double)sx * (double)sum);
+        xprep8_block(buf, K, b, sx, _mm512_reduce_add_epi32(_mm512_add_epi32(X0, X1)));
     }
-    if (B % 2) { /* the last chunk's second block: zero digits, zero scale */
-        int8_t *d = xd + (B / 2) * XPREP8_CHUNK_BYTES + 32;
-        for (int p = 0; p < 3; p++) memset(d + 64 * p, 0, 32);
-        for (int i = 0; i < 8; i++) lanes[16 * (B / 2) + 8 + i] = 0;
-    }
+    xprep8_pad(buf, K);
     return 0;
 }
 

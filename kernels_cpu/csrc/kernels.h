@@ -141,6 +141,23 @@ static inline float *xprep8_xs(void *buf, int64_t K) {
     const int64_t C = (K + 63) / 64;
     return (float *)((int8_t *)buf + C * XPREP8_CHUNK_BYTES) + 16 * C;
 }
+/* Block b's lane scales (sx, a power of two) and term -128 sx sum X, |sum X| <= 2^26
+ * (exact in double, then one rounding); the digits are the caller's. */
+static inline void xprep8_block(void *buf, int64_t K, int64_t b, float sx, int64_t sum_x) {
+    float *lanes = (float *)((int8_t *)buf + (K + 63) / 64 * XPREP8_CHUNK_BYTES);
+    for (int i = 0; i < 8; i++) lanes[16 * (b / 2) + 8 * (b % 2) + i] = sx;
+    xprep8_xs(buf, K)[b] = (float)(-128.0 * (double)sx * (double)sum_x);
+}
+/* An odd number of blocks leaves the last chunk's second half: zero digits, zero scale. */
+static inline void xprep8_pad(void *buf, int64_t K) {
+    const int64_t B = (K + 31) / 32, C = (K + 63) / 64;
+    if (!(B % 2)) return;
+    int8_t *d = (int8_t *)buf + (B / 2) * XPREP8_CHUNK_BYTES + 32;
+    for (int p = 0; p < 3; p++)
+        for (int i = 0; i < 32; i++) d[64 * p + i] = 0;
+    float *lanes = (float *)((int8_t *)buf + C * XPREP8_CHUNK_BYTES);
+    for (int i = 0; i < 8; i++) lanes[16 * (B / 2) + 8 + i] = 0;
+}
 
 typedef struct {
     gemv_fn q8_gemv, q4_gemv;

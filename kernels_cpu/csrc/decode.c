@@ -26,9 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
+#include "binding.h"
 #include "kernels.h"
 
 enum { HEADER = 12, LIN = 8, LAYER = 6 + 7 * LIN };
@@ -214,15 +212,8 @@ static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
    replaced by the hidden state after every block, for the token at position pos. */
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "decode_layers takes 7 arguments (%zd given)", nargs);
-        return NULL;
-    }
     long long v[7];
-    for (int i = 0; i < 7; i++) {
-        v[i] = PyLong_AsLongLong(args[i]);
-        if (v[i] == -1 && PyErr_Occurred()) return NULL;
-    }
+    if (infer_parse_ints(args, nargs, 7, v, "decode_layers")) return NULL;
     const int64_t *H = PTR(const int64_t *, v[0]);
     if (!H || v[1] < HEADER) goto bad;
     model_t m = {H[0], H[1], H[2], H[3], H[4], H[5], H[6], H[7], bits_to_float(H[8]),

@@ -66,8 +66,7 @@
 /* INFER_NO_PYTHON leaves out the CPython functions at the end, so the kernels build alone
    (tests/native/lut_neon_check.c, cross-compiled for AArch64). */
 #ifndef INFER_NO_PYTHON
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "binding.h"
 #endif
 
 #include <math.h>
@@ -1195,19 +1194,6 @@ done:
 /* Python functions, added to infer.kernels_cpu._C by module.c                           */
 /* ------------------------------------------------------------------------------------ */
 
-static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *out,
-                const char *name) {
-    if (nargs != want) {
-        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < nargs; i++) {
-        out[i] = PyLong_AsLongLong(args[i]);
-        if (out[i] == -1 && PyErr_Occurred()) return -1;
-    }
-    return 0;
-}
-
 static int bad_sizes(const char *name, long long M, long long K, long long bits, long long g) {
     if (M < 0 || K <= 0 || bits < 1 || bits > 4 || g <= 0 || g % 8 || K % g) {
         PyErr_Format(PyExc_ValueError, "%s: bad sizes M=%lld K=%lld bits=%lld g=%lld", name, M, K,
@@ -1233,7 +1219,7 @@ static int bad_isa(long long isa) {
 static PyObject *py_lut_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[12];
-    if (ints(args, nargs, 12, v, "lut_matmul")) return NULL;
+    if (infer_parse_ints(args, nargs, 12, v, "lut_matmul")) return NULL;
     if (bad_sizes("lut_matmul", v[5], v[7], v[8], v[9])) return NULL;
     if (v[6] < 0 || ((v[5] && v[6]) && (!v[0] || !v[1] || !v[2] || !v[3] || !v[4]))) {
         PyErr_SetString(PyExc_ValueError, "lut_matmul: bad N or null data pointer");
@@ -1256,7 +1242,7 @@ static PyObject *py_lut_matmul(PyObject *self, PyObject *const *args, Py_ssize_t
 static PyObject *py_lut_tables(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[10];
-    if (ints(args, nargs, 10, v, "lut_tables")) return NULL;
+    if (infer_parse_ints(args, nargs, 10, v, "lut_tables")) return NULL;
     if (bad_isa(v[9])) return NULL;
     if (bad_sizes("lut_tables", v[5], v[6], v[7], v[8])) return NULL;
     if (v[5] && (!v[0] || !v[1] || !v[2] || !v[3] || !v[4])) {

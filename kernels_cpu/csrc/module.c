@@ -6,17 +6,15 @@
  * bounds in obvious ways (sizes, group size, path). The GIL is released while a kernel
  * runs.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
+#include "binding.h"
 #include "kernels.h"
 
 /* Other kernel files add functions to the module (see kernels.h). */
 extern PyMethodDef infer_lut_methods[] __attribute__((weak));
 extern PyMethodDef infer_decode_methods[] __attribute__((weak));
 
-static int parse_ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *out,
-                      const char *name) {
+int infer_parse_ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, long long *out,
+                     const char *name) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, nargs);
         return -1;
@@ -77,7 +75,7 @@ static PyObject *py_q8_matmul(PyObject *self, PyObject *const *args, Py_ssize_t 
     (void)self;
     long long v[11];
     /* (x, qw, scales, y, M, N, K, g, isa, threads): no mins */
-    if (parse_ints(args, nargs, 10, v, "q8_matmul")) return NULL;
+    if (infer_parse_ints(args, nargs, 10, v, "q8_matmul")) return NULL;
     long long w[11] = {v[0], v[1], v[2], 0, v[3], v[4], v[5], v[6], v[7], v[8], v[9]};
     return matmul(8, w);
 }
@@ -85,14 +83,14 @@ static PyObject *py_q8_matmul(PyObject *self, PyObject *const *args, Py_ssize_t 
 static PyObject *py_q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[11];
-    if (parse_ints(args, nargs, 11, v, "q4_matmul")) return NULL;
+    if (infer_parse_ints(args, nargs, 11, v, "q4_matmul")) return NULL;
     return matmul(4, v);
 }
 
 static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[4];
-    if (parse_ints(args, nargs, 4, v, "stream_read")) return NULL;
+    if (infer_parse_ints(args, nargs, 4, v, "stream_read")) return NULL;
     if (!v[0] || v[1] < 0 || v[1] % 256) {
         PyErr_SetString(PyExc_ValueError, "stream_read: null pointer or size not a multiple of 256");
         return NULL;

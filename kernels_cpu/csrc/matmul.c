@@ -13,9 +13,12 @@
 enum { TILE_N = 16, TILE_K = 512 };
 /* GEMV: below this many weight bytes per thread a second thread costs more than it saves. */
 enum { GEMV_MIN_BYTES_PER_THREAD = 32 * 1024 };
-/* GEMV: tasks of about this many weight bytes (at least 4 per thread), so that a thread
- * slowed or descheduled by another process holds up little work. */
-enum { GEMV_TASK_BYTES = 64 * 1024 };
+/* GEMV: tasks of about this many weight bytes (at least 4 per thread, so that a thread
+ * slowed or descheduled by another process holds up little work). Each task is one
+ * sequential stream: with 64 KiB tasks the two threads' streams broke every 64 KiB and
+ * two threads read at 80-85 % of the read bandwidth; with 1 MiB, 93-100 %
+ * (benchmarks/bench_kernels.py, int8 and int4 on 4096 x 4096 and 11008 x 4096). */
+enum { GEMV_TASK_BYTES = 1024 * 1024 };
 
 typedef struct {
     const qmat *a;

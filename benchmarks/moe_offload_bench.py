@@ -26,7 +26,8 @@ page cache first (posix_fadvise DONTNEED); reads are O_DIRECT:
                 one at a time, nothing cached, nothing prefetched
   POLICY:SHARE:FLAG...  variants: nopred (no prediction: only a visit's misses read
                 side by side), ahead1 (no prediction two layers ahead), norefine (no
-                prediction on entering a layer), nocancel (wrong queued predictions still
+                prediction on entering a layer), entry (only that prediction: no
+                cross-layer one), nocancel (wrong queued predictions still
                 read), nocrc (no crc32 on an expert's first read)
 
 Decoding, one token per forward pass after an 8-token prompt, of a fixed random token
@@ -231,6 +232,7 @@ def child(path: Path, run: str, n_tokens: int, warmup: int, logits_out: Path) ->
         else:
             policy, share, *flags = run.split(":")
             opts = {"width": 0, "refine": 0} if "nopred" in flags else {}
+            opts |= {"width": 0} if "entry" in flags else {}
             opts |= {"refine": 0} if "norefine" in flags else {}
             opts |= {"ahead": 1} if "ahead1" in flags else {}
             opts |= {"cancel": False} if "nocancel" in flags else {}

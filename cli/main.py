@@ -35,6 +35,7 @@ from infer.cli.options import (
     DType,
     DTypeOpt,
     ExpertPolicyOpt,
+    ExpertPredictionOpt,
     Json,
     MaxMemory,
     MaxTokens,
@@ -129,6 +130,7 @@ def run(
     dtype: DTypeOpt = DType.float32,
     max_memory: MaxMemory = None,
     expert_policy: ExpertPolicyOpt = None,
+    expert_prediction: ExpertPredictionOpt = None,
     trace: TraceOut = None,
     json_out: Json = False,
     verbose: Verbose = False,
@@ -170,6 +172,7 @@ def run(
             max_memory=budget,
             expert_policy=expert_policy and expert_policy.value,
             record_routing=trace is not None,
+            expert_prediction=expert_prediction and expert_prediction.value,
         )
     if verbose:
         print(
@@ -373,6 +376,7 @@ def bench(
     ] = False,
     max_memory: MaxMemory = None,
     expert_policy: ExpertPolicyOpt = None,
+    expert_prediction: ExpertPredictionOpt = None,
     trace: TraceOut = None,
     replay: Annotated[
         Path | None,
@@ -417,6 +421,7 @@ def bench(
             max_memory=budget,
             expert_policy=expert_policy and expert_policy.value,
             trace=trace,
+            expert_prediction=expert_prediction and expert_prediction.value,
         )
     if json_out:
         print_json(asdict(result))

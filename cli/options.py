@@ -28,6 +28,15 @@ class ExpertPolicy(str, Enum):
     score = "score"
 
 
+class ExpertPrediction(str, Enum):
+    """Which predictions read a mixture-of-experts model's experts ahead (offload/experts.py)."""
+
+    all = "all"
+    entry = "entry"
+    next = "next"
+    none = "none"
+
+
 _SAMPLING = "Sampling"
 
 ModelArg = Annotated[
@@ -79,6 +88,17 @@ ExpertPolicyOpt = Annotated[
         help="Eviction policy of the expert cache, for a mixture-of-experts model whose "
         "experts do not all fit (--max-memory): least recently used, least frequently "
         "used, or lowest decayed router score. Default: lfu (the best measured).",
+        show_default=False,
+    ),
+]
+ExpertPredictionOpt = Annotated[
+    ExpertPrediction | None,
+    typer.Option(
+        "--expert-prediction",
+        help="Which experts a mixture-of-experts model under --max-memory reads before "
+        "they are asked for: all (the next two layers' routers applied early, and each "
+        "layer's router on entering it), entry (only the latter: the most precise), next "
+        "(only the next layer's), none. Default: all (the fastest measured from disk).",
         show_default=False,
     ),
 ]

@@ -387,6 +387,7 @@ def run_bench(
     max_memory: int | None = None,
     expert_policy: str | None = None,
     trace: Path | None = None,
+    expert_prediction: str | None = None,
 ) -> BenchResult:
     """Load the model at `path` and time it; figures are medians over `repeats` runs.
 
@@ -394,8 +395,9 @@ def run_bench(
     default 1 GiB) for the decode ceiling, and split decode time by a hooked run.
     max_memory: a footprint budget (bytes); layers beyond it stream from disk, and the
     result's `offload` has the streaming figures of the timed runs. A mixture-of-experts
-    model caches experts instead (`expert_policy`), and `experts` has the cache's
-    figures over the timed runs' decode steps. trace: save its routing there.
+    model caches experts instead (`expert_policy`, `expert_prediction`), and `experts`
+    has the cache's figures over the timed runs' decode steps. trace: save its routing
+    there.
     """
     if n_prompt < 1 or n_gen < 1 or repeats < 1:
         raise InferError("n_prompt, n_gen and repeats must be at least 1")
@@ -406,6 +408,7 @@ def run_bench(
         max_memory=max_memory,
         expert_policy=expert_policy,
         record_routing=trace is not None,
+        expert_prediction=expert_prediction,
     )
     model = lm.model
     if n_prompt + n_gen > model.max_seq_len:

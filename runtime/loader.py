@@ -24,6 +24,7 @@ from ..offload.experts import (
     RoutingRecorder,
     load_moe_budgeted,
     new_recorder,
+    prediction_options,
     stores_experts_apart,
 )
 from ..offload.stream import (
@@ -221,6 +222,7 @@ def load_model(
     *,
     expert_policy: str | None = None,
     record_routing: bool = False,
+    expert_prediction: str | None = None,
 ) -> LoadedModel:
     """Load weights, tokenizer and caches. `max_seq_len` defaults to the model's context.
 
@@ -228,7 +230,8 @@ def load_model(
     holds); layers that do not fit stream from disk (offload/). Without it, a model
     too large for the available memory streams on its own, and says so on stderr.
     A mixture-of-experts model that does not fit keeps its dense parts resident and its
-    experts in an expert cache of policy `expert_policy` (default: expert_cache's).
+    experts in an expert cache of policy `expert_policy` (default: expert_cache's), read
+    ahead as `expert_prediction` says (offload/experts.py PREDICTIONS; default "all").
     record_routing: record what its MoE blocks route (`LoadedModel.routing`).
     """
     t0 = time.perf_counter()
@@ -263,6 +266,7 @@ def load_model(
             raise_to_minimum=auto,
             policy=expert_policy or DEFAULT_POLICY,
             recorder=recorder,
+            **prediction_options(expert_prediction),
         )
         if auto:
             print(

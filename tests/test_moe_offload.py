@@ -24,6 +24,7 @@ from infer.offload.experts import (
     load_moe_budgeted,
     minimum_budget,
     plan_experts,
+    prediction_options,
 )
 from infer.offload.footprint import footprint
 from infer.offload.stream import layer_costs, overheads
@@ -298,6 +299,25 @@ def test_footprint_stays_under_the_budget(wide_moe):
         off.close()
 
 
+@pytest.mark.parametrize(
+    "prediction,width,refine",
+    [("all", 2, 2), ("entry", 0, 2), ("next", 2, 0), ("none", 0, 0)],  # the tiny model: k = 2
+)
+def test_each_prediction_equals_resident(moe, prediction, width, refine):
+    expected = resident_logits(moe)
+    ckpt = read_checkpoint(moe)
+    assert ckpt.args.n_experts_per_tok == 2
+    model, off = load_expert_cached(ckpt, torch.float32, 64, 6, **prediction_options(prediction))
+    try:
+        assert torch.equal(run_tokens(model), expected)
+        assert (off.width, off.refine) == (width, refine)
+        assert (off.cache.totals().predicted > 0) == (prediction != "none")
+    finally:
+        off.close()
+    with pytest.raises(InferError, match="unknown expert prediction 'fate'"):
+        prediction_options("fate")
+
+
 # -- the command line ---------------------------------------------------------------------
 
 
@@ -327,6 +347,14 @@ def test_cli_budget_policy_trace_and_replay(wide_moe, tmp_path):
     assert json.loads(run.stdout)["text"] == json.loads(plain.stdout)["text"]
     assert "experts cached" in run.stderr and "experts: lru" in run.stderr
     assert "hit rate" in run.stderr and "precision" in run.stderr
+    entry = infer(
+        "run", model, "hello there", *common, "--max-memory", budget,
+        "--expert-prediction", "entry",
+    )  # fmt: skip
+    assert entry.returncode == 0, entry.stderr
+    assert json.loads(entry.stdout)["text"] == json.loads(plain.stdout)["text"]
+    bad = infer("run", model, "hi", *common, "--max-memory", budget, "--expert-prediction", "x")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
     t = Trace.load(trace)
     assert t.n_layers == 4 and t.n_experts == 16 and t.n_tokens >= 8
     assert not list(tmp_path.glob("*.tmp"))

@@ -1,9 +1,24 @@
 """Shared fixtures: the real default model file, fetched once per machine."""
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def ctrl_c_is_delivered():
+    """A shell without job control starts a background command with SIGINT ignored, and
+    so would this process and every child it starts be: Ctrl-C tests (_thread.interrupt_main,
+    SIGINT to an `infer run` child) would see nothing. Python's own handler, for the
+    session; a child's exec resets a handled signal to the default."""
+    old = signal.getsignal(signal.SIGINT)
+    if old is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if old is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, old)
 
 
 @pytest.fixture(scope="session")

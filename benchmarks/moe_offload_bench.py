@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 
 import torch
-from offload_bench import byte_tokenizer, drop_cache  # benchmarks/, beside this script
+from offload_bench import drop_cache, write_random_model  # benchmarks/, beside this script
 
 CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -137,42 +137,28 @@ class Int4Source:
 def make_model(dest: Path, config: dict, seed: int = 0) -> None:
     from torch import nn
 
-    from infer.quant.base import QuantEmbedding, QuantLinear
-    from infer.runtime.checkpoint import save_checkpoint
-    from infer.runtime.config import ModelArgs
-    from infer.runtime.llama import Transformer
-
-    args = ModelArgs.from_dict(config)
-    with torch.device("meta"):
-        model = Transformer(args)
     src = Int4Source(seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    for name, m in list(model.named_modules()):
-        if not isinstance(m, nn.Linear):
-            continue
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
+
+    def linear(name: str, m: nn.Linear) -> nn.Module:
         if name.endswith("mlp.gate"):  # the router stays float, as every recipe keeps it
+            gate = nn.Linear(m.in_features, m.out_features, bias=False)
             w = torch.randn(m.weight.shape, generator=gen) * 0.02
-            owner.gate = nn.Linear(m.in_features, m.out_features, bias=False)
-            owner.gate.weight = nn.Parameter(w, requires_grad=False)
-            continue
+            gate.weight = nn.Parameter(w, requires_grad=False)
+            return gate
         # Attention outputs of std 0.002, not 0.02: a random model attends almost evenly,
         # so its attention output is nearly the same at every step, and 16 layers of it
         # would outweigh the token's own state: deep layers then route every token to
         # the same few experts (measured: 25 distinct experts of 128 over 20 tokens).
         std = 0.002 if name.endswith("o_proj") else 0.02
-        setattr(owner, child, src.layer(m.out_features, m.in_features, ".experts." in name, std))
+        return src.layer(m.out_features, m.in_features, ".experts." in name, std)
+
     # Embedding rows of std 1: each token's own state must dominate the residual stream,
     # else the sum of attention outputs (nearly the same at every position of a random
     # model) does, and every token routes to the same experts.
-    model.embed_tokens = QuantEmbedding(src.layer(args.vocab_size, args.dim, False, std=1.0))
-    for m in model.modules():
-        if not isinstance(m, (QuantLinear, nn.Linear)) and getattr(m, "weight", None) is not None:
-            m.weight = nn.Parameter(torch.ones(m.weight.shape), requires_grad=False)  # norms
-    tokenizer = byte_tokenizer(dest.parent / f".{dest.name}-tokenizer")
-    source = {"path": "random", "sha256": {}, "format": "random"}
-    save_checkpoint(model, config, tokenizer, dest, source=source)
+    write_random_model(
+        dest, config, linear, lambda args: src.layer(args.vocab_size, args.dim, False, std=1.0)
+    )
 
 
 # ------------------------------------------------------------------------------------------

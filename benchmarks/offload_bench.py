@@ -105,7 +105,11 @@ def random_int4(out_features: int, in_features: int, gen: torch.Generator):
     )
 
 
-def make_model(dest: Path, config: dict, seed: int = 0) -> None:
+def write_random_model(dest: Path, config: dict, linear, embedding) -> None:
+    """A model in `config`'s shape written in infer's format at `dest`: each nn.Linear
+    replaced by `linear(name, module)` (in named_modules order), the embedding by
+    QuantEmbedding(`embedding(args)`), norms all ones; a byte-level tokenizer beside it.
+    Shared with moe_offload_bench.py."""
     from torch import nn
 
     from infer.quant.base import QuantEmbedding, QuantLinear
@@ -116,19 +120,28 @@ def make_model(dest: Path, config: dict, seed: int = 0) -> None:
     args = ModelArgs.from_dict(config)
     with torch.device("meta"):
         model = Transformer(args)
-    gen = torch.Generator().manual_seed(seed)
     for name, m in list(model.named_modules()):
         if isinstance(m, nn.Linear):
             parent, _, child = name.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
-            setattr(owner, child, random_int4(m.out_features, m.in_features, gen))
-    model.embed_tokens = QuantEmbedding(random_int4(args.vocab_size, args.dim, gen))
+            setattr(owner, child, linear(name, m))
+    model.embed_tokens = QuantEmbedding(embedding(args))
     for m in model.modules():
-        if not isinstance(m, QuantLinear) and getattr(m, "weight", None) is not None:
+        if not isinstance(m, (QuantLinear, nn.Linear)) and getattr(m, "weight", None) is not None:
             m.weight = nn.Parameter(torch.ones(m.weight.shape), requires_grad=False)  # norms
     tokenizer = byte_tokenizer(dest.parent / f".{dest.name}-tokenizer")
     source = {"path": "random", "sha256": {}, "format": "random"}
     save_checkpoint(model, config, tokenizer, dest, source=source)
+
+
+def make_model(dest: Path, config: dict, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    write_random_model(
+        dest,
+        config,
+        lambda name, m: random_int4(m.out_features, m.in_features, gen),
+        lambda args: random_int4(args.vocab_size, args.dim, gen),
+    )
 
 
 # ------------------------------------------------------------------------------------------

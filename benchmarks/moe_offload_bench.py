@@ -201,6 +201,7 @@ def child(path: Path, run: str, n_tokens: int, warmup: int, logits_out: Path) ->
         in_flight_buffers,
         load_expert_cached,
         load_moe_budgeted,
+        prediction_options,
     )
     from infer.offload.footprint import PeakSampler
     from infer.offload.stream import process_rss
@@ -217,8 +218,9 @@ def child(path: Path, run: str, n_tokens: int, warmup: int, logits_out: Path) ->
             model, off = load_expert_cached(ckpt, torch.float32, ctx, 0, prefetch=False)
         else:
             policy, share, *flags = run.split(":")
-            opts = {"width": 0, "refine": 0} if "nopred" in flags else {}
-            opts |= {"width": 0} if "entry" in flags else {}
+            # the runtime's named predictions (infer run --expert-prediction), and tweaks
+            opts = prediction_options("none") if "nopred" in flags else {}
+            opts |= prediction_options("entry") if "entry" in flags else {}
             opts |= {"refine": 0} if "norefine" in flags else {}
             opts |= {"ahead": 1} if "ahead1" in flags else {}
             opts |= {"cancel": False} if "nocancel" in flags else {}

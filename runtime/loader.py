@@ -269,11 +269,7 @@ def load_model(
             **prediction_options(expert_prediction),
         )
         if auto:
-            print(
-                f"note: {info.path.name} does not fit in available memory: "
-                f"{experts.plan.describe()} (--max-memory sets the budget)",
-                file=sys.stderr,
-            )
+            _say_auto_budget(info, experts.plan)
         load_s = time.perf_counter() - t0
         return LoadedModel(
             model, tokenizer, info, dtype, load_s, auto_budget=auto, experts=experts,
@@ -285,11 +281,7 @@ def load_model(
             info.checkpoint, dtype, ctx, budget, process_bytes=now, raise_to_minimum=auto
         )
         if auto:
-            print(
-                f"note: {info.path.name} does not fit in available memory: "
-                f"{plan.describe()} (--max-memory sets the budget)",
-                file=sys.stderr,
-            )
+            _say_auto_budget(info, plan)
         load_s = time.perf_counter() - t0
         lm = LoadedModel(model, tokenizer, info, dtype, load_s, plan, stream, auto)
     else:
@@ -304,6 +296,15 @@ def load_model(
         lm.routing = new_recorder(info.args, {"model": str(info.path)})
         RoutingRecorder(lm.model, lm.routing)
     return lm
+
+
+def _say_auto_budget(info: ModelInfo, plan) -> None:
+    """The stderr note of a model streamed because it does not fit (no --max-memory)."""
+    print(
+        f"note: {info.path.name} does not fit in available memory: "
+        f"{plan.describe()} (--max-memory sets the budget)",
+        file=sys.stderr,
+    )
 
 
 def _offloads_experts(

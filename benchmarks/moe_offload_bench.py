@@ -54,18 +54,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-from offload_bench import drop_cache, write_random_model  # benchmarks/, beside this script
+from offload_bench import drop_cache, json_child, write_random_model  # benchmarks/
 
 CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -306,11 +304,7 @@ def decode(model, off, n_tokens: int, warmup: int):
 def run_child(args, *child_args: str) -> dict:
     cmd = [sys.executable, __file__, str(args.dir), *child_args]
     cmd += ["--tokens", str(args.tokens), "--warmup", str(args.warmup)]
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if done.returncode:
-        sys.exit(f"{child_args} failed:\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_child(cmd, str(child_args))
 
 
 def main() -> None:

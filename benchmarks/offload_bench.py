@@ -301,14 +301,21 @@ def load_logits(path: Path) -> torch.Tensor:
     return load_file(path)["logits"]
 
 
-def run_child(args, mode: str, budget: int, logits_out: Path) -> dict:
-    cmd = [sys.executable, __file__, str(args.dir), "--child", mode, "--budget", str(budget)]
-    cmd += ["--tokens", str(args.tokens), "--logits", str(logits_out)]
+def json_child(cmd: list[str], what: str) -> dict:
+    """Run one measurement in a fresh process (OpenMP threads passive) and return the
+    JSON object its last line of stdout holds; exit with its stderr if it failed.
+    Shared with moe_offload_bench.py."""
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
-        sys.exit(f"{mode} failed:\n{done.stderr}")
+        sys.exit(f"{what} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_child(args, mode: str, budget: int, logits_out: Path) -> dict:
+    cmd = [sys.executable, __file__, str(args.dir), "--child", mode, "--budget", str(budget)]
+    cmd += ["--tokens", str(args.tokens), "--logits", str(logits_out)]
+    return json_child(cmd, mode)
 
 
 def main() -> None:

@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 
 import torch
-from offload_bench import drop_cache, json_child, write_random_model  # benchmarks/
+from offload_bench import drop_cache, json_child, read_rate, write_random_model  # benchmarks/
 
 CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -166,7 +166,7 @@ def make_model(dest: Path, config: dict, seed: int = 0) -> None:
 
 def disk_bandwidth(path: Path, n_reads: int = 96) -> dict:
     """GB/s reading random expert units with O_DIRECT, 1, 2, 4 and 8 reads in flight."""
-    from infer.offload.reader import UnitReader, alloc_buffer
+    from infer.offload.reader import alloc_buffer
     from infer.runtime.checkpoint import read_checkpoint
 
     ckpt = read_checkpoint(path)
@@ -175,19 +175,9 @@ def disk_bandwidth(path: Path, n_reads: int = 96) -> dict:
     rng = random.Random(time.time_ns())
     figures = {}
     for depth in (1, 2, 4, 8):
-        drop_cache(ckpt.file)
         units = rng.sample(experts, n_reads)
         bufs = [alloc_buffer(size) for _ in range(depth)]
-        with UnitReader(ckpt.file, ckpt.ranges, None, workers=depth) as reader:
-            t0 = time.perf_counter()
-            tickets = [reader.submit(u, bufs[i]) for i, u in enumerate(units[:depth])]
-            for i in range(len(units)):
-                tickets[i].wait()
-                if i + depth < len(units):
-                    tickets.append(reader.submit(units[i + depth], bufs[i % depth]))
-            nbytes = sum(ckpt.ranges[u][1] - ckpt.ranges[u][0] for u in units)
-            figures[f"{depth}_in_flight"] = nbytes / (time.perf_counter() - t0) / 1e9
-            method = reader.method
+        figures[f"{depth}_in_flight"], method = read_rate(ckpt, units, bufs)
     return {"gb_s": max(figures.values()), "by_depth": figures, "method": method}
 
 

@@ -157,8 +157,10 @@ def drop_cache(file: Path) -> None:
         os.close(fd)
 
 
-def read_rate(ckpt, units: list[str], bufs: list) -> float:
-    """GB/s reading `units` once with O_DIRECT, one read in flight per buffer."""
+def read_rate(ckpt, units: list[str], bufs: list) -> tuple[float, str]:
+    """(GB/s, the reader's method) reading `units` once with O_DIRECT (where the file
+    system takes it), one read in flight per buffer, the page cache dropped first.
+    Shared with moe_offload_bench.py."""
     from infer.offload.reader import UnitReader
 
     drop_cache(ckpt.file)
@@ -171,7 +173,8 @@ def read_rate(ckpt, units: list[str], bufs: list) -> float:
             if i + depth < len(units):
                 tickets.append(reader.submit(units[i + depth], bufs[i % depth]))
         seconds = time.perf_counter() - t0
-    return sum(ckpt.ranges[u][1] - ckpt.ranges[u][0] for u in units) / seconds / 1e9
+        method = reader.method
+    return sum(ckpt.ranges[u][1] - ckpt.ranges[u][0] for u in units) / seconds / 1e9, method
 
 
 def peak_rss() -> int:
@@ -226,7 +229,7 @@ def child(path: Path, mode: str, budget: int, n_tokens: int, logits_out: Path) -
     if stream is not None:
         units = list(plan.streamed)
         extra = [alloc_buffer(plan.slot_bytes) for _ in range(4 - len(stream.slots))]
-        disk.append(read_rate(ckpt, units, [*stream.slots, *extra]))
+        disk.append(read_rate(ckpt, units, [*stream.slots, *extra])[0])
         del extra
         reset_peak_rss()
     with PeakSampler(file) as decode_peak:
@@ -252,7 +255,7 @@ def child(path: Path, mode: str, budget: int, n_tokens: int, logits_out: Path) -
     else:
         stream.close()  # reads in flight finish: the buffers are free again
         extra = [alloc_buffer(plan.slot_bytes) for _ in range(4 - len(stream.slots))]
-        disk.append(read_rate(ckpt, list(plan.streamed), [*stream.slots, *extra]))
+        disk.append(read_rate(ckpt, list(plan.streamed), [*stream.slots, *extra])[0])
         out |= {
             "disk_gb_s": disk,
             "budget": budget,

@@ -54,9 +54,11 @@ static void *aligned(size_t bytes) {
 }
 
 /* Prepare one GEMV as a job: what its rows share (x's group sums and int8 digits) and its
- * split into tasks for `nthreads`. `tmp` receives what must be freed after the job. */
+ * split into tasks for `nthreads`. `tmp` receives what must be freed after the job.
+ * `xq_ready`: x's digits in this format's layout from an earlier job of the same x
+ * (q, k and v share one x), or NULL. */
 static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads, job_t *j,
-                        void *tmp[2]) {
+                        void *tmp[2], const void *xq_ready) {
     *j = (job_t){a, bits == 8 ? kt->q8_gemv : kt->q4_gemv, NULL, NULL, 0, NULL};
     tmp[0] = tmp[1] = NULL;
     if (bits == 4) { /* group sums of x, shared by every row: the mins' (or -8 d's) term */
@@ -73,9 +75,12 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
         }
         a->xsum = xsum;
         if (kt->q4_xprep) { /* x as int8 digits; x with inf or NaN keeps the float GEMV */
-            if (!(tmp[1] = aligned(XPREP_BYTES(a->K)))) return -1;
-            if (kt->q4_xprep(a->x, a->K, tmp[1]) == 0) {
-                a->xq = tmp[1];
+            if (!xq_ready) {
+                if (!(tmp[1] = aligned(XPREP_BYTES(a->K)))) return -1;
+                if (kt->q4_xprep(a->x, a->K, tmp[1]) == 0) xq_ready = tmp[1];
+            }
+            if (xq_ready) {
+                a->xq = xq_ready;
                 j->gemv = kt->q4_gemv_digits;
             }
         }
@@ -83,17 +88,20 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
     if (bits == 8 && kt->q8_xprep) { /* x as int8 digits; x with inf or NaN: float GEMV */
         const int64_t K = a->K, B = (K + 31) / 32;
         const int64_t G = a->g ? K / a->g : 1, per = a->g ? a->g / 32 : B; /* blocks a group */
-        if (!(tmp[1] = aligned(XPREP8_BYTES(K))) || !(tmp[0] = malloc((size_t)G * sizeof(float))))
-            return -1;
-        if (kt->q8_xprep(a->x, K, tmp[1]) == 0) {
-            const float *xs = xprep8_xs(tmp[1], K);
+        if (!(tmp[0] = malloc((size_t)G * sizeof(float)))) return -1;
+        if (!xq_ready) {
+            if (!(tmp[1] = aligned(XPREP8_BYTES(K)))) return -1;
+            if (kt->q8_xprep(a->x, K, tmp[1]) == 0) xq_ready = tmp[1];
+        }
+        if (xq_ready) {
+            const float *xs = xprep8_xs((void *)xq_ready, K);
             float *xsum = tmp[0];
             for (int64_t gi = 0; gi < G; gi++) { /* -128 sx sum X over the group's blocks */
                 float t = 0;
                 for (int64_t b = gi * per; b < (gi + 1) * per; b++) t += xs[b];
                 xsum[gi] = t;
             }
-            a->xq = tmp[1];
+            a->xq = xq_ready;
             a->xsum = xsum;
             j->gemv = kt->q8_gemv_digits;
         }
@@ -116,7 +124,7 @@ static int gemv(int bits, qmat *a, const kernel_table *kt, int nthreads) {
     nthreads = gemv_threads(a->N * row_bytes, nthreads);
     job_t j;
     void *tmp[2];
-    int rc = gemv_prepare(bits, a, kt, nthreads, &j, tmp);
+    int rc = gemv_prepare(bits, a, kt, nthreads, &j, tmp, NULL);
     if (!rc) pool_run(nthreads, (a->N + j.rows - 1) / j.rows, gemv_task, &j);
     free(tmp[0]);
     free(tmp[1]);
@@ -144,6 +152,7 @@ int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nt
     int64_t bytes = 0;
     for (int i = 0; i < n; i++) {
         a[i] = *a_in[i];
+        a[i].xq = NULL; /* set by gemv_prepare */
         if (a[i].M != 1) return -1;
         bytes += a[i].N * a[i].K * bits[i] / 8;
     }
@@ -152,7 +161,10 @@ int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nt
     void *tmp[Q_GEMV_MANY_MAX][2] = {{0}};
     int rc = 0;
     for (int i = 0; i < n && !rc; i++) {
-        rc = gemv_prepare(bits[i], &a[i], kt, nthreads, &m.jobs[i], tmp[i]);
+        const void *xq = NULL; /* x's digits, when an earlier matrix of the kind had them */
+        for (int k = 0; k < i && !xq; k++)
+            if (a[k].x == a[i].x && a[k].K == a[i].K && bits[k] == bits[i]) xq = a[k].xq;
+        rc = gemv_prepare(bits[i], &a[i], kt, nthreads, &m.jobs[i], tmp[i], xq);
         m.first[i + 1] = m.first[i] + (a[i].N + m.jobs[i].rows - 1) / m.jobs[i].rows;
     }
     if (!rc) pool_run(nthreads, m.first[n], many_task, &m);

@@ -4,7 +4,8 @@ Registered by main.py. The work is three library calls: load the source as float
 (`load_weights`), swap its layers for quantized ones (`quant.quantize_model`, which
 imports GGUF Q8_0/Q4_0/Q4_1 blocks losslessly where the format matches), and write
 the checkpoint atomically (`runtime.checkpoint.save_checkpoint`). With --calibrate the
-text is tokenized here and quantize_model quantizes by GPTQ on it (quant/gptq.py).
+text is tokenized here and quantize_model quantizes by GPTQ on it (quant/gptq.py); with
+--tune too, it then trains the scales end to end on that text (quant/tune.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ Calibrate = Annotated[
         show_default=False,
     ),
 ]
+Tune = Annotated[
+    int,
+    typer.Option(
+        "--tune",
+        min=0,
+        help="With --calibrate: then train the quantized layers' scales for this many "
+        "steps (1024 tokens each) so the model's outputs on the text match the original "
+        "model's (end-to-end tuning; helps most at 2-3 bits). 0: off.",
+    ),
+]
 CalibTokens = Annotated[
     int,
     typer.Option(
@@ -74,6 +85,7 @@ def quantize(
     force: Force = False,
     calibrate: Calibrate = None,
     calib_tokens: CalibTokens = 8192,
+    tune: Tune = 0,
     threads: Threads = None,
     json_out: Json = False,
     debug: Debug = False,
@@ -81,6 +93,8 @@ def quantize(
     """Quantize a model into infer's own format and report the error per tensor."""
     if output.exists() and not force:
         raise InferError(f"{output} exists (use --force to replace it)")
+    if tune and calibrate is None:
+        raise InferError("--tune trains on calibration text: give it with --calibrate FILE")
 
     from infer.runtime.registry import resolve
 
@@ -101,9 +115,10 @@ def quantize(
         dequantize_model(model)  # a no-op unless SRC is itself quantized
         tokenizer = load_tokenizer(info)
 
-    calibration = None
+    calibration = tuning = None
     if calibrate is not None:
         from infer.quant.gptq import calibration_windows
+        from infer.quant.tune import BATCH, WINDOW, Tuning, tuning_windows
 
         with status(f"tokenizing {calibrate}"):
             tokens = tokenizer.encode(
@@ -112,13 +127,35 @@ def quantize(
         bos = tokenizer.bos_id if tokenizer.add_bos else None
         ctx = min(CALIB_CTX, info.args.max_seq_len)
         calibration = calibration_windows(tokens, calib_tokens, ctx, bos)
+        if tune:
+            windows = tuning_windows(tokens, tune, bos, min(WINDOW, info.args.max_seq_len))
+            tuning = Tuning(windows, tune)
 
+    losses: list[float] = []
     t0 = time.perf_counter()
-    with _progress() as advance:
+    with _progress() as (advance, tuning_step):
+        if tuning is not None:
+
+            def step(done: int, total: int, loss: float | None) -> None:
+                if loss is not None:
+                    losses.append(loss)
+                tuning_step(done, total, loss)
+
+            tuning.progress = step
         reports = quantize_model(
-            model, recipe, gguf=info.gguf, progress=advance, calibration=calibration
-        )
+            model, recipe, gguf=info.gguf, progress=advance, calibration=calibration,
+            tuning=tuning,
+        )  # fmt: skip
     seconds = time.perf_counter() - t0
+    tail = losses[-max(1, len(losses) // 10) :]  # the last tenth of the steps
+    tune_summary = None
+    if losses:
+        tune_summary = {
+            "steps": len(losses),
+            "tokens": len(losses) * BATCH * tuning.windows.shape[1],
+            "kl_first_step": losses[0],
+            "kl_last_steps": sum(tail) / len(tail),
+        }
 
     with status(f"writing {output}"):
         save_checkpoint(
@@ -149,6 +186,7 @@ def quantize(
                     "tokens": calibration.numel(),
                     "windows": calibration.shape[0],
                 },
+                "tuning": tune_summary,
                 "tensors": [r.__dict__ for r in reports],
             }
         )
@@ -160,7 +198,7 @@ def quantize(
             r.format + ("" if not r.params else " " + _params(r.params)),
             f"{r.max_abs_error:.3g}",
             f"{r.rel_rms_error:.4f}",
-            "imported" if r.imported else "",
+            "imported" if r.imported else "tuned" if r.tuned else "",
         ]
         for r in reports
     ]
@@ -175,6 +213,12 @@ def quantize(
             f"GPTQ on {calibration.numel()} tokens of {calibrate} "
             f"({calibration.shape[0]} windows); quantized in {seconds:.0f} s"
         )
+    if tune_summary is not None:
+        print(
+            f"tuned scales for {tune_summary['steps']} steps ({tune_summary['tokens']} tokens): "
+            f"KL to the original on the calibration text {tune_summary['kl_first_step']:.4f} "
+            f"-> {tune_summary['kl_last_steps']:.4f}"
+        )
     print(
         f"{len(reports)} tensors: {human_bytes(before)} as float32 -> {human_bytes(after)} "
         f"(source file {human_bytes(info.file_bytes)}); wrote {output}"
@@ -186,16 +230,17 @@ def _params(params: dict) -> str:
 
 
 class _progress:
-    """A rich progress bar over tensors on a terminal's stderr; silent otherwise."""
+    """Rich progress bars on a terminal's stderr, over tensors and then tuning steps;
+    silent otherwise. Gives the two callbacks (quantize_model's and tune's)."""
 
     def __enter__(self):
         if not is_tty():
-            return lambda name, done, total: None
+            return (lambda *_: None), (lambda *_: None)
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self.bar = Progress(
-            TextColumn("quantizing {task.fields[name]:<32}"),
+            TextColumn("{task.fields[name]:<43}"),
             BarColumn(),
             MofNCompleteColumn(),
             console=Console(file=sys.stderr),
@@ -205,9 +250,13 @@ class _progress:
         self.task = self.bar.add_task("", total=None, name="")
 
         def advance(name: str, done: int, total: int) -> None:
+            self.bar.update(self.task, completed=done, total=total, name=f"quantizing {name}")
+
+        def tuned(done: int, total: int, loss: float | None) -> None:
+            name = "original model on the text" if loss is None else f"tuning (KL {loss:.4f})"
             self.bar.update(self.task, completed=done, total=total, name=name)
 
-        return advance
+        return advance, tuned
 
     def __exit__(self, *exc):
         if hasattr(self, "bar"):

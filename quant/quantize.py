@@ -15,6 +15,11 @@ With calibration tokens, the linear layers are quantized by GPTQ (gptq.py) again
 the inputs they see on that text, block by block, each block fed through the ones
 before it already quantized. Weights with no such inputs (embedding tables, a tied
 output layer) and GGUF imports are quantized first, as without calibration.
+
+With a `tune.Tuning`, the float model first runs over its windows as the teacher, and
+after quantization the scales of the blocks' linear layers that were quantized (not
+imported) are trained end to end against it (tune.py). Their reports then give the
+errors of the tuned weights.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torch import nn
 from ..runtime.errors import InferError
 from ..runtime.gguf_file import GGUFFile, GGUFTensor
 from ..runtime.llama import Transformer
-from . import gptq
+from . import gptq, tune
 from .base import FORMATS, QuantEmbedding, QuantLinear
 from .gguf_import import from_gguf, importable
 from .int4 import GroupSizeError
@@ -51,8 +56,10 @@ class TensorReport:
     bytes_before: int
     bytes_after: int
     imported: bool = False  # GGUF blocks moved as they are, not requantized
-    # GPTQ only: ||X W_q^T - X W^T|| / ||X W^T|| over the calibration inputs X
+    # GPTQ only: ||X W_q^T - X W^T|| / ||X W^T|| over the calibration inputs X (as GPTQ
+    # left it, before any tuning)
     rel_output_error: float | None = None
+    tuned: bool = False  # scales trained end to end (tune.py) after quantization
 
 
 def _gguf_tensor(gguf: GGUFFile, name: str, tied: bool) -> GGUFTensor | None:
@@ -121,13 +128,18 @@ def quantize_model(
     gguf: GGUFFile | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     calibration: torch.Tensor | None = None,
+    tuning: tune.Tuning | None = None,
 ) -> list[TensorReport]:
     """Replace, in place, each weight `recipe` gives a format; one report per tensor.
 
     `progress(name, done, total)` is called after each tensor. `calibration`: token ids,
     (n_windows, T) or (T,) (see gptq.calibration_windows), to quantize the linear layers
-    by GPTQ on; the model must then be a Transformer (llama.py).
+    by GPTQ on; `tuning`: to then tune their scales end to end (tune.py). With either
+    the model must be a Transformer (llama.py).
     """
+    targets = None
+    if tuning is not None:
+        targets = tune.teacher_targets(model, tuning.windows, tuning.progress)
     embeddings = {
         id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Embedding)
     }
@@ -145,6 +157,7 @@ def quantize_model(
     jobs = [job for job in jobs if job[1] is not None]
 
     reports: dict[str, TensorReport] = {}
+    floats: dict[str, torch.Tensor] = {}  # float weights of the layers to tune
 
     def run(name: str, spec: dict, tied: str | None, hessian=None) -> None:
         # Look modules up by name and drop them after, so each float weight is freed as
@@ -158,6 +171,8 @@ def quantize_model(
         out_err = None
         if hessian is not None and not imported:
             out_err = gptq.output_error(weight, q.dequantize(), hessian)
+        if targets is not None and name.startswith("layers.") and not imported:
+            floats[name] = weight  # kept to report the tuned weights' errors
         if isinstance(module, nn.Embedding):
             _set(model, name, QuantEmbedding(q))
         else:
@@ -208,6 +223,15 @@ def quantize_model(
         # fit: round it to nearest, as without calibration.
         for name in [n for n in by_name if n in calibrated and n not in reports]:
             run(*by_name[name])
+    if targets is not None and floats:
+        tune.tune_scales(
+            model, targets, set(floats), tuning.steps, lr=tuning.lr, progress=tuning.progress
+        )
+        for name, weight in floats.items():
+            r = reports[name]
+            r.max_abs_error, r.rel_rms_error = _errors(model.get_submodule(name), weight)
+            r.tuned = True
+        floats.clear()
     if isinstance(model, Transformer):
         model.prepare_fused_decode()  # the step's plan points at the modules replaced here
     return [reports[name] for name, _, _ in jobs]

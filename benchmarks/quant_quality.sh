@@ -2,8 +2,9 @@
 # Quality of each quantization of a model against its float32 self, as llama.cpp users
 # compare them: `infer quantize` to each format, then `infer eval --ref` on WikiText-2
 # (40 windows of 512 tokens). The formats in `calibrated` are quantized a second time by
-# GPTQ on tinyshakespeare (never the evaluation text). One JSON file per run in OUT
-# (NAME.json; NAME.gptq.json for GPTQ); tables at the end.
+# GPTQ on tinyshakespeare (never the evaluation text), and those in `tuned` a third time,
+# by GPTQ and then $TUNE steps of end-to-end scale tuning (`--tune`) on the same text. One
+# JSON file per run in OUT (NAME.json; NAME.gptq.json, NAME.tuned.json); tables at the end.
 #
 #   benchmarks/quant_quality.sh [MODEL] [OUT]     (defaults: smollm2-135m, ./quant-quality)
 set -euo pipefail
@@ -13,11 +14,13 @@ data=$(dirname "$0")/../../shared/data
 text=$data/wikitext-2-test.txt
 calib=$data/tinyshakespeare.txt
 chunks=${CHUNKS:-40}
+tune=${TUNE:-100}
 mkdir -p "$out"
 
 formats=("int8" "int8 -g 0" "int4 --symmetric" "int4 --asymmetric" "mixed" "q4_k_m" "lut4"
          "lut3_m" "lut3" "lut2_m" "lut2")
 calibrated=("int4 --symmetric" "lut4" "lut3_m" "lut3" "lut2_m" "lut2")
+tuned=("lut3_m" "lut2_m")
 
 run() {  # run NAME FORMAT... : quantize (with any extra options) and evaluate, once
   local name=$1; shift
@@ -34,11 +37,15 @@ done
 for f in "${calibrated[@]}"; do
   run "$(echo "$f" | tr -d ' -').gptq" $f --calibrate "$calib"
 done
+for f in "${tuned[@]}"; do
+  run "$(echo "$f" | tr -d ' -').tuned" $f --calibrate "$calib" --tune "$tune"
+done
 
-python3 - "$out" "${#formats[@]}" "${formats[@]}" "${calibrated[@]}" <<'PY'
+python3 - "$out" "$tune" "${#formats[@]}" "${#calibrated[@]}" "${formats[@]}" "${calibrated[@]}" \
+  "${tuned[@]}" <<'PY'
 import json, os, sys
-out, n = sys.argv[1], int(sys.argv[2])
-formats, calibrated = sys.argv[3 : 3 + n], sys.argv[3 + n :]
+out, tune, n, m = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+formats, calibrated, tuned = sys.argv[5 : 5 + n], sys.argv[5 + n : 5 + n + m], sys.argv[5 + n + m :]
 
 def table(title, names):
     print(title)
@@ -57,5 +64,6 @@ def table(title, names):
 key = lambda f: f.replace(" ", "").replace("-", "")
 table("round to nearest", [(f, key(f)) for f in formats])
 e = table("\nGPTQ (--calibrate tinyshakespeare.txt)", [(f, key(f) + ".gptq") for f in calibrated])
+table(f"\nGPTQ, then --tune {tune}", [(f, key(f) + ".tuned") for f in tuned])
 print(f"reference (float32): PPL {e['ref']['ppl']:.3f}")
 PY

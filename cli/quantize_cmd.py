@@ -147,6 +147,8 @@ def quantize(
             tuning=tuning,
         )  # fmt: skip
     seconds = time.perf_counter() - t0
+    if tuning is not None and not losses:
+        print("note: nothing to tune: every block layer was imported as it is", file=sys.stderr)
     tail = losses[-max(1, len(losses) // 10) :]  # the last tenth of the steps
     tune_summary = None
     if losses:

@@ -137,9 +137,6 @@ def quantize_model(
     by GPTQ on; `tuning`: to then tune their scales end to end (tune.py). With either
     the model must be a Transformer (llama.py).
     """
-    targets = None
-    if tuning is not None:
-        targets = tune.teacher_targets(model, tuning.windows, tuning.progress)
     embeddings = {
         id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Embedding)
     }
@@ -156,6 +153,16 @@ def quantize_model(
             jobs.append((name, recipe(name), None))
     jobs = [job for job in jobs if job[1] is not None]
 
+    def source_of(name: str, tied: str | None) -> GGUFTensor | None:
+        return None if gguf is None else _gguf_tensor(gguf, name, tied is not None)
+
+    targets = None
+    if tuning is not None and any(
+        name.startswith("layers.")
+        and not _imports(model.get_submodule(name).weight, spec, source_of(name, tied))
+        for name, spec, tied in jobs
+    ):  # some block layer will be quantized, not imported: the float model is the teacher
+        targets = tune.teacher_targets(model, tuning.windows, tuning.progress)
     reports: dict[str, TensorReport] = {}
     floats: dict[str, torch.Tensor] = {}  # float weights of the layers to tune
 
@@ -165,7 +172,7 @@ def quantize_model(
         module = model.get_submodule(name)
         weight = module.weight
         bias = module.bias if isinstance(module, nn.Linear) else None
-        source = None if gguf is None else _gguf_tensor(gguf, name, tied is not None)
+        source = source_of(name, tied)
         q, imported = _quantize(weight, bias, spec, source, hessian)
         max_abs, rel_rms = _errors(q, weight)
         out_err = None
@@ -205,7 +212,7 @@ def quantize_model(
         calibrated = set()
         for name, spec, tied in jobs:
             module = model.get_submodule(name)
-            source = None if gguf is None else _gguf_tensor(gguf, name, tied is not None)
+            source = source_of(name, tied)
             if (
                 isinstance(module, nn.Linear)
                 and tied is None

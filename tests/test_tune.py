@@ -14,7 +14,7 @@ from infer.quant import tune
 from infer.quant.base import FORMATS, QuantLinear
 from infer.quant.quantize import quantize_model
 from infer.quant.recipes import get_recipe
-from infer.runtime.loader import inspect_model, load_weights
+from infer.runtime.loader import inspect_model, load_model, load_weights
 
 
 @pytest.mark.parametrize(("fmt", "params"), SPECS)
@@ -116,6 +116,21 @@ def test_quantize_model_with_tuning(tiny_dirs):  # noqa: F811
     assert tuned == {r.name for r in reports if r.name.startswith("layers.")}
     assert "lm_head" not in tuned  # tied: the embedding table stays as quantized
     assert all(0 < r.rel_rms_error < 1 for r in reports)
+
+
+def test_nothing_to_tune_when_every_layer_is_imported(smollm2_gguf):
+    """int4 g32 asymmetric is the default model's Q4_1: every block layer is imported as
+    it is, so the teacher never runs and nothing is tuned."""
+    lm = load_model(smollm2_gguf, max_seq_len=32)
+    calls = []
+    tuning = tune.Tuning(
+        torch.zeros(1, 8, dtype=torch.long), 2, progress=lambda *a: calls.append(a)
+    )
+    reports = quantize_model(
+        lm.model, get_recipe("int4"), gguf=lm.info.gguf, calibration=tuning.windows, tuning=tuning
+    )
+    assert all(r.imported and not r.tuned for r in reports)
+    assert calls == []
 
 
 def infer(*args):

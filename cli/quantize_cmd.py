@@ -218,8 +218,8 @@ def quantize(
     if tune_summary is not None:
         print(
             f"tuned scales for {tune_summary['steps']} steps ({tune_summary['tokens']} tokens): "
-            f"KL to the original on the calibration text {tune_summary['kl_first_step']:.4f} "
-            f"-> {tune_summary['kl_last_steps']:.4f}"
+            f"KL to the original on the calibration text {tune_summary['kl_first_step']:.4g} "
+            f"-> {tune_summary['kl_last_steps']:.4g}"
         )
     print(
         f"{len(reports)} tensors: {human_bytes(before)} as float32 -> {human_bytes(after)} "

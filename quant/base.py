@@ -26,6 +26,12 @@ def register(cls: type[QuantLinear]) -> type[QuantLinear]:
     return cls
 
 
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` at dotted `name` in `model` (where a layer is swapped for another)."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
 class QuantLinear(nn.Module):
     format: ClassVar[str]
 

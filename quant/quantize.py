@@ -35,7 +35,7 @@ from ..runtime.errors import InferError
 from ..runtime.gguf_file import GGUFFile, GGUFTensor
 from ..runtime.llama import Transformer
 from . import gptq, tune
-from .base import FORMATS, QuantEmbedding, QuantLinear
+from .base import FORMATS, QuantEmbedding, QuantLinear, set_module
 from .gguf_import import from_gguf, importable
 from .int4 import GroupSizeError
 from .recipes import Recipe
@@ -115,11 +115,6 @@ def _errors(q: QuantLinear, weight: torch.Tensor) -> tuple[float, float]:
     return diff.abs().max().item() if diff.numel() else 0.0, rel
 
 
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, module)
-
-
 @torch.no_grad()
 def quantize_model(
     model: nn.Module,
@@ -181,11 +176,11 @@ def quantize_model(
         if targets is not None and name.startswith("layers.") and not imported:
             floats[name] = weight  # kept to report the tuned weights' errors
         if isinstance(module, nn.Embedding):
-            _set(model, name, QuantEmbedding(q))
+            set_module(model, name, QuantEmbedding(q))
         else:
-            _set(model, name, q)
+            set_module(model, name, q)
             if tied is not None:
-                _set(model, tied, QuantEmbedding(q))
+                set_module(model, tied, QuantEmbedding(q))
         reports[name] = TensorReport(
             name,
             q.format,
@@ -260,7 +255,7 @@ def dequantize_model(model: nn.Module) -> None:
 
     for name, m in list(model.named_modules(remove_duplicate=False)):
         if isinstance(m, QuantEmbedding):
-            _set(model, name, nn.Embedding.from_pretrained(weight_of(m.table), freeze=True))
+            set_module(model, name, nn.Embedding.from_pretrained(weight_of(m.table), freeze=True))
         elif isinstance(m, QuantLinear) and not name.endswith(".table"):
             linear = nn.Linear(
                 m.in_features, m.out_features, bias=m.bias is not None, device="meta"
@@ -268,6 +263,6 @@ def dequantize_model(model: nn.Module) -> None:
             linear.weight = weight_of(m)
             if m.bias is not None:
                 linear.bias = nn.Parameter(m.bias.float(), requires_grad=False)
-            _set(model, name, linear)
+            set_module(model, name, linear)
     if isinstance(model, Transformer):
         model.prepare_fused_decode()

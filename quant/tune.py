@@ -47,7 +47,7 @@ from torch import nn
 
 from ..runtime.errors import InferError
 from ..runtime.llama import Transformer
-from .base import QuantLinear
+from .base import QuantLinear, set_module
 from .gptq import calibration_windows
 
 TOP_K = 64  # teacher probabilities kept per position
@@ -198,11 +198,6 @@ class _Frozen(nn.Module):
         return F.linear(x, self.weight, self.q.bias)
 
 
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, module)
-
-
 @contextlib.contextmanager
 def _differentiable(model: Transformer, names: set[str]) -> Iterator[dict[str, _Tuned]]:
     """Swap each QuantLinear for a _Tuned (`names`) or a _Frozen one; on exit put back
@@ -213,13 +208,13 @@ def _differentiable(model: Transformer, names: set[str]) -> Iterator[dict[str, _
     for name, m in list(model.named_modules(remove_duplicate=False)):
         if isinstance(m, QuantLinear) and not name.endswith(".table"):
             swapped[name] = _Tuned(m) if name in names else _Frozen(m)
-            _set(model, name, swapped[name])
+            set_module(model, name, swapped[name])
     tuned = {n: m for n, m in swapped.items() if isinstance(m, _Tuned)}
     try:
         yield tuned
     finally:
         for name, m in swapped.items():
-            _set(model, name, m.packed() if isinstance(m, _Tuned) else m.q)
+            set_module(model, name, m.packed() if isinstance(m, _Tuned) else m.q)
         model.prepare_fused_decode()
 
 

@@ -3,12 +3,10 @@ model, moves only scales and mins, lowers the KL to the float model, and is wire
 through quantize_model and `infer quantize --tune`."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from test_gptq import SPECS, tiny_dirs  # noqa: F401  (a fixture)
+from test_gptq import SPECS, infer, tiny_dirs  # noqa: F401  (tiny_dirs: a fixture)
 
 from infer.quant import tune
 from infer.quant.base import FORMATS, QuantLinear
@@ -131,16 +129,6 @@ def test_nothing_to_tune_when_every_layer_is_imported(smollm2_gguf):
     )
     assert all(r.imported and not r.tuned for r in reports)
     assert calls == []
-
-
-def infer(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "infer.cli.main", *map(str, args)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_cli_tune(tiny_dirs, tmp_path):  # noqa: F811

@@ -386,6 +386,39 @@ class _Hessians:
         return {name: H[root] for name, root in self.alias.items()}
 
 
+def block_hessians(
+    block: nn.Module,
+    prefix: str,
+    names: set[str],
+    xs: list[torch.Tensor],
+    rope: tuple[torch.Tensor, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """{name: H} for the linear layers of `block` (named `prefix` + its own name) that are
+    in `names`, on the block's inputs xs (each (1, T, dim), at positions from 0)."""
+    modules = {
+        prefix + n: m
+        for n, m in block.named_modules()
+        if prefix + n in names and isinstance(m, nn.Linear)
+    }
+    if not modules:
+        return {}
+    hessians = _Hessians(modules)
+    try:
+        for x in xs:
+            block(x, 0, *rope)
+    finally:
+        H = hessians.close()
+    return H
+
+
+def head_hessian(model: nn.Module, xs: list[torch.Tensor]) -> torch.Tensor:
+    """H of the output layer's inputs, given the last block's outputs xs: taken from the
+    final norm's outputs directly, since running the layer would make (n * T, vocab)
+    logits."""
+    xtx = sum(_xtx(model.norm(x)) for x in xs)
+    return 2 * xtx / sum(x.shape[1] for x in xs)
+
+
 @torch.no_grad()
 def layer_hessians(
     model: nn.Module, windows: torch.Tensor, names: set[str]
@@ -406,23 +439,11 @@ def layer_hessians(
         cos, sin = model.rope_cos[:T], model.rope_sin[:T]
         xs = [model.embed_tokens(w[None]).to(dtype) for w in windows]  # each (1, T, dim)
         for i, layer in enumerate(model.layers):
-            modules = {
-                f"layers.{i}.{n}": m
-                for n, m in layer.named_modules()
-                if f"layers.{i}.{n}" in names and isinstance(m, nn.Linear)
-            }
-            if modules:
-                hessians = _Hessians(modules)
-                try:
-                    for x in xs:
-                        layer(x, 0, cos, sin)
-                finally:
-                    H = hessians.close()
+            H = block_hessians(layer, f"layers.{i}.", names, xs, (cos, sin))
+            if H:
                 yield H
             xs = [layer(x, 0, cos, sin) for x in xs]
         if "lm_head" in names and isinstance(model.lm_head, nn.Linear):
-            # Its inputs directly: running it would make (n * T, vocab) logits.
-            xtx = sum(_xtx(model.norm(x)) for x in xs)
-            yield {"lm_head": 2 * xtx / sum(x.shape[1] for x in xs)}
+            yield {"lm_head": head_hessian(model, xs)}
     finally:
         model.setup_caches(saved_len, dtype)

@@ -98,7 +98,7 @@ class _FullSequence(nn.Module):
 
 
 @contextlib.contextmanager
-def _full_sequences(model: Transformer, T: int) -> Iterator[None]:
+def full_sequences(model: Transformer, T: int) -> Iterator[None]:
     """Rope tables for T positions and pass-through caches; the model's restored after."""
     dtype, saved_len = model.rope_cos.dtype, model.max_seq_len
     model.setup_caches(T, dtype)
@@ -135,7 +135,7 @@ def teacher_targets(
 
     `progress(done, total, None)` is called after each window."""
     ids, logp = [], []
-    with _full_sequences(model, windows.shape[1]):
+    with full_sequences(model, windows.shape[1]):
         for i, w in enumerate(windows):
             logits = _window_logits(model, w)
             top = logits.topk(TOP_K, dim=-1).indices  # (T, TOP_K)
@@ -186,7 +186,7 @@ class _Tuned(nn.Module):
         return type(self.q).from_tensors(t, self.q.params, self.q.bias)
 
 
-class _Frozen(nn.Module):
+class Frozen(nn.Module):
     """A QuantLinear as a plain float linear layer (its C kernels keep no autograd graph)."""
 
     def __init__(self, q: QuantLinear):
@@ -200,14 +200,14 @@ class _Frozen(nn.Module):
 
 @contextlib.contextmanager
 def _differentiable(model: Transformer, names: set[str]) -> Iterator[dict[str, _Tuned]]:
-    """Swap each QuantLinear for a _Tuned (`names`) or a _Frozen one; on exit put back
+    """Swap each QuantLinear for a _Tuned (`names`) or a Frozen one; on exit put back
     the tuned layers packed, and the others as they were."""
     swapped: dict[str, nn.Module] = {}
     # remove_duplicate=False: a tied output layer is also the embedding's ".table"; the
     # embedding looks rows up in its buffers, which stay, so only "lm_head" is swapped.
     for name, m in list(model.named_modules(remove_duplicate=False)):
         if isinstance(m, QuantLinear) and not name.endswith(".table"):
-            swapped[name] = _Tuned(m) if name in names else _Frozen(m)
+            swapped[name] = _Tuned(m) if name in names else Frozen(m)
             set_module(model, name, swapped[name])
     tuned = {n: m for n, m in swapped.items() if isinstance(m, _Tuned)}
     try:
@@ -242,7 +242,7 @@ def tune_scales(
     T = targets.windows.shape[1]
     # Exits in reverse: the caches come back before the layers are packed and the
     # fused decode step is rebuilt over both.
-    with torch.enable_grad(), _differentiable(model, names) as tuned, _full_sequences(model, T):
+    with torch.enable_grad(), _differentiable(model, names) as tuned, full_sequences(model, T):
         params = [p for m in tuned.values() for p in m.parameters()]
         opt = torch.optim.Adam(params, lr=lr)
         for step in range(steps):

@@ -16,6 +16,10 @@ the inputs they see on that text, block by block, each block fed through the one
 before it already quantized. Weights with no such inputs (embedding tables, a tied
 output layer) and GGUF imports are quantized first, as without calibration.
 
+With a `block_ap.BlockTraining` as well, the calibrated layers are instead rounded
+and then trained block by block, weights and scales, to reproduce each float block's
+outputs (block_ap.py); an untied output layer, outside the blocks, still takes GPTQ.
+
 With a `tune.Tuning`, the float model first runs over its windows as the teacher, and
 after quantization the scales of the blocks' linear layers that were quantized (not
 imported) are trained end to end against it (tune.py). Their reports then give the
@@ -34,7 +38,7 @@ from torch import nn
 from ..runtime.errors import InferError
 from ..runtime.gguf_file import GGUFFile, GGUFTensor
 from ..runtime.llama import Transformer
-from . import gptq, tune
+from . import block_ap, gptq, tune
 from .base import FORMATS, QuantEmbedding, QuantLinear, set_module
 from .gguf_import import from_gguf, importable
 from .int4 import GroupSizeError
@@ -59,6 +63,7 @@ class TensorReport:
     # GPTQ only: ||X W_q^T - X W^T|| / ||X W^T|| over the calibration inputs X (as GPTQ
     # left it, before any tuning)
     rel_output_error: float | None = None
+    trained: bool = False  # weights and scales trained with their block (block_ap.py)
     tuned: bool = False  # scales trained end to end (tune.py) after quantization
 
 
@@ -123,14 +128,16 @@ def quantize_model(
     gguf: GGUFFile | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     calibration: torch.Tensor | None = None,
+    training: block_ap.BlockTraining | None = None,
     tuning: tune.Tuning | None = None,
 ) -> list[TensorReport]:
     """Replace, in place, each weight `recipe` gives a format; one report per tensor.
 
     `progress(name, done, total)` is called after each tensor. `calibration`: token ids,
     (n_windows, T) or (T,) (see gptq.calibration_windows), to quantize the linear layers
-    by GPTQ on; `tuning`: to then tune their scales end to end (tune.py). With either
-    the model must be a Transformer (llama.py).
+    by GPTQ on; `training`: to quantize them by Block-AP on it instead (block_ap.py);
+    `tuning`: to then tune their scales end to end (tune.py). With any of these the
+    model must be a Transformer (llama.py).
     """
     embeddings = {
         id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Embedding)
@@ -173,8 +180,12 @@ def quantize_model(
         out_err = None
         if hessian is not None and not imported:
             out_err = gptq.output_error(weight, q.dequantize(), hessian)
-        if targets is not None and name.startswith("layers.") and not imported:
-            floats[name] = weight  # kept to report the tuned weights' errors
+        if (
+            (targets is not None or training is not None)
+            and name.startswith("layers.")
+            and not imported
+        ):
+            floats[name] = weight  # kept to report the trained or tuned weights' errors
         if isinstance(module, nn.Embedding):
             set_module(model, name, QuantEmbedding(q))
         else:
@@ -218,9 +229,17 @@ def quantize_model(
             if job[0] not in calibrated:
                 run(*job)
         windows = calibration if calibration.dim() == 2 else calibration[None]
-        for hessians in gptq.layer_hessians(model, windows, calibrated):
-            for name, hessian in hessians.items():
-                run(*by_name[name], hessian)
+        if training is not None:
+            block_ap.quantize_blocks(
+                model, windows, calibrated, lambda name, H=None: run(*by_name[name], H), training
+            )
+            for name in calibrated & set(floats):
+                reports[name].trained = True
+                reports[name].rel_output_error = None  # GPTQ's, from before training
+        else:
+            for hessians in gptq.layer_hessians(model, windows, calibrated):
+                for name, hessian in hessians.items():
+                    run(*by_name[name], hessian)
         # An MoE expert the router never picked on the calibration text has no inputs to
         # fit: round it to nearest, as without calibration.
         for name in [n for n in by_name if n in calibrated and n not in reports]:
@@ -229,11 +248,12 @@ def quantize_model(
         tune.tune_scales(
             model, targets, set(floats), tuning.steps, lr=tuning.lr, progress=tuning.progress
         )
-        for name, weight in floats.items():
-            r = reports[name]
-            r.max_abs_error, r.rel_rms_error = _errors(model.get_submodule(name), weight)
-            r.tuned = True
-        floats.clear()
+        for name in floats:
+            reports[name].tuned = True
+    for name, weight in floats.items():  # the errors of the weights as trained or tuned
+        r = reports[name]
+        r.max_abs_error, r.rel_rms_error = _errors(model.get_submodule(name), weight)
+    floats.clear()
     if isinstance(model, Transformer):
         model.prepare_fused_decode()  # the step's plan points at the modules replaced here
     return [reports[name] for name, _, _ in jobs]

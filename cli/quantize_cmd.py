@@ -4,8 +4,9 @@ Registered by main.py. The work is three library calls: load the source as float
 (`load_weights`), swap its layers for quantized ones (`quant.quantize_model`, which
 imports GGUF Q8_0/Q4_0/Q4_1 blocks losslessly where the format matches), and write
 the checkpoint atomically (`runtime.checkpoint.save_checkpoint`). With --calibrate the
-text is tokenized here and quantize_model quantizes by GPTQ on it (quant/gptq.py); with
---tune too, it then trains the scales end to end on that text (quant/tune.py).
+text is tokenized here and quantize_model quantizes by GPTQ on it (quant/gptq.py), or
+with --train-blocks by Block-AP (quant/block_ap.py); with --tune too, it then trains the
+scales end to end on that text (quant/tune.py).
 """
 
 from __future__ import annotations
@@ -68,6 +69,16 @@ Tune = Annotated[
         "model's (end-to-end tuning; helps most at 2-3 bits). 0: off.",
     ),
 ]
+TrainBlocks = Annotated[
+    int,
+    typer.Option(
+        "--train-blocks",
+        min=0,
+        help="With --calibrate: instead of GPTQ, train each transformer block's weights and "
+        "scales for this many passes over the text so it reproduces the original block "
+        "(Block-AP; helps most at 2-3 bits, about 4x GPTQ's time per pass). 0: off.",
+    ),
+]
 CalibTokens = Annotated[
     int,
     typer.Option(
@@ -85,6 +96,7 @@ def quantize(
     force: Force = False,
     calibrate: Calibrate = None,
     calib_tokens: CalibTokens = 8192,
+    train_blocks: TrainBlocks = 0,
     tune: Tune = 0,
     threads: Threads = None,
     json_out: Json = False,
@@ -93,8 +105,9 @@ def quantize(
     """Quantize a model into infer's own format and report the error per tensor."""
     if output.exists() and not force:
         raise InferError(f"{output} exists (use --force to replace it)")
-    if tune and calibrate is None:
-        raise InferError("--tune trains on calibration text: give it with --calibrate FILE")
+    for flag, value in (("--train-blocks", train_blocks), ("--tune", tune)):
+        if value and calibrate is None:
+            raise InferError(f"{flag} trains on calibration text: give it with --calibrate FILE")
 
     from infer.runtime.registry import resolve
 
@@ -115,8 +128,9 @@ def quantize(
         dequantize_model(model)  # a no-op unless SRC is itself quantized
         tokenizer = load_tokenizer(info)
 
-    calibration = tuning = None
+    calibration = training = tuning = None
     if calibrate is not None:
+        from infer.quant.block_ap import BlockTraining
         from infer.quant.gptq import calibration_windows
         from infer.quant.tune import BATCH, WINDOW, Tuning, tuning_windows
 
@@ -127,13 +141,17 @@ def quantize(
         bos = tokenizer.bos_id if tokenizer.add_bos else None
         ctx = min(CALIB_CTX, info.args.max_seq_len)
         calibration = calibration_windows(tokens, calib_tokens, ctx, bos)
+        if train_blocks:
+            training = BlockTraining(train_blocks)
         if tune:
             windows = tuning_windows(tokens, tune, bos, min(WINDOW, info.args.max_seq_len))
             tuning = Tuning(windows, tune)
 
     losses: list[float] = []
     t0 = time.perf_counter()
-    with _progress() as (advance, tuning_step):
+    with _progress() as (advance, training_step, tuning_step):
+        if training is not None:
+            training.progress = training_step
         if tuning is not None:
 
             def step(done: int, total: int, loss: float | None) -> None:
@@ -144,7 +162,7 @@ def quantize(
             tuning.progress = step
         reports = quantize_model(
             model, recipe, gguf=info.gguf, progress=advance, calibration=calibration,
-            tuning=tuning,
+            training=training, tuning=tuning,
         )  # fmt: skip
     seconds = time.perf_counter() - t0
     if tuning is not None and not losses:
@@ -187,6 +205,8 @@ def quantize(
                     "file": str(calibrate),
                     "tokens": calibration.numel(),
                     "windows": calibration.shape[0],
+                    "method": "gptq" if training is None else "block-ap",
+                    "epochs": train_blocks or None,
                 },
                 "tuning": tune_summary,
                 "tensors": [r.__dict__ for r in reports],
@@ -200,19 +220,20 @@ def quantize(
             r.format + ("" if not r.params else " " + _params(r.params)),
             f"{r.max_abs_error:.3g}",
             f"{r.rel_rms_error:.4f}",
-            "imported" if r.imported else "tuned" if r.tuned else "",
+            "imported" if r.imported else ", ".join(_trained(r)),
         ]
         for r in reports
     ]
-    if calibration is not None:
+    if any(r.rel_output_error is not None for r in reports):
         # The error GPTQ minimizes: of the layer's outputs on the calibration text.
         headers.insert(4, "rel out err")
         for row, r in zip(rows, reports):
             row.insert(4, "" if r.rel_output_error is None else f"{r.rel_output_error:.4f}")
     print_table(headers, rows)
     if calibration is not None:
+        method = "GPTQ" if training is None else f"Block-AP, {train_blocks} epochs,"
         print(
-            f"GPTQ on {calibration.numel()} tokens of {calibrate} "
+            f"{method} on {calibration.numel()} tokens of {calibrate} "
             f"({calibration.shape[0]} windows); quantized in {seconds:.0f} s"
         )
     if tune_summary is not None:
@@ -227,17 +248,22 @@ def quantize(
     )
 
 
+def _trained(r) -> list[str]:
+    return [word for word, done in (("trained", r.trained), ("tuned", r.tuned)) if done]
+
+
 def _params(params: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in params.items())
 
 
 class _progress:
-    """Rich progress bars on a terminal's stderr, over tensors and then tuning steps;
-    silent otherwise. Gives the two callbacks (quantize_model's and tune's)."""
+    """Rich progress bars on a terminal's stderr, over tensors, block training steps and
+    tuning steps; silent otherwise. Gives the three callbacks (quantize_model's,
+    block_ap's and tune's)."""
 
     def __enter__(self):
         if not is_tty():
-            return (lambda *_: None), (lambda *_: None)
+            return (lambda *_: None), (lambda *_: None), (lambda *_: None)
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -254,11 +280,15 @@ class _progress:
         def advance(name: str, done: int, total: int) -> None:
             self.bar.update(self.task, completed=done, total=total, name=f"quantizing {name}")
 
+        def trained(block: int, blocks: int, done: int, total: int, loss: float) -> None:
+            name = f"training block {block + 1}/{blocks} (MSE {loss:.4g})"
+            self.bar.update(self.task, completed=done, total=total, name=name)
+
         def tuned(done: int, total: int, loss: float | None) -> None:
             name = "original model on the text" if loss is None else f"tuning (KL {loss:.4f})"
             self.bar.update(self.task, completed=done, total=total, name=name)
 
-        return advance, tuned
+        return advance, trained, tuned
 
     def __exit__(self, *exc):
         if hasattr(self, "bar"):

@@ -247,7 +247,13 @@ def test_cli_calibrate(tiny_dirs, tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     # One token per byte (tests/tiny.py); windows of 256, the tiny model's context.
-    assert report["calibration"] == {"file": str(text), "tokens": 1024, "windows": 4}
+    assert report["calibration"] == {
+        "file": str(text),
+        "tokens": 1024,
+        "windows": 4,
+        "method": "gptq",
+        "epochs": None,
+    }
     by_name = {t["name"]: t for t in report["tensors"]}
     assert 0 < by_name["layers.0.mlp.up_proj"]["rel_output_error"] < 0.5
     assert by_name["lm_head"]["rel_output_error"] is None  # tied: the embedding table

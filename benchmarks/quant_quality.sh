@@ -2,9 +2,11 @@
 # Quality of each quantization of a model against its float32 self, as llama.cpp users
 # compare them: `infer quantize` to each format, then `infer eval --ref` on WikiText-2
 # (40 windows of 512 tokens). The formats in `calibrated` are quantized a second time by
-# GPTQ on tinyshakespeare (never the evaluation text), and those in `tuned` a third time,
-# by GPTQ and then $TUNE steps of end-to-end scale tuning (`--tune`) on the same text. One
-# JSON file per run in OUT (NAME.json; NAME.gptq.json, NAME.tuned.json); tables at the end.
+# GPTQ on tinyshakespeare (never the evaluation text), those in `tuned` a third time,
+# by GPTQ and then $TUNE steps of end-to-end scale tuning (`--tune`) on the same text, and
+# those in `trained` by Block-AP (`--train-blocks $EPOCHS`, on $BLOCK_TOKENS tokens of it).
+# One JSON file per run in OUT (NAME.json; NAME.gptq.json, NAME.tuned.json,
+# NAME.trained.json); tables at the end.
 #
 #   benchmarks/quant_quality.sh [MODEL] [OUT]     (defaults: smollm2-135m, ./quant-quality)
 set -euo pipefail
@@ -15,12 +17,15 @@ text=$data/wikitext-2-test.txt
 calib=$data/tinyshakespeare.txt
 chunks=${CHUNKS:-40}
 tune=${TUNE:-100}
+epochs=${EPOCHS:-4}
+block_tokens=${BLOCK_TOKENS:-16384}
 mkdir -p "$out"
 
 formats=("int8" "int8 -g 0" "int4 --symmetric" "int4 --asymmetric" "mixed" "q4_k_m" "lut4"
          "lut3_m" "lut3" "lut2_m" "lut2")
 calibrated=("int4 --symmetric" "lut4" "lut3_m" "lut3" "lut2_m" "lut2")
 tuned=("lut3_m" "lut2_m")
+trained=("lut3_m" "lut2_m")
 
 run() {  # run NAME FORMAT... : quantize (with any extra options) and evaluate, once
   local name=$1; shift
@@ -40,12 +45,18 @@ done
 for f in "${tuned[@]}"; do
   run "$(echo "$f" | tr -d ' -').tuned" $f --calibrate "$calib" --tune "$tune"
 done
+for f in "${trained[@]}"; do
+  run "$(echo "$f" | tr -d ' -').trained" $f --calibrate "$calib" --calib-tokens "$block_tokens" \
+    --train-blocks "$epochs"
+done
 
-python3 - "$out" "$tune" "${#formats[@]}" "${#calibrated[@]}" "${formats[@]}" "${calibrated[@]}" \
-  "${tuned[@]}" <<'PY'
+python3 - "$out" "$tune" "$epochs" "${#formats[@]}" "${#calibrated[@]}" "${#tuned[@]}" \
+  "${formats[@]}" "${calibrated[@]}" "${tuned[@]}" "${trained[@]}" <<'PY'
 import json, os, sys
-out, tune, n, m = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-formats, calibrated, tuned = sys.argv[5 : 5 + n], sys.argv[5 + n : 5 + n + m], sys.argv[5 + n + m :]
+out, tune, epochs = sys.argv[1:4]
+n, m, k = (int(a) for a in sys.argv[4:7])
+rest = sys.argv[7:]
+formats, calibrated, tuned, trained = rest[:n], rest[n : n + m], rest[n + m : n + m + k], rest[n + m + k :]
 
 def table(title, names):
     print(title)
@@ -65,5 +76,6 @@ key = lambda f: f.replace(" ", "").replace("-", "")
 table("round to nearest", [(f, key(f)) for f in formats])
 e = table("\nGPTQ (--calibrate tinyshakespeare.txt)", [(f, key(f) + ".gptq") for f in calibrated])
 table(f"\nGPTQ, then --tune {tune}", [(f, key(f) + ".tuned") for f in tuned])
+table(f"\nBlock-AP (--train-blocks {epochs})", [(f, key(f) + ".trained") for f in trained])
 print(f"reference (float32): PPL {e['ref']['ppl']:.3f}")
 PY

@@ -16,9 +16,10 @@ the inputs they see on that text, block by block, each block fed through the one
 before it already quantized. Weights with no such inputs (embedding tables, a tied
 output layer) and GGUF imports are quantized first, as without calibration.
 
-With a `block_ap.BlockTraining` as well, the calibrated layers are instead rounded
-and then trained block by block, weights and scales, to reproduce each float block's
-outputs (block_ap.py); an untied output layer, outside the blocks, still takes GPTQ.
+With a `block_ap.BlockTraining` as well, GPTQ only gives the calibrated layers their
+starting scales: each block's weights and scales are then trained to reproduce the
+float block's outputs (block_ap.py). An untied output layer, outside the blocks, keeps
+GPTQ's weights.
 
 With a `tune.Tuning`, the float model first runs over its windows as the teacher, and
 after quantization the scales of the blocks' linear layers that were quantized (not

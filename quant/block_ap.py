@@ -183,6 +183,8 @@ def quantize_blocks(
     the caller's, which also reports its error); training then moves its codes and
     scales. An untied "lm_head" in `names`, outside the blocks, comes last, by GPTQ:
     `quantize("lm_head", H)` with H the Hessian of its inputs on the quantized model."""
+    if not names:
+        return  # e.g. every layer imported from GGUF blocks: nothing to train
     dtype = model.rope_cos.dtype
     T = windows.shape[1]
     with full_sequences(model, T):

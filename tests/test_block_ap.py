@@ -14,7 +14,7 @@ from infer.quant import block_ap
 from infer.quant.base import FORMATS, QuantLinear
 from infer.quant.quantize import quantize_model
 from infer.quant.recipes import get_recipe
-from infer.runtime.loader import inspect_model, load_weights
+from infer.runtime.loader import inspect_model, load_model, load_weights
 
 
 @pytest.mark.parametrize(("fmt", "params"), SPECS)
@@ -112,6 +112,23 @@ def test_block_training_of_an_moe(tmp_path):
     assert any(".experts." in n for n in untrained)
     assert not info.args.tie_embeddings and by_name["lm_head"].rel_output_error is not None
     assert kl_to(model, ref, windows) < 0.1
+
+
+def test_nothing_to_train_when_every_layer_is_imported(smollm2_gguf):
+    """int4 g32 asymmetric is the default model's Q4_1: every block layer is imported as
+    it is, so no block trains."""
+    lm = load_model(smollm2_gguf, max_seq_len=32)
+    calls = []
+    training = block_ap.BlockTraining(1, progress=lambda *a: calls.append(a))
+    reports = quantize_model(
+        lm.model,
+        get_recipe("int4"),
+        gguf=lm.info.gguf,
+        calibration=torch.zeros(1, 8, dtype=torch.long),
+        training=training,
+    )
+    assert all(r.imported and not r.trained for r in reports)
+    assert calls == []
 
 
 def test_cli_train_blocks(tiny_dirs, tmp_path):  # noqa: F811

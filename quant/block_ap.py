@@ -25,7 +25,8 @@ For each block, in order:
   the quantized hidden states feed the next block.
 
 Layers not quantized here (imported from GGUF blocks, or not in `names`) run frozen,
-as float layers (tune.Frozen). The RMSNorm weights do not train.
+as float layers (tune.Frozen). The RMSNorm weights do not train: training them too
+(rates 1e-4, 1e-3) changed block 2's error on the default model by under 1 %.
 
 On the default model, lut2_m, KL to the float model on 10 WikiText windows: GPTQ 0.84,
 Block-AP 0.53 (4 epochs over 16384 tokens, 10.5 minutes on 2 cores). Full figures in

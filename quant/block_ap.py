@@ -180,10 +180,11 @@ def quantize_blocks(
     """Quantize the linear layers `names` of `model` by Block-AP on `windows` (n, T) of
     calibration tokens, in place.
 
-    `quantize(name)` replaces the float layer `name` by its rounded QuantLinear (it is
-    the caller's, which also reports its error); training then moves its codes and
-    scales. An untied "lm_head" in `names`, outside the blocks, comes last, by GPTQ:
-    `quantize("lm_head", H)` with H the Hessian of its inputs on the quantized model."""
+    `quantize(name, H)` replaces the float layer `name` by its QuantLinear, by GPTQ
+    under H (rounding when H is None: an expert no token reached); it is the caller's,
+    which also reports the error. Training starts from that layer's scales and moves its
+    codes and scales. An untied "lm_head" in `names`, outside the blocks, comes last and
+    keeps GPTQ's weights (H of its inputs on the quantized model)."""
     if not names:
         return  # e.g. every layer imported from GGUF blocks: nothing to train
     dtype = model.rope_cos.dtype

@@ -35,9 +35,7 @@ README.md.
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.llama import Transformer
-from .base import QuantLinear, set_module
+from .base import QuantLinear
 from .gptq import block_hessians, grid_of, head_hessian, pack
-from .tune import Frozen, full_sequences
+from .tune import Frozen, descend, full_sequences, swapped
 
 BATCH = 1  # windows per step (of 512 tokens from the CLI)
 # Adam's learning rates: for u (weights, in their group's steps) and for a, b (relative
@@ -113,23 +111,6 @@ class Trained(nn.Module):
         return pack(type(self.q), self.q.params, codes, s.to(dtype), mins, self.q.bias)
 
 
-@contextlib.contextmanager
-def _training(block: nn.Module, prefix: str, weights: dict[str, torch.Tensor]):
-    """Swap the block's QuantLinears for Trained ones (those in `weights`, by model name)
-    or Frozen ones; on exit put back the trained ones packed and the others as they were."""
-    swapped: dict[str, nn.Module] = {}
-    for name, m in list(block.named_modules()):
-        if isinstance(m, QuantLinear):
-            full = prefix + name
-            swapped[name] = Trained(m, weights[full]) if full in weights else Frozen(m)
-            set_module(block, name, swapped[name])
-    try:
-        yield [m for m in swapped.values() if isinstance(m, Trained)]
-    finally:
-        for name, m in swapped.items():
-            set_module(block, name, m.packed() if isinstance(m, Trained) else m.q)
-
-
 def train_block(
     block: nn.Module,
     inputs: list[torch.Tensor],
@@ -150,23 +131,13 @@ def train_block(
     gen = torch.Generator().manual_seed(0)
     order = torch.cat([torch.randperm(n, generator=gen) for _ in range(epochs + 1)]).tolist()
     cos, sin = rope
-    losses = []
+
+    def step_losses(step: int) -> Iterator[torch.Tensor]:
+        for j in order[step * BATCH : (step + 1) * BATCH]:
+            yield F.mse_loss(block(inputs[j], 0, cos, sin), targets[j]) / BATCH
+
     with torch.enable_grad():
-        for step in range(steps):
-            decay = 0.5 * (1 + math.cos(math.pi * step / steps))
-            for group, lr in zip(opt.param_groups, (LR, SCALE_LR)):
-                group["lr"] = lr * decay
-            opt.zero_grad(set_to_none=True)
-            total = 0.0
-            for j in order[step * BATCH : (step + 1) * BATCH]:
-                loss = F.mse_loss(block(inputs[j], 0, cos, sin), targets[j]) / BATCH
-                loss.backward()
-                total += loss.item()
-            opt.step()
-            losses.append(total)
-            if progress is not None:
-                progress(step + 1, steps, total)
-    return losses
+        return descend(opt, steps, step_losses, progress)
 
 
 @torch.no_grad()
@@ -208,7 +179,12 @@ def quantize_blocks(
                     if training.progress is not None:
                         training.progress(i, len(model.layers), done, total, loss)
 
-                with _training(block, prefix, weights) as trained:
+                def make(name: str, q: QuantLinear, weights=weights, prefix=prefix) -> nn.Module:
+                    w = weights.get(prefix + name)
+                    return Frozen(q) if w is None else Trained(q, w)
+
+                with swapped(block, make) as layers:
+                    trained = [m for m in layers.values() if isinstance(m, Trained)]
                     train_block(block, xs, targets, trained, training.epochs, rope, step)
                 del weights
             xs = [block(x, 0, *rope) for x in xs]

@@ -167,7 +167,7 @@ def quantize_model(
     ):  # some block layer will be quantized, not imported: the float model is the teacher
         targets = tune.teacher_targets(model, tuning.windows, tuning.progress)
     reports: dict[str, TensorReport] = {}
-    floats: dict[str, torch.Tensor] = {}  # float weights of the layers to tune
+    floats: dict[str, torch.Tensor] = {}  # float weights of the layers to train or tune
 
     def run(name: str, spec: dict, tied: str | None, hessian=None) -> None:
         # Look modules up by name and drop them after, so each float weight is freed as

@@ -197,24 +197,66 @@ class Frozen(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.q.bias)
 
+    def packed(self) -> QuantLinear:
+        return self.q  # as it was
+
+
+@contextlib.contextmanager
+def swapped(
+    root: nn.Module, make: Callable[[str, QuantLinear], nn.Module]
+) -> Iterator[dict[str, nn.Module]]:
+    """Swap each QuantLinear under `root` for make(its name, it), a trainable or Frozen
+    stand-in; yields {name: stand-in}; on exit puts back each stand-in's packed()."""
+    layers: dict[str, nn.Module] = {}
+    # remove_duplicate=False: a tied output layer is also the embedding's ".table"; the
+    # embedding looks rows up in its buffers, which stay, so only "lm_head" is swapped.
+    for name, m in list(root.named_modules(remove_duplicate=False)):
+        if isinstance(m, QuantLinear) and not name.endswith(".table"):
+            layers[name] = make(name, m)
+            set_module(root, name, layers[name])
+    try:
+        yield layers
+    finally:
+        for name, m in layers.items():
+            set_module(root, name, m.packed())
+
+
+def descend(
+    opt: torch.optim.Optimizer,
+    steps: int,
+    step_losses: Callable[[int], Iterator[torch.Tensor]],
+    progress: Callable[[int, int, float], None] | None = None,
+) -> list[float]:
+    """`steps` steps of `opt`, its learning rates cosine-decayed from their initial values
+    to 0. A step's gradient is the sum over the losses `step_losses(step)` yields, each
+    backpropagated as it comes (one graph alive at a time). Returns each step's summed
+    loss; `progress(step, steps, loss)` after each step."""
+    rates = [group["lr"] for group in opt.param_groups]
+    losses = []
+    for step in range(steps):
+        decay = 0.5 * (1 + math.cos(math.pi * step / steps))
+        for group, lr in zip(opt.param_groups, rates):
+            group["lr"] = lr * decay
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for loss in step_losses(step):
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total)
+        if progress is not None:
+            progress(step + 1, steps, total)
+    return losses
+
 
 @contextlib.contextmanager
 def _differentiable(model: Transformer, names: set[str]) -> Iterator[dict[str, _Tuned]]:
     """Swap each QuantLinear for a _Tuned (`names`) or a Frozen one; on exit put back
     the tuned layers packed, and the others as they were."""
-    swapped: dict[str, nn.Module] = {}
-    # remove_duplicate=False: a tied output layer is also the embedding's ".table"; the
-    # embedding looks rows up in its buffers, which stay, so only "lm_head" is swapped.
-    for name, m in list(model.named_modules(remove_duplicate=False)):
-        if isinstance(m, QuantLinear) and not name.endswith(".table"):
-            swapped[name] = _Tuned(m) if name in names else Frozen(m)
-            set_module(model, name, swapped[name])
-    tuned = {n: m for n, m in swapped.items() if isinstance(m, _Tuned)}
     try:
-        yield tuned
+        with swapped(model, lambda n, q: _Tuned(q) if n in names else Frozen(q)) as layers:
+            yield {n: m for n, m in layers.items() if isinstance(m, _Tuned)}
     finally:
-        for name, m in swapped.items():
-            set_module(model, name, m.packed() if isinstance(m, _Tuned) else m.q)
         model.prepare_fused_decode()
 
 
@@ -238,28 +280,18 @@ def tune_scales(
     if missing:
         raise InferError(f"cannot tune {missing[0]}: it is not a quantized linear layer")
     n = targets.windows.shape[0]
-    losses = []
     T = targets.windows.shape[1]
+
+    def step_losses(step: int) -> Iterator[torch.Tensor]:
+        for j in range(step * BATCH, (step + 1) * BATCH):
+            i = j % n
+            logp = _coarsen(_window_logits(model, targets.windows[i]), targets.ids[i])
+            ref = targets.logp[i]
+            # KL(ref || model) per position, averaged over the batch's positions
+            yield (ref.exp() * (ref - logp)).sum(-1).mean() / BATCH
+
     # Exits in reverse: the caches come back before the layers are packed and the
     # fused decode step is rebuilt over both.
     with torch.enable_grad(), _differentiable(model, names) as tuned, full_sequences(model, T):
         params = [p for m in tuned.values() for p in m.parameters()]
-        opt = torch.optim.Adam(params, lr=lr)
-        for step in range(steps):
-            for group in opt.param_groups:  # cosine decay to 0 over the steps
-                group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-            opt.zero_grad(set_to_none=True)
-            loss_sum = 0.0
-            for j in range(step * BATCH, (step + 1) * BATCH):
-                i = j % n
-                logp = _coarsen(_window_logits(model, targets.windows[i]), targets.ids[i])
-                ref = targets.logp[i]
-                # KL(ref || model) per position, averaged over the batch's positions
-                loss = (ref.exp() * (ref - logp)).sum(-1).mean() / BATCH
-                loss.backward()
-                loss_sum += loss.item()
-            opt.step()
-            losses.append(loss_sum)
-            if progress is not None:
-                progress(step + 1, steps, loss_sum)
-    return losses
+        return descend(torch.optim.Adam(params, lr=lr), steps, step_losses, progress)

@@ -95,9 +95,11 @@ def eval_model(
         lm = load_model(resolved.path, compute_dtype, max_seq_len=ctx, max_memory=budget)
         ref_lm = None
         if ref:
+            # The reference is exact: a GGUF's blocks dequantized, not run on the kernels.
             ref_lm = load_model(
-                resolved_ref.path, compute_dtype, max_seq_len=ctx, max_memory=budget
-            )
+                resolved_ref.path, compute_dtype, max_seq_len=ctx, max_memory=budget,
+                dequantize=True,
+            )  # fmt: skip
     with _progress_bar() as progress:
         result = evaluate(lm, content, ctx=ctx, chunks=chunks, ref=ref_lm, progress=progress)
 

@@ -125,7 +125,7 @@ def quantize(
     info = inspect_model(resolved.path)
     recipe = get_recipe(to, n_layers=info.args.n_layers, group_size=group_size, symmetric=symmetric)
     with status(f"loading {resolved.name}"):
-        model = load_weights(info, torch.float32, max_seq_len=1)
+        model = load_weights(info, torch.float32, max_seq_len=1, dequantize=True)
         dequantize_model(model)  # a no-op unless SRC is itself quantized
         tokenizer = load_tokenizer(info)
 

@@ -13,6 +13,9 @@ layouts were chosen so that each block's `qs` is one 32-element run of `qweight`
 and d (and m) one entry of `scales` (and `mins`): import splits the blocks into those
 columns and changes no bit, and the result's `dequantize()` equals
 `infer.runtime.gguf_file.dequantize` (and so gguf-py's) exactly, as the tests check.
+
+This is how a GGUF file's such tensors load to run (runtime/loader.py), and how
+`infer quantize` carries them into a checkpoint whose recipe asks for their format.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..runtime.errors import InferError
-from ..runtime.gguf_file import GGUFTensor
+from ..runtime.gguf_file import GGUFFile, GGUFTensor
 from .base import FORMATS, QuantLinear
 from .int4 import Int4Linear
 from .int8 import Int8Linear
+from .recipes import is_router
 
 # ggml type -> the format spec whose layout and arithmetic it is.
 GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
@@ -43,6 +47,23 @@ def importable(t: GGUFTensor, spec: dict) -> bool:
         {k: v for k, v in spec.items() if k != "format"}
     )
     return {"format": target["format"], **params} == target
+
+
+def kernel_tensors(gguf: GGUFFile) -> dict[str, GGUFTensor]:
+    """The tensors of `gguf` that run on our kernels as they are, by Hugging Face name:
+    every Q8_0 / Q4_0 / Q4_1 weight of a linear layer (an expert's included) or of the
+    embedding table. A router stays float, as in every recipe."""
+    found = {}
+    for name, t in gguf.tensors.items():
+        if t.ggml_type not in GGUF_SPECS:
+            continue
+        for hf in gguf.hf_names(name):
+            module = hf.removeprefix("model.").removesuffix(".weight")
+            if hf.endswith(".weight") and not is_router(module):
+                part = gguf.hf_tensor(hf)  # an expert's rows of a stacked tensor
+                if len(part.shape) == 2:
+                    found[hf] = part
+    return found
 
 
 def from_gguf(t: GGUFTensor, bias: torch.Tensor | None = None) -> QuantLinear:

@@ -36,6 +36,11 @@ INT8 = {"format": "int8", "group_size": 32}
 INT4 = {"format": "int4", "group_size": 32, "symmetric": False}
 
 
+def is_router(name: str) -> bool:
+    """Whether module `name` is a router or a shared expert's gate: float in every recipe."""
+    return _ROUTER.fullmatch(name) is not None
+
+
 def _everything(main: dict, n_layers: int | None) -> Recipe:
     """`main` for every weight, embeddings and output included."""
     return lambda name: main
@@ -150,4 +155,4 @@ def get_recipe(name: str, *, n_layers: int | None = None, **overrides) -> Recipe
     if name in _NEEDS_LAYERS and n_layers is None:
         raise InferError(f"recipe {name!r} needs the model's layer count (n_layers)")
     recipe = build(main, n_layers)
-    return lambda module: None if _ROUTER.fullmatch(module) else recipe(module)
+    return lambda module: None if is_router(module) else recipe(module)

@@ -22,6 +22,7 @@ import itertools
 import math
 import re
 import struct
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -596,8 +597,11 @@ class GGUFFile:
             return self._key("attention.head_count_kv", n_head)
         return n_head
 
-    def hf_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """All tensors by Hugging Face name, dequantized to `dtype`, q/k un-permuted.
+    def hf_state_dict(
+        self, dtype: torch.dtype = torch.float32, skip: Container[str] = ()
+    ) -> dict[str, torch.Tensor]:
+        """All tensors by Hugging Face name but those in `skip`, dequantized to `dtype`,
+        q/k un-permuted.
 
         Tensors already stored in `dtype` (e.g. F32 norms) share memory with the map.
         """
@@ -605,7 +609,8 @@ class GGUFFile:
         state = {}
         for name in self.tensors:
             for hf in self.hf_names(name):
-                state[hf] = dequantize(self.hf_tensor(hf), dtype)
+                if hf not in skip:
+                    state[hf] = dequantize(self.hf_tensor(hf), dtype)
         return state
 
 

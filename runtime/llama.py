@@ -166,7 +166,8 @@ class Transformer(nn.Module):
         rope_freqs = sd.pop("rope_freqs.weight", None)
         if rope_freqs is not None:
             args.rope_freq_factors = rope_freqs.float().tolist()
-        if args.tie_embeddings or "lm_head.weight" not in sd:
+        # (A quantized table, loaded apart, is absent: the loader ties it.)
+        if "embed_tokens.weight" in sd and (args.tie_embeddings or "lm_head.weight" not in sd):
             sd["lm_head.weight"] = sd["embed_tokens.weight"]
         # MoE blocks: Mixtral's names; transformers 5's stacked experts, gate_up_proj
         # (E, 2 * moe_hidden, dim) gate rows then up rows and down_proj (E, dim, moe_hidden),

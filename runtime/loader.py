@@ -4,18 +4,23 @@ directory, see checkpoint.py) into a ready Transformer.
 The model is built on the meta device and the checkpoint's tensors are assigned
 into it, so weights exist once: mapped straight from the file where the dtype
 already matches, converted (or dequantized, for GGUF blocks) exactly once otherwise.
+GGUF Q8_0 / Q4_0 / Q4_1 blocks are not dequantized: they are split, bit for bit, into
+our int8 / int4 layouts and run on the C kernels (see load_weights).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..offload.budget import Plan
 from ..offload.expert_cache import DEFAULT_POLICY
@@ -36,6 +41,8 @@ from ..offload.stream import (
     process_rss,
 )
 from ..offload.trace import TraceRecorder
+from ..quant.base import QuantEmbedding, set_module
+from ..quant.gguf_import import from_gguf, kernel_tensors
 from .checkpoint import Checkpoint, build_model, is_checkpoint, read_checkpoint, verify
 from .config import ModelArgs
 from .errors import InferError
@@ -169,9 +176,11 @@ def inspect_model(path: Path) -> ModelInfo:
     )
 
 
-def _state_dict(info: ModelInfo, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _state_dict(
+    info: ModelInfo, dtype: torch.dtype, skip: Container[str] = ()
+) -> dict[str, torch.Tensor]:
     if info.gguf is not None:
-        return info.gguf.hf_state_dict(dtype)
+        return info.gguf.hf_state_dict(dtype, skip)
     sd = {}
     for f in _safetensors_files(info.path):
         tensors, _ = read_safetensors(f)
@@ -186,22 +195,53 @@ def load_tokenizer(info: ModelInfo) -> Tokenizer:
 
 
 def load_weights(
-    info: ModelInfo, dtype: torch.dtype, max_seq_len: int | None = None
+    info: ModelInfo, dtype: torch.dtype, max_seq_len: int | None = None, *, dequantize=False
 ) -> Transformer:
-    """Build the Transformer on the meta device and assign the checkpoint's tensors."""
+    """Build the Transformer on the meta device and assign the checkpoint's tensors.
+
+    In float32, a GGUF file's Q8_0 / Q4_0 / Q4_1 weights run on the int8 / int4
+    kernels, their blocks moved into those formats unchanged (quant/gguf_import.py), as
+    llama.cpp runs them; other types, and every weight in another dtype, are dequantized
+    to `dtype`. `dequantize`: every weight in `dtype` anyway, the exact float reference
+    (`infer eval --ref`, `infer quantize`)."""
     if info.checkpoint is not None:
         return build_model(info.checkpoint, dtype, max_seq_len)
     args = info.args
-    sd = Transformer.sanitize(_state_dict(info, dtype), args)
+    blocks = {}
+    if info.gguf is not None and dtype == torch.float32 and not dequantize:
+        blocks = kernel_tensors(info.gguf)
+        tied = args.tie_embeddings or "output.weight" not in info.gguf.tensors
+        if tied:  # the output layer is the table, whatever the file holds beside it
+            blocks.pop("lm_head.weight", None)
+    sd = Transformer.sanitize(_state_dict(info, dtype, skip=blocks), args)
     with torch.device("meta"):
         model = Transformer(args)
+    for hf, t in blocks.items():
+        name = hf.removeprefix("model.").removesuffix(".weight")
+        sd.pop(f"{name}.weight", None)  # sanitize ties an lm_head it did not see to the table
+        q = from_gguf(t, sd.pop(f"{name}.bias", None))
+        if name == "embed_tokens":
+            model.embed_tokens = QuantEmbedding(q)
+            if tied:  # stored once, as in our checkpoints (checkpoint.build_model)
+                sd.pop("lm_head.weight", None)
+                model.lm_head = q
+        else:
+            set_module(model, name, q)
     try:
-        model.load_state_dict(sd, strict=True, assign=True)
+        result = model.load_state_dict(sd, strict=False, assign=True)
     except RuntimeError as e:
         lines = str(e).strip().splitlines()
         detail = lines[1].strip() if len(lines) > 1 else lines[0]
         raise InferError(f"{info.path}: weights do not match the config: {detail}") from None
-    if args.tie_embeddings:
+    missing = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if result.unexpected_keys or missing:
+        detail = (
+            f"no place for {result.unexpected_keys[0]!r}"
+            if result.unexpected_keys
+            else f"missing {missing[0]!r}"
+        )
+        raise InferError(f"{info.path}: weights do not match the config: {detail}")
+    if args.tie_embeddings and isinstance(model.embed_tokens, nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight
     model.setup_caches(min(max_seq_len or args.max_seq_len, args.max_seq_len), dtype)
     return model.eval().requires_grad_(False)
@@ -223,6 +263,7 @@ def load_model(
     expert_policy: str | None = None,
     record_routing: bool = False,
     expert_prediction: str | None = None,
+    dequantize: bool = False,
 ) -> LoadedModel:
     """Load weights, tokenizer and caches. `max_seq_len` defaults to the model's context.
 
@@ -233,6 +274,7 @@ def load_model(
     experts in an expert cache of policy `expert_policy` (default: expert_cache's), read
     ahead as `expert_prediction` says (offload/experts.py PREDICTIONS; default "all").
     record_routing: record what its MoE blocks route (`LoadedModel.routing`).
+    dequantize: a GGUF file's weights all in `dtype` (see load_weights).
     """
     t0 = time.perf_counter()
     process = process_rss()  # before anything of this model: torch and all
@@ -289,7 +331,7 @@ def load_model(
             # crc32 of every unit (~5 GB/s from the page cache): the first forward pass
             # faults these pages in anyway, and a corrupt byte fails here, naming its unit.
             verify(info.checkpoint)
-        model = load_weights(info, dtype, max_seq_len)
+        model = load_weights(info, dtype, max_seq_len, dequantize=dequantize)
         tokenizer = load_tokenizer(info)
         lm = LoadedModel(model, tokenizer, info, dtype, time.perf_counter() - t0)
     if record_routing:  # the experts are resident: hooks that only record
@@ -330,8 +372,11 @@ def _auto_budget(info: ModelInfo, dtype: torch.dtype, ctx: int, process: int) ->
         costs = layer_costs(ckpt, layer_units(ckpt, info.args.n_layers), dtype)
         fixed = overheads(ckpt, info.args, dtype, ctx, 0)
         need = fixed.total + sum(c.resident_bytes for c in costs)
-    else:  # GGUF blocks are dequantized and HF weights converted to `dtype` on load
-        need = info.args.n_params * dtype.itemsize
+    else:  # HF weights and GGUF blocks without kernels are converted to `dtype` on load
+        on_kernels = info.gguf is not None and dtype == torch.float32
+        kept = kernel_tensors(info.gguf).values() if on_kernels else ()
+        converted = info.args.n_params - sum(math.prod(t.shape) for t in kept)
+        need = sum(t.data.nbytes for t in kept) + converted * dtype.itemsize
     if need <= FITS_SHARE * available:
         return None
     return process + int(AUTO_BUDGET_SHARE * available)

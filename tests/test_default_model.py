@@ -42,3 +42,22 @@ def test_logits_match_transformers_gguf_loader(smollm2, smollm2_gguf):
         smollm2.model.cached_tokens.clear()
         got = smollm2.model(torch.tensor([ids]), 0, all_logits=True)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=0)
+
+
+def test_runs_its_blocks_on_the_kernels(smollm2, smollm2_gguf):
+    """Q4_1 layers on the int4 kernels, the tied Q8_0 table on int8, as llama.cpp runs the
+    file; the dequantized float model (`infer eval --ref`) is the same to ~1e-7 in KL."""
+    from infer.quant.int4 import Int4Linear
+    from infer.quant.int8 import Int8Linear
+
+    model = smollm2.model
+    assert type(model.layers[7].mlp.down_proj) is Int4Linear
+    assert type(model.lm_head) is Int8Linear and model.embed_tokens.table is model.lm_head
+    ref = load_model(smollm2_gguf, torch.float32, max_seq_len=512, dequantize=True).model
+    ids = torch.tensor([smollm2.tokenizer.encode_chat(QUESTION)])
+    with torch.inference_mode():
+        model.cached_tokens.clear()
+        got = model(ids, 0, all_logits=True)[0].log_softmax(-1)
+        expected = ref(ids, 0, all_logits=True)[0].log_softmax(-1)
+    kl = (expected.exp() * (expected - got)).sum(-1)
+    assert kl.max() < 1e-5

@@ -228,11 +228,14 @@ def test_real_model_config_and_unpermute(real):
 N_HEAD, N_KV, HEAD_DIM, HIDDEN, VOCAB = 4, 2, 16, 64, 40
 
 
-def tiny_model(path: Path, arch: str, permute: bool, extra_kv=()) -> tuple[Path, dict]:
-    """A 3-layer model: layer 0 in F32, layer 1 in Q8_0, layer 2 in Q4_1. Returns the file
-    and the original (HF-order) float weights by GGUF name."""
+def tiny_model(
+    path: Path, arch: str, permute: bool, extra_kv=(), qtypes=(T.F32, T.Q8_0, T.Q4_1),
+    embed=T.F32, output=None,
+) -> tuple[Path, dict]:  # fmt: skip
+    """A 3-layer model: by default layer 0 in F32, layer 1 in Q8_0, layer 2 in Q4_1, an F32
+    embedding table and no output layer (tied). Returns the file and the original
+    (HF-order) float weights by GGUF name."""
     rng = np.random.default_rng(1)
-    qtypes = [T.F32, T.Q8_0, T.Q4_1]
     shapes = {
         "attn_q": (N_HEAD * HEAD_DIM, HIDDEN),
         "attn_k": (N_KV * HEAD_DIM, HIDDEN),
@@ -242,8 +245,15 @@ def tiny_model(path: Path, arch: str, permute: bool, extra_kv=()) -> tuple[Path,
         "ffn_up": (96, HIDDEN),
         "ffn_down": (HIDDEN, 96),
     }
+
+    def stored(w: np.ndarray, qtype: T):
+        return w if qtype == T.F32 else (gguf.quants.quantize(w, qtype), qtype)
+
     originals = {"token_embd.weight": rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)}
-    tensors = {"token_embd.weight": originals["token_embd.weight"]}
+    tensors = {"token_embd.weight": stored(originals["token_embd.weight"], embed)}
+    if output is not None:
+        originals["output.weight"] = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
+        tensors["output.weight"] = stored(originals["output.weight"], output)
     for i, qtype in enumerate(qtypes):
         for key in ["attn_norm", "ffn_norm"]:
             tensors[f"blk.{i}.{key}.weight"] = rng.standard_normal(HIDDEN).astype(np.float32)
@@ -253,7 +263,7 @@ def tiny_model(path: Path, arch: str, permute: bool, extra_kv=()) -> tuple[Path,
             originals[name] = w
             if permute and key in ("attn_q", "attn_k"):
                 w = llama_permute(w, N_HEAD if key == "attn_q" else N_KV)
-            tensors[name] = w if qtype == T.F32 else (gguf.quants.quantize(w, qtype), qtype)
+            tensors[name] = stored(w, qtype)
         if arch == "qwen2":
             for key in ("attn_q", "attn_k", "attn_v"):
                 tensors[f"blk.{i}.{key}.bias"] = rng.standard_normal(shapes[key][0]).astype(
@@ -393,6 +403,57 @@ def test_qwen2_is_not_permuted(tmp_path):
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["attention_bias"] is True
     assert cfg["head_dim"] == HIDDEN // N_HEAD
     assert "model.layers.2.self_attn.v_proj.bias" in f.hf_state_dict()
+
+
+@pytest.mark.parametrize(
+    "arch, embed, output",
+    [("llama", T.Q8_0, None), ("qwen2", T.F32, T.Q4_0), ("llama", T.Q4_1, T.Q8_0)],
+    ids=["llama-tied-q8_0-table", "qwen2-bias-q4_0-output", "llama-q4_1-table-q8_0-output"],
+)
+def test_quantized_blocks_run_on_the_kernels(tmp_path, arch, embed, output):
+    """Q8_0 / Q4_0 / Q4_1 weights load as int8 / int4 QuantLinears with the file's bits;
+    the model computes what the dequantized one does, prompt and token by token."""
+    from torch import nn
+
+    from infer.quant.int4 import Int4Linear
+    from infer.quant.int8 import Int8Linear
+    from infer.runtime.loader import inspect_model, load_weights
+
+    path, _ = tiny_model(tmp_path / "m.gguf", arch, arch == "llama", embed=embed, output=output)
+    lm = load_weights(inspect_model(path), torch.float32, 64)
+    ref = load_weights(inspect_model(path), torch.float32, 64, dequantize=True)
+    kinds = [type(layer.self_attn.q_proj) for layer in lm.layers]
+    assert kinds == [nn.Linear, Int8Linear, Int4Linear]
+    assert all(type(m) is nn.Linear for m in ref.modules() if "Linear" in type(m).__name__)
+    quantized = {n: m for n, m in lm.named_modules() if isinstance(m, (Int8Linear, Int4Linear))}
+    modules = dict(ref.named_modules())
+    for name, q in quantized.items():  # bit for bit the file's blocks: dequantize() equal
+        float_weight = (
+            modules[name].weight if name != "embed_tokens.table" else ref.embed_tokens.weight
+        )
+        assert torch.equal(q.dequantize(), float_weight), name
+    if arch == "qwen2":
+        assert torch.equal(lm.layers[2].self_attn.q_proj.bias, ref.layers[2].self_attn.q_proj.bias)
+    table = getattr(lm.embed_tokens, "table", None)
+    assert (table is not None) == (embed != T.F32)
+    if output is None:  # tied: the one quantized table is the output layer
+        assert lm.lm_head is table
+    else:
+        assert type(lm.lm_head) is {T.Q4_0: Int4Linear, T.Q8_0: Int8Linear}[output]
+        assert lm.lm_head is not table
+
+    ids = torch.tensor([[3, 17, 5, 22, 9, 31, 4, 11, 26, 8]])
+    with torch.inference_mode():
+        expected = ref(ids, 0, all_logits=True)[0]
+        prompt = lm(ids, 0, all_logits=True)[0]
+        steps = torch.cat([lm(ids[:, i : i + 1], i)[0] for i in range(ids.shape[1])])
+    scale = expected.abs().max()
+    torch.testing.assert_close(prompt, expected, atol=1e-4 * scale, rtol=0)
+    torch.testing.assert_close(steps, expected, atol=1e-4 * scale, rtol=0)
+
+    # In bfloat16 the kernels do not apply (they take float32): everything converts.
+    bf16 = load_weights(inspect_model(path), torch.bfloat16, 64)
+    assert not any("Quant" in type(m).__name__ for m in bf16.modules())
 
 
 def test_unsupported_architecture(tmp_path):

@@ -429,7 +429,7 @@ def test_gguf_quantized_experts_import_bit_exact(hf_models, tmp_path, qtype, rec
             assert bytes(f._map[t.offset : t.offset + t.nbytes]) == t.data.tobytes()
             assert np.array_equal(dequantize(t).numpy(), whole[e])
 
-    model = load_weights(inspect_model(path), torch.float32, 64)
+    model = load_weights(inspect_model(path), torch.float32, 64, dequantize=True)
     name, overrides = recipe
     reports = {r.name: r for r in quantize_model(model, get_recipe(name, **overrides), gguf=f)}
     for e in range(8):
@@ -440,6 +440,21 @@ def test_gguf_quantized_experts_import_bit_exact(hf_models, tmp_path, qtype, rec
         assert torch.equal(q.dequantize(), dequantize(source))
     assert "layers.1.mlp.gate" not in reports  # the router stays float
     assert isinstance(model.layers[1].mlp.gate, torch.nn.Linear)
+
+    # Loaded to run, the file's experts are those same modules, and the model computes
+    # what the dequantized one does.
+    native = load_weights(inspect_model(path), torch.float32, 64)
+    for e in range(8):
+        module = f"layers.1.mlp.experts.{e}.up_proj"
+        q = native.get_submodule(module)
+        assert type(q) is type(model.get_submodule(module))
+        assert torch.equal(q.dequantize(), model.get_submodule(module).dequantize())
+    assert isinstance(native.layers[1].mlp.gate, torch.nn.Linear)
+    ref = load_weights(inspect_model(path), torch.float32, 64, dequantize=True)
+    ids = torch.tensor([[3, 9, 14, 2, 27, 5]])
+    expected = ref(ids, 0, all_logits=True)
+    got = native(ids, 0, all_logits=True)
+    torch.testing.assert_close(got, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
 
 
 # ---------------------------------------------------------------------------------------

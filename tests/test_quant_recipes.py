@@ -173,7 +173,7 @@ def test_quantize_imports_gguf_blocks(smollm2_gguf):
     """The default model is Q4_1 with a Q8_0 table: int4 g32 asymmetric imports every
     tensor losslessly, so the dequantized model's logits are exactly the float model's
     (the kernels' own summation order is tested against the reference elsewhere)."""
-    lm = load_model(smollm2_gguf, max_seq_len=32)
+    lm = load_model(smollm2_gguf, max_seq_len=32, dequantize=True)
     ref = logits(lm.model)
     reports = quantize_model(lm.model, get_recipe("int4"), gguf=lm.info.gguf)
     assert len(reports) == 7 * 30 + 1

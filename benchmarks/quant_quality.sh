@@ -25,7 +25,7 @@ formats=("int8" "int8 -g 0" "int4 --symmetric" "int4 --asymmetric" "mixed" "q4_k
          "lut3_m" "lut3" "lut2_m" "lut2")
 calibrated=("int4 --symmetric" "lut4" "lut3_m" "lut3" "lut2_m" "lut2")
 tuned=("lut3_m" "lut2_m")
-trained=("lut3_m" "lut2_m")
+trained=("lut3_m" "lut2_m" "lut2_m -g 32")
 
 run() {  # run NAME FORMAT... : quantize (with any extra options) and evaluate, once
   local name=$1; shift

@@ -16,15 +16,31 @@ columns and changes no bit, and the result's `dequantize()` equals
 
 This is how a GGUF file's such tensors load to run (runtime/loader.py), and how
 `infer quantize` carries them into a checkpoint whose recipe asks for their format.
+
+Loading to run, two more kinds of tensor go onto the kernels, close to but not bit for
+bit (`to_kernels`):
+
+    block_q4_K { ggml_half d, dmin; uint8_t scales[12]; uint8_t qs[128]; }  256 elements
+        8 sub-blocks of 32, each w = q * (d * sc) - dmin * m with 6-bit sc, m
+        -> int4 g32 asymmetric: the codes as they are, scale d * sc and min -dmin * m
+           rounded to float16 (relative error <= 2^-11 of a scale)
+    Q5_0, Q5_1, Q5_K, Q6_K (5 and 6 bits)
+        -> int8 g32 from their values: 8 bits hold a 5- or 6-bit grid to within a
+           quarter of its own step
+
+The rest (Q2_K, Q3_K, ...) is dequantized to float on load.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import replace
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..runtime.errors import InferError
-from ..runtime.gguf_file import GGUFFile, GGUFTensor
+from ..runtime.gguf_file import GGUFFile, GGUFTensor, dequantize
 from .base import FORMATS, QuantLinear
 from .int4 import Int4Linear
 from .int8 import Int8Linear
@@ -36,6 +52,18 @@ GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
     GGMLQuantizationType.Q4_0: {"format": "int4", "group_size": 32, "symmetric": True},
     GGMLQuantizationType.Q4_1: {"format": "int4", "group_size": 32, "symmetric": False},
 }
+
+
+# Types that run in int8 when loaded to run, requantized from their values, this many
+# rows at a time.
+ROWS_AT_ONCE = 4096
+HELD_IN_INT8 = {
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+}
+ON_KERNELS = {*GGUF_SPECS, GGMLQuantizationType.Q4_K, *HELD_IN_INT8}
 
 
 def importable(t: GGUFTensor, spec: dict) -> bool:
@@ -50,12 +78,12 @@ def importable(t: GGUFTensor, spec: dict) -> bool:
 
 
 def kernel_tensors(gguf: GGUFFile) -> dict[str, GGUFTensor]:
-    """The tensors of `gguf` that run on our kernels as they are, by Hugging Face name:
-    every Q8_0 / Q4_0 / Q4_1 weight of a linear layer (an expert's included) or of the
-    embedding table. A router stays float, as in every recipe."""
+    """The tensors of `gguf` that run on our kernels (`to_kernels`), by Hugging Face
+    name: every weight of a linear layer (an expert's included) or of the embedding
+    table in a type of ON_KERNELS. A router stays float, as in every recipe."""
     found = {}
     for name, t in gguf.tensors.items():
-        if t.ggml_type not in GGUF_SPECS:
+        if t.ggml_type not in ON_KERNELS:
             continue
         for hf in gguf.hf_names(name):
             module = hf.removeprefix("model.").removesuffix(".weight")
@@ -91,3 +119,52 @@ def from_gguf(t: GGUFTensor, bias: torch.Tensor | None = None) -> QuantLinear:
         return Int4Linear(qweight, f16(0), None, params, bias)
     qweight = blocks[:, :, 4:].contiguous().view(N, K // 2)  # Q4_1
     return Int4Linear(qweight, f16(0), f16(2), params, bias)
+
+
+def loaded_bytes(t: GGUFTensor) -> int:
+    """The bytes `to_kernels(t)` holds: int4 g32 asymmetric is 20 bytes per 32 weights
+    (as Q4_1), int8 g32 34 (as Q8_0)."""
+    if t.ggml_type in GGUF_SPECS:
+        return t.nbytes
+    per_32 = 20 if t.ggml_type == GGMLQuantizationType.Q4_K else 34
+    return math.prod(t.shape) // 32 * per_32
+
+
+def to_kernels(t: GGUFTensor, bias: torch.Tensor | None = None) -> QuantLinear:
+    """The 2-D tensor `t` (a type of ON_KERNELS) as the QuantLinear that runs it: Q8_0 /
+    Q4_0 / Q4_1 bit for bit, Q4_K with its codes, 5- and 6-bit types in int8 g32."""
+    if t.ggml_type in GGUF_SPECS:
+        return from_gguf(t, bias)
+    if t.ggml_type == GGMLQuantizationType.Q4_K:
+        return _from_q4_k(t, bias)
+    if t.ggml_type in HELD_IN_INT8:
+        return _held_in_int8(t, bias)
+    raise InferError(f"{t.name}: no kernel runs ggml type {t.ggml_type.name}")
+
+
+def _held_in_int8(t: GGUFTensor, bias: torch.Tensor | None) -> Int8Linear:
+    runs = []  # ROWS_AT_ONCE rows at a time: a large table is never whole in float32
+    for start in range(0, t.shape[0], ROWS_AT_ONCE):
+        rows = t.data[start : start + ROWS_AT_ONCE]
+        part = replace(t, shape=(rows.shape[0], t.shape[1]), data=rows)
+        runs.append(Int8Linear.from_float(dequantize(part), group_size=32, search=False))
+    qweight, scales = (torch.cat([getattr(r, k) for r in runs]) for k in ("qweight", "scales"))
+    return Int8Linear(qweight, scales, runs[0].params, bias)
+
+
+def _from_q4_k(t: GGUFTensor, bias: torch.Tensor | None) -> Int4Linear:
+    N, K = t.shape
+    blocks = torch.from_numpy(t.data).view(N, K // 256, 144)
+    d, dmin = (blocks[..., at : at + 2].contiguous().view(torch.float16).float() for at in (0, 2))
+    packed = blocks[..., 4:16].long()  # the 8 sub-blocks' 6-bit scales and mins
+    lo, mid, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat((lo & 63, (hi & 15) | ((lo >> 6) << 4)), -1)  # ggml's get_scale_min_k4
+    m = torch.cat((mid & 63, (hi >> 4) | ((mid >> 6) << 4)), -1)
+    scales = (d * sc).half().view(N, K // 32)  # (N, K/256, 1) * (N, K/256, 8)
+    mins = (-(dmin * m)).half().view(N, K // 32)
+    # qs: 4 runs of 32 bytes, the low nibbles sub-block 2j, the high ones sub-block 2j + 1.
+    qs = blocks[..., 16:].reshape(N, K // 256, 4, 1, 32)
+    codes = torch.cat((qs & 15, qs >> 4), 3).view(N, K // 32, 32)
+    # Our layout (Q4_1's): byte i of a group holds element i low, element i + 16 high.
+    qweight = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(N, K // 2)
+    return Int4Linear(qweight, scales, mins, {"group_size": 32, "symmetric": False}, bias)

@@ -20,6 +20,7 @@ dequantized nowhere else here, `gguf.quants.dequantize`.
 
 import itertools
 import math
+import mmap
 import re
 import struct
 from collections.abc import Container
@@ -546,6 +547,18 @@ class GGUFFile:
             )
         prefix = f"model.layers.{m.group(1)}.mlp.experts"
         return [f"{prefix}.{e}.{_STACKED_EXPERTS[m.group(2)]}.weight" for e in range(shape[0])]
+
+    def release(self, t: GGUFTensor) -> None:
+        """Let the whole pages of `t`, copied elsewhere, go: they stop counting in this
+        process's memory and are read from the file again if touched."""
+        raw = getattr(self._map, "_mmap", None)
+        if t.offset < 0 or raw is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start = -(-t.offset // page) * page
+        end = (t.offset + t.nbytes) // page * page
+        if end > start:
+            raw.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def hf_tensor(self, hf_name: str) -> GGUFTensor:
         """The raw tensor for a Hugging Face name, still in its ggml type, q/k rows un-permuted,

@@ -4,8 +4,8 @@ directory, see checkpoint.py) into a ready Transformer.
 The model is built on the meta device and the checkpoint's tensors are assigned
 into it, so weights exist once: mapped straight from the file where the dtype
 already matches, converted (or dequantized, for GGUF blocks) exactly once otherwise.
-GGUF Q8_0 / Q4_0 / Q4_1 blocks are not dequantized: they are split, bit for bit, into
-our int8 / int4 layouts and run on the C kernels (see load_weights).
+GGUF blocks the C kernels can run (Q8_0 / Q4_0 / Q4_1 bit for bit, Q4_K, 5 and 6
+bits) are not dequantized but moved into our int8 / int4 layouts (see load_weights).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ..offload.stream import (
 )
 from ..offload.trace import TraceRecorder
 from ..quant.base import QuantEmbedding, set_module
-from ..quant.gguf_import import from_gguf, kernel_tensors
+from ..quant.gguf_import import kernel_tensors, loaded_bytes, to_kernels
 from .checkpoint import Checkpoint, build_model, is_checkpoint, read_checkpoint, verify
 from .config import ModelArgs
 from .errors import InferError
@@ -199,11 +199,12 @@ def load_weights(
 ) -> Transformer:
     """Build the Transformer on the meta device and assign the checkpoint's tensors.
 
-    In float32, a GGUF file's Q8_0 / Q4_0 / Q4_1 weights run on the int8 / int4
-    kernels, their blocks moved into those formats unchanged (quant/gguf_import.py), as
-    llama.cpp runs them; other types, and every weight in another dtype, are dequantized
-    to `dtype`. `dequantize`: every weight in `dtype` anyway, the exact float reference
-    (`infer eval --ref`, `infer quantize`)."""
+    In float32, a GGUF file's quantized weights run on the int8 / int4 kernels, as
+    llama.cpp runs them (quant/gguf_import.py `to_kernels`): Q8_0 / Q4_0 / Q4_1 blocks
+    moved into those formats unchanged, Q4_K's codes into int4, 5- and 6-bit types held
+    in int8. Other types (Q2_K, Q3_K, F16, ...), and every weight in another dtype, are
+    dequantized to `dtype`. `dequantize`: every weight in `dtype` anyway, the exact float
+    reference (`infer eval --ref`, `infer quantize`)."""
     if info.checkpoint is not None:
         return build_model(info.checkpoint, dtype, max_seq_len)
     args = info.args
@@ -219,7 +220,8 @@ def load_weights(
     for hf, t in blocks.items():
         name = hf.removeprefix("model.").removesuffix(".weight")
         sd.pop(f"{name}.weight", None)  # sanitize ties an lm_head it did not see to the table
-        q = from_gguf(t, sd.pop(f"{name}.bias", None))
+        q = to_kernels(t, sd.pop(f"{name}.bias", None))
+        info.gguf.release(t)  # copied into q: its pages need not stay in memory
         if name == "embed_tokens":
             model.embed_tokens = QuantEmbedding(q)
             if tied:  # stored once, as in our checkpoints (checkpoint.build_model)
@@ -376,7 +378,7 @@ def _auto_budget(info: ModelInfo, dtype: torch.dtype, ctx: int, process: int) ->
         on_kernels = info.gguf is not None and dtype == torch.float32
         kept = kernel_tensors(info.gguf).values() if on_kernels else ()
         converted = info.args.n_params - sum(math.prod(t.shape) for t in kept)
-        need = sum(t.data.nbytes for t in kept) + converted * dtype.itemsize
+        need = sum(loaded_bytes(t) for t in kept) + converted * dtype.itemsize
     if need <= FITS_SHARE * available:
         return None
     return process + int(AUTO_BUDGET_SHARE * available)

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from infer.runtime.errors import InferError
-from infer.runtime.gguf_file import GGUFFile, dequantize
+from infer.runtime.gguf_file import GGUFFile, GGUFTensor, dequantize
 
 
 def write_gguf(path: Path, arch: str, tensors: dict, kv=(), alignment: int | None = None) -> Path:
@@ -454,6 +454,76 @@ def test_quantized_blocks_run_on_the_kernels(tmp_path, arch, embed, output):
     # In bfloat16 the kernels do not apply (they take float32): everything converts.
     bf16 = load_weights(inspect_model(path), torch.bfloat16, 64)
     assert not any("Quant" in type(m).__name__ for m in bf16.modules())
+
+
+def random_blocks(qtype: T, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """(N, bytes) rows of random `qtype` blocks, their float16 super-block scales sane."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (N, K // block, size), dtype=np.uint8)
+    at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (size - 2,)}[qtype]
+    for a in at:
+        d = rng.uniform(1e-3, 2e-2, (N, K // block)).astype(np.float16)
+        data[..., a : a + 2] = d.view(np.uint8).reshape(N, K // block, 2)
+    return data.reshape(N, -1)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1])
+def test_other_types_go_onto_the_kernels_closely(qtype):
+    """Q4_K keeps its codes in int4 g32 (scales and mins rounded to float16); 5- and 6-bit
+    types are held in int8 g32, within half an int8 step of their values."""
+    from infer.quant.gguf_import import loaded_bytes, to_kernels
+    from infer.quant.int4 import Int4Linear
+    from infer.quant.int8 import Int8Linear
+
+    N, K = 6, 512
+    if qtype in (T.Q5_0, T.Q5_1):
+        w = np.random.default_rng(1).standard_normal((N, K)).astype(np.float32)
+        data = gguf.quants.quantize(w, qtype)
+    else:
+        data = random_blocks(qtype, N, K)
+    t = GGUFTensor("w", qtype, (N, K), data, 0)
+    expected = dequantize(t)
+    assert torch.equal(expected, torch.from_numpy(gguf.quants.dequantize(data, qtype)))
+    bias = torch.randn(N)
+    q = to_kernels(t, bias)
+    assert loaded_bytes(t) == q.nbytes  # what the auto budget counts it at
+    err = (q.dequantize() - expected).abs()
+    if qtype == T.Q4_K:
+        assert type(q) is Int4Linear and (q.group_size, q.mins is not None) == (32, True)
+        bound = 2**-11 * (15 * q.scales.float().abs().max() + q.mins.float().abs().max())
+        assert err.max() <= bound  # a wrong code would be a whole step off
+    else:
+        assert type(q) is Int8Linear and q.group_size == 32
+        step = q.scales.float().repeat_interleave(32, 1)
+        assert (err <= step / 2 * (1 + 1e-3)).all()
+    x = torch.randn(3, K)
+    y = x @ expected.T + bias
+    torch.testing.assert_close(q(x), y, atol=1e-2 * y.abs().max().item(), rtol=0)
+
+
+def test_kernel_tensors_picks_weights_by_type(tmp_path):
+    from infer.quant.gguf_import import kernel_tensors
+
+    K = 256
+    tensors = {
+        "token_embd.weight": (random_blocks(T.Q6_K, 8, K), T.Q6_K),
+        "blk.0.attn_q.weight": (random_blocks(T.Q4_K, 8, K), T.Q4_K),
+        "blk.0.attn_k.weight": np.zeros((8, K), np.float16),
+        "blk.0.ffn_down.weight": (
+            gguf.quants.quantize(np.ones((8, K), np.float32), T.Q8_0),
+            T.Q8_0,
+        ),
+        "blk.0.attn_norm.weight": np.ones(K, np.float32),
+    }
+    heads = [("add_uint32", "llama.attention.head_count", 2)]
+    heads.append(("add_uint32", "llama.attention.head_count_kv", 2))
+    f = GGUFFile(write_gguf(tmp_path / "k.gguf", "llama", tensors, heads))
+    assert set(kernel_tensors(f)) == {
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+    }
 
 
 def test_unsupported_architecture(tmp_path):

@@ -25,8 +25,8 @@ bit (`to_kernels`):
         -> int4 g32 asymmetric: the codes as they are, scale d * sc and min -dmin * m
            rounded to float16 (relative error <= 2^-11 of a scale)
     Q5_0, Q5_1, Q5_K, Q6_K (5 and 6 bits)
-        -> int8 g32 from their values: 8 bits hold a 5- or 6-bit grid to within a
-           quarter of its own step
+        -> int8 g32 from their values, rounded to within an eighth of the coarsest
+           5- or 6-bit step in each group of 32
 
 The rest (Q2_K, Q3_K, ...) is dequantized to float on load.
 """

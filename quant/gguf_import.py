@@ -24,11 +24,12 @@ bit (`to_kernels`):
         8 sub-blocks of 32, each w = q * (d * sc) - dmin * m with 6-bit sc, m
         -> int4 g32 asymmetric: the codes as they are, scale d * sc and min -dmin * m
            rounded to float16 (relative error <= 2^-11 of a scale)
-    Q5_0, Q5_1, Q5_K, Q6_K (5 and 6 bits)
-        -> int8 g32 from their values, rounded to within an eighth of the coarsest
-           5- or 6-bit step in each group of 32
+    every other block-quantized type (Q5_x, Q6_K, Q2_K, Q3_K, the IQ types, ...)
+        -> int8 g32 from its values, each within 1/254 of its group's largest
+           magnitude (within an eighth of a step for a 5- or 6-bit grid)
 
-The rest (Q2_K, Q3_K, ...) is dequantized to float on load.
+Float types (F32, F16, BF16) are not quantized on load: they are converted to the
+compute dtype.
 """
 
 from __future__ import annotations
@@ -54,16 +55,12 @@ GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
 }
 
 
-# Types that run in int8 when loaded to run, requantized from their values, this many
-# rows at a time.
+# Loaded to run: every block-quantized type goes onto the kernels; those that are not
+# moved as they are (GGUF_SPECS) or by their codes (Q4_K) are held in int8,
+# requantized from their values this many rows at a time.
+ON_KERNELS = {t for t, (block, _) in GGML_QUANT_SIZES.items() if block > 1}
+HELD_IN_INT8 = ON_KERNELS - {*GGUF_SPECS, GGMLQuantizationType.Q4_K}
 ROWS_AT_ONCE = 4096
-HELD_IN_INT8 = {
-    GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_1,
-    GGMLQuantizationType.Q5_K,
-    GGMLQuantizationType.Q6_K,
-}
-ON_KERNELS = {*GGUF_SPECS, GGMLQuantizationType.Q4_K, *HELD_IN_INT8}
 
 
 def importable(t: GGUFTensor, spec: dict) -> bool:
@@ -132,7 +129,7 @@ def loaded_bytes(t: GGUFTensor) -> int:
 
 def to_kernels(t: GGUFTensor, bias: torch.Tensor | None = None) -> QuantLinear:
     """The 2-D tensor `t` (a type of ON_KERNELS) as the QuantLinear that runs it: Q8_0 /
-    Q4_0 / Q4_1 bit for bit, Q4_K with its codes, 5- and 6-bit types in int8 g32."""
+    Q4_0 / Q4_1 bit for bit, Q4_K with its codes, any other type in int8 g32."""
     if t.ggml_type in GGUF_SPECS:
         return from_gguf(t, bias)
     if t.ggml_type == GGMLQuantizationType.Q4_K:

@@ -4,8 +4,8 @@ directory, see checkpoint.py) into a ready Transformer.
 The model is built on the meta device and the checkpoint's tensors are assigned
 into it, so weights exist once: mapped straight from the file where the dtype
 already matches, converted (or dequantized, for GGUF blocks) exactly once otherwise.
-GGUF blocks the C kernels can run (Q8_0 / Q4_0 / Q4_1 bit for bit, Q4_K, 5 and 6
-bits) are not dequantized but moved into our int8 / int4 layouts (see load_weights).
+GGUF's quantized blocks are not dequantized but moved into our int8 / int4 layouts
+(Q8_0 / Q4_0 / Q4_1 bit for bit) and run on the C kernels (see load_weights).
 """
 
 from __future__ import annotations
@@ -201,10 +201,10 @@ def load_weights(
 
     In float32, a GGUF file's quantized weights run on the int8 / int4 kernels, as
     llama.cpp runs them (quant/gguf_import.py `to_kernels`): Q8_0 / Q4_0 / Q4_1 blocks
-    moved into those formats unchanged, Q4_K's codes into int4, 5- and 6-bit types held
-    in int8. Other types (Q2_K, Q3_K, F16, ...), and every weight in another dtype, are
-    dequantized to `dtype`. `dequantize`: every weight in `dtype` anyway, the exact float
-    reference (`infer eval --ref`, `infer quantize`)."""
+    moved into those formats unchanged, Q4_K's codes into int4, every other quantized
+    type held in int8. Float types (F16, BF16, ...), and every weight in another dtype,
+    are converted to `dtype`. `dequantize`: every weight in `dtype` anyway, the exact
+    float reference (`infer eval --ref`, `infer quantize`)."""
     if info.checkpoint is not None:
         return build_model(info.checkpoint, dtype, max_seq_len)
     args = info.args

@@ -461,16 +461,16 @@ def random_blocks(qtype: T, N: int, K: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (N, K // block, size), dtype=np.uint8)
-    at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (size - 2,)}[qtype]
+    at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,)}[qtype]
     for a in at:
         d = rng.uniform(1e-3, 2e-2, (N, K // block)).astype(np.float16)
         data[..., a : a + 2] = d.view(np.uint8).reshape(N, K // block, 2)
     return data.reshape(N, -1)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.Q5_0, T.Q5_1])
 def test_other_types_go_onto_the_kernels_closely(qtype):
-    """Q4_K keeps its codes in int4 g32 (scales and mins rounded to float16); 5- and 6-bit
+    """Q4_K keeps its codes in int4 g32 (scales and mins rounded to float16); the other
     types are held in int8 g32, within half an int8 step of their values."""
     from infer.quant.gguf_import import loaded_bytes, to_kernels
     from infer.quant.int4 import Int4Linear

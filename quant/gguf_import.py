@@ -74,20 +74,21 @@ def importable(t: GGUFTensor, spec: dict) -> bool:
     return {"format": target["format"], **params} == target
 
 
-def kernel_tensors(gguf: GGUFFile) -> dict[str, GGUFTensor]:
-    """The tensors of `gguf` that run on our kernels (`to_kernels`), by Hugging Face
-    name: every weight of a linear layer (an expert's included) or of the embedding
-    table in a type of ON_KERNELS. A router stays float, as in every recipe."""
-    found = {}
+def kernel_weights(gguf: GGUFFile) -> set[str]:
+    """The Hugging Face names of the tensors of `gguf` that run on our kernels
+    (`to_kernels`): every weight of a linear layer (an expert's included) or of the
+    embedding table in a type of ON_KERNELS. A router stays float, as in every recipe.
+    Names only: fetching a tensor (`hf_tensor`) may un-permute a copy of its rows."""
+    found = set()
     for name, t in gguf.tensors.items():
         if t.ggml_type not in ON_KERNELS:
             continue
-        for hf in gguf.hf_names(name):
+        hf_names = gguf.hf_names(name)
+        dims = len(t.shape) - (len(hf_names) > 1)  # one expert of a stacked tensor: 2-D
+        for hf in hf_names:
             module = hf.removeprefix("model.").removesuffix(".weight")
-            if hf.endswith(".weight") and not is_router(module):
-                part = gguf.hf_tensor(hf)  # an expert's rows of a stacked tensor
-                if len(part.shape) == 2:
-                    found[hf] = part
+            if dims == 2 and hf.endswith(".weight") and not is_router(module):
+                found.add(hf)
     return found
 
 
@@ -119,8 +120,8 @@ def from_gguf(t: GGUFTensor, bias: torch.Tensor | None = None) -> QuantLinear:
 
 
 def loaded_bytes(t: GGUFTensor) -> int:
-    """The bytes `to_kernels(t)` holds: int4 g32 asymmetric is 20 bytes per 32 weights
-    (as Q4_1), int8 g32 34 (as Q8_0)."""
+    """The bytes `to_kernels` holds for `t` (all its experts, for a stacked tensor):
+    int4 g32 asymmetric is 20 bytes per 32 weights (as Q4_1), int8 g32 34 (as Q8_0)."""
     if t.ggml_type in GGUF_SPECS:
         return t.nbytes
     per_32 = 20 if t.ggml_type == GGMLQuantizationType.Q4_K else 34

@@ -42,7 +42,7 @@ from ..offload.stream import (
 )
 from ..offload.trace import TraceRecorder
 from ..quant.base import QuantEmbedding, set_module
-from ..quant.gguf_import import kernel_tensors, loaded_bytes, to_kernels
+from ..quant.gguf_import import ON_KERNELS, kernel_weights, loaded_bytes, to_kernels
 from .checkpoint import Checkpoint, build_model, is_checkpoint, read_checkpoint, verify
 from .config import ModelArgs
 from .errors import InferError
@@ -208,16 +208,17 @@ def load_weights(
     if info.checkpoint is not None:
         return build_model(info.checkpoint, dtype, max_seq_len)
     args = info.args
-    blocks = {}
+    blocks = set()
     if info.gguf is not None and dtype == torch.float32 and not dequantize:
-        blocks = kernel_tensors(info.gguf)
+        blocks = kernel_weights(info.gguf)
         tied = args.tie_embeddings or "output.weight" not in info.gguf.tensors
         if tied:  # the output layer is the table, whatever the file holds beside it
-            blocks.pop("lm_head.weight", None)
+            blocks.discard("lm_head.weight")
     sd = Transformer.sanitize(_state_dict(info, dtype, skip=blocks), args)
     with torch.device("meta"):
         model = Transformer(args)
-    for hf, t in blocks.items():
+    for hf in blocks:
+        t = info.gguf.hf_tensor(hf)
         name = hf.removeprefix("model.").removesuffix(".weight")
         sd.pop(f"{name}.weight", None)  # sanitize ties an lm_head it did not see to the table
         q = to_kernels(t, sd.pop(f"{name}.bias", None))
@@ -374,11 +375,13 @@ def _auto_budget(info: ModelInfo, dtype: torch.dtype, ctx: int, process: int) ->
         costs = layer_costs(ckpt, layer_units(ckpt, info.args.n_layers), dtype)
         fixed = overheads(ckpt, info.args, dtype, ctx, 0)
         need = fixed.total + sum(c.resident_bytes for c in costs)
-    else:  # HF weights and GGUF blocks without kernels are converted to `dtype` on load
-        on_kernels = info.gguf is not None and dtype == torch.float32
-        kept = kernel_tensors(info.gguf).values() if on_kernels else ()
-        converted = info.args.n_params - sum(math.prod(t.shape) for t in kept)
-        need = sum(loaded_bytes(t) for t in kept) + converted * dtype.itemsize
+    elif info.gguf is not None and dtype == torch.float32:  # as load_weights holds them
+        need = sum(
+            loaded_bytes(t) if t.ggml_type in ON_KERNELS else math.prod(t.shape) * 4
+            for t in info.gguf.tensors.values()
+        )
+    else:  # HF weights, and GGUF blocks in another dtype, are converted to `dtype`
+        need = info.args.n_params * dtype.itemsize
     if need <= FITS_SHARE * available:
         return None
     return process + int(AUTO_BUDGET_SHARE * available)

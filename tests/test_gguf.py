@@ -502,8 +502,8 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
     torch.testing.assert_close(q(x), y, atol=1e-2 * y.abs().max().item(), rtol=0)
 
 
-def test_kernel_tensors_picks_weights_by_type(tmp_path):
-    from infer.quant.gguf_import import kernel_tensors
+def test_kernel_weights_picks_weights_by_type(tmp_path):
+    from infer.quant.gguf_import import kernel_weights
 
     K = 256
     tensors = {
@@ -519,7 +519,7 @@ def test_kernel_tensors_picks_weights_by_type(tmp_path):
     heads = [("add_uint32", "llama.attention.head_count", 2)]
     heads.append(("add_uint32", "llama.attention.head_count_kv", 2))
     f = GGUFFile(write_gguf(tmp_path / "k.gguf", "llama", tensors, heads))
-    assert set(kernel_tensors(f)) == {
+    assert set(kernel_weights(f)) == {
         "model.embed_tokens.weight",
         "model.layers.0.self_attn.q_proj.weight",
         "model.layers.0.mlp.down_proj.weight",

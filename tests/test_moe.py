@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from tiny import MOE_ARCHS, make_hf_model
+from tiny import MOE_ARCHS, make_hf_model, random_blocks
 
 from infer.quant.base import QuantLinear
 from infer.quant.quantize import quantize_model
@@ -287,7 +287,8 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_moe_gguf(ref, path: Path, qtype=None, stacked=True, extra_kv=()) -> Path:
     """A GGUF of the transformers MoE model `ref`: experts stacked per layer as
     blk.N.ffn_{gate,up,down}_exps (n_expert, rows, cols), or with stacked=False one
-    blk.N.ffn_{gate,up,down}.E tensor each (older Mixtral files); in `qtype` if given.
+    blk.N.ffn_{gate,up,down}.E tensor each (older Mixtral files); in `qtype` if given
+    (a K-quant, which gguf-py cannot quantize to, as random blocks).
     q/k rows permuted for arch llama; the shared expert gate a vector."""
     cfg = ref.config
     arch = GGUF_ARCH[cfg.model_type]
@@ -295,6 +296,10 @@ def write_moe_gguf(ref, path: Path, qtype=None, stacked=True, extra_kv=()) -> Pa
 
     def add(name, t, quantize=False):
         a = t.detach().float().numpy()
+        if quantize and qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K):
+            rows = random_blocks(qtype, a.size // a.shape[-1], a.shape[-1], seed=len(tensors))
+            tensors[name] = (rows.reshape(*a.shape[:-1], -1), qtype)
+            return
         tensors[name] = (gguf.quants.quantize(a, qtype), qtype) if quantize and qtype else a
 
     sd = {k.removeprefix("model."): v for k, v in ref.state_dict().items()}
@@ -455,6 +460,46 @@ def test_gguf_quantized_experts_import_bit_exact(hf_models, tmp_path, qtype, rec
     expected = ref(ids, 0, all_logits=True)
     got = native(ids, 0, all_logits=True)
     torch.testing.assert_close(got, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+@torch.no_grad()
+def test_gguf_k_quant_experts_run_on_the_kernels(tmp_path, qtype):
+    """K-quant stacked experts (rows of 256) load onto the kernels one expert at a time, as
+    a 2-D K-quant tensor does: Q4_K's codes into int4, Q6_K held in int8; prompt and
+    token-by-token logits follow the dequantized model."""
+    from infer.quant.int4 import Int4Linear
+    from infer.quant.int8 import Int8Linear
+
+    ref = make_hf_model("olmoe", tmp_path / "hf", hidden_size=256, intermediate_size=256)
+    path = write_moe_gguf(ref, tmp_path / "k.gguf", qtype=qtype)
+    f = GGUFFile(path)
+    native = load_weights(inspect_model(path), torch.float32, 64)
+    kind = Int4Linear if qtype == T.Q4_K else Int8Linear
+    for i in range(2):
+        for e in range(8):
+            for proj in ("gate", "up", "down"):
+                module = f"layers.{i}.mlp.experts.{e}.{proj}_proj"
+                q = native.get_submodule(module)
+                assert type(q) is kind and q.group_size == 32, module
+                expected = dequantize(f.hf_tensor(f"model.{module}.weight"))
+                err = (q.dequantize() - expected).abs()
+                if qtype == T.Q4_K:  # the codes as they are, scales rounded to float16
+                    assert err.max() <= 2**-10 * expected.abs().max(), module
+                else:  # within half an int8 step of its group
+                    step = q.scales.float().repeat_interleave(32, 1)
+                    assert (err <= step / 2 * (1 + 1e-3)).all(), module
+        assert isinstance(native.layers[i].mlp.gate, torch.nn.Linear)  # the router stays float
+    ref_model = load_weights(inspect_model(path), torch.float32, 64, dequantize=True)
+    ids = torch.tensor([PROMPT])
+    expected = ref_model(ids, 0, all_logits=True)
+    scale = expected.abs().max().item()
+    tol = 1e-3 if qtype == T.Q4_K else 3e-2
+    torch.testing.assert_close(native(ids, 0, all_logits=True), expected, atol=tol * scale, rtol=0)
+    native.cached_tokens.clear()
+    for pos, token in enumerate(PROMPT):
+        got = native(torch.tensor([[token]]), pos)[0, -1]
+        torch.testing.assert_close(got, expected[0, pos], atol=tol * scale, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------

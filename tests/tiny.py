@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType as T
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -113,12 +116,13 @@ def write_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def make_hf_model(arch: str, path: Path, seed: int = 0):
-    """Save a random `arch` model (float32) with a tokenizer to `path`; return the HF model."""
+def make_hf_model(arch: str, path: Path, seed: int = 0, **overrides):
+    """Save a random `arch` model (float32) with a tokenizer to `path`; return the HF model.
+    `overrides` change its config (e.g. hidden_size=256)."""
     import transformers
 
     cls_name, extra = {**ARCHS, **MOE_ARCHS}[arch]
-    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     # Random init leaves norm weights at 1: perturb them so the norms are really tested.
@@ -130,3 +134,16 @@ def make_hf_model(arch: str, path: Path, seed: int = 0):
     model.save_pretrained(path)
     write_tokenizer(path)
     return model
+
+
+def random_blocks(qtype: T, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """(N, bytes) rows of random `qtype` K-quant blocks (gguf-py cannot quantize to these),
+    their float16 super-block scales sane."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (N, K // block, size), dtype=np.uint8)
+    at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,)}[qtype]
+    for a in at:
+        d = rng.uniform(1e-3, 2e-2, (N, K // block)).astype(np.float16)
+        data[..., a : a + 2] = d.view(np.uint8).reshape(N, K // block, 2)
+    return data.reshape(N, -1)

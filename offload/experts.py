@@ -48,6 +48,7 @@ timing, so a replay equals the live run's counters only with cancel=False.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -520,6 +521,8 @@ class ExpertOffload:
         self._handles = [model.register_forward_pre_hook(self._count)]
         for j, block in enumerate(self.blocks):
             block.run_expert = functools.partial(self._run, j, block)
+            block.bound = functools.partial(self._bound, j, block)
+            block.resident_experts = False
             self._handles.append(block.register_forward_pre_hook(functools.partial(self._visit, j)))
             if self.refine:
                 layer = model.layers[self.layer_ids[j]]
@@ -550,14 +553,25 @@ class ExpertOffload:
         return loaded
 
     def _run(self, j: int, block, e: int, x: torch.Tensor) -> torch.Tensor:
-        loaded = self.cache.get(j, e)
-        for store, name, value in loaded.values:
-            store[name] = value
+        with self._bound(j, block, [e]) as (expert,):
+            return expert(x)
+
+    @contextlib.contextmanager
+    def _bound(self, j: int, block, ids: list[int]):
+        """MoE.bound: experts `ids` got from the cache in that order (as forward's
+        run_expert calls get them), bound while the context lasts. The k experts of a
+        visit are held at once; their buffers are in the pool's in-flight share."""
+        loaded = []
         try:
-            return block.experts[e](x)
+            for e in ids:
+                loaded.append(self.cache.get(j, e))
+                for store, name, value in loaded[-1].values:
+                    store[name] = value
+            yield [block.experts[e] for e in ids]
         finally:
-            for store, name, value in self._unbound[j][e]:
-                store[name] = value
+            for e in ids[: len(loaded)]:
+                for store, name, value in self._unbound[j][e]:
+                    store[name] = value
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -857,7 +871,8 @@ def _load(
     model = build_model(
         dataclasses.replace(ckpt, tensors={**ckpt.tensors, **placeholders}), dtype, max_seq_len
     )
-    # The fused decode step holds pointers to every weight; experts move between buffers.
+    # The fused decode step holds pointers to the weights (built again below, once the
+    # experts are bound on demand); streamed dense layers move between buffers.
     model.fused_decode = None
     drop_cached(ckpt, flat + dense_units)
     reader = stream = None
@@ -890,6 +905,8 @@ def _load(
             plan=plan,
             stream=stream,
         )
+        if stream is None:  # dense parts resident: the fused step runs, experts bound per visit
+            model.prepare_fused_decode()
     except BaseException:
         if stream is not None:
             stream.close()

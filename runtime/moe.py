@@ -26,6 +26,10 @@ The pieces are separate so an expert cache (offload/) can drive them:
     expert(e) -> module          the one place an expert is looked up: override it (or swap
                                  `experts[e]`) to fetch experts on demand
     run_expert(e, x) -> y        expert e on the tokens x routed to it, (n, dim) -> (n, dim)
+    bound(ids) -> context        the modules of experts `ids` (ascending), ready to run
+                                 while the context lasts: how the fused decode step
+                                 (kernels_cpu/decode.py) gets a token's experts when
+                                 `resident_experts` is False (an expert cache holds them)
 
 forward() runs only the experts the router chose. Decoding (one token) calls each of its
 k experts once; a prompt groups tokens by expert, runs each used expert once on its
@@ -35,6 +39,7 @@ as transformers does, so a token's output does not depend on how the prompt was 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -58,6 +63,8 @@ class MoE(nn.Module):
             self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
+        # False when an expert cache binds experts' weights only while they run (offload/)
+        self.resident_experts = True
 
     def probs(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., dim) -> (N, n_experts) float32: the router's softmax for each of the
@@ -80,6 +87,12 @@ class MoE(nn.Module):
     def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `e` on x (n, dim), the tokens routed to it."""
         return self.expert(e)(x)
+
+    @contextlib.contextmanager
+    def bound(self, ids: list[int]):
+        """The modules of experts `ids` (ascending, as forward runs them), ready to run
+        until the context ends."""
+        yield [self.expert(e) for e in ids]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (1, T, dim) -> (1, T, dim)."""

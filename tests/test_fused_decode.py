@@ -3,13 +3,14 @@ Block.forward, on every architecture variant and every quantized format it runs.
 
 import pytest
 import torch
-from tiny import ARCHS, make_hf_model
+from tiny import ARCHS, MOE_ARCHS, make_hf_model
 
 from infer.kernels_cpu import ops
 from infer.kernels_cpu.decode import FusedDecode
 from infer.quant.quantize import dequantize_model, quantize_model
 from infer.quant.recipes import get_recipe
 from infer.runtime.loader import load_model
+from infer.runtime.moe import MoE
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]  # 12 tokens: past a window of 8
 NEXT = [41, 7, 233, 18, 90]
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(not ops.available(), reason="C extension not bui
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fused")
-    for arch in ARCHS:
+    for arch in [*ARCHS, *MOE_ARCHS]:
         make_hf_model(arch, root / arch)
     return root
 
@@ -52,6 +53,59 @@ def test_fused_equals_blocks(hf_dirs, arch, recipe, overrides):
     ref = decode_logits(model, fused=False)
     got = decode_logits(model, fused=True)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("arch", sorted(set(MOE_ARCHS) - {"olmoe"}))
+@pytest.mark.parametrize(
+    "recipe, overrides",
+    [("int8", {}), ("int4", {"symmetric": True}), ("lut2_m", {"group_size": 32})],
+)
+def test_fused_runs_mixtures_of_experts(hf_dirs, arch, recipe, overrides):
+    """MoE layers: attention in C, the block's own router in torch, the chosen experts
+    (and a shared expert) in one C call, equal to Block.forward to rounding."""
+    model = load_model(hf_dirs / arch, max_seq_len=64).model
+    quantize_model(model, get_recipe(recipe, n_layers=model.args.n_layers, **overrides))
+    step = model.fused_decode
+    assert step is not None and step._moe
+    assert sorted(step._moe) == [
+        i for i in range(model.args.n_layers) if model.args.is_moe_layer(i)
+    ]
+    ref = decode_logits(model, fused=False)
+    got = decode_logits(model, fused=True)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_fused_moe_runs_the_blocks_pre_hooks(hf_dirs):
+    """A routing recorder's forward pre-hook sees the MoE input the block computes on."""
+    model = load_model(hf_dirs / "qwen2_moe", max_seq_len=64).model
+    quantize_model(model, get_recipe("int8"))
+    seen = {True: [], False: []}
+    for fused in (True, False):
+        handles = [
+            layer.mlp.register_forward_pre_hook(lambda m, a, f=fused: seen[f].append(a[0].clone()))
+            for layer in model.layers
+            if isinstance(layer.mlp, MoE)
+        ]
+        try:
+            decode_logits(model, fused=fused)
+        finally:
+            for h in handles:
+                h.remove()
+    assert len(seen[True]) == len(seen[False]) == 2 * (1 + len(NEXT))  # 2 MoE layers
+    for a, b in zip(seen[True], seen[False]):
+        torch.testing.assert_close(a.view(-1), b.view(-1), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_experts_are_refused(hf_dirs):
+    model = load_model(hf_dirs / "mixtral", max_seq_len=64).model
+    quantize_model(model, get_recipe("int8"))
+    step = model.fused_decode
+    block, table = next(iter(step._moe.values()))
+    x = torch.zeros(1, 1, model.args.dim)
+    weights = torch.ones(1, 2)
+    for ids in ([[0, block.n_experts]], [[-1, 0]]):  # an expert the layer does not have
+        with pytest.raises(ValueError, match="decode_experts: bad table"):
+            step._run_experts(table, torch.tensor(ids), weights, None, x, x.clone(), 0, 1)
 
 
 def test_threads_do_not_change_results(hf_dirs):

@@ -19,8 +19,17 @@
             scratch (float32, SCRATCH_FLOATS below), HEADER = 12 words
    layer:   attn_norm, ffn_norm, q_norm (0: none), k_norm, k_cache, v_cache
             (float32 (n_kv_heads, max_seq, head_dim)), then 7 linears q k v o gate up down,
-            each LIN = 8 words: kind (8 int8, 4 int4, 1..3 = -bits for lut), qweight,
+            each LIN = 8 words: kind (8 int8, 4 int4, 1..4 = -bits for lut), qweight,
             scales, mins (0: none), bias (float32, 0: none), N, K, g
+
+   A mixture-of-experts layer has kind 0 in its gate, up and down words: decode_layers
+   stops there after the attention half, with the MoE input ffn_norm(x) in the scratch's
+   first `dim` floats, and returns the layer's index. The caller routes that input
+   (runtime/moe.py's MoE.route, in torch: the routing is the model's own), and
+   decode_experts adds the chosen experts' weighted outputs (and a shared expert's) to x,
+   as MoE.forward does for one token; then decode_layers goes on from the next layer.
+   Experts are a table of (gate, up, down) LIN triples, one row per expert, the shared
+   expert's last.
 */
 #include <math.h>
 #include <stdint.h>
@@ -75,10 +84,11 @@ static int linear(const int64_t *L, const float *x, float *y, const model_t *m) 
     return rc;
 }
 
-/* y[i] = W_i x (+ bias_i) for n linears of the plan that share x: one pool job when all
-   are int8/int4 (q_gemv_many), else one after another. */
-static int linears(int n, const int64_t *const *L, const float *x, float *const *y,
-                   const model_t *m) {
+/* y[i] = W_i x[i] (+ bias_i) for n <= Q_GEMV_MANY_MAX linears of the plan: one pool job
+   when all are int8/int4 (q_gemv_many; linears sharing an x quantize it once), else one
+   after another. */
+static int linears_each(int n, const int64_t *const *L, const float *const *x,
+                        float *const *y, const model_t *m) {
     int bits[Q_GEMV_MANY_MAX];
     qmat a[Q_GEMV_MANY_MAX];
     const qmat *pa[Q_GEMV_MANY_MAX];
@@ -86,14 +96,14 @@ static int linears(int n, const int64_t *const *L, const float *x, float *const 
     for (int i = 0; i < n && all_q; i++) {
         all_q = L[i][0] == 8 || L[i][0] == 4;
         bits[i] = (int)L[i][0];
-        a[i] = (qmat){.x = x, .qw = PTR(const void *, L[i][1]),
+        a[i] = (qmat){.x = x[i], .qw = PTR(const void *, L[i][1]),
                       .scales = PTR(const void *, L[i][2]), .mins = PTR(const uint16_t *, L[i][3]),
                       .y = y[i], .M = 1, .N = L[i][5], .K = L[i][6], .g = L[i][7]};
         pa[i] = &a[i];
     }
     if (!all_q) {
         int rc = 0;
-        for (int i = 0; i < n; i++) rc |= linear(L[i], x, y[i], m);
+        for (int i = 0; i < n; i++) rc |= linear(L[i], x[i], y[i], m);
         return rc;
     }
     int rc = q_gemv_many(n, bits, pa, m->isa, m->nthreads);
@@ -103,6 +113,14 @@ static int linears(int n, const int64_t *const *L, const float *x, float *const 
             for (int64_t r = 0; r < L[i][5]; r++) y[i][r] += bias[r];
     }
     return rc;
+}
+
+/* The same for n linears that share x. */
+static int linears(int n, const int64_t *const *L, const float *x, float *const *y,
+                   const model_t *m) {
+    const float *xs[Q_GEMV_MANY_MAX];
+    for (int i = 0; i < n; i++) xs[i] = x;
+    return linears_each(n, L, xs, y, m);
 }
 
 /* out = w * (x / sqrt(mean(x^2) + eps)), as RMSNorm.forward in float32 */
@@ -126,6 +144,14 @@ static void rope(float *x, int64_t n, int64_t d, const float *cos, const float *
             x[i] = a * cos[i] - b * sin[i];
             x[i + h] = b * cos[i + h] + a * sin[i + h];
         }
+}
+
+/* gate[i] = SiLU(gate[i]) * up[i], as MLP.forward's F.silu(gate) * up */
+static void silu_mul(float *gate, const float *up, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = gate[i];
+        gate[i] = gi / (1.0f + expf(-gi)) * up[i];
+    }
 }
 
 typedef struct {
@@ -166,6 +192,9 @@ static void attn_task(void *ctx, int64_t h, int tid) {
     }
 }
 
+/* One block for the token at pos: x is the residual stream. Returns 0, -1 when out of
+   memory, or 1 after the attention half of a mixture-of-experts layer (m->xn then holds
+   its MoE input). */
 static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
     const float *attn_norm = PTR(const float *, P[0]), *ffn_norm = PTR(const float *, P[1]);
     const float *q_norm = PTR(const float *, P[2]), *k_norm = PTR(const float *, P[3]);
@@ -197,66 +226,176 @@ static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
     for (int64_t i = 0; i < dim; i++) x[i] += m->xn[i];
 
     rmsnorm(x, ffn_norm, m->xn, dim, m->eps);
+    if (lin[L_GATE * LIN] == 0) return rc ? rc : 1; /* mixture of experts: the caller's */
     const int64_t *gate_up[2] = {lin + L_GATE * LIN, lin + L_UP * LIN};
     rc |= linears(2, gate_up, m->xn, (float *const[]){m->gate, m->up}, m);
-    for (int64_t i = 0; i < m->hidden; i++) {
-        const float gi = m->gate[i];
-        m->gate[i] = gi / (1.0f + expf(-gi)) * m->up[i];
-    }
+    silu_mul(m->gate, m->up, lin[L_GATE * LIN + 5]);
     rc |= linear(lin + L_DOWN * LIN, m->gate, m->xn, m);
     for (int64_t i = 0; i < dim; i++) x[i] += m->xn[i];
     return rc;
 }
 
-/* decode_layers(plan, n_words, scratch_floats, x, pos, isa, threads): x (dim,) float32 is
-   replaced by the hidden state after every block, for the token at position pos. */
-static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long v[7];
-    if (infer_parse_ints(args, nargs, 7, v, "decode_layers")) return NULL;
-    const int64_t *H = PTR(const int64_t *, v[0]);
-    if (!H || v[1] < HEADER) goto bad;
-    model_t m = {H[0], H[1], H[2], H[3], H[4], H[5], H[6], H[7], bits_to_float(H[8]),
-                 PTR(const float *, H[9]), PTR(const float *, H[10])};
-    const int64_t pos = v[4];
-    if (m.n_layers < 0 || v[1] != HEADER + m.n_layers * LAYER || m.n_kv <= 0 ||
-        m.n_heads % m.n_kv || m.head_dim % 2 || pos < 0 || pos >= m.max_seq ||
-        v[2] < scratch_floats(&m) || !v[3] || !H[11] || v[5] < 0 || v[5] >= ISA_COUNT ||
-        !isa_supported((int)v[5]))
+/* The model of a plan's header, its scratch laid out; NULL (a ValueError set) when the
+   plan, position or arguments are bad. */
+static int plan_model(const int64_t *H, long long n_words, long long scratch_n, int64_t pos,
+                      long long isa, long long threads, model_t *m) {
+    if (!H || n_words < HEADER) goto bad;
+    *m = (model_t){H[0], H[1], H[2], H[3], H[4], H[5], H[6], H[7], bits_to_float(H[8]),
+                   PTR(const float *, H[9]), PTR(const float *, H[10])};
+    if (m->n_layers < 0 || n_words != HEADER + m->n_layers * LAYER || m->n_kv <= 0 ||
+        m->n_heads % m->n_kv || m->head_dim % 2 || pos < 0 || pos >= m->max_seq ||
+        scratch_n < scratch_floats(m) || !H[11] || isa < 0 || isa >= ISA_COUNT ||
+        !isa_supported((int)isa))
         goto bad;
     float *s = PTR(float *, H[11]);
-    m.xn = s, s += m.dim;
-    m.q = s, s += m.n_heads * m.head_dim;
-    m.att = s, s += m.n_heads * m.head_dim;
-    m.k = s, s += m.n_kv * m.head_dim;
-    m.v = s, s += m.n_kv * m.head_dim;
-    m.scores = s, s += m.n_heads * m.max_seq;
-    m.gate = s, s += m.hidden;
-    m.up = s;
-    m.isa = (int)v[5];
-    m.nthreads = v[6] < 1 ? 1 : v[6] > 255 ? 255 : (int)v[6];
+    m->xn = s, s += m->dim;
+    m->q = s, s += m->n_heads * m->head_dim;
+    m->att = s, s += m->n_heads * m->head_dim;
+    m->k = s, s += m->n_kv * m->head_dim;
+    m->v = s, s += m->n_kv * m->head_dim;
+    m->scores = s, s += m->n_heads * m->max_seq;
+    m->gate = s, s += m->hidden;
+    m->up = s;
+    m->isa = (int)isa;
+    m->nthreads = threads < 1 ? 1 : threads > 255 ? 255 : (int)threads;
+    return 0;
+bad:
+    PyErr_SetString(PyExc_ValueError, "decode_layers: bad plan, position or arguments");
+    return -1;
+}
+
+/* decode_layers(plan, n_words, scratch_floats, x, pos, isa, threads, first, last): blocks
+   first .. last - 1 for the token at position pos, x (dim,) float32 the residual stream
+   entering layer `first`. Returns `last` when they all ran, or the index of the
+   mixture-of-experts layer it stopped at (see the top of the file). */
+static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[9];
+    if (infer_parse_ints(args, nargs, 9, v, "decode_layers")) return NULL;
+    const int64_t *H = PTR(const int64_t *, v[0]);
+    model_t m;
+    if (plan_model(H, v[1], v[2], v[4], v[5], v[6], &m)) return NULL;
+    if (!v[3] || v[7] < 0 || v[7] > v[8] || v[8] > m.n_layers) {
+        PyErr_SetString(PyExc_ValueError, "decode_layers: bad plan, position or arguments");
+        return NULL;
+    }
     float *x = PTR(float *, v[3]);
+    int64_t l = v[7];
     int rc = 0;
     Py_BEGIN_ALLOW_THREADS;
-    for (int64_t l = 0; l < m.n_layers && !rc; l++) rc = block(&m, H + HEADER + l * LAYER, x, pos);
+    for (; l < v[8]; l++)
+        if ((rc = block(&m, H + HEADER + l * LAYER, x, v[4]))) break;
+    Py_END_ALLOW_THREADS;
+    if (rc < 0) return PyErr_NoMemory();
+    return PyLong_FromLongLong(l);
+}
+
+/* Chosen experts are run this many at a time: their gate and up GEMVs (2 per expert) as
+   one pool job, then their down GEMVs as another. */
+enum { EXPERTS_AT_ONCE = Q_GEMV_MANY_MAX / 2 };
+
+/* out[i] = sum over the n experts of w_e * down_e(SiLU(gate_e(x)) * up_e(x)), added in
+   the given order (each product rounded, then added, as MoE.forward's out += y * w).
+   T: rows of 3 LIN words; h: scratch for EXPERTS_AT_ONCE * (2 * hidden + dim) floats. */
+static int experts_sum(const int64_t *const *T, const float *w, int n, const float *x,
+                       float *out, int64_t dim, int64_t hidden, float *h, const model_t *m) {
+    int rc = 0;
+    for (int c = 0; c < n; c += EXPERTS_AT_ONCE) {
+        const int nc = n - c < EXPERTS_AT_ONCE ? n - c : EXPERTS_AT_ONCE;
+        const int64_t *gu[Q_GEMV_MANY_MAX], *down[EXPERTS_AT_ONCE];
+        float *gu_out[Q_GEMV_MANY_MAX], *down_out[EXPERTS_AT_ONCE];
+        const float *down_in[EXPERTS_AT_ONCE];
+        for (int e = 0; e < nc; e++) {
+            float *g = h + e * (2 * hidden + dim);
+            gu[2 * e] = T[c + e], gu[2 * e + 1] = T[c + e] + LIN;
+            gu_out[2 * e] = g, gu_out[2 * e + 1] = g + hidden;
+            down[e] = T[c + e] + 2 * LIN, down_in[e] = g, down_out[e] = g + 2 * hidden;
+        }
+        rc |= linears(2 * nc, gu, x, gu_out, m);
+        for (int e = 0; e < nc; e++) silu_mul(gu_out[2 * e], gu_out[2 * e + 1], gu[2 * e][5]);
+        rc |= linears_each(nc, down, down_in, down_out, m);
+        for (int e = 0; e < nc; e++) {
+            const float we = w[c + e], *y = down_out[e];
+            for (int64_t i = 0; i < dim; i++) {
+                const float t = y[i] * we;
+                out[i] += t;
+            }
+        }
+    }
+    return rc;
+}
+
+/* decode_experts(table, n_rows, ids, weights, k, shared_w, xn, x, dim, hidden, scratch,
+   scratch_floats, isa, threads): x (dim,) += the mixture of experts' output for its input
+   xn (dim,), as MoE.forward for one token: the k experts ids (int64) with weights
+   (float32) from the router, in ascending id order, then the shared expert (the table's
+   last row) scaled by *shared_w (float32; 0: none). table: int64 (n_rows, 3 * LIN). */
+static PyObject *py_decode_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[14];
+    if (infer_parse_ints(args, nargs, 14, v, "decode_experts")) return NULL;
+    const int64_t *table = PTR(const int64_t *, v[0]), *ids = PTR(const int64_t *, v[2]);
+    const float *weights = PTR(const float *, v[3]), *shared_w = PTR(const float *, v[5]);
+    const float *xn = PTR(const float *, v[6]);
+    float *x = PTR(float *, v[7]), *scratch = PTR(float *, v[10]);
+    const long long n_rows = v[1], k = v[4], dim = v[8], hidden = v[9];
+    const long long routed = n_rows - (shared_w != NULL);
+    if (!table || !ids || !weights || !xn || !x || !scratch || k < 1 || k > routed ||
+        dim < 1 || hidden < 1 || v[11] < EXPERTS_AT_ONCE * (2 * hidden + dim) + dim ||
+        v[12] < 0 || v[12] >= ISA_COUNT || !isa_supported((int)v[12]))
+        goto bad;
+    int64_t order[256];
+    float w[256];
+    if (k > 256) goto bad;
+    for (int i = 0; i < k; i++) { /* insertion sort by id: MoE.forward's ascending order */
+        int j = i;
+        if (ids[i] < 0 || ids[i] >= routed) goto bad;
+        for (; j > 0 && order[j - 1] > ids[i]; j--) order[j] = order[j - 1], w[j] = w[j - 1];
+        order[j] = ids[i], w[j] = weights[i];
+    }
+    const int64_t *rows[257];
+    for (int i = 0; i < k; i++) rows[i] = table + order[i] * 3 * LIN;
+    for (long long r = 0; r < n_rows; r++) { /* every expert's widths fit the scratch */
+        const int64_t *t = table + r * 3 * LIN;
+        if (t[0] == 0 || t[5] > hidden || t[6] != dim || t[LIN + 5] != t[5] ||
+            t[LIN + 6] != dim || t[2 * LIN + 6] != t[5] || t[2 * LIN + 5] != dim)
+            goto bad;
+    }
+    model_t m = {.dim = dim, .isa = (int)v[12]};
+    m.nthreads = v[13] < 1 ? 1 : v[13] > 255 ? 255 : (int)v[13];
+    float *out = scratch, *h = scratch + dim;
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    memset(out, 0, (size_t)dim * sizeof *out);
+    rc |= experts_sum(rows, w, (int)k, xn, out, dim, hidden, h, &m);
+    if (shared_w) {
+        const int64_t *shared = table + routed * 3 * LIN;
+        rc |= experts_sum(&shared, shared_w, 1, xn, out, dim, hidden, h, &m);
+    }
+    for (int64_t i = 0; i < dim; i++) x[i] += out[i];
     Py_END_ALLOW_THREADS;
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
 bad:
-    PyErr_SetString(PyExc_ValueError, "decode_layers: bad plan, position or arguments");
+    PyErr_SetString(PyExc_ValueError, "decode_experts: bad table, experts or arguments");
     return NULL;
 }
 
 static PyObject *py_decode_layout(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-    return Py_BuildValue("(iii)", HEADER, LAYER, LIN);
+    return Py_BuildValue("(iiii)", HEADER, LAYER, LIN, (int)EXPERTS_AT_ONCE);
 }
 
 PyMethodDef infer_decode_methods[] = {
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
-     "decode_layers(plan, n_words, scratch_floats, x, pos, isa, threads): every block of a "
-     "dense model for one token (kernels_cpu/decode.py builds the plan)"},
+     "decode_layers(plan, n_words, scratch_floats, x, pos, isa, threads, first, last): "
+     "blocks first..last-1 for one token, up to a mixture-of-experts layer (kernels_cpu/"
+     "decode.py builds the plan); returns where it stopped"},
+    {"decode_experts", (PyCFunction)(void (*)(void))py_decode_experts, METH_FASTCALL,
+     "decode_experts(table, n_rows, ids, weights, k, shared_w, xn, x, dim, hidden, scratch, "
+     "scratch_floats, isa, threads): x += a mixture of experts' output for one token"},
     {"decode_layout", py_decode_layout, METH_NOARGS,
-     "(header words, words per layer, words per linear) of the decode plan"},
+     "(header words, words per layer, words per linear, experts run at once) of the decode "
+     "plan"},
     {NULL, NULL, 0, NULL},
 };

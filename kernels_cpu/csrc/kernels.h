@@ -183,11 +183,11 @@ const kernel_table *kernels_for(int isa); /* NULL when the path is not built in 
 /* The drivers (matmul.c): split over output rows, run on the pool. bits is 8 or 4.
  * Returns 0, or -1 when out of memory. */
 int q_matmul(int bits, const qmat *a, int isa, int nthreads);
-/* n GEMVs (M == 1 each, bits[i] 8 or 4) as one pool job, e.g. q, k and v of a block: one
- * wake-up of the pool instead of n, and small matrices share the threads. Each output
- * element is computed exactly as q_matmul computes it. Returns 0, or -1 (out of memory,
- * or n outside [1, Q_GEMV_MANY_MAX]). */
-#define Q_GEMV_MANY_MAX 4
+/* n GEMVs (M == 1 each, bits[i] 8 or 4) as one pool job, e.g. q, k and v of a block, or
+ * the gate and up projections of 8 experts: one wake-up of the pool instead of n, and
+ * small matrices share the threads. Each output element is computed exactly as q_matmul
+ * computes it. Returns 0, or -1 (out of memory, or n outside [1, Q_GEMV_MANY_MAX]). */
+#define Q_GEMV_MANY_MAX 16
 int q_gemv_many(int n, const int *bits, const qmat *const *a, int isa, int nthreads);
 
 /* lut.c: y (M, N) = x (M, K) W^T for W in `bits` one-bit planes (see lut.c).

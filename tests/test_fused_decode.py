@@ -43,7 +43,8 @@ def decode_logits(model, fused: bool) -> torch.Tensor:
 @pytest.mark.parametrize(
     "recipe, overrides",
     [("int8", {}), ("int8", {"group_size": 0}), ("int4", {"symmetric": True}),
-     ("int4", {"symmetric": False}), ("lut2", {"group_size": 32}), ("lut3", {})],
+     ("int4", {"symmetric": False}), ("lut2", {"group_size": 32}), ("lut3", {}),
+     ("lut2_m", {"group_size": 32})],  # lut2 q beside lut3 k, v: tables shared across bits
 )  # fmt: skip
 def test_fused_equals_blocks(hf_dirs, arch, recipe, overrides):
     model = load_model(hf_dirs / arch, max_seq_len=64).model
@@ -108,9 +109,10 @@ def test_bad_experts_are_refused(hf_dirs):
             step._run_experts(table, torch.tensor(ids), weights, None, x, x.clone(), 0, 1)
 
 
-def test_threads_do_not_change_results(hf_dirs):
-    model = load_model(hf_dirs / "qwen3", max_seq_len=64).model
-    quantize_model(model, get_recipe("int4"))
+@pytest.mark.parametrize(("arch", "recipe"), [("qwen3", "int4"), ("qwen3_moe", "lut2_m")])
+def test_threads_do_not_change_results(hf_dirs, arch, recipe):
+    model = load_model(hf_dirs / arch, max_seq_len=64).model
+    quantize_model(model, get_recipe(recipe, n_layers=model.args.n_layers))
     results = []
     for n in (1, 2, 3):
         ops.set_num_threads(n)

@@ -85,28 +85,36 @@ static int linear(const int64_t *L, const float *x, float *y, const model_t *m) 
 }
 
 /* y[i] = W_i x[i] (+ bias_i) for n <= Q_GEMV_MANY_MAX linears of the plan: one pool job
-   when all are int8/int4 (q_gemv_many; linears sharing an x quantize it once), else one
-   after another. */
+   when all are int8/int4 (q_gemv_many; linears sharing an x quantize it once) or all lut
+   (lut_gemv_many; linears sharing an x share its tables), else one after another. */
 static int linears_each(int n, const int64_t *const *L, const float *const *x,
                         float *const *y, const model_t *m) {
     int bits[Q_GEMV_MANY_MAX];
     qmat a[Q_GEMV_MANY_MAX];
+    lut_gemv la[Q_GEMV_MANY_MAX];
     const qmat *pa[Q_GEMV_MANY_MAX];
-    int all_q = n <= Q_GEMV_MANY_MAX;
-    for (int i = 0; i < n && all_q; i++) {
-        all_q = L[i][0] == 8 || L[i][0] == 4;
+    int all_q = n <= Q_GEMV_MANY_MAX, all_lut = all_q;
+    for (int i = 0; i < n && (all_q || all_lut); i++) {
+        all_q = all_q && (L[i][0] == 8 || L[i][0] == 4);
+        all_lut = all_lut && L[i][0] < 0;
         bits[i] = (int)L[i][0];
         a[i] = (qmat){.x = x[i], .qw = PTR(const void *, L[i][1]),
                       .scales = PTR(const void *, L[i][2]), .mins = PTR(const uint16_t *, L[i][3]),
                       .y = y[i], .M = 1, .N = L[i][5], .K = L[i][6], .g = L[i][7]};
+        la[i] = (lut_gemv){x[i], PTR(const uint8_t *, L[i][1]), PTR(const uint16_t *, L[i][2]),
+                           PTR(const uint16_t *, L[i][3]), y[i], L[i][5], L[i][6],
+                           (int)-L[i][0], (int)L[i][7]};
         pa[i] = &a[i];
     }
-    if (!all_q) {
-        int rc = 0;
+    int rc = 0;
+    if (all_q) {
+        rc = q_gemv_many(n, bits, pa, m->isa, m->nthreads);
+    } else if (all_lut) {
+        rc = lut_gemv_many(n, la, m->isa, m->nthreads);
+    } else {
         for (int i = 0; i < n; i++) rc |= linear(L[i], x[i], y[i], m);
         return rc;
     }
-    int rc = q_gemv_many(n, bits, pa, m->isa, m->nthreads);
     for (int i = 0; i < n; i++) {
         const float *bias = PTR(const float *, L[i][4]);
         if (bias)

@@ -194,6 +194,18 @@ int q_gemv_many(int n, const int *bits, const qmat *const *a, int isa, int nthre
  * Returns 0, or -1 when out of memory. */
 int lut_matmul(const float *x, const uint8_t *qw, const uint16_t *scales, const uint16_t *mins,
                float *y, int64_t M, int64_t N, int64_t K, int bits, int g, int isa, int nthreads);
+/* n LUT GEMVs (M == 1 each) as one pool job, as q_gemv_many: matrices that share x share
+ * its tables, built once. Each output element is computed exactly as lut_matmul computes
+ * it. Returns 0, or -1 (out of memory, or n outside [1, Q_GEMV_MANY_MAX]). */
+typedef struct {
+    const float *x;
+    const uint8_t *qw;
+    const uint16_t *scales, *mins;
+    float *y;
+    int64_t N, K;
+    int bits, g;
+} lut_gemv;
+int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads);
 
 /* Streaming read of n bytes (a multiple of 256) on nthreads threads; returns a sum of
  * the bytes so the compiler keeps the reads. For the bandwidth ceiling in benchmarks. */

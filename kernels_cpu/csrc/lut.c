@@ -1189,6 +1189,90 @@ done:
     return rc;
 }
 
+/* Several GEMVs as one pool job (declared in kernels.h): tasks numbered across the
+   matrices in order; matrices with the same x, K and g share its tables (c2 is per bit
+   width: build_tables' half_levels * A, recomputed here in the same float operation). */
+typedef struct {
+    int n;
+    lut_job jobs[Q_GEMV_MANY_MAX];
+    int64_t first[Q_GEMV_MANY_MAX + 1]; /* first task of each job; first[n] = all */
+} lut_many_job;
+
+static void lut_many_task(void *ctx, int64_t t, int tid) {
+    const lut_many_job *m = ctx;
+    int i = 0;
+    while (t >= m->first[i + 1]) i++;
+    rows_task((void *)&m->jobs[i], t - m->first[i], tid);
+}
+
+int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads) {
+    if (n < 1 || n > Q_GEMV_MANY_MAX) return n == 0 ? 0 : -1;
+    isa = lut_isa(isa);
+    if (nthreads < 1) nthreads = 1;
+    int64_t bytes = 0, ld = 0, table_bytes = 0, consts = 0;
+    int owner[Q_GEMV_MANY_MAX]; /* the first matrix with the same x, K and g */
+    for (int i = 0; i < n; i++) {
+        bytes += a[i].N * a[i].K * a[i].bits / 8;
+        const int64_t l = scratch_ld(a[i].K, a[i].g);
+        ld = l > ld ? l : ld;
+        owner[i] = i;
+        for (int k = 0; k < i && owner[i] == i; k++)
+            if (a[k].x == a[i].x && a[k].K == a[i].K && a[k].g == a[i].g) owner[i] = k;
+        if (owner[i] == i) table_bytes += (int64_t)tables_bytes(a[i].K), consts += 2 * a[i].K / a[i].g;
+        consts += a[i].K / a[i].g; /* c2 */
+    }
+    const int64_t most = bytes / GEMV_MIN_BYTES_PER_THREAD;
+    if (nthreads > most) nthreads = most > 1 ? (int)most : 1;
+    const size_t per_thread = IDX_BYTES + 4 * (size_t)(4 * ld + 8 * ld);
+    int8_t *tables = aligned_alloc(64, (size_t)(table_bytes + 63) / 64 * 64);
+    float *cbuf = malloc(sizeof(float) * (size_t)consts);
+    char *scr = aligned_alloc(64, per_thread * (size_t)nthreads);
+    lut_scratch *scratch = malloc(sizeof(lut_scratch) * (size_t)nthreads);
+    int rc = 0;
+    if (!tables || !cbuf || !scr || !scratch) {
+        rc = -1;
+        goto done;
+    }
+    for (int t = 0; t < nthreads; t++) {
+        char *b = scr + per_thread * t;
+        float *f = (float *)(b + IDX_BYTES + 4 * 4 * ld);
+        scratch[t] = (lut_scratch){(int32_t *)(b + IDX_BYTES), f, f + 4 * ld, ld, b};
+    }
+    lut_many_job m = {.n = n};
+    int8_t *tp = tables;
+    float *cp = cbuf;
+    for (int i = 0; i < n; i++) {
+        const int64_t K = a[i].K, ng = K / a[i].g, stride = (int64_t)tables_bytes(K);
+        lut_problem P = {1, K, a[i].N, a[i].bits, a[i].g, a[i].qw, a[i].scales, a[i].mins,
+                         NULL, stride, NULL, NULL, NULL, a[i].y};
+        if (owner[i] == i) {
+            P.tables = tp, P.c1 = cp, P.asum = cp + ng, P.c2 = cp + 2 * ng;
+            tp += stride, cp += 3 * ng;
+            tables_row(a[i].x, K, a[i].g, a[i].bits, isa, tp - stride, (float *)P.c1,
+                       (float *)P.c2, (float *)P.asum);
+        } else {
+            const lut_problem *o = &m.jobs[owner[i]].P;
+            P.tables = o->tables, P.c1 = o->c1, P.asum = o->asum, P.c2 = cp;
+            const float half_levels = 0.5f * (float)((1 << a[i].bits) - 1);
+            for (int64_t G = 0; G < ng; G++) cp[G] = half_levels * o->asum[G];
+            cp += ng;
+        }
+        /* rows per task as lut_matmul's (~4 tasks per thread over all the matrices) */
+        const int64_t blocks = (a[i].N + LUT_BLOCK - 1) / LUT_BLOCK;
+        int64_t tasks = 4 * (int64_t)nthreads < blocks ? 4 * (int64_t)nthreads : blocks;
+        const int64_t rows = (blocks + tasks - 1) / tasks * LUT_BLOCK;
+        m.jobs[i] = (lut_job){.P = P, .x = a[i].x, .isa = isa, .rows = rows, .scratch = scratch};
+        m.first[i + 1] = m.first[i] + (a[i].N + rows - 1) / rows;
+    }
+    pool_run(nthreads, m.first[n], lut_many_task, &m);
+done:
+    free(tables);
+    free(cbuf);
+    free(scr);
+    free(scratch);
+    return rc;
+}
+
 #ifndef INFER_NO_PYTHON
 /* ------------------------------------------------------------------------------------ */
 /* Python functions, added to infer.kernels_cpu._C by module.c                           */

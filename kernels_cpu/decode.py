@@ -46,17 +46,24 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def _linear_words(module: nn.Module) -> list[int] | None:
-    """kind, qweight, scales, mins, bias, N, K, g for a quantized linear the C runs."""
+def _kind(module: nn.Module) -> tuple[int, int] | None:
+    """(kind, group size) of a quantized linear whose format the C runs, else None."""
     if not isinstance(module, QuantLinear):
         return None
     fmt, params = module.format, module.params
     if fmt in ("int8", "int4"):
-        kind, g = int(fmt[3:]), int(params.get("group_size", 0))
-    elif fmt.startswith("lut"):
-        kind, g = -int(fmt[3:]), int(params["group_size"])
-    else:
+        return int(fmt[3:]), int(params.get("group_size", 0))
+    if fmt.startswith("lut"):
+        return -int(fmt[3:]), int(params["group_size"])
+    return None
+
+
+def _linear_words(module: nn.Module) -> list[int] | None:
+    """kind, qweight, scales, mins, bias, N, K, g for a quantized linear the C runs."""
+    kind_g = _kind(module)
+    if kind_g is None:
         return None
+    kind, g = kind_g
     bias = module.bias
     if bias is not None and not (bias.dtype is torch.float32 and bias.is_contiguous()):
         return None
@@ -149,7 +156,12 @@ class FusedDecode:
                 keep.append(module)
             mlp = block.mlp
             if isinstance(mlp, MoE):
-                # Resident experts: their words now; bound on demand: at each visit.
+                # Resident experts: their words now; bound on demand: at each visit, so
+                # here only their formats are checked.
+                if not mlp.resident_experts and not all(
+                    _kind(getattr(e, name)) for e in mlp.experts for name in _MLP
+                ):
+                    return None
                 experts = [*mlp.experts] if mlp.resident_experts else []
                 experts += [mlp.shared_expert] if mlp.shared_expert else []
                 table = [_mlp_words(e) for e in experts]

@@ -211,6 +211,27 @@ def test_naive_and_streamed_dense_equal_resident(moe):
         off.close()
 
 
+def test_float_experts_beside_quantized_attention(moe, tmp_path):
+    """Offloaded experts the C cannot run (float) keep the whole model block by block,
+    even where its attention could run fused."""
+    from infer.quant.quantize import quantize_model
+    from infer.runtime.checkpoint import save_checkpoint
+    from infer.runtime.loader import inspect_model, load_tokenizer, load_weights
+
+    info = inspect_model(moe.parent / "hf")
+    model = load_weights(info, torch.float32, 64)
+    quantize_model(model, lambda name: {"format": "int8"} if ".self_attn." in name else None)
+    source = {"path": "/src", "sha256": {}, "format": "safetensors"}
+    dest = save_checkpoint(model, info.config, load_tokenizer(info), tmp_path / "m", source=source)
+    expected = resident_logits(dest)
+    model, off = load_expert_cached(read_checkpoint(dest), torch.float32, 64, 5)
+    try:
+        assert model.fused_decode is None
+        assert torch.equal(run_tokens(model), expected)
+    finally:
+        off.close()
+
+
 @pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
 def test_float_experts_equal_resident(moe, tmp_path, stored):
     """Float experts are parameters (quantized ones buffers); bfloat16 ones are converted

@@ -20,6 +20,7 @@ bound for the call through MoE.bound, which gets them from the cache in the orde
 MoE.forward would: the cached model computes what the resident one does, bit for bit.
 Forward pre-hooks on a block or an MoE block (a routing recorder's, an expert cache's
 predictions) run where their __call__ would run them: the C stops before such a block.
+They observe; an input a hook returns in place of the block's is not used.
 On a Qwen3-30B-A3B-shaped model the per-expert Python and torch attention cost more than
 the matmuls (benchmarks/README.md).
 
@@ -27,7 +28,7 @@ It runs models whose compute dtype is float32 and whose every block linear (each
 expert's included) is a quantized format with a C kernel (int8, int4, lut1-4); routers
 stay float, in torch. The plan holds data pointers into the model's tensors and KV
 caches, so it is built again (Transformer.setup_caches does) whenever those change, and a
-model whose weights are swapped in and out (offload/) must not use it.
+model whose dense layers are swapped in and out (offload/stream.py) must not use it.
 """
 
 from __future__ import annotations

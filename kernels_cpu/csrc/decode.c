@@ -243,8 +243,8 @@ static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
     return rc;
 }
 
-/* The model of a plan's header, its scratch laid out; NULL (a ValueError set) when the
-   plan, position or arguments are bad. */
+/* The model of a plan's header, its scratch laid out. Returns 0, or -1 with a ValueError
+   set when the plan, position or arguments are bad. */
 static int plan_model(const int64_t *H, long long n_words, long long scratch_n, int64_t pos,
                       long long isa, long long threads, model_t *m) {
     if (!H || n_words < HEADER) goto bad;

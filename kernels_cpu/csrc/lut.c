@@ -1218,7 +1218,10 @@ int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads) {
         owner[i] = i;
         for (int k = 0; k < i && owner[i] == i; k++)
             if (a[k].x == a[i].x && a[k].K == a[i].K && a[k].g == a[i].g) owner[i] = k;
-        if (owner[i] == i) table_bytes += (int64_t)tables_bytes(a[i].K), consts += 2 * a[i].K / a[i].g;
+        if (owner[i] == i) { /* its tables, c1 and asum */
+            table_bytes += (int64_t)tables_bytes(a[i].K);
+            consts += 2 * a[i].K / a[i].g;
+        }
         consts += a[i].K / a[i].g; /* c2 */
     }
     const int64_t most = bytes / GEMV_MIN_BYTES_PER_THREAD;

@@ -141,8 +141,11 @@ class FusedDecode:
             cache = attn.cache
             if cache is None or not all(_f32(w) for w in weights):
                 return None
-            if attn.q_norm is not None and attn.q_norm.weight.numel() != args.head_dim:
-                return None  # a norm over the whole projection (OLMoE) is not per head
+            # q/k norms per head, or over the whole projection (OLMoE: qk_norm_full)
+            D = args.head_dim
+            full = (args.n_heads * D, args.n_kv_heads * D) if args.qk_norm_full else (D, D)
+            if len(weights) == 4 and (weights[2].numel(), weights[3].numel()) != full:
+                return None
             if not (_f32(cache.k) and _f32(cache.v)):
                 return None
             row = [weights[0].data_ptr(), weights[1].data_ptr()]
@@ -186,7 +189,8 @@ class FusedDecode:
         scratch = torch.empty(dim + 2 * H * D + 2 * KV * D + H * S + 2 * hidden)
         eps_bits = struct.unpack("<I", struct.pack("<f", args.norm_eps))[0]
         header = [len(rows), dim, H, KV, D, hidden, S, args.sliding_window or 0, eps_bits,
-                  cos.data_ptr(), sin.data_ptr(), scratch.data_ptr()]  # fmt: skip
+                  cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(),
+                  int(args.qk_norm_full)]  # fmt: skip
         assert len(header) == header_words
         plan = torch.tensor(header + [w for row in rows for w in row], dtype=torch.int64)
         return cls(plan, scratch, keep, moe, list(model.layers))

@@ -16,7 +16,8 @@
 
    header:  n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, max_seq, window (0: none),
             eps (float32 bits), rope_cos, rope_sin (float32 (max_seq, head_dim)),
-            scratch (float32, SCRATCH_FLOATS below), HEADER = 12 words
+            scratch (float32, SCRATCH_FLOATS below), qk_norm_full (1: the q and k norms
+            are over the whole projection, as OLMoE's; 0: per head), HEADER = 13 words
    layer:   attn_norm, ffn_norm, q_norm (0: none), k_norm, k_cache, v_cache
             (float32 (n_kv_heads, max_seq, head_dim)), then 7 linears q k v o gate up down,
             each LIN = 8 words: kind (8 int8, 4 int4, 1..4 = -bits for lut), qweight,
@@ -38,7 +39,7 @@
 #include "binding.h"
 #include "kernels.h"
 
-enum { HEADER = 12, LIN = 8, LAYER = 6 + 7 * LIN };
+enum { HEADER = 13, LIN = 8, LAYER = 6 + 7 * LIN };
 enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN };
 
 typedef struct {
@@ -46,7 +47,7 @@ typedef struct {
     float eps;
     const float *cos, *sin;
     float *xn, *q, *k, *v, *att, *scores, *gate, *up; /* scratch */
-    int isa, nthreads;
+    int isa, nthreads, qk_norm_full;
 } model_t;
 
 /* Floats of scratch the plan's buffer must hold. */
@@ -215,7 +216,10 @@ static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
     rmsnorm(x, attn_norm, m->xn, dim, m->eps);
     const int64_t *qkv[3] = {lin + L_Q * LIN, lin + L_K * LIN, lin + L_V * LIN};
     rc |= linears(3, qkv, m->xn, (float *const[]){m->q, m->k, m->v}, m);
-    if (q_norm) {
+    if (q_norm && m->qk_norm_full) {
+        rmsnorm(m->q, q_norm, m->q, m->n_heads * d, m->eps);
+        rmsnorm(m->k, k_norm, m->k, m->n_kv * d, m->eps);
+    } else if (q_norm) {
         for (int64_t h = 0; h < m->n_heads; h++)
             rmsnorm(m->q + h * d, q_norm, m->q + h * d, d, m->eps);
         for (int64_t h = 0; h < m->n_kv; h++)
@@ -252,9 +256,10 @@ static int plan_model(const int64_t *H, long long n_words, long long scratch_n, 
                    PTR(const float *, H[9]), PTR(const float *, H[10])};
     if (m->n_layers < 0 || n_words != HEADER + m->n_layers * LAYER || m->n_kv <= 0 ||
         m->n_heads % m->n_kv || m->head_dim % 2 || pos < 0 || pos >= m->max_seq ||
-        scratch_n < scratch_floats(m) || !H[11] || isa < 0 || isa >= ISA_COUNT ||
-        !isa_supported((int)isa))
+        scratch_n < scratch_floats(m) || !H[11] || (H[12] != 0 && H[12] != 1) || isa < 0 ||
+        isa >= ISA_COUNT || !isa_supported((int)isa))
         goto bad;
+    m->qk_norm_full = (int)H[12];
     float *s = PTR(float *, H[11]);
     m->xn = s, s += m->dim;
     m->q = s, s += m->n_heads * m->head_dim;

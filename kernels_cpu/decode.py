@@ -16,8 +16,9 @@ model's own) picks the experts, and one more C call runs them (decode_experts: a
 chosen experts' gate and up GEMVs as one pool job, then their down GEMVs as another)
 and adds their weighted outputs, in MoE.forward's order, before the next layer's call.
 Experts held by an expert cache (offload/experts.py; MoE.resident_experts False) are
-bound for the call through MoE.bound, which gets them from the cache in the order
-MoE.forward would: the cached model computes what the resident one does, bit for bit.
+bound one at a time through MoE.bound, which gets them from the cache in the order
+MoE.forward would, each run as it arrives: the cached model computes what the resident
+one does, bit for bit.
 Forward pre-hooks on a block or an MoE block (a routing recorder's, an expert cache's
 predictions) run where their __call__ would run them: the C stops before such a block.
 They observe; an input a hook returns in place of the block's is not used.
@@ -232,24 +233,27 @@ class FusedDecode:
         if block.shared_expert is not None:
             shared_w = torch.sigmoid(block.shared_expert_gate(xn.view(1, -1)))
         if block.resident_experts:
-            self._run_experts(table, ids, weights, shared_w, xn, x, isa, threads)
+            self._run_experts(table, ids, weights, shared_w, xn, x, isa, threads, phase=3)
             return
-        # Experts bound on demand: a table of the chosen ones, ascending, each id its row.
-        chosen = sorted(ids[0].tolist())
-        with block.bound(chosen) as modules:
-            rows = [_mlp_words(m) for m in modules]
-            if any(r is None for r in rows):
-                raise RuntimeError("an expert the fused decode step cannot run was bound")
-            bound = torch.tensor(rows, dtype=torch.int64)
-            if len(table):  # the shared expert
-                bound = torch.cat([bound, table])
-            rank = torch.tensor([[chosen.index(e) for e in ids[0].tolist()]])
-            self._run_experts(bound, rank, weights, shared_w, xn, x, isa, threads)
+        # Experts bound on demand, one at a time in ascending order (as MoE.forward gets
+        # and runs them, so an expert computes while the next is still being read), the
+        # sum kept between the calls: the same sum, in the same order, as one call.
+        chosen = sorted(zip(ids[0].tolist(), weights[0].tolist()))
+        one = torch.zeros(1, 1, dtype=torch.int64)
+        for i, (e, w) in enumerate(chosen):
+            with block.bound([e]) as (module,):
+                row = _mlp_words(module)
+                if row is None:
+                    raise RuntimeError("an expert the fused decode step cannot run was bound")
+                rows = torch.cat([torch.tensor([row], dtype=torch.int64), table])
+                phase = (i == 0) | (i == len(chosen) - 1) << 1
+                self._run_experts(rows, one, torch.tensor([[w]]), shared_w, xn, x, isa, threads,
+                                  phase=phase)  # fmt: skip
 
-    def _run_experts(self, table, ids, weights, shared_w, xn, x, isa, threads) -> None:
+    def _run_experts(self, table, ids, weights, shared_w, xn, x, isa, threads, *, phase) -> None:
         _C.decode_experts(
             table.data_ptr(), table.shape[0], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
             0 if shared_w is None else shared_w.data_ptr(), xn.data_ptr(), x.data_ptr(),
             self._dim, self._moe_hidden,
-            self._experts_scratch.data_ptr(), self._experts_scratch.numel(), isa, threads,
+            self._experts_scratch.data_ptr(), self._experts_scratch.numel(), isa, threads, phase,
         )  # fmt: skip

@@ -106,7 +106,7 @@ def test_bad_experts_are_refused(hf_dirs):
     weights = torch.ones(1, 2)
     for ids in ([[0, block.n_experts]], [[-1, 0]]):  # an expert the layer does not have
         with pytest.raises(ValueError, match="decode_experts: bad table"):
-            step._run_experts(table, torch.tensor(ids), weights, None, x, x.clone(), 0, 1)
+            step._run_experts(table, torch.tensor(ids), weights, None, x, x.clone(), 0, 1, phase=3)
 
 
 @pytest.mark.parametrize(("arch", "recipe"), [("qwen3", "int4"), ("qwen3_moe", "lut2_m")])

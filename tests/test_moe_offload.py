@@ -183,6 +183,21 @@ def test_every_cache_size_equals_resident(moe):
         assert off.pool.peak <= off.pool.n
 
 
+def test_shared_expert_and_dense_layer_equal_resident(tmp_path):
+    """Qwen2-MoE: a shared expert beside the cached ones, and a dense layer between MoE
+    layers; the fused step binds experts one at a time around them."""
+    path = make_moe(tmp_path, name="qwen2_moe")
+    expected = resident_logits(path)
+    ckpt = read_checkpoint(path)
+    for slots in (0, 5, 16):
+        model, off = load_expert_cached(ckpt, torch.float32, 64, slots, workers=2)
+        try:
+            assert model.fused_decode is not None
+            assert torch.equal(run_tokens(model), expected), slots
+        finally:
+            off.close()
+
+
 def test_naive_and_streamed_dense_equal_resident(moe):
     expected = resident_logits(moe)
     ckpt = read_checkpoint(moe)

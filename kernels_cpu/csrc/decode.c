@@ -339,14 +339,17 @@ static int experts_sum(const int64_t *const *T, const float *w, int n, const flo
 }
 
 /* decode_experts(table, n_rows, ids, weights, k, shared_w, xn, x, dim, hidden, scratch,
-   scratch_floats, isa, threads): x (dim,) += the mixture of experts' output for its input
-   xn (dim,), as MoE.forward for one token: the k experts ids (int64) with weights
+   scratch_floats, isa, threads, phase): x (dim,) += the mixture of experts' output for its
+   input xn (dim,), as MoE.forward for one token: the k experts ids (int64) with weights
    (float32) from the router, in ascending id order, then the shared expert (the table's
-   last row) scaled by *shared_w (float32; 0: none). table: int64 (n_rows, 3 * LIN). */
+   last row) scaled by *shared_w (float32; 0: none). table: int64 (n_rows, 3 * LIN).
+   The sum is kept in the scratch's first dim floats, so a token's experts may come in
+   several calls, in ascending order: phase bit 0 starts the sum, bit 1 ends it (the
+   shared expert, then x += the sum); one call for all of them is phase 3. */
 static PyObject *py_decode_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[14];
-    if (infer_parse_ints(args, nargs, 14, v, "decode_experts")) return NULL;
+    long long v[15];
+    if (infer_parse_ints(args, nargs, 15, v, "decode_experts")) return NULL;
     const int64_t *table = PTR(const int64_t *, v[0]), *ids = PTR(const int64_t *, v[2]);
     const float *weights = PTR(const float *, v[3]), *shared_w = PTR(const float *, v[5]);
     const float *xn = PTR(const float *, v[6]);
@@ -355,7 +358,8 @@ static PyObject *py_decode_experts(PyObject *self, PyObject *const *args, Py_ssi
     const long long routed = n_rows - (shared_w != NULL);
     if (!table || !ids || !weights || !xn || !x || !scratch || k < 1 || k > routed ||
         dim < 1 || hidden < 1 || v[11] < EXPERTS_AT_ONCE * (2 * hidden + dim) + dim ||
-        v[12] < 0 || v[12] >= ISA_COUNT || !isa_supported((int)v[12]))
+        v[12] < 0 || v[12] >= ISA_COUNT || !isa_supported((int)v[12]) || v[14] < 0 ||
+        v[14] > 3)
         goto bad;
     int64_t order[256];
     float w[256];
@@ -379,13 +383,15 @@ static PyObject *py_decode_experts(PyObject *self, PyObject *const *args, Py_ssi
     float *out = scratch, *h = scratch + dim;
     int rc = 0;
     Py_BEGIN_ALLOW_THREADS;
-    memset(out, 0, (size_t)dim * sizeof *out);
+    if (v[14] & 1) memset(out, 0, (size_t)dim * sizeof *out);
     rc |= experts_sum(rows, w, (int)k, xn, out, dim, hidden, h, &m);
-    if (shared_w) {
-        const int64_t *shared = table + routed * 3 * LIN;
-        rc |= experts_sum(&shared, shared_w, 1, xn, out, dim, hidden, h, &m);
+    if (v[14] & 2) {
+        if (shared_w) {
+            const int64_t *shared = table + routed * 3 * LIN;
+            rc |= experts_sum(&shared, shared_w, 1, xn, out, dim, hidden, h, &m);
+        }
+        for (int64_t i = 0; i < dim; i++) x[i] += out[i];
     }
-    for (int64_t i = 0; i < dim; i++) x[i] += out[i];
     Py_END_ALLOW_THREADS;
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -406,7 +412,7 @@ PyMethodDef infer_decode_methods[] = {
      "decode.py builds the plan); returns where it stopped"},
     {"decode_experts", (PyCFunction)(void (*)(void))py_decode_experts, METH_FASTCALL,
      "decode_experts(table, n_rows, ids, weights, k, shared_w, xn, x, dim, hidden, scratch, "
-     "scratch_floats, isa, threads): x += a mixture of experts' output for one token"},
+     "scratch_floats, isa, threads, phase): x += a mixture of experts' output for one token"},
     {"decode_layout", py_decode_layout, METH_NOARGS,
      "(header words, words per layer, words per linear, experts run at once) of the decode "
      "plan"},

@@ -558,9 +558,9 @@ class ExpertOffload:
 
     @contextlib.contextmanager
     def _bound(self, j: int, block, ids: list[int]):
-        """MoE.bound: experts `ids` got from the cache in that order (as forward's
-        run_expert calls get them), bound while the context lasts. The k experts of a
-        visit are held at once; their buffers are in the pool's in-flight share."""
+        """MoE.bound: experts `ids` got from the cache in that order and bound while the
+        context lasts (run_expert and the fused decode step bind one at a time, in
+        MoE.forward's order; up to a visit's k at once fit the pool's in-flight share)."""
         loaded = []
         try:
             for e in ids:

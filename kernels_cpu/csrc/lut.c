@@ -1127,6 +1127,39 @@ static void rows_task(void *ctx, int64_t t, int tid) {
     rows_any(&J->P, J->isa, 0, J->P.M, n0, n1, &J->scratch[tid]);
 }
 
+/* Threads worth using for a GEMV over `bytes` of weights. */
+static int gemv_threads(int64_t bytes, int nthreads) {
+    const int64_t most = bytes / GEMV_MIN_BYTES_PER_THREAD;
+    return nthreads > most ? (most > 1 ? (int)most : 1) : nthreads;
+}
+
+/* Weight rows per task over N rows: ~4 tasks per thread, so a thread slowed by another
+   process leaves its share, in whole blocks. */
+static int64_t task_rows(int64_t N, int nthreads) {
+    const int64_t blocks = (N + LUT_BLOCK - 1) / LUT_BLOCK;
+    const int64_t tasks = 4 * (int64_t)nthreads < blocks ? 4 * (int64_t)nthreads : blocks;
+    return (blocks + tasks - 1) / tasks * LUT_BLOCK;
+}
+
+/* Per-thread scratch for nthreads threads, group integers of nI int32 and scratch width
+   ld: idx (IDX_BYTES), I (nI), s and mn (4 * ld each), in one block *mem (free both the
+   block and the returned array); NULL when out of memory. */
+static lut_scratch *scratch_new(int nthreads, int64_t ld, int64_t nI, char **mem) {
+    const size_t per_thread = IDX_BYTES + 4 * (size_t)(nI + 8 * ld);
+    char *scr = *mem = aligned_alloc(64, per_thread * (size_t)nthreads);
+    lut_scratch *scratch = malloc(sizeof(lut_scratch) * (size_t)nthreads);
+    if (!scr || !scratch) {
+        free(scratch);
+        return NULL;
+    }
+    for (int t = 0; t < nthreads; t++) {
+        char *b = scr + per_thread * t;
+        float *f = (float *)(b + IDX_BYTES + 4 * nI);
+        scratch[t] = (lut_scratch){(int32_t *)(b + IDX_BYTES), f, f + 4 * ld, ld, b};
+    }
+    return scratch;
+}
+
 /* y (M, N) = x (M, K) W^T (declared in kernels.h). Returns 0, or -1 when out of memory. */
 int lut_matmul(const float *x, const uint8_t *qw, const uint16_t *scales,
                       const uint16_t *mins, float *y, int64_t M, int64_t N, int64_t K, int bits,
@@ -1138,32 +1171,18 @@ int lut_matmul(const float *x, const uint8_t *qw, const uint16_t *scales,
     tile = tile < 1 ? 1 : tile > MAX_TILE_M ? MAX_TILE_M : tile;
     if (tile > M) tile = M;
     if (nthreads < 1) nthreads = 1;
-    if (M == 1) {
-        int64_t most = N * K * bits / 8 / GEMV_MIN_BYTES_PER_THREAD;
-        if (nthreads > most) nthreads = most > 1 ? (int)most : 1;
-    }
-    /* ~4 tasks per thread, so a thread slowed by another process leaves its share */
-    const int64_t blocks = (N + LUT_BLOCK - 1) / LUT_BLOCK;
-    int64_t tasks = 4 * (int64_t)nthreads < blocks ? 4 * (int64_t)nthreads : blocks;
-    const int64_t rows = (blocks + tasks - 1) / tasks * LUT_BLOCK;
-    tasks = (N + rows - 1) / rows;
+    if (M == 1) nthreads = gemv_threads(N * K * bits / 8, nthreads);
+    const int64_t rows = task_rows(N, nthreads), tasks = (N + rows - 1) / rows;
 
-    /* per thread: idx (16 KB), I (tile * 4 * ld), s and mn (4 * ld each) */
-    const int64_t ld = scratch_ld(K, g), nI = tile * 4 * ld;
-    const size_t per_thread = IDX_BYTES + 4 * (size_t)(nI + 8 * ld);
+    const int64_t ld = scratch_ld(K, g);
     int8_t *tables = aligned_alloc(64, (size_t)(tile * stride));
     float *consts = malloc(sizeof(float) * 3 * (size_t)(tile * ng));
-    char *scr = aligned_alloc(64, per_thread * (size_t)nthreads);
-    lut_scratch *scratch = malloc(sizeof(lut_scratch) * (size_t)nthreads);
+    char *scr = NULL;
+    lut_scratch *scratch = scratch_new(nthreads, ld, tile * 4 * ld, &scr);
     int rc = 0;
-    if (!tables || !consts || !scr || !scratch) {
+    if (!tables || !consts || !scratch) {
         rc = -1;
         goto done;
-    }
-    for (int t = 0; t < nthreads; t++) {
-        char *b = scr + per_thread * t;
-        float *f = (float *)(b + IDX_BYTES + 4 * nI);
-        scratch[t] = (lut_scratch){(int32_t *)(b + IDX_BYTES), f, f + 4 * ld, ld, b};
     }
     for (int64_t m0 = 0; m0 < M; m0 += tile) {
         const int64_t mt = M - m0 < tile ? M - m0 : tile;
@@ -1224,22 +1243,15 @@ int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads) {
         }
         consts += a[i].K / a[i].g; /* c2 */
     }
-    const int64_t most = bytes / GEMV_MIN_BYTES_PER_THREAD;
-    if (nthreads > most) nthreads = most > 1 ? (int)most : 1;
-    const size_t per_thread = IDX_BYTES + 4 * (size_t)(4 * ld + 8 * ld);
+    nthreads = gemv_threads(bytes, nthreads);
     int8_t *tables = aligned_alloc(64, (size_t)(table_bytes + 63) / 64 * 64);
     float *cbuf = malloc(sizeof(float) * (size_t)consts);
-    char *scr = aligned_alloc(64, per_thread * (size_t)nthreads);
-    lut_scratch *scratch = malloc(sizeof(lut_scratch) * (size_t)nthreads);
+    char *scr = NULL;
+    lut_scratch *scratch = scratch_new(nthreads, ld, 4 * ld, &scr); /* one activation row */
     int rc = 0;
-    if (!tables || !cbuf || !scr || !scratch) {
+    if (!tables || !cbuf || !scratch) {
         rc = -1;
         goto done;
-    }
-    for (int t = 0; t < nthreads; t++) {
-        char *b = scr + per_thread * t;
-        float *f = (float *)(b + IDX_BYTES + 4 * 4 * ld);
-        scratch[t] = (lut_scratch){(int32_t *)(b + IDX_BYTES), f, f + 4 * ld, ld, b};
     }
     lut_many_job m = {.n = n};
     int8_t *tp = tables;
@@ -1260,10 +1272,7 @@ int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads) {
             for (int64_t G = 0; G < ng; G++) cp[G] = half_levels * o->asum[G];
             cp += ng;
         }
-        /* rows per task as lut_matmul's (~4 tasks per thread over all the matrices) */
-        const int64_t blocks = (a[i].N + LUT_BLOCK - 1) / LUT_BLOCK;
-        int64_t tasks = 4 * (int64_t)nthreads < blocks ? 4 * (int64_t)nthreads : blocks;
-        const int64_t rows = (blocks + tasks - 1) / tasks * LUT_BLOCK;
+        const int64_t rows = task_rows(a[i].N, nthreads);
         m.jobs[i] = (lut_job){.P = P, .x = a[i].x, .isa = isa, .rows = rows, .scratch = scratch};
         m.first[i + 1] = m.first[i] + (a[i].N + rows - 1) / rows;
     }

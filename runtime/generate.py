@@ -110,8 +110,9 @@ def generate(
     history = list(prompt)
     max_tokens = min(max_tokens, model.max_seq_len - len(prompt) + 1)
     for i in range(max_tokens):
-        logits = apply_repeat_penalty(logits, history[-repeat_last_n:], repeat_penalty)
-        token = sampler(logits)
+        with model.threads():  # the sampler's ops must not leave torch's workers spinning
+            logits = apply_repeat_penalty(logits, history[-repeat_last_n:], repeat_penalty)
+            token = sampler(logits)
         yield token
         history.append(token)
         if i + 1 == max_tokens:

@@ -11,10 +11,13 @@ T = tokens in this call, S = positions visible to attention.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels_cpu import ops
 from .config import ModelArgs, rope_inv_freq
 from .moe import MoE
 
@@ -49,6 +52,10 @@ class KVCache(nn.Module):
         self.k[:, :, pos:end] = k
         self.v[:, :, pos:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
+
+
+# T * S * heads * head_dim from which attention runs on every thread (ops.torch_threads)
+LARGE_ATTENTION = 1 << 26
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -98,7 +105,10 @@ class Attention(nn.Module):
         mask = self._mask(pos, T, k.shape[2], x.device)
         if mask is not None:
             mask = mask.repeat(n_rep, 1)  # (n_rep * T, S), rows in q's folded order
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # A long prompt's attention, torch's one large op, gets every thread back.
+        large = T * k.shape[2] * self.n_heads * self.head_dim >= LARGE_ATTENTION
+        with ops.torch_threads() if large else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.view(1, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(1, T, -1)
         return self.o_proj(out)
 
@@ -157,6 +167,9 @@ class Transformer(nn.Module):
         # Every block for one token in one C call (kernels_cpu/decode.py), when the model
         # is one it runs; built by setup_caches, over the current weights and caches.
         self.fused_decode = None
+        # The context a forward pass runs in: ops.kernel_threads when the kernels' pool
+        # does the matmuls (torch's threads step aside), else a no-op. Set with the step.
+        self.threads = contextlib.nullcontext
 
     @staticmethod
     def sanitize(state_dict: dict, args: ModelArgs) -> dict:
@@ -205,22 +218,36 @@ class Transformer(nn.Module):
         self.prepare_fused_decode()
 
     def prepare_fused_decode(self) -> None:
-        """(Re)build the fused decode step; call after swapping modules or weights."""
+        """(Re)build the fused decode step and choose `threads`; call after swapping
+        modules or weights."""
         from ..kernels_cpu.decode import FusedDecode
 
         self.fused_decode = FusedDecode.prepare(self)
+        self.threads = ops.kernel_threads if self._matmuls_on_kernels() else contextlib.nullcontext
+
+    def _matmuls_on_kernels(self) -> bool:
+        """Whether the C kernels run every matmul but the routers': no float nn.Linear
+        (torch's, on torch's threads) is left but an MoE router or shared-expert gate."""
+        routers = set()
+        for m in self.modules():
+            if isinstance(m, MoE):
+                routers |= {id(m.gate), id(m.shared_expert_gate)}
+        return ops.available() and not any(
+            type(m) is nn.Linear and id(m) not in routers for m in self.modules()
+        )
 
     def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool = False) -> torch.Tensor:
         """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab)."""
         T = tokens.shape[1]
         cos, sin = self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]
-        # .to(): a quantized embedding table dequantizes rows in float32.
-        x = self.embed_tokens(tokens).to(cos.dtype)
-        if T == 1 and self.fused_decode is not None:
-            x = self.fused_decode(x, pos)  # Block.forward is its definition
-        else:
-            for layer in self.layers:
-                x = layer(x, pos, cos, sin)
-        if not all_logits:
-            x = x[:, -1:]  # generation needs only the last position's logits
-        return self.lm_head(self.norm(x))
+        with self.threads():
+            # .to(): a quantized embedding table dequantizes rows in float32.
+            x = self.embed_tokens(tokens).to(cos.dtype)
+            if T == 1 and self.fused_decode is not None:
+                x = self.fused_decode(x, pos)  # Block.forward is its definition
+            else:
+                for layer in self.layers:
+                    x = layer(x, pos, cos, sin)
+            if not all_logits:
+                x = x[:, -1:]  # generation needs only the last position's logits
+            return self.lm_head(self.norm(x))

@@ -101,4 +101,3 @@ def test_float_model_keeps_torch_threads(tmp_path, three_threads, monkeypatch):
     with torch.inference_mode():
         model(torch.tensor([[5, 77, 123, 9]]), 0)
     assert seen and {(t, k) for _, t, k in seen} == {(3, 3)}
-

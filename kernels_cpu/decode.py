@@ -131,7 +131,7 @@ class FusedDecode:
         cos, sin = model.rope_cos, model.rope_sin
         if not (_f32(cos) and _f32(sin)) or args.head_dim % 2:
             return None
-        header_words, layer_words, lin_words, _ = _C.decode_layout()
+        header_words, layer_words, lin_words, _, attn_block = _C.decode_layout()
         rows, keep, moe, hidden = [], [cos, sin], {}, 0
         for i, block in enumerate(model.layers):
             attn = block.self_attn
@@ -187,7 +187,10 @@ class FusedDecode:
             keep += weights + [cache.k, cache.v]
         S = model.max_seq_len
         dim, H, KV, D = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
-        scratch = torch.empty(dim + 2 * H * D + 2 * KV * D + H * S + 2 * hidden)
+        blocks = -(-S // attn_block)  # attention's per-block partials (decode.c)
+        scratch = torch.empty(
+            dim + 2 * H * D + 2 * KV * D + H * S + 2 * hidden + H * blocks * (D + 2)
+        )
         eps_bits = struct.unpack("<I", struct.pack("<f", args.norm_eps))[0]
         header = [len(rows), dim, H, KV, D, hidden, S, args.sliding_window or 0, eps_bits,
                   cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(),

@@ -109,6 +109,32 @@ def test_bad_experts_are_refused(hf_dirs):
             step._run_experts(table, torch.tensor(ids), weights, None, x, x.clone(), 0, 1, phase=3)
 
 
+@pytest.mark.parametrize("isa", ops.supported_isas())
+@pytest.mark.parametrize("window", [None, 40])
+def test_fused_attention_long_context_odd_head_dim(tmp_path, monkeypatch, isa, window):
+    """Attention's 16-float vectors on every path: heads of 24 (one vector and a scalar
+    tail) and 150 positions, or a sliding window of 40 (full vectors of scores, then a
+    partial one)."""
+    make_hf_model("mistral", tmp_path, hidden_size=96, sliding_window=window)  # 4 heads of 24
+    model = load_model(tmp_path, max_seq_len=256).model
+    assert model.args.head_dim == 24
+    quantize_model(model, get_recipe("int8", n_layers=model.args.n_layers))
+    monkeypatch.setattr(ops, "_default_isa", lambda: ops.ISAS.index(isa))
+    prompt = torch.randint(3, 320, (1, 150), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for fused in (False, True):
+        saved = model.fused_decode
+        model.fused_decode = saved if fused else None
+        with torch.inference_mode():
+            model(prompt, 0)
+            out[fused] = torch.stack(
+                [model(torch.tensor([[t]]), 150 + i)[0, -1] for i, t in enumerate(NEXT)]
+            )
+        model.fused_decode = saved
+    ref = out[False]
+    torch.testing.assert_close(out[True], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize(("arch", "recipe"), [("qwen3", "int4"), ("qwen3_moe", "lut2_m")])
 def test_threads_do_not_change_results(hf_dirs, arch, recipe):
     model = load_model(hf_dirs / arch, max_seq_len=64).model

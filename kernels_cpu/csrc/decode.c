@@ -41,19 +41,23 @@
 
 enum { HEADER = 13, LIN = 8, LAYER = 6 + 7 * LIN };
 enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN };
+/* Attention splits the attended positions into blocks of this many (see attn_block). */
+enum { ATTN_BLOCK = 256 };
 
 typedef struct {
     int64_t n_layers, dim, n_heads, n_kv, head_dim, hidden, max_seq, window;
     float eps;
     const float *cos, *sin;
     float *xn, *q, *k, *v, *att, *scores, *gate, *up; /* scratch */
+    float *part; /* attention's per-block partials: (n_heads, attn_blocks, head_dim + 2) */
     int isa, nthreads, qk_norm_full;
 } model_t;
 
-/* Floats of scratch the plan's buffer must hold. */
+/* Floats of scratch the plan's buffer must hold (decode.py's FusedDecode.prepare). */
 static int64_t scratch_floats(const model_t *m) {
+    const int64_t blocks = (m->max_seq + ATTN_BLOCK - 1) / ATTN_BLOCK;
     return m->dim + 2 * m->n_heads * m->head_dim + 2 * m->n_kv * m->head_dim +
-           m->n_heads * m->max_seq + 2 * m->hidden;
+           m->n_heads * m->max_seq + 2 * m->hidden + m->n_heads * blocks * (m->head_dim + 2);
 }
 
 static float bits_to_float(int64_t b) {
@@ -163,42 +167,194 @@ static void silu_mul(float *gate, const float *up, int64_t n) {
     }
 }
 
+/* ------------------------------------------------------------------------------------
+ * Attention for one token, on 16-float vectors (GCC vector extensions): one source the
+ * compiler turns into AVX-512, AVX2, or SSE2 / NEON code, chosen by the plan's
+ * instruction set. Every path computes the same lanes in the same order, and
+ * -ffp-contract=off keeps each multiply and add apart, so results do not depend on it.
+ *
+ * At long contexts attention is a token's largest cost, and it is memory-bound: the
+ * attended keys and values are read once per key-value head (not once per query head
+ * sharing it), in blocks of ATTN_BLOCK positions that are the pool's tasks, with a
+ * software prefetch 8 rows ahead (the hardware's alone left the loads stalling).
+ * ---------------------------------------------------------------------------------- */
+
+/* The helpers below are always inlined into their caller's target, so the ABI of passing
+   64-byte vectors between functions (what -Wpsabi warns of) never comes into play. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define VI static inline __attribute__((always_inline))
+
+VI v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+VI void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+/* The 16 lanes' sum: lanes i and i + 8, then i and i + 4, then (0 + 2) + (1 + 3). */
+VI float hsum16(v16 v) {
+    float t[16], a[8];
+    memcpy(t, &v, sizeof t);
+    for (int i = 0; i < 8; i++) a[i] = t[i] + t[i + 8];
+    for (int i = 0; i < 4; i++) a[i] = a[i] + a[i + 4];
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+/* exp(x) for x <= 0: Cephes' expf (x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6
+   polynomial in r, times 2^n), within 0.97 ulp of exp in double on every 64th float of
+   [-87, 0]. 0 below -87, where exp is under 2^-125 (a softmax weight that small adds
+   nothing); NaN stays NaN. */
+VI v16 exp16(v16 x) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const v16 n = (x * 1.44269504088896341f + magic) - magic;
+    const v16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f; /* ln 2 in two parts */
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * (r * r) + r) + 1.0f;
+    const v16i pow2n = (__builtin_convertvector(n, v16i) + 127) << 23;
+    const v16 y = p * (v16)pow2n;
+    return (v16)((v16i)y & ~(x < -87.0f));
+}
+
 typedef struct {
     const model_t *m;
     const float *kc, *vc;
     int64_t lo, hi; /* attended positions [lo, hi] */
+    int64_t blocks; /* of ATTN_BLOCK positions from lo, the last one partial */
 } attn_job;
 
-/* One query head: softmax(q . k / sqrt(d)) v over the cached positions. */
-static void attn_task(void *ctx, int64_t h, int tid) {
-    (void)tid;
-    const attn_job *J = ctx;
+/* One block b of positions for the query heads of key-value head g (a pool task), as
+   flash-decoding splits it: the block's keys and values are read from memory once, for
+   all of the heads that share them. For each such head h it leaves in m->part
+   (h, b): the block's largest score mx, sum of e_t = exp(score_t - mx), and sum of e_t v_t
+   (each element summed over t in order); attn_combine weighs the blocks together. */
+VI void attn_block(const attn_job *J, int64_t task) {
     const model_t *m = J->m;
-    const int64_t d = m->head_dim, kvh = h / (m->n_heads / m->n_kv);
-    const float *q = m->q + h * d;
-    const float *kc = J->kc + kvh * m->max_seq * d, *vc = J->vc + kvh * m->max_seq * d;
-    float *s = m->scores + h * m->max_seq, *out = m->att + h * d;
+    const int64_t g = task / J->blocks, b = task % J->blocks, rep = m->n_heads / m->n_kv;
+    const int64_t d = m->head_dim, d16 = d / 16 * 16;
+    const int64_t lo = J->lo + b * ATTN_BLOCK;
+    const int64_t hi = lo + ATTN_BLOCK - 1 < J->hi ? lo + ATTN_BLOCK - 1 : J->hi;
+    const float *kc = J->kc + g * m->max_seq * d, *vc = J->vc + g * m->max_seq * d;
     const float scale = 1.0f / sqrtf((float)d);
-    float mx = -INFINITY;
-    for (int64_t t = J->lo; t <= J->hi; t++) {
-        const float *k = kc + t * d;
-        float p[4] = {0};
-        int64_t i = 0;
-        for (; i + 4 <= d; i += 4)
-            for (int j = 0; j < 4; j++) p[j] += q[i + j] * k[i + j];
-        float dot = (p[0] + p[2]) + (p[1] + p[3]);
-        for (; i < d; i++) dot += q[i] * k[i];
-        s[t] = dot * scale;
-        if (s[t] > mx) mx = s[t];
+    for (int64_t h = g * rep; h < (g + 1) * rep; h++) {
+        const float *q = m->q + h * d;
+        float *s = m->scores + h * m->max_seq, *part = m->part + (h * J->blocks + b) * (d + 2);
+        float mx = -INFINITY;
+        for (int64_t t = lo; t <= hi; t++) {
+            const float *k = kc + t * d;
+            for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(k + 8 * d + i, 0, 3);
+            v16 acc = {0};
+            for (int64_t i = 0; i < d16; i += 16) acc += load16(q + i) * load16(k + i);
+            float dot = hsum16(acc);
+            for (int64_t i = d16; i < d; i++) dot += q[i] * k[i];
+            s[t] = dot * scale;
+            if (s[t] > mx) mx = s[t];
+        }
+        /* s[t] = exp(s[t] - mx), summed by lane; the last partial vector through a buffer */
+        v16 sum16 = {0};
+        int64_t t = lo;
+        for (; t + 16 <= hi + 1; t += 16) {
+            const v16 e = exp16(load16(s + t) - mx);
+            store16(s + t, e);
+            sum16 += e;
+        }
+        if (t <= hi) {
+            float tail[16];
+            for (int i = 0; i < 16; i++) tail[i] = t + i <= hi ? s[t + i] - mx : -INFINITY;
+            const v16 e = exp16(load16(tail));
+            store16(tail, e);
+            for (int64_t i = 0; t + i <= hi; i++) s[t + i] = tail[i];
+            sum16 += e;
+        }
+        part[0] = mx;
+        part[1] = hsum16(sum16);
+        float *out = part + 2;
+        /* up to 64 elements at a time, so each row of V is read once (not once per 16) */
+        for (int64_t i = 0; i < d16; i += 64) {
+            const int64_t nv = d16 - i < 64 ? (d16 - i) / 16 : 4;
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            const float *v = vc + lo * d + i;
+            if (nv == 4) {
+                for (t = lo; t <= hi; t++, v += d) {
+                    __builtin_prefetch(v + 8 * d, 0, 3);
+                    __builtin_prefetch(v + 8 * d + 16, 0, 3);
+                    __builtin_prefetch(v + 8 * d + 32, 0, 3);
+                    __builtin_prefetch(v + 8 * d + 48, 0, 3);
+                    a0 += load16(v) * s[t];
+                    a1 += load16(v + 16) * s[t];
+                    a2 += load16(v + 32) * s[t];
+                    a3 += load16(v + 48) * s[t];
+                }
+            } else {
+                for (t = lo; t <= hi; t++, v += d) {
+                    a0 += load16(v) * s[t];
+                    if (nv > 1) a1 += load16(v + 16) * s[t];
+                    if (nv > 2) a2 += load16(v + 32) * s[t];
+                }
+            }
+            store16(out + i, a0);
+            if (nv > 1) store16(out + i + 16, a1);
+            if (nv > 2) store16(out + i + 32, a2);
+            if (nv > 3) store16(out + i + 48, a3);
+        }
+        for (int64_t i = d16; i < d; i++) {
+            float acc = 0.0f;
+            for (t = lo; t <= hi; t++) acc += vc[t * d + i] * s[t];
+            out[i] = acc;
+        }
     }
-    float sum = 0.0f;
-    for (int64_t t = J->lo; t <= J->hi; t++) sum += (s[t] = expf(s[t] - mx));
-    const float inv = 1.0f / sum;
-    memset(out, 0, (size_t)d * sizeof *out);
-    for (int64_t t = J->lo; t <= J->hi; t++) {
-        const float w = s[t] * inv, *v = vc + t * d;
-        for (int64_t i = 0; i < d; i++) out[i] += w * v[i];
+}
+
+/* Each head's output: the blocks' sums weighed by exp(mx_b - max_b mx_b), in block order,
+   over the weighed sum of their e_t sums. */
+static void attn_combine(const attn_job *J) {
+    const model_t *m = J->m;
+    const int64_t d = m->head_dim, nb = J->blocks;
+    for (int64_t h = 0; h < m->n_heads; h++) {
+        const float *part = m->part + h * nb * (d + 2);
+        float *out = m->att + h * d;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t b = 0; b < nb; b++)
+            if (part[b * (d + 2)] > mx) mx = part[b * (d + 2)];
+        memset(out, 0, (size_t)d * sizeof *out);
+        for (int64_t b = 0; b < nb; b++) {
+            const float *p = part + b * (d + 2), w = expf(p[0] - mx);
+            sum += w * p[1];
+            for (int64_t i = 0; i < d; i++) out[i] += w * p[2 + i];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t i = 0; i < d; i++) out[i] *= inv;
     }
+}
+
+/* attn_block compiled for each instruction set */
+#define ATTN_TASK(NAME, TARGET)                                                                  \
+    TARGET static void NAME(void *ctx, int64_t task, int tid) {                                 \
+        (void)tid;                                                                              \
+        attn_block(ctx, task);                                                                  \
+    }
+ATTN_TASK(attn_task, )
+#ifdef INFER_X86
+ATTN_TASK(attn_task_avx2, TARGET_AVX2)
+ATTN_TASK(attn_task_avx512, TARGET_AVX512)
+#endif
+
+static pool_fn attn_task_for(int isa) {
+#ifdef INFER_X86
+    if (isa == ISA_AVX512 || isa == ISA_AVX512_VNNI) return attn_task_avx512;
+    if (isa == ISA_AVX2 || isa == ISA_AVX2_VNNI) return attn_task_avx2;
+#endif
+    (void)isa;
+    return attn_task;
 }
 
 /* One block for the token at pos: x is the residual stream. Returns 0, -1 when out of
@@ -231,9 +387,12 @@ static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
         memcpy(kc + (h * m->max_seq + pos) * d, m->k + h * d, (size_t)d * sizeof(float));
         memcpy(vc + (h * m->max_seq + pos) * d, m->v + h * d, (size_t)d * sizeof(float));
     }
-    attn_job J = {m, kc, vc, m->window && pos >= m->window ? pos - m->window + 1 : 0, pos};
-    /* heads are few and short at small contexts: one thread unless there is work to split */
-    pool_run((pos + 1) * d * m->n_heads >= 1 << 16 ? m->nthreads : 1, m->n_heads, attn_task, &J);
+    const int64_t lo = m->window && pos >= m->window ? pos - m->window + 1 : 0;
+    attn_job J = {m, kc, vc, lo, pos, (pos - lo + ATTN_BLOCK) / ATTN_BLOCK};
+    /* short contexts: one thread, unless there is work to split */
+    pool_run((pos - lo + 1) * d * m->n_heads >= 1 << 16 ? m->nthreads : 1, m->n_kv * J.blocks,
+             attn_task_for(m->isa), &J);
+    attn_combine(&J);
     rc |= linear(lin + L_O * LIN, m->att, m->xn, m);
     for (int64_t i = 0; i < dim; i++) x[i] += m->xn[i];
 
@@ -268,7 +427,8 @@ static int plan_model(const int64_t *H, long long n_words, long long scratch_n, 
     m->v = s, s += m->n_kv * m->head_dim;
     m->scores = s, s += m->n_heads * m->max_seq;
     m->gate = s, s += m->hidden;
-    m->up = s;
+    m->up = s, s += m->hidden;
+    m->part = s;
     m->isa = (int)isa;
     m->nthreads = threads < 1 ? 1 : threads > 255 ? 255 : (int)threads;
     return 0;
@@ -402,7 +562,7 @@ bad:
 
 static PyObject *py_decode_layout(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-    return Py_BuildValue("(iiii)", HEADER, LAYER, LIN, (int)EXPERTS_AT_ONCE);
+    return Py_BuildValue("(iiiii)", HEADER, LAYER, LIN, (int)EXPERTS_AT_ONCE, (int)ATTN_BLOCK);
 }
 
 PyMethodDef infer_decode_methods[] = {
@@ -414,7 +574,7 @@ PyMethodDef infer_decode_methods[] = {
      "decode_experts(table, n_rows, ids, weights, k, shared_w, xn, x, dim, hidden, scratch, "
      "scratch_floats, isa, threads, phase): x += a mixture of experts' output for one token"},
     {"decode_layout", py_decode_layout, METH_NOARGS,
-     "(header words, words per layer, words per linear, experts run at once) of the decode "
-     "plan"},
+     "(header words, words per layer, words per linear, experts run at once, attention "
+     "block) of the decode plan"},
     {NULL, NULL, 0, NULL},
 };

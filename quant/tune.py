@@ -255,6 +255,7 @@ def _differentiable(model: Transformer, names: set[str]) -> Iterator[dict[str, _
     the tuned layers packed, and the others as they were."""
     try:
         with swapped(model, lambda n, q: _Tuned(q) if n in names else Frozen(q)) as layers:
+            model.prepare_fused_decode()  # float stand-ins: no fused step, torch's threads
             yield {n: m for n, m in layers.items() if isinstance(m, _Tuned)}
     finally:
         model.prepare_fused_decode()

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels_cpu import ops
+from ..quant.base import QuantLinear
 from .config import ModelArgs, rope_inv_freq
 from .moe import MoE
 
@@ -56,6 +57,8 @@ class KVCache(nn.Module):
 
 # T * S * heads * head_dim from which attention runs on every thread (ops.torch_threads)
 LARGE_ATTENTION = 1 << 26
+# The names of the modules that are matrix multiplications (MoE routers aside)
+_LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -226,15 +229,12 @@ class Transformer(nn.Module):
         self.threads = ops.kernel_threads if self._matmuls_on_kernels() else contextlib.nullcontext
 
     def _matmuls_on_kernels(self) -> bool:
-        """Whether the C kernels run every matmul but the routers': no float nn.Linear
-        (torch's, on torch's threads) is left but an MoE router or shared-expert gate."""
-        routers = set()
-        for m in self.modules():
-            if isinstance(m, MoE):
-                routers |= {id(m.gate), id(m.shared_expert_gate)}
-        return ops.available() and not any(
-            type(m) is nn.Linear and id(m) not in routers for m in self.modules()
-        )
+        """Whether the C kernels run every matmul but the routers': every projection and
+        the output layer is a QuantLinear (a float one, or a stand-in quant/tune.py
+        trains, runs on torch's threads). MoE routers and shared-expert gates (`gate`,
+        `shared_expert_gate`) stay float in every recipe, and are small."""
+        linears = [m for name, m in self.named_modules() if name.rpartition(".")[2] in _LINEARS]
+        return ops.available() and all(isinstance(m, QuantLinear) for m in linears)
 
     def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool = False) -> torch.Tensor:
         """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab)."""

@@ -101,3 +101,20 @@ def test_float_model_keeps_torch_threads(tmp_path, three_threads, monkeypatch):
     with torch.inference_mode():
         model(torch.tensor([[5, 77, 123, 9]]), 0)
     assert seen and {(t, k) for _, t, k in seen} == {(3, 3)}
+
+
+def test_float_matmuls_keep_torch_threads(tmp_path):
+    """Where torch does a matmul (a float output layer, quant/tune.py's trainable
+    stand-ins while they train), its threads stay; they go back to the kernels after."""
+    from infer.quant.tune import _differentiable
+
+    make_hf_model("llama", tmp_path)
+    model = load_model(tmp_path, max_seq_len=64).model
+    int8 = {"format": "int8", "group_size": 32}
+    quantize_model(model, lambda name: None if name == "lm_head" else int8)
+    assert model.threads is not ops.kernel_threads
+    quantize_model(model, get_recipe("int4", n_layers=model.args.n_layers))
+    assert model.threads is ops.kernel_threads
+    with _differentiable(model, {"layers.0.mlp.up_proj"}):
+        assert model.threads is not ops.kernel_threads and model.fused_decode is None
+    assert model.threads is ops.kernel_threads and model.fused_decode is not None

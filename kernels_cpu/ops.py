@@ -92,11 +92,11 @@ def kernel_threads():
 
     torch's OpenMP workers spin after each parallel op, and the pool's workers spin
     after each job (csrc/pool.c): with as many threads as cores, a torch op between two
-    kernel calls leaves a worker spinning on the core the other pool needs. Measured on
-    2 cores (2 threads each): the default model's 128-token prefill 700 -> 1060 tok/s,
-    a 1B int4's 64-token one 78 -> 140, a mixture of experts' 64-token one 39 -> 65, and
-    sampled decode 174-199 -> 211-233 tok/s with torch on one thread. torch_threads()
-    hands the threads back for one large op. Nested uses keep the outer one's counts."""
+    kernel calls leaves a worker spinning on the core the other pool needs. On 2 cores
+    (`infer bench`, benchmarks/README.md) the default model's 128-token prefill went
+    from 960-970 to 1173-1190 tok/s and its decode from 211-223 to 238-239, a mixture of
+    experts' 64-token prefill from 53-70 to 77-81. torch_threads() hands the threads
+    back for one large op. Nested uses keep the outer one's counts."""
     global _num_threads
     saved_kernels, saved_torch = _num_threads, torch.get_num_threads()
     _num_threads = get_num_threads()

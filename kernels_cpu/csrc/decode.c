@@ -49,7 +49,7 @@ typedef struct {
     float eps;
     const float *cos, *sin;
     float *xn, *q, *k, *v, *att, *scores, *gate, *up; /* scratch */
-    float *part; /* attention's per-block partials: (n_heads, attn_blocks, head_dim + 2) */
+    float *part; /* attention's per-block partials: (n_heads, blocks, head_dim + 2) */
     int isa, nthreads, qk_norm_full;
 } model_t;
 

@@ -110,17 +110,21 @@ def test_bad_experts_are_refused(hf_dirs):
 
 
 @pytest.mark.parametrize("isa", ops.supported_isas())
-@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("window", [None, 300])
 def test_fused_attention_long_context_odd_head_dim(tmp_path, monkeypatch, isa, window):
-    """Attention's 16-float vectors on every path: heads of 24 (one vector and a scalar
-    tail) and 150 positions, or a sliding window of 40 (full vectors of scores, then a
-    partial one)."""
-    make_hf_model("mistral", tmp_path, hidden_size=96, sliding_window=window)  # 4 heads of 24
-    model = load_model(tmp_path, max_seq_len=256).model
+    """Attention's 16-float vectors and blocks of 256 positions on every path: heads of
+    24 (one vector and a scalar tail); 600 positions (three blocks, the last partial, so
+    the blocks' partial softmaxes are weighed together), or a sliding window of 300 (two
+    blocks counted from the window's start)."""
+    make_hf_model(  # 4 heads of 24
+        "mistral", tmp_path, hidden_size=96, sliding_window=window, max_position_embeddings=1024
+    )
+    model = load_model(tmp_path, max_seq_len=1024).model
     assert model.args.head_dim == 24
     quantize_model(model, get_recipe("int8", n_layers=model.args.n_layers))
     monkeypatch.setattr(ops, "_default_isa", lambda: ops.ISAS.index(isa))
-    prompt = torch.randint(3, 320, (1, 150), generator=torch.Generator().manual_seed(1))
+    T = 600
+    prompt = torch.randint(3, 320, (1, T), generator=torch.Generator().manual_seed(1))
     out = {}
     for fused in (False, True):
         saved = model.fused_decode
@@ -128,7 +132,7 @@ def test_fused_attention_long_context_odd_head_dim(tmp_path, monkeypatch, isa, w
         with torch.inference_mode():
             model(prompt, 0)
             out[fused] = torch.stack(
-                [model(torch.tensor([[t]]), 150 + i)[0, -1] for i, t in enumerate(NEXT)]
+                [model(torch.tensor([[t]]), T + i)[0, -1] for i, t in enumerate(NEXT)]
             )
         model.fused_decode = saved
     ref = out[False]

@@ -642,8 +642,11 @@ def _short_float(x: float) -> float:
 #   Q4_1: d, m, uint8 qs[16]                    value = q * d + m
 #   Q5_0: d, uint32 qh, uint8 qs[16]            value = (q - 16) * d
 #   Q5_1: d, m, uint32 qh, uint8 qs[16]         value = q * d + m
+#   Q6_K: 256 values: uint8 ql[128], qh[64], int8 scales[16], d
+#                                               value = (d * scales[i / 16]) * (q - 32)
 # In the 4-bit nibbles, the low nibble of byte j is element j and the high nibble element
-# j + 16; Q5 adds bit i of qh as bit 4 of element i.
+# j + 16; Q5 adds bit i of qh as bit 4 of element i. Q6_K's 6-bit q is a nibble of ql and
+# 2 bits of qh, per half of the block (see _dequant_q6_k).
 # Bit-exact with gguf.quants.dequantize (tests/test_gguf.py checks): the same float32
 # operations in the same order -- a product, then for Q4_1/Q5_1 a separate sum (no FMA).
 
@@ -695,7 +698,23 @@ def _dequant_q5_1(b: torch.Tensor) -> torch.Tensor:
     return out.add_(_high_bits(b[:, 4:8])).mul_(_fp16(b, 0)).add_(_fp16(b, 2))
 
 
+def _dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    # Each half of the block: ql's 64 bytes low nibbles then high nibbles, 32 values a run
+    # (n, 2 halves, 2 nibbles, 64) -> (n, 8 runs, 32); qh's 32 bytes give those runs'
+    # bits 4-5 as their bits 0-1, 2-3, 4-5, 6-7.
+    ql = b[:, :128].reshape(n, 2, 1, 64)
+    ql = torch.cat((ql & 0x0F, ql >> 4), 2).reshape(n, 8, 32)
+    qh = (
+        b[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    )
+    q = (ql | ((qh & 3).reshape(n, 8, 32) << 4)).float().sub_(32).reshape(n, 16, 16)
+    d = _fp16(b, 208) * b[:, 192:208].view(torch.int8).float()  # (n, 16): d * scales
+    return (d.unsqueeze(-1) * q).reshape(n, 256)
+
+
 _BLOCK_DEQUANT = {
+    GGMLQuantizationType.Q6_K: _dequant_q6_k,
     GGMLQuantizationType.Q8_0: _dequant_q8_0,
     GGMLQuantizationType.Q4_0: _dequant_q4_0,
     GGMLQuantizationType.Q4_1: _dequant_q4_1,

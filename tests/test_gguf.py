@@ -78,9 +78,13 @@ def typed_file(tmp_path_factory) -> Path:
         _, type_size = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, (16, 8 * type_size), dtype=np.uint8)
         tensors[qtype.name + "_raw"] = (raw, qtype)
-    # K-quants go through gguf.quants.dequantize: 4 rows of 2 Q4_K blocks of random bytes.
-    _, type_size = gguf.GGML_QUANT_SIZES[T.Q4_K]
-    tensors["Q4_K_raw"] = (rng.integers(0, 256, (4, 2 * type_size), dtype=np.uint8), T.Q4_K)
+    # Other K-quants go through gguf.quants.dequantize, Q6_K through our own (the int8
+    # hold of most K-quant files' output and down layers): random bytes, 2 blocks a row.
+    for qtype in (T.Q4_K, T.Q6_K):
+        _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (4, 2 * type_size), dtype=np.uint8)
+        tensors[qtype.name + "_raw"] = (raw, qtype)
+    tensors["Q6_K"] = (random_blocks(T.Q6_K, 8, 512), T.Q6_K)  # sane scales
     return write_gguf(tmp_path_factory.mktemp("typed") / "typed.gguf", "llama", tensors)
 
 

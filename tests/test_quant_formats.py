@@ -244,6 +244,14 @@ def test_bad_shapes_and_params():
         FORMATS["lut2"].from_float(torch.randn(4, 64), symmetric=True)
     with pytest.raises(InferError, match="NaN"):
         FORMATS["int4"].from_float(torch.full((2, 32), float("nan")))
+    for bad in (float("nan"), float("inf"), float("-inf")):  # one among finite values
+        w = torch.randn(4, 64)
+        w[2, 37] = bad
+        for fmt in ("int8", "int4", "lut2"):
+            with pytest.raises(InferError, match="NaN or infinite"):
+                FORMATS[fmt].from_float(w)
+    with pytest.raises(InferError, match="too large"):  # finite, but past float16 scales
+        FORMATS["int4"].from_float(torch.full((2, 32), 3e38))
     q = FORMATS["int4"].from_float(torch.randn(4, 64))
     with pytest.raises(InferError, match="mins"):
         FORMATS["int4"].from_tensors(q.tensors(), {"symmetric": True})

@@ -698,6 +698,9 @@ def _dequant_q5_1(b: torch.Tensor) -> torch.Tensor:
     return out.add_(_high_bits(b[:, 4:8])).mul_(_fp16(b, 0)).add_(_fp16(b, 2))
 
 
+_SHIFTS_2BIT = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]  # 4 runs of 2 bits
+
+
 def _dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     # Each half of the block: ql's 64 bytes low nibbles then high nibbles, 32 values a run
@@ -705,9 +708,7 @@ def _dequant_q6_k(b: torch.Tensor) -> torch.Tensor:
     # bits 4-5 as their bits 0-1, 2-3, 4-5, 6-7.
     ql = b[:, :128].reshape(n, 2, 1, 64)
     ql = torch.cat((ql & 0x0F, ql >> 4), 2).reshape(n, 8, 32)
-    qh = (
-        b[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-    )
+    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> _SHIFTS_2BIT
     q = (ql | ((qh & 3).reshape(n, 8, 32) << 4)).float().sub_(32).reshape(n, 16, 16)
     d = _fp16(b, 208) * b[:, 192:208].view(torch.int8).float()  # (n, 16): d * scales
     return (d.unsqueeze(-1) * q).reshape(n, 256)

@@ -5,6 +5,8 @@ torch on one thread and the kernels on the thread count set outside; a long prom
 attention gets the threads back; a float model leaves torch's threads alone.
 """
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,7 +48,7 @@ def test_kernel_threads_nest_and_restore(three_threads):
     assert (torch.get_num_threads(), ops._num_threads) == (n, None)
 
 
-def watch(model, monkeypatch) -> list:
+def watch(model, monkeypatch) -> tuple[list, Callable[[str], None]]:
     """(where, torch threads, kernel threads) at each block, attention and sampler call."""
     seen = []
 

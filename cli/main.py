@@ -10,6 +10,7 @@ adds the traceback.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import traceback
 from pathlib import Path
@@ -101,6 +102,19 @@ def _root(
     """Run large language models locally, on the CPU."""
 
 
+def _prompt_in_place_of_model(model: str | None) -> None:
+    """With no prompt, MODEL may be a prompt given alone: say so rather than "empty
+    prompt" (it is never taken as one: MODEL is always a model)."""
+    from infer.runtime.registry import DEFAULT_MODEL, find_entry
+
+    if model is None or find_entry(model) is not None or Path(model).expanduser().exists():
+        return
+    raise InferError(
+        f"no model named {model!r}: MODEL comes before PROMPT "
+        f"(infer run {DEFAULT_MODEL} {shlex.quote(model)})"
+    )
+
+
 @app.command()
 def run(
     model: ModelArg = None,
@@ -146,6 +160,7 @@ def run(
         piped = None if sys.stdin.isatty() else sys.stdin.read().rstrip()
         prompt = "\n\n".join(p for p in (prompt, piped) if p)
         if not prompt.strip():
+            _prompt_in_place_of_model(model)
             raise InferError("empty prompt (give PROMPT or pipe text to stdin)")
     if no_chat and system:
         raise InferError("--system needs the chat template; drop --no-chat")

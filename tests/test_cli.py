@@ -159,6 +159,12 @@ def test_empty_prompt_is_an_error(smollm2_gguf):
     assert_one_line_error(infer("run", smollm2_gguf, stdin="  \n"), 2, "empty prompt")
 
 
+def test_a_prompt_alone_is_not_taken_for_a_model():
+    r = infer("run", "What is the capital of France?")
+    assert_one_line_error(r, 2, "MODEL comes before PROMPT")
+    assert "infer run smollm2-135m 'What is the capital of France?'" in r.stderr
+
+
 def test_prompt_longer_than_ctx(smollm2_gguf):
     r = infer("run", smollm2_gguf, "word " * 100, "--ctx", "16")
     assert_one_line_error(r, 2, "longer than the context of 16", "--ctx")

@@ -23,6 +23,7 @@ from infer.cli.options import Debug, Json, RequiredModelArg, Threads
 from infer.runtime.errors import InferError
 
 CALIB_CTX = 512  # tokens per calibration window (as `infer eval`'s default context)
+LOW_BIT = {"lut2", "lut3"}  # formats that need calibration text to stay usable
 
 Output = Annotated[
     Path, typer.Option("--output", "-o", help="Directory to write.", show_default=False)
@@ -117,13 +118,20 @@ def quantize(
     import torch
 
     from infer.quant.quantize import dequantize_model, quantize_model
-    from infer.quant.recipes import get_recipe
+    from infer.quant.recipes import RECIPES, get_recipe
     from infer.runtime.checkpoint import describe_source, save_checkpoint
     from infer.runtime.loader import inspect_model, load_tokenizer, load_weights
 
     set_threads(threads)
     info = inspect_model(resolved.path)
     recipe = get_recipe(to, n_layers=info.args.n_layers, group_size=group_size, symmetric=symmetric)
+    if calibrate is None and RECIPES[to][0]["format"] in LOW_BIT:
+        # As llama-quantize asks for an importance matrix for its 2-bit types.
+        print(
+            f"warning: {to} rounded without --calibrate loses much of the model (lut2_m on "
+            "the default model: KL 3.4; by GPTQ with --calibrate FILE: 0.84)",
+            file=sys.stderr,
+        )
     with status(f"loading {resolved.name}"):
         model = load_weights(info, torch.float32, max_seq_len=1, dequantize=True)
         dequantize_model(model)  # a no-op unless SRC is itself quantized

@@ -64,3 +64,14 @@ def test_unknown_format_is_one_line(tiny_dir, tmp_path):
     r = infer("quantize", tiny_dir, "-o", tmp_path / "x", "--to", "int3")
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_low_bit_without_calibration_warns(tmp_path):
+    src = tmp_path / "src"
+    make_hf_model("llama", src, intermediate_size=128)  # widths a multiple of lut's 64
+    r = infer("quantize", src, "-o", tmp_path / "l2", "--to", "lut2", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "warning: lut2 rounded without --calibrate" in r.stderr
+    json.loads(r.stdout)  # stdout stays clean
+    r = infer("quantize", src, "-o", tmp_path / "i4", "--to", "int4", "--group-size", "32")
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr

@@ -19,6 +19,9 @@ enum { GEMV_MIN_BYTES_PER_THREAD = 32 * 1024 };
  * two threads read at 80-85 % of the read bandwidth; with 1 MiB, 93-100 %
  * (benchmarks/bench_kernels.py, int8 and int4 on 4096 x 4096 and 11008 x 4096). */
 enum { GEMV_TASK_BYTES = 1024 * 1024 };
+/* GEMM of at most SMALL_M rows: one GEMV per row over tasks of SMALL_TASK_BYTES of weights
+ * (gemv_rows; kernels.h has the measurements that set SMALL_M). */
+enum { SMALL_M = 4, SMALL_TASK_BYTES = 128 * 1024 };
 
 typedef struct {
     const qmat *a;
@@ -185,10 +188,48 @@ static int gemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     return 0;
 }
 
+/* A few rows of x (a prompt's tokens routed to one expert, a short prompt): each row's
+ * GEMV over a task's weight rows in turn, so the weights come from memory once and from
+ * cache for the other rows; the dequantized float tiles of gemm cost more than that. */
+typedef struct {
+    job_t job[SMALL_M]; /* one GEMV per row of x */
+    int64_t M;
+} rows_job;
+
+static void rows_task(void *ctx, int64_t t, int tid) {
+    const rows_job *r = ctx;
+    for (int64_t m = 0; m < r->M; m++) gemv_task((void *)&r->job[m], t, tid);
+}
+
+static int gemv_rows(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
+    const int64_t row_bytes = a->K * bits / 8;
+    nthreads = gemv_threads(a->N * row_bytes, nthreads);
+    rows_job r = {.M = a->M};
+    qmat am[SMALL_M];
+    void *tmp[SMALL_M][2] = {{0}};
+    int rc = 0;
+    for (int64_t m = 0; m < a->M && !rc; m++) {
+        am[m] = *a;
+        am[m].x = a->x + m * a->K, am[m].y = a->y + m * a->N, am[m].M = 1;
+        rc = gemv_prepare(bits, &am[m], kt, nthreads, &r.job[m], tmp[m], NULL);
+    }
+    /* tasks small enough that their weights stay in L2 while every row passes */
+    int64_t rows = (SMALL_TASK_BYTES + row_bytes - 1) / row_bytes;
+    rows = rows < r.job[0].rows ? rows : r.job[0].rows; /* and at least 4 tasks a thread */
+    for (int64_t m = 0; m < a->M; m++) r.job[m].rows = rows;
+    if (!rc) pool_run(nthreads, (a->N + rows - 1) / rows, rows_task, &r);
+    for (int64_t m = 0; m < a->M; m++) {
+        free(tmp[m][0]);
+        free(tmp[m][1]);
+    }
+    return rc;
+}
+
 int q_matmul(int bits, const qmat *a_in, int isa, int nthreads) {
     qmat a = *a_in;
     const kernel_table *kt = kernels_for(isa);
     if (!kt || a.M <= 0 || a.N <= 0) return 0;
     if (nthreads < 1) nthreads = 1;
-    return a.M == 1 ? gemv(bits, &a, kt, nthreads) : gemm(bits, &a, kt, nthreads);
+    if (a.M == 1) return gemv(bits, &a, kt, nthreads);
+    return a.M <= SMALL_M ? gemv_rows(bits, &a, kt, nthreads) : gemm(bits, &a, kt, nthreads);
 }

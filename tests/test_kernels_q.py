@@ -1,10 +1,11 @@
 """C kernels (kernels_cpu) against their torch reference, on every path this CPU runs.
 
-Shapes are awkward on purpose: M = 1 (the GEMV), 3 (a GEMV per row), 7 and 33 (GEMM
-with partial blocks), N odd, K = 32 x odd (not a multiple of 256), per-channel int8 with
-K odd. Results must match the reference up to float summation order, and be
-bit-identical for 1 and 2 threads. Then the quantized layers' forwards, and greedy decoding of the default model
-with kernels against the reference path.
+Shapes are awkward on purpose: M = 1 (the GEMV), 3 (a GEMV per row), 7 (a GEMV per row
+when K >= 768, else the GEMM) and 33 (the GEMM, with partial blocks), N odd, K = 32 x odd
+(not a multiple of 256), per-channel int8 with K odd. Results must match the reference
+up to float summation order, and be bit-identical for 1 and 2 threads. Then the
+quantized layers' forwards, and greedy decoding of the default model with kernels
+against the reference path.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ ISAS = ops.supported_isas() or ["none"]
 INT8 = [(8, 0, True), (8, 32, True), (8, 64, True), (8, 128, True)]
 INT4 = [(4, g, s) for g in (32, 64, 128) for s in (True, False)]
 KINDS = INT8 + INT4
-SMALL_M = 4  # matmul.c: up to this many rows of x run one GEMV each
+SMALL_M = 4  # matmul.c: up to this many rows of x run one GEMV each (8 when K >= 768)
 KIND_IDS = [f"int{b}-g{g}-{'sym' if s else 'asym'}" for b, g, s in KINDS]
 
 

@@ -100,12 +100,13 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * Where vpdpbusd exists the int8 GEMV does the same with |X| <= 2^21 (22 significant
  * bits: sum_4 (q + 128) X must fit int32), the weights made unsigned by q ^ 0x80 and the
  * 128 * X that adds taken back per block of x: sum q X = sum (q + 128) X - 128 sum X.
- * 1 < M <= 4 (a prompt's tokens routed to one expert; a short prompt) runs the GEMV once
- * per row of x, task by task, so a task's weights come from memory once and from cache
- * for the other rows: the same arithmetic as decode. Against the GEMM, int4 on 2
- * threads: M = 2 1.8-2.6x faster, M = 4 1.0-1.9x (576 x 576 ... 768 x 2048); at M = 8
- * the GEMM is ahead on SmolLM2's shapes (each row's GEMV costs ~2x the GEMM's per row).
- * M > 4 (prefill) runs the GEMM: a tile of weight rows is dequantized once, exactly as
+ * 1 < M <= 4, or M <= 8 with K >= 768 (a prompt's tokens routed to one expert; a short
+ * prompt) runs the GEMV once per row of x, task by task, so a task's weights come from
+ * memory once and from cache for the other rows: the same arithmetic as decode. Against
+ * the GEMM, int4 on 2 threads: M = 2 1.8-2.6x faster, M = 4 1.0-1.9x (576 x 576 ...
+ * 768 x 2048); M = 5-8 with K >= 768 1.1-2.0x (768 ... 8192 wide), but with K = 576
+ * 0.6-0.96x: a row's GEMV has work per output element besides its dot product.
+ * Larger M (prefill) runs the GEMM: a tile of weight rows is dequantized once, exactly as
  * the format defines it, into float32 scratch and multiplied with all M rows.
  * ---------------------------------------------------------------------------------- */
 

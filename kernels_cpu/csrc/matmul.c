@@ -19,9 +19,11 @@ enum { GEMV_MIN_BYTES_PER_THREAD = 32 * 1024 };
  * two threads read at 80-85 % of the read bandwidth; with 1 MiB, 93-100 %
  * (benchmarks/bench_kernels.py, int8 and int4 on 4096 x 4096 and 11008 x 4096). */
 enum { GEMV_TASK_BYTES = 1024 * 1024 };
-/* GEMM of at most SMALL_M rows: one GEMV per row over tasks of SMALL_TASK_BYTES of weights
- * (gemv_rows; kernels.h has the measurements that set SMALL_M). */
-enum { SMALL_M = 4, SMALL_TASK_BYTES = 128 * 1024 };
+/* A GEMM of at most SMALL_M rows, or WIDE_M rows of at least WIDE_K, runs one GEMV per row
+ * over tasks of SMALL_TASK_BYTES of weights (gemv_rows; kernels.h has the measurements).
+ * A row's GEMV has work per output element besides the K-long dot product, so it pays
+ * for more rows when rows are long. */
+enum { SMALL_M = 4, WIDE_M = 8, WIDE_K = 768, SMALL_TASK_BYTES = 128 * 1024 };
 
 typedef struct {
     const qmat *a;
@@ -192,7 +194,7 @@ static int gemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
  * GEMV over a task's weight rows in turn, so the weights come from memory once and from
  * cache for the other rows; the dequantized float tiles of gemm cost more than that. */
 typedef struct {
-    job_t job[SMALL_M]; /* one GEMV per row of x */
+    job_t job[WIDE_M]; /* one GEMV per row of x */
     int64_t M;
 } rows_job;
 
@@ -205,8 +207,8 @@ static int gemv_rows(int bits, const qmat *a, const kernel_table *kt, int nthrea
     const int64_t row_bytes = a->K * bits / 8;
     nthreads = gemv_threads(a->N * row_bytes, nthreads);
     rows_job r = {.M = a->M};
-    qmat am[SMALL_M];
-    void *tmp[SMALL_M][2] = {{0}};
+    qmat am[WIDE_M];
+    void *tmp[WIDE_M][2] = {{0}};
     int rc = 0;
     for (int64_t m = 0; m < a->M && !rc; m++) {
         am[m] = *a;
@@ -231,5 +233,6 @@ int q_matmul(int bits, const qmat *a_in, int isa, int nthreads) {
     if (!kt || a.M <= 0 || a.N <= 0) return 0;
     if (nthreads < 1) nthreads = 1;
     if (a.M == 1) return gemv(bits, &a, kt, nthreads);
-    return a.M <= SMALL_M ? gemv_rows(bits, &a, kt, nthreads) : gemm(bits, &a, kt, nthreads);
+    const int rows = a.M <= SMALL_M || (a.M <= WIDE_M && a.K >= WIDE_K);
+    return rows ? gemv_rows(bits, &a, kt, nthreads) : gemm(bits, &a, kt, nthreads);
 }

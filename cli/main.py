@@ -105,9 +105,9 @@ def _root(
 def _prompt_in_place_of_model(model: str | None) -> None:
     """With no prompt, MODEL may be a prompt given alone: say so rather than "empty
     prompt" (it is never taken as one: MODEL is always a model)."""
-    from infer.runtime.registry import DEFAULT_MODEL, find_entry
+    from infer.runtime.registry import DEFAULT_MODEL, names_a_model
 
-    if model is None or find_entry(model) is not None or Path(model).expanduser().exists():
+    if model is None or names_a_model(model):
         return
     raise InferError(
         f"no model named {model!r}: MODEL comes before PROMPT "

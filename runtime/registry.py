@@ -170,9 +170,24 @@ def resolve(model: str | None, *, download: bool = True, progress: bool = True) 
         return _fetch(entry, entry.sources, force=False, progress=progress)
     if _is_repo_id(model):
         return _resolve_repo(model, download=download, force=False, progress=progress)
-    if "/" in model or os.sep in model or model.lower().endswith(".gguf") or model[:1] in "~.":
+    if _is_path(model):
         raise InferError(f"no such file: {model}")
     raise _unknown(model)
+
+
+def names_a_model(model: str) -> bool:
+    """Whether `model` reads as a model reference (a registry name or alias, an existing
+    path, a repo id or a path), found or not, rather than as something else."""
+    return (
+        find_entry(model) is not None
+        or Path(model).expanduser().exists()
+        or _is_repo_id(model)
+        or _is_path(model)
+    )
+
+
+def _is_path(s: str) -> bool:
+    return "/" in s or os.sep in s or s.lower().endswith(".gguf") or s[:1] in "~."
 
 
 def pull(

@@ -163,6 +163,9 @@ def test_a_prompt_alone_is_not_taken_for_a_model():
     r = infer("run", "What is the capital of France?")
     assert_one_line_error(r, 2, "MODEL comes before PROMPT")
     assert "infer run smollm2-135m 'What is the capital of France?'" in r.stderr
+    # A name, a repo id or a path given alone is a model, and the prompt is missing.
+    for model in ("smollm2", "Org/some-model", "./missing.gguf"):
+        assert_one_line_error(infer("run", model), 2, "empty prompt")
 
 
 def test_prompt_longer_than_ctx(smollm2_gguf):

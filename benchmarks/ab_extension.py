@@ -1,0 +1,123 @@
+"""Two builds of the C extension in one process, alternating call by call: the A/B that
+this shared machine's minute-to-minute swings (10-30 %) do not blur, as they hit both
+builds alike. Separate processes run minutes apart cannot resolve a 10-20 % change here.
+
+    # OTHER.so: kernels_cpu/_C*.so of another commit (a clone built with pip install -e .)
+    python benchmarks/ab_extension.py OTHER.so                       # int4 matmuls, M 1-8
+    python benchmarks/ab_extension.py OTHER.so --model DIR --tokens 2 4 8 64
+
+The kernel mode times `q4_matmul` (2 threads) on cold copies of each shape for M rows of
+x; the model mode times a whole prompt's forward. Both print medians for this tree's
+build ("this") and the other ("other"), and this / other as a speed ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+from importlib.machinery import ExtensionFileLoader
+from pathlib import Path
+
+import torch
+
+from infer.kernels_cpu import ops
+
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (768, 2048), (2048, 768), (2048, 2048)]
+ROWS = [1, 2, 4, 5, 6, 8]
+COLD_BYTES = 64 << 20  # copies of each matrix, so no call finds it in the last-level cache
+
+
+def load_other(path: Path):
+    """The extension at `path` as a module of its own (its own pool and threads)."""
+    name = "other._C"
+    loader = ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def alternate(builds: dict, run, rounds: int) -> dict[str, float]:
+    """Median seconds of run() per build, the builds taking turns `rounds` times."""
+    times = {name: [] for name in builds}
+    for _ in range(rounds):
+        for name, module in builds.items():
+            ops._C = module
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench_kernels(builds: dict, threads: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    print(f"q4_matmul g32 asymmetric, {threads} threads, median us: this / other (speed ratio)")
+    print("| N x K | " + " | ".join(f"M = {m}" for m in ROWS) + " |")
+    print("|---|" + "---|" * len(ROWS))
+    for N, K in SHAPES:
+        copies = [
+            (
+                torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen),
+                (torch.rand(N, K // 32, generator=gen) * 0.01).half(),
+                (torch.rand(N, K // 32, generator=gen) * -0.02).half(),
+            )
+            for _ in range(max(2, COLD_BYTES // (N * K // 2)))
+        ]
+        cells = []
+        for M in ROWS:
+            x = torch.randn(M, K, generator=gen)
+
+            def run(x=x, copies=copies):
+                for q, s, m in copies:
+                    ops.q4_matmul(x, q, s, m, 32, threads=threads)
+
+            t = alternate(builds, run, rounds=7)
+            n = len(copies)
+            cells.append(
+                f"{t['this'] / n * 1e6:.0f} / {t['other'] / n * 1e6:.0f} "
+                f"({t['other'] / t['this']:.2f}x)"
+            )
+        print(f"| {N} x {K} | " + " | ".join(cells) + " |", flush=True)
+
+
+def bench_model(builds: dict, path: Path, tokens: list[int], rounds: int) -> None:
+    from infer.runtime.loader import load_model
+
+    lm = load_model(path, torch.float32, max_seq_len=max(tokens) + 1)
+    gen = torch.Generator().manual_seed(0)
+    print(f"{path.name}: a prompt's forward, median tok/s: this / other (speed ratio)")
+    with torch.inference_mode():
+        for T in tokens:
+            prompt = torch.randint(0, lm.model.args.vocab_size, (1, T), generator=gen)
+            alternate(builds, lambda prompt=prompt: lm.model(prompt, 0), rounds=1)  # warm
+            t = alternate(builds, lambda prompt=prompt: lm.model(prompt, 0), rounds)
+            print(
+                f"  {T:4d} tokens: {T / t['this']:7.1f} / {T / t['other']:7.1f} "
+                f"({t['other'] / t['this']:.2f}x)",
+                flush=True,
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("other", type=Path, help="the other build's extension (a .so file)")
+    ap.add_argument("--model", type=Path, help="time a model's prompts instead of kernels")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2, 4, 8, 64])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if not args.other.is_file():
+        ap.error(f"no such file: {args.other}")
+    torch.set_num_threads(args.threads)
+    builds = {"this": ops._C, "other": load_other(args.other)}
+    if args.model is None:
+        torch.set_num_threads(1)  # torch's threads would spin on the kernels' cores
+        bench_kernels(builds, args.threads)
+    else:
+        bench_model(builds, args.model, args.tokens, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,10 +4,11 @@ builds alike. Separate processes run minutes apart cannot resolve a 10-20 % chan
 
     # OTHER.so: kernels_cpu/_C*.so of another commit (a clone built with pip install -e .)
     python benchmarks/ab_extension.py OTHER.so                       # int4 matmuls, M 1-8
-    python benchmarks/ab_extension.py OTHER.so --model DIR --tokens 2 4 8 64
+    python benchmarks/ab_extension.py OTHER.so --model DIR --tokens 2 4 8 64 [--decode 64]
 
 The kernel mode times `q4_matmul` (2 threads) on cold copies of each shape for M rows of
-x; the model mode times a whole prompt's forward. Both print medians for this tree's
+x; the model mode times a whole prompt's forward, and with --decode single-token steps
+(the fused decode step) after the last prompt. Both print medians for this tree's
 build ("this") and the other ("other"), and this / other as a speed ratio.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from infer.kernels_cpu import ops
+from infer.kernels_cpu import decode, lut, ops
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (768, 2048), (2048, 768), (2048, 2048)]
 ROWS = [1, 2, 4, 5, 6, 8]
@@ -39,12 +40,17 @@ def load_other(path: Path):
     return module
 
 
+def use(module) -> None:
+    """Route every binding (the matmuls, the LUT kernels, the fused decode step) to module."""
+    ops._C = decode._C = lut._C = module
+
+
 def alternate(builds: dict, run, rounds: int) -> dict[str, float]:
     """Median seconds of run() per build, the builds taking turns `rounds` times."""
     times = {name: [] for name in builds}
     for _ in range(rounds):
         for name, module in builds.items():
-            ops._C = module
+            use(module)
             t0 = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - t0)
@@ -82,22 +88,36 @@ def bench_kernels(builds: dict, threads: int) -> None:
         print(f"| {N} x {K} | " + " | ".join(cells) + " |", flush=True)
 
 
-def bench_model(builds: dict, path: Path, tokens: list[int], rounds: int) -> None:
+def bench_model(builds: dict, path: Path, tokens: list[int], decode_n: int, rounds: int) -> None:
     from infer.runtime.loader import load_model
 
-    lm = load_model(path, torch.float32, max_seq_len=max(tokens) + 1)
-    gen = torch.Generator().manual_seed(0)
-    print(f"{path.name}: a prompt's forward, median tok/s: this / other (speed ratio)")
+    lm = load_model(path, torch.float32, max_seq_len=max(tokens) + decode_n + 1)
+    model, gen = lm.model, torch.Generator().manual_seed(0)
+
+    def report(what: str, n: int, t: dict) -> None:
+        print(
+            f"  {what}: {n / t['this']:7.1f} / {n / t['other']:7.1f} tok/s "
+            f"({t['other'] / t['this']:.2f}x)",
+            flush=True,
+        )
+
+    print(f"{path.name}, medians, this / other (speed ratio):")
     with torch.inference_mode():
         for T in tokens:
-            prompt = torch.randint(0, lm.model.args.vocab_size, (1, T), generator=gen)
-            alternate(builds, lambda prompt=prompt: lm.model(prompt, 0), rounds=1)  # warm
-            t = alternate(builds, lambda prompt=prompt: lm.model(prompt, 0), rounds)
-            print(
-                f"  {T:4d} tokens: {T / t['this']:7.1f} / {T / t['other']:7.1f} "
-                f"({t['other'] / t['this']:.2f}x)",
-                flush=True,
-            )
+            prompt = torch.randint(0, model.args.vocab_size, (1, T), generator=gen)
+            forward = lambda prompt=prompt: model(prompt, 0)  # noqa: E731
+            alternate(builds, forward, rounds=1)  # warm
+            report(f"{T:4d}-token prompt", T, alternate(builds, forward, rounds))
+        if decode_n:  # one token at a time after the last prompt (the fused step)
+            T = tokens[-1]
+            token = prompt[:, -1:]
+
+            def steps():
+                for pos in range(T, T + decode_n):
+                    model(token, pos)
+
+            alternate(builds, steps, rounds=1)  # warm
+            report(f"decode {decode_n} at {T}", decode_n, alternate(builds, steps, rounds))
 
 
 def main() -> None:
@@ -105,6 +125,7 @@ def main() -> None:
     ap.add_argument("other", type=Path, help="the other build's extension (a .so file)")
     ap.add_argument("--model", type=Path, help="time a model's prompts instead of kernels")
     ap.add_argument("--tokens", type=int, nargs="+", default=[2, 4, 8, 64])
+    ap.add_argument("--decode", type=int, default=0, help="--model: also time this many steps")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -116,7 +137,7 @@ def main() -> None:
         torch.set_num_threads(1)  # torch's threads would spin on the kernels' cores
         bench_kernels(builds, args.threads)
     else:
-        bench_model(builds, args.model, args.tokens, args.rounds)
+        bench_model(builds, args.model, args.tokens, args.decode, args.rounds)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def bench_model(builds: dict, path: Path, tokens: list[int], decode_n: int, roun
     with torch.inference_mode():
         for T in tokens:
             prompt = torch.randint(0, model.args.vocab_size, (1, T), generator=gen)
-            forward = lambda prompt=prompt: model(prompt, 0)  # noqa: E731
+            forward = lambda prompt=prompt: model(prompt, 0)
             alternate(builds, forward, rounds=1)  # warm
             report(f"{T:4d}-token prompt", T, alternate(builds, forward, rounds))
         if decode_n:  # one token at a time after the last prompt (the fused step)

@@ -1133,11 +1133,15 @@ static int gemv_threads(int64_t bytes, int nthreads) {
     return nthreads > most ? (most > 1 ? (int)most : 1) : nthreads;
 }
 
-/* Weight rows per task over N rows: ~4 tasks per thread, so a thread slowed by another
-   process leaves its share, in whole blocks. */
-static int64_t task_rows(int64_t N, int nthreads) {
+/* Weight rows per task over N rows, in whole blocks: `per` tasks per thread, so a thread
+   slowed by another process leaves its share. A GEMV takes 2 (each task starts its weight
+   streams cold: against 4, SmolLM2 lut2 decodes 9 % faster, a 1B 2-3 %); a GEMM 4 (a 1B
+   lut2's 64-token prompt ran 18 % slower with 2). benchmarks/ab_extension.py measured both. */
+enum { GEMV_TASKS_PER_THREAD = 2, GEMM_TASKS_PER_THREAD = 4 };
+static int64_t task_rows(int64_t N, int nthreads, int per) {
     const int64_t blocks = (N + LUT_BLOCK - 1) / LUT_BLOCK;
-    const int64_t tasks = 4 * (int64_t)nthreads < blocks ? 4 * (int64_t)nthreads : blocks;
+    const int64_t want = (int64_t)per * nthreads;
+    const int64_t tasks = want < blocks ? want : blocks;
     return (blocks + tasks - 1) / tasks * LUT_BLOCK;
 }
 
@@ -1172,7 +1176,9 @@ int lut_matmul(const float *x, const uint8_t *qw, const uint16_t *scales,
     if (tile > M) tile = M;
     if (nthreads < 1) nthreads = 1;
     if (M == 1) nthreads = gemv_threads(N * K * bits / 8, nthreads);
-    const int64_t rows = task_rows(N, nthreads), tasks = (N + rows - 1) / rows;
+    const int64_t rows = task_rows(N, nthreads, M == 1 ? GEMV_TASKS_PER_THREAD
+                                                       : GEMM_TASKS_PER_THREAD);
+    const int64_t tasks = (N + rows - 1) / rows;
 
     const int64_t ld = scratch_ld(K, g);
     int8_t *tables = aligned_alloc(64, (size_t)(tile * stride));
@@ -1272,7 +1278,7 @@ int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads) {
             for (int64_t G = 0; G < ng; G++) cp[G] = half_levels * o->asum[G];
             cp += ng;
         }
-        const int64_t rows = task_rows(a[i].N, nthreads);
+        const int64_t rows = task_rows(a[i].N, nthreads, GEMV_TASKS_PER_THREAD);
         m.jobs[i] = (lut_job){.P = P, .x = a[i].x, .isa = isa, .rows = rows, .scratch = scratch};
         m.first[i + 1] = m.first[i] + (a[i].N + rows - 1) / rows;
     }

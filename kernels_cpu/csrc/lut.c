@@ -1135,7 +1135,7 @@ static int gemv_threads(int64_t bytes, int nthreads) {
 
 /* Weight rows per task over N rows, in whole blocks: `per` tasks per thread, so a thread
    slowed by another process leaves its share. A GEMV takes 2 (each task starts its weight
-   streams cold: against 4, SmolLM2 lut2 decodes 9 % faster, a 1B 2-3 %); a GEMM 4 (a 1B
+   streams cold: against 4, SmolLM2 lut2 decodes 6-13 % faster, a 1B 3 %); a GEMM 4 (a 1B
    lut2's 64-token prompt ran 18 % slower with 2). benchmarks/ab_extension.py measured both. */
 enum { GEMV_TASKS_PER_THREAD = 2, GEMM_TASKS_PER_THREAD = 4 };
 static int64_t task_rows(int64_t N, int nthreads, int per) {

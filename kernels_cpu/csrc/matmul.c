@@ -18,8 +18,9 @@ enum { GEMV_MIN_BYTES_PER_THREAD = 32 * 1024 };
  * work). Each task is one sequential stream: with 64 KiB tasks the two threads' streams
  * broke every 64 KiB and two threads read at 80-85 % of the read bandwidth; with 1 MiB,
  * 93-100 % (benchmarks/bench_kernels.py, int8 and int4 on 4096 x 4096 and 11008 x 4096).
- * Small matrices split by the count: 2 a thread rather than 4 decoded SmolLM2 (Q4_1) 7 %
- * faster, its int8 7 %, a Qwen3-30B-A3B shape 4 %, the 1B the same (ab_extension.py). */
+ * Small matrices split by the count: 2 a thread rather than 4 decoded SmolLM2 (Q4_1)
+ * 4-7 % faster, its int8 7-8 %, a Qwen3-30B-A3B shape 4 %, the 1B the same
+ * (benchmarks/ab_extension.py). */
 enum { GEMV_TASK_BYTES = 1024 * 1024, GEMV_TASKS_PER_THREAD = 2 };
 /* A GEMM of at most SMALL_M rows, or WIDE_M rows of at least WIDE_K, runs one GEMV per row
  * over tasks of SMALL_TASK_BYTES of weights (gemv_rows; kernels.h has the measurements).

@@ -221,7 +221,7 @@ static int gemv_rows(int bits, const qmat *a, const kernel_table *kt, int nthrea
     }
     /* tasks small enough that their weights stay in L2 while every row passes */
     int64_t rows = (SMALL_TASK_BYTES + row_bytes - 1) / row_bytes;
-    rows = rows < r.job[0].rows ? rows : r.job[0].rows; /* and at least 4 tasks a thread */
+    rows = rows < r.job[0].rows ? rows : r.job[0].rows; /* and at least GEMV_TASKS_PER_THREAD */
     for (int64_t m = 0; m < a->M; m++) r.job[m].rows = rows;
     if (!rc) pool_run(nthreads, (a->N + rows - 1) / rows, rows_task, &r);
     for (int64_t m = 0; m < a->M; m++) {

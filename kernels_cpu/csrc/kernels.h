@@ -186,6 +186,21 @@ extern const kernel_table kernels_neon, kernels_neon_dot;
 #endif
 const kernel_table *kernels_for(int isa); /* NULL when the path is not built in */
 
+/* How the drivers (matmul.c, lut.c) split a GEMV over the pool. Below
+ * GEMV_MIN_BYTES_PER_THREAD of weights per thread a second thread costs more than it
+ * saves. A GEMV's rows go in at least GEMV_TASKS_PER_THREAD tasks per thread, so that a
+ * thread slowed by another process holds up part of the work, and no more, since each
+ * task starts its weight streams cold: 2 rather than 4 decoded SmolLM2 (Q4_1) 4-7 %
+ * faster, its int8 7-8 %, its lut2 6-13 %, a Qwen3-30B-A3B shape 4 %, a 1B 0-3 %
+ * (benchmarks/ab_extension.py). */
+enum { GEMV_MIN_BYTES_PER_THREAD = 32 * 1024, GEMV_TASKS_PER_THREAD = 2 };
+
+/* Threads worth using for a GEMV over `bytes` of weights. */
+static inline int gemv_threads(int64_t bytes, int nthreads) {
+    const int64_t most = bytes / GEMV_MIN_BYTES_PER_THREAD;
+    return nthreads > most ? (most > 1 ? (int)most : 1) : nthreads;
+}
+
 /* The drivers (matmul.c): split over output rows, run on the pool. bits is 8 or 4.
  * Returns 0, or -1 when out of memory. */
 int q_matmul(int bits, const qmat *a, int isa, int nthreads);

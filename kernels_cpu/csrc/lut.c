@@ -1026,9 +1026,6 @@ enum { LUT_BLOCK = SB };
 /* Activation rows per pass (prefill): their tables stay in L2 (~256 KB) while every row
    block passes over them; the block's weights stay in L1/L2 across the pass's rows. */
 enum { TABLE_TILE_BYTES = 256 * 1024 };
-/* GEMV: below this many weight bytes a second thread costs more than it saves (as
-   matmul.c). */
-enum { GEMV_MIN_BYTES_PER_THREAD = 32 * 1024 };
 
 static int64_t scratch_ld(int64_t K, int g) { return 8 * ((K / g + 31) / 32 * 32); }
 
@@ -1127,17 +1124,10 @@ static void rows_task(void *ctx, int64_t t, int tid) {
     rows_any(&J->P, J->isa, 0, J->P.M, n0, n1, &J->scratch[tid]);
 }
 
-/* Threads worth using for a GEMV over `bytes` of weights. */
-static int gemv_threads(int64_t bytes, int nthreads) {
-    const int64_t most = bytes / GEMV_MIN_BYTES_PER_THREAD;
-    return nthreads > most ? (most > 1 ? (int)most : 1) : nthreads;
-}
-
-/* Weight rows per task over N rows, in whole blocks: `per` tasks per thread, so a thread
-   slowed by another process leaves its share. A GEMV takes 2 (each task starts its weight
-   streams cold: against 4, SmolLM2 lut2 decodes 6-13 % faster, a 1B 3 %); a GEMM 4 (a 1B
-   lut2's 64-token prompt ran 18 % slower with 2). benchmarks/ab_extension.py measured both. */
-enum { GEMV_TASKS_PER_THREAD = 2, GEMM_TASKS_PER_THREAD = 4 };
+/* Weight rows per task over N rows, in whole blocks: `per` tasks per thread. A GEMV takes
+   kernels.h's GEMV_TASKS_PER_THREAD; a GEMM 4 (a 1B lut2's 64-token prompt ran 18 % slower
+   with 2, benchmarks/ab_extension.py). */
+enum { GEMM_TASKS_PER_THREAD = 4 };
 static int64_t task_rows(int64_t N, int nthreads, int per) {
     const int64_t blocks = (N + LUT_BLOCK - 1) / LUT_BLOCK;
     const int64_t want = (int64_t)per * nthreads;

@@ -11,17 +11,12 @@
  * so that a slice of the tile (TILE_N x TILE_K x 4 bytes = 32 KB) stays in L1 while
  * every row of x passes over it. */
 enum { TILE_N = 16, TILE_K = 512 };
-/* GEMV: below this many weight bytes per thread a second thread costs more than it saves. */
-enum { GEMV_MIN_BYTES_PER_THREAD = 32 * 1024 };
 /* GEMV: tasks of about this many weight bytes, and at least GEMV_TASKS_PER_THREAD per
- * thread (so that a thread slowed or descheduled by another process holds up part of the
- * work). Each task is one sequential stream: with 64 KiB tasks the two threads' streams
- * broke every 64 KiB and two threads read at 80-85 % of the read bandwidth; with 1 MiB,
- * 93-100 % (benchmarks/bench_kernels.py, int8 and int4 on 4096 x 4096 and 11008 x 4096).
- * Small matrices split by the count: 2 a thread rather than 4 decoded SmolLM2 (Q4_1)
- * 4-7 % faster, its int8 7-8 %, a Qwen3-30B-A3B shape 4 %, the 1B the same
- * (benchmarks/ab_extension.py). */
-enum { GEMV_TASK_BYTES = 1024 * 1024, GEMV_TASKS_PER_THREAD = 2 };
+ * thread (kernels.h). Each task is one sequential stream: with 64 KiB tasks the two
+ * threads' streams broke every 64 KiB and two threads read at 80-85 % of the read
+ * bandwidth; with 1 MiB, 93-100 % (benchmarks/bench_kernels.py, int8 and int4 on
+ * 4096 x 4096 and 11008 x 4096). */
+enum { GEMV_TASK_BYTES = 1024 * 1024 };
 /* A GEMM of at most SMALL_M rows, or WIDE_M rows of at least WIDE_K, runs one GEMV per row
  * over tasks of SMALL_TASK_BYTES of weights (gemv_rows; kernels.h has the measurements).
  * A row's GEMV has work per output element besides the K-long dot product, so it pays
@@ -120,12 +115,6 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
     const int64_t fair = (a->N + per - 1) / per;
     j->rows = rows < fair ? rows : fair;
     return 0;
-}
-
-/* Threads worth using for `bytes` of weights. */
-static int gemv_threads(int64_t bytes, int nthreads) {
-    const int64_t most = bytes / GEMV_MIN_BYTES_PER_THREAD;
-    return nthreads > most ? (most > 1 ? (int)most : 1) : nthreads;
 }
 
 static int gemv(int bits, qmat *a, const kernel_table *kt, int nthreads) {

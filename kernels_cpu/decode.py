@@ -69,15 +69,18 @@ def _linear_words(module: nn.Module) -> list[int] | None:
     bias = module.bias
     if bias is not None and not (bias.dtype is torch.float32 and bias.is_contiguous()):
         return None
-    mins = getattr(module, "mins", None)
+    # the buffers' dict, not attributes: an offloaded expert's words are taken at each
+    # visit, ~100 a token
+    buffers = module._buffers
+    qweight, scales, mins = buffers["qweight"], buffers["scales"], buffers.get("mins")
     # A placeholder (offload/: one element expanded) or a meta tensor holds no weights.
-    if not all(t.is_contiguous() and not t.is_meta
-               for t in (module.qweight, module.scales, mins) if t is not None):  # fmt: skip
-        return None
+    for t in (qweight, scales, mins):
+        if t is not None and (t.is_meta or not t.is_contiguous()):
+            return None
     return [
         kind,
-        module.qweight.data_ptr(),
-        module.scales.data_ptr(),
+        qweight.data_ptr(),
+        scales.data_ptr(),
         0 if mins is None else mins.data_ptr(),
         0 if bias is None else bias.data_ptr(),
         module.out_features,
@@ -119,6 +122,8 @@ class FusedDecode:
                   if b.shared_expert is not None]  # fmt: skip
         self._moe_hidden = max([hidden, *shared])
         per = _C.decode_layout()[3] if moe else 0
+        self._lin_words = _C.decode_layout()[2]
+        self._bufs = None  # _bound_buffers'
         self._experts_scratch = torch.empty(per * (2 * self._moe_hidden + self._dim) + self._dim)
 
     @classmethod
@@ -238,20 +243,39 @@ class FusedDecode:
         if block.resident_experts:
             self._run_experts(table, ids, weights, shared_w, xn, x, isa, threads, phase=3)
             return
-        # Experts bound on demand, one at a time in ascending order (as MoE.forward gets
-        # and runs them, so an expert computes while the next is still being read), the
-        # sum kept between the calls: the same sum, in the same order, as one call.
+        # Experts bound on demand in ascending order, as MoE.forward gets them: each call
+        # runs the next one (waiting for its read if need be) and those after it already
+        # in memory, so experts compute while later ones are still being read. The sum is
+        # kept between the calls: the same sum, in the same order, as one call.
         chosen = sorted(zip(ids[0].tolist(), weights[0].tolist()))
-        one = torch.zeros(1, 1, dtype=torch.int64)
-        for i, (e, w) in enumerate(chosen):
-            with block.bound([e]) as (module,):
-                row = _mlp_words(module)
-                if row is None:
-                    raise RuntimeError("an expert the fused decode step cannot run was bound")
-                rows = torch.cat([torch.tensor([row], dtype=torch.int64), table])
-                phase = (i == 0) | (i == len(chosen) - 1) << 1
-                self._run_experts(rows, one, torch.tensor([[w]]), shared_w, xn, x, isa, threads,
-                                  phase=phase)  # fmt: skip
+        rows, rows_np, order, w, w_np = self._bound_buffers(len(chosen) + len(table))
+        k, i = len(chosen), 0
+        while i < k:
+            j = i + 1
+            while j < k and block.ready(chosen[j][0]):
+                j += 1
+            with block.bound([e for e, _ in chosen[i:j]]) as modules:
+                for r, module in enumerate(modules):
+                    words = _mlp_words(module)
+                    if words is None:
+                        raise RuntimeError("an expert the fused decode step cannot run was bound")
+                    rows_np[r] = words
+                    w_np[0, r] = chosen[i + r][1]
+                rows_np[j - i : j - i + len(table)] = table.numpy()
+                phase = (i == 0) | (j == k) << 1
+                self._run_experts(rows[: j - i + len(table)], order[:, : j - i], w, shared_w,
+                                  xn, x, isa, threads, phase=phase)  # fmt: skip
+            i = j
+
+    def _bound_buffers(self, n: int):
+        """Rows (n, 3 LIN) int64 for bound experts' words, ids 0..n-1 (1, n), weights
+        (1, n) float32, and numpy views of the rows and weights: kept, not made per call."""
+        if self._bufs is None or self._bufs[0].shape[0] < n:
+            rows = torch.zeros(n, self._lin_words * 3, dtype=torch.int64)
+            w = torch.zeros(1, n)
+            order = torch.arange(n, dtype=torch.int64).view(1, n)
+            self._bufs = (rows, rows.numpy(), order, w, w.numpy())
+        return self._bufs
 
     def _run_experts(self, table, ids, weights, shared_w, xn, x, isa, threads, *, phase) -> None:
         _C.decode_experts(

@@ -153,6 +153,10 @@ class Policy:
 class LRUPolicy(Policy):
     name = "lru"
 
+    def victim(self, candidates: Sequence[Key]) -> Key:
+        last = self._last.get  # priority 0 for all: by recency (see LFUPolicy.victim)
+        return min(candidates, key=lambda k: (last(k, 0), k[1]))
+
 
 class LFUPolicy(Policy):
     name = "lfu"
@@ -167,6 +171,12 @@ class LFUPolicy(Policy):
 
     def priority(self, key: Key) -> float:
         return self._count.get(key, 0)
+
+    def victim(self, candidates: Sequence[Key]) -> Key:
+        # Policy.victim's order with the lookups bound once: it runs for every prefetch
+        # that evicts, over a layer's slots (~100 times a token on a 128-expert model)
+        count, last = self._count.get, self._last.get
+        return min(candidates, key=lambda k: (count(k, 0), last(k, 0), k[1]))
 
 
 class ScorePolicy(Policy):
@@ -345,6 +355,12 @@ class ExpertCache:
                 st.prefetched -= 1
                 st.cancelled += 1
                 fut.cancel()
+
+    def ready(self, layer: int, expert: int) -> bool:
+        """Whether get(layer, expert) would return at once: the expert is in memory (a
+        hint: it counts nothing, and a read may finish just after it answers)."""
+        fut = self._entries[layer].get(expert) or self._pending.get(expert)
+        return fut is not None and fut.done()
 
     def get(self, layer: int, expert: int):
         key, st = (layer, expert), self.stats[layer]

@@ -522,6 +522,7 @@ class ExpertOffload:
         for j, block in enumerate(self.blocks):
             block.run_expert = functools.partial(self._run, j, block)
             block.bound = functools.partial(self._bound, j, block)
+            block.ready = functools.partial(self.cache.ready, j)
             block.resident_experts = False
             self._handles.append(block.register_forward_pre_hook(functools.partial(self._visit, j)))
             if self.refine:

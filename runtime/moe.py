@@ -30,6 +30,9 @@ The pieces are separate so an expert cache (offload/) can drive them:
                                  while the context lasts: how the fused decode step
                                  (kernels_cpu/decode.py) gets a token's experts when
                                  `resident_experts` is False (an expert cache holds them)
+    ready(e) -> bool             whether bound([e]) would not wait for a read (always, for
+                                 resident experts): the fused step runs the experts that
+                                 are ready together, in one call
 
 forward() runs only the experts the router chose. Decoding (one token) calls each of its
 k experts once; a prompt groups tokens by expert, runs each used expert once on its
@@ -93,6 +96,10 @@ class MoE(nn.Module):
         """The modules of experts `ids` (ascending, as forward runs them), ready to run
         until the context ends."""
         yield [self.expert(e) for e in ids]
+
+    def ready(self, e: int) -> bool:
+        """Whether expert `e` is in memory: bound([e]) would not wait for it."""
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (1, T, dim) -> (1, T, dim)."""

@@ -201,6 +201,25 @@ def test_get_waits_for_a_prefetch_in_flight():
     assert st.stall_s > 0 and st.bytes_read == 8
 
 
+def test_ready_says_whether_get_would_wait_and_counts_nothing():
+    gate = threading.Event()
+
+    def load(layer, e):
+        assert gate.wait(5)
+        return e
+
+    with ThreadPoolExecutor(1) as pool:
+        cache = ExpertCache(load, [2], LRUPolicy(), 8, submit=pool.submit)
+        assert not cache.ready(0, 3)  # not in memory, not being read
+        cache.prefetch(0, [3])
+        assert not cache.ready(0, 3)  # being read
+        gate.set()
+        pool.submit(lambda: None).result()  # the read is done
+        assert cache.ready(0, 3)
+        assert cache.totals().uses == 0
+        assert cache.get(0, 3) == 3 and cache.ready(0, 3)
+
+
 def test_failed_read_raises_and_frees_the_slot():
     fail = {3}
 

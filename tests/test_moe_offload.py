@@ -183,6 +183,37 @@ def test_every_cache_size_equals_resident(moe):
         assert off.pool.peak <= off.pool.n
 
 
+@pytest.mark.parametrize("pattern", ["never", "always", "alternate"])
+def test_experts_in_memory_run_in_one_call(moe, monkeypatch, pattern):
+    """The fused step runs a visit's next expert together with those after it that are
+    already in memory (MoE.ready), in one C call: the same sum, bit for bit."""
+    expected = resident_logits(moe)
+    ckpt = read_checkpoint(moe)
+    model, off = load_expert_cached(ckpt, torch.float32, 64, 16, workers=2)
+    step, sizes = model.fused_decode, []
+    run = step._run_experts
+
+    def counted(table, ids, *args, **kwargs):
+        sizes.append(ids.shape[1])
+        return run(table, ids, *args, **kwargs)
+
+    monkeypatch.setattr(step, "_run_experts", counted)
+    asked = []
+    for block in off.blocks:
+        ready = {"never": lambda e: False, "always": lambda e: True,
+                 "alternate": lambda e: asked.append(e) or len(asked) % 2 == 0}[pattern]  # fmt: skip
+        monkeypatch.setattr(block, "ready", ready)
+    try:
+        assert torch.equal(run_tokens(model), expected)
+    finally:
+        off.close()
+    visits = 2 * (len(TOKENS) - 6)  # 2 MoE layers, one token a step; k = 2
+    assert sum(sizes) == 2 * visits
+    assert sizes == {"never": [1] * 2 * visits, "always": [2] * visits}.get(pattern, sizes)
+    if pattern == "alternate":  # asked about the second expert only: ready every other time
+        assert sorted(set(sizes)) == [1, 2] and len(asked) == visits
+
+
 def test_shared_expert_and_dense_layer_equal_resident(tmp_path):
     """Qwen2-MoE: a shared expert beside the cached ones, and a dense layer between MoE
     layers; the fused step binds experts one at a time around them."""

@@ -63,7 +63,8 @@ from torch import nn
 
 from ..runtime.checkpoint import Checkpoint, build_model, unit_views
 from ..runtime.errors import InferError
-from ..runtime.llama import Transformer
+from ..runtime.llama import RMSNorm, Transformer
+from ..runtime.moe import MoE
 from .budget import Overheads, Plan, format_size, minimum_bytes, plan_memory
 from .expert_cache import DEFAULT_POLICY, CacheStats, ExpertCache, allocate, make_policy
 from .reader import DEFAULT_TIMEOUT_S, UnitReader, alloc_buffer, round_up
@@ -518,11 +519,13 @@ class ExpertOffload:
         )
         self._tokens = self._passes = 0
         self._refined: list[torch.Tensor | None] = [None] * len(self.blocks)
+        self._memo = None  # (layer, input, probs): a visit's router output, for route()
         self._handles = [model.register_forward_pre_hook(self._count)]
         for j, block in enumerate(self.blocks):
             block.run_expert = functools.partial(self._run, j, block)
             block.bound = functools.partial(self._bound, j, block)
             block.ready = functools.partial(self.cache.ready, j)
+            block.probs = functools.partial(self._probs, j, block)
             block.resident_experts = False
             self._handles.append(block.register_forward_pre_hook(functools.partial(self._visit, j)))
             if self.refine:
@@ -586,21 +589,39 @@ class ExpertOffload:
     def router_input(layer, x: torch.Tensor) -> torch.Tensor:
         """What a layer's router will see, guessed from the residual stream `x` entering
         the layer: the layer's MoE-input norm of it (attention's update is not known
-        yet). A model whose router runs before attention would return its router's own
-        input here, and the prediction would be exact."""
-        return layer.post_attention_layernorm(x)
+        yet), up to a positive factor per token, which does not change the router's
+        ranking: an RMSNorm's weight times x, without its 1 / rms. A model whose router
+        runs before attention would return its router's own input here, and the
+        prediction would be exact."""
+        norm = layer.post_attention_layernorm
+        return x * norm.weight if isinstance(norm, RMSNorm) else norm(x)
 
     @torch.no_grad()
     def _enter(self, j: int, layer, args) -> None:
+        self._memo = None
         x = args[0].reshape(-1, args[0].shape[-1])  # (N, dim): the residual entering
-        ids = self.blocks[j].probs(self.router_input(layer, x)).topk(self.refine).indices
+        ids = guess(self.blocks[j], self.router_input(layer, x), self.refine)
         self.cache.prefetch(j, ids.flatten().tolist(), refine=True)
         self._refined[j] = ids
+
+    def _probs(self, j: int, block, x: torch.Tensor) -> torch.Tensor:
+        """MoE.probs, taking what this layer's visit computed from the same input
+        instead of running the router twice: the route() that follows the visit's hook
+        (the fused step's, or MoE.forward's on a reshaped view), with nothing run between
+        them that could write to that memory (the version counter cannot tell: inference
+        tensors have none). A layer's entry forgets it."""
+        memo = self._memo
+        if (memo is not None and memo[0] == j and memo[1].data_ptr() == x.data_ptr()
+                and memo[1].numel() == x.numel()):  # fmt: skip
+            self._memo = None
+            return memo[2]
+        return MoE.probs(block, x)
 
     @torch.no_grad()
     def _visit(self, j: int, block, args) -> None:
         x = args[0].reshape(-1, args[0].shape[-1])  # (N, dim): the MoE block's input
-        probs = block.probs(x)  # (N, E)
+        probs = MoE.probs(block, x)  # (N, E)
+        self._memo = (j, x, probs)  # for the route() that follows
         self.cache.observe(j, probs.mean(0).numpy())
         ids = probs.topk(block.top_k, dim=-1).indices  # what route(x) chooses
         if self.prefetch:
@@ -608,7 +629,7 @@ class ExpertOffload:
         preds = [None, None]  # (N, width) for layers j + 1 and j + 2
         for d in range(1, self.ahead + 1):
             if j + d < len(self.blocks) and self.width:
-                preds[d - 1] = self.blocks[j + d].probs(x).topk(self.width, dim=-1).indices
+                preds[d - 1] = guess(self.blocks[j + d], x, self.width)
                 if self.prefetch:
                     self.cache.prefetch(j + d, preds[d - 1].flatten().tolist(), refine=True)
         if self.recorder is not None:
@@ -687,6 +708,13 @@ class ExpertOffload:
         self._finalizer()
 
 
+def guess(block: MoE, x: torch.Tensor, k: int) -> torch.Tensor:
+    """(N, k) ids of the k experts that `block`'s router ranks first for each of the N
+    tokens of x (..., dim): a prediction to prefetch by. Its logits' top k: the softmax
+    that route() takes them through does not change their order."""
+    return block.gate(x.reshape(-1, x.shape[-1])).topk(k, dim=-1).indices
+
+
 def _shutdown(threads: ReadQueue, reader: UnitReader, stream) -> None:
     threads.shutdown()
     reader.close()
@@ -722,7 +750,7 @@ class RoutingRecorder:
         x = args[0].reshape(-1, args[0].shape[-1])
         pred = None
         if j + 1 < len(self.blocks):
-            pred = self.blocks[j + 1].probs(x).topk(self.width, dim=-1).indices
+            pred = guess(self.blocks[j + 1], x, self.width)
         ids, weights = block.route(x)
         self.recorder.record(j, ids, weights.float(), block.probs(x), pred)
 

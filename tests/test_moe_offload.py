@@ -214,6 +214,41 @@ def test_experts_in_memory_run_in_one_call(moe, monkeypatch, pattern):
         assert sorted(set(sizes)) == [1, 2] and len(asked) == visits
 
 
+def test_route_takes_the_visits_router_output(moe, monkeypatch):
+    """An expert cache's hook runs each MoE block's router on its input for the
+    prefetch; route() then takes that output instead of running the router again."""
+    from infer.runtime.moe import MoE
+
+    expected = resident_logits(moe)
+    ckpt = read_checkpoint(moe)
+    model, off = load_expert_cached(ckpt, torch.float32, 64, 6, workers=2)
+    calls = []
+    probs = MoE.probs
+    monkeypatch.setattr(MoE, "probs", lambda self, x: calls.append(x.shape[0]) or probs(self, x))
+    try:
+        assert torch.equal(run_tokens(model), expected)
+    finally:
+        off.close()
+    # once per visit: 2 MoE layers, the prompt once, then one token a step
+    assert calls == [6, 6] + [1, 1] * (len(TOKENS) - 6)
+
+
+def test_predictions_rank_as_the_router_does(moe):
+    """guess() takes the router's logits' top k, and router_input drops the norm's
+    1 / rms: neither changes which experts the router's softmax ranks first."""
+    from infer.offload.experts import ExpertOffload, guess
+
+    model = load_model(moe, max_seq_len=64).model
+    torch.manual_seed(1)
+    for i in (1, 3):
+        layer, block = model.layers[i], model.layers[i].mlp
+        x = torch.randn(32, model.args.dim)
+        want = block.probs(x).topk(4, dim=-1).indices
+        assert torch.equal(guess(block, x, 4), want)
+        want = block.probs(layer.post_attention_layernorm(x)).topk(4, dim=-1).indices
+        assert torch.equal(guess(block, ExpertOffload.router_input(layer, x), 4), want)
+
+
 def test_shared_expert_and_dense_layer_equal_resident(tmp_path):
     """Qwen2-MoE: a shared expert beside the cached ones, and a dense layer between MoE
     layers; the fused step binds experts one at a time around them."""

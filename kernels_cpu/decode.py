@@ -16,8 +16,10 @@ model's own) picks the experts, and one more C call runs them (decode_experts: a
 chosen experts' gate and up GEMVs as one pool job, then their down GEMVs as another)
 and adds their weighted outputs, in MoE.forward's order, before the next layer's call.
 Experts held by an expert cache (offload/experts.py; MoE.resident_experts False) are
-bound one at a time through MoE.bound, which gets them from the cache in the order
-MoE.forward would, each run as it arrives: the cached model computes what the resident
+bound through MoE.bound, which gets them from the cache in the order MoE.forward would:
+each call runs the next expert (waiting for its read if need be) with those after it
+already in memory (MoE.ready), so experts compute while later ones are still being
+read. The sum is kept between the calls: the cached model computes what the resident
 one does, bit for bit.
 Forward pre-hooks on a block or an MoE block (a routing recorder's, an expert cache's
 predictions) run where their __call__ would run them: the C stops before such a block.

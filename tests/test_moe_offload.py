@@ -236,7 +236,7 @@ def test_route_takes_the_visits_router_output(moe, monkeypatch):
 def test_predictions_rank_as_the_router_does(moe):
     """guess() takes the router's logits' top k, and router_input drops the norm's
     1 / rms: neither changes which experts the router's softmax ranks first."""
-    from infer.offload.experts import ExpertOffload, guess
+    from infer.offload.experts import ExpertOffload, guess, guess_router
 
     model = load_model(moe, max_seq_len=64).model
     torch.manual_seed(1)
@@ -245,8 +245,31 @@ def test_predictions_rank_as_the_router_does(moe):
         x = torch.randn(32, model.args.dim)
         want = block.probs(x).topk(4, dim=-1).indices
         assert torch.equal(guess(block, x, 4), want)
+        # the int8 copy predictions use: the same top k (k = 2 here) for these inputs
+        copy = guess_router(block)
+        assert copy is not None and copy.qweight.dtype == torch.int8
+        assert torch.equal(copy(x).topk(2).indices, want[:, :2])
         want = block.probs(layer.post_attention_layernorm(x)).topk(4, dim=-1).indices
         assert torch.equal(guess(block, ExpertOffload.router_input(layer, x), 4), want)
+
+
+def test_budget_counts_the_routers_int8_copies(moe):
+    from infer.offload.experts import guess_router_bytes
+
+    ckpt = read_checkpoint(moe)
+    args = ckpt.args
+    fixed, _ = fixed_costs(ckpt)
+    got = budget_inputs(ckpt, torch.float32, 64, 0)[0]
+    copies = guess_router_bytes(2, args.n_experts, args.dim)  # MoE layers 1 and 3
+    assert copies == 2 * args.n_experts * (args.dim + 4)
+    assert got.globals == fixed.globals + copies and got.total == fixed.total + copies
+    _, off = load_expert_cached(ckpt, torch.float32, 64, 4)
+    try:
+        made = [g for g in off._guessers if g is not None]
+        assert len(made) == 2
+        assert sum(t.nbytes for g in made for t in g.tensors().values()) == copies
+    finally:
+        off.close()
 
 
 def test_shared_expert_and_dense_layer_equal_resident(tmp_path):

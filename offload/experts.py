@@ -7,7 +7,8 @@ does the same for a cache size given in experts. The budget pays for, in this or
     dense parts        globals, attention, norms, routers, shared experts, KV cache:
                        resident, or layer-streamed as offload/stream.py streams a dense
                        model when even they do not fit (routers and norms then stay
-                       resident: the predictions below read them)
+                       resident); the routers' int8 copies that the predictions below
+                       read (`guess_router`), counted with the globals
     reads in flight    top_k + workers + 1 expert buffers: a visit's k experts read side
                        by side, the prefetch reads running, one read on demand
     the cache          every byte left, in whole experts: slots = left // expert bytes,
@@ -20,6 +21,8 @@ the routing does.
 
 Each MoE block's `run_expert(e, x)` becomes: get the expert from the ExpertCache
 (offload/expert_cache.py), bind its tensors (views of its pool buffer), run it, unbind.
+`bound(ids)` does the same for the fused decode step, which asks `ready(e)` to run the
+experts already in memory together.
 Hooks drive the cache the way `trace.visit` does, so a recorded trace replays to the
 same counters:
 
@@ -36,7 +39,9 @@ same counters:
                          token, `ahead` layers)
                          get(j, e) for the chosen experts, ascending (MoE.forward's order)
 
-A visit's predictions add up, from the first made for it until it ends. Caches, slots
+Predictions rank experts by a router's logits (`guess`), from its int8 copy; route()
+keeps the float router and takes the visit's output of it for the same input. A visit's
+predictions add up, from the first made for it until it ends. Caches, slots
 and traces number MoE blocks 0..n-1 in model order (`layer_ids` maps them to model
 layers). Reads run on `workers` threads (`ReadQueue`) that wait on the UnitReader, so
 the next layers' experts are read while layer j computes; a wrong prediction costs a

@@ -22,6 +22,7 @@ from importlib.machinery import ExtensionFileLoader
 from pathlib import Path
 
 import torch
+from bench_kernels import packed  # benchmarks/
 
 from infer.kernels_cpu import decode, lut, ops
 
@@ -64,20 +65,15 @@ def bench_kernels(builds: dict, threads: int) -> None:
     print("|---|" + "---|" * len(ROWS))
     for N, K in SHAPES:
         copies = [
-            (
-                torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen),
-                (torch.rand(N, K // 32, generator=gen) * 0.01).half(),
-                (torch.rand(N, K // 32, generator=gen) * -0.02).half(),
-            )
-            for _ in range(max(2, COLD_BYTES // (N * K // 2)))
+            packed(4, 32, False, N, K, gen) for _ in range(max(2, COLD_BYTES // (N * K // 2)))
         ]
         cells = []
         for M in ROWS:
             x = torch.randn(M, K, generator=gen)
 
             def run(x=x, copies=copies):
-                for q, s, m in copies:
-                    ops.q4_matmul(x, q, s, m, 32, threads=threads)
+                for w in copies:
+                    ops.q4_matmul(x, w["qweight"], w["scales"], w["mins"], 32, threads=threads)
 
             t = alternate(builds, run, rounds=7)
             n = len(copies)

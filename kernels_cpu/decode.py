@@ -124,7 +124,6 @@ class FusedDecode:
                   if b.shared_expert is not None]  # fmt: skip
         self._moe_hidden = max([hidden, *shared])
         per = _C.decode_layout()[3] if moe else 0
-        self._lin_words = _C.decode_layout()[2]
         self._bufs = None  # _bound_buffers'
         self._experts_scratch = torch.empty(per * (2 * self._moe_hidden + self._dim) + self._dim)
 
@@ -250,7 +249,7 @@ class FusedDecode:
         # in memory, so experts compute while later ones are still being read. The sum is
         # kept between the calls: the same sum, in the same order, as one call.
         chosen = sorted(zip(ids[0].tolist(), weights[0].tolist()))
-        rows, rows_np, order, w, w_np = self._bound_buffers(len(chosen) + len(table))
+        rows, rows_np, order, w, w_np = self._bound_buffers(len(chosen) + len(table), table)
         k, i = len(chosen), 0
         while i < k:
             j = i + 1
@@ -269,11 +268,12 @@ class FusedDecode:
                                   xn, x, isa, threads, phase=phase)  # fmt: skip
             i = j
 
-    def _bound_buffers(self, n: int):
-        """Rows (n, 3 LIN) int64 for bound experts' words, ids 0..n-1 (1, n), weights
-        (1, n) float32, and numpy views of the rows and weights: kept, not made per call."""
+    def _bound_buffers(self, n: int, table: torch.Tensor):
+        """Rows (n, table's width) int64 for bound experts' words, ids 0..n-1 (1, n),
+        weights (1, n) float32, and numpy views of the rows and weights: kept, not made
+        per call."""
         if self._bufs is None or self._bufs[0].shape[0] < n:
-            rows = torch.zeros(n, self._lin_words * 3, dtype=torch.int64)
+            rows = torch.zeros(n, table.shape[1], dtype=torch.int64)
             w = torch.zeros(1, n)
             order = torch.arange(n, dtype=torch.int64).view(1, n)
             self._bufs = (rows, rows.numpy(), order, w, w.numpy())

@@ -55,7 +55,6 @@ import argparse
 import hashlib
 import json
 import random
-import resource
 import shutil
 import statistics
 import sys
@@ -193,6 +192,7 @@ def child(path: Path, run: str, n_tokens: int, warmup: int, logits_out: Path) ->
     )
     from infer.offload.footprint import PeakSampler
     from infer.offload.stream import process_rss
+    from infer.runtime.bench import peak_rss_bytes
     from infer.runtime.checkpoint import read_checkpoint
 
     torch.set_num_threads(2)
@@ -254,7 +254,7 @@ def child(path: Path, run: str, n_tokens: int, warmup: int, logits_out: Path) ->
         "method": r.read_method,
         "crc32": r.crc32_check,
         "peak_sampled": peak.peak,
-        "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": peak_rss_bytes(),
         "pool_peak": off.pool.peak,
         "pool_n": off.pool.n,
     }
@@ -386,7 +386,7 @@ def report(results: dict[str, list[dict]]) -> None:
             and x["digest"] == results[first][0]["digest"]
             for x in reps
         )
-        peak = max(max(x["peak_sampled"], x["ru_maxrss"]) for x in reps)
+        peak = max(max(x["peak_sampled"], x["peak_rss"]) for x in reps)
         tok_s = [x["tok_s"] for x in f]
         rows.append(
             {

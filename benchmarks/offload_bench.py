@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -177,12 +176,8 @@ def read_rate(ckpt, units: list[str], bufs: list) -> tuple[float, str]:
     return sum(ckpt.ranges[u][1] - ckpt.ranges[u][0] for u in units) / seconds / 1e9, method
 
 
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def reset_peak_rss() -> None:
-    """Linux: the peak RSS (ru_maxrss, VmHWM) starts again from the current RSS."""
+    """Linux: the peak RSS (VmHWM) starts again from the current RSS."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
@@ -198,6 +193,7 @@ def child(path: Path, mode: str, budget: int, n_tokens: int, logits_out: Path) -
     from infer.offload.footprint import PeakSampler
     from infer.offload.reader import alloc_buffer
     from infer.offload.stream import load_streamed, process_rss
+    from infer.runtime.bench import peak_rss_bytes
     from infer.runtime.checkpoint import read_checkpoint
     from infer.runtime.loader import load_model
 
@@ -224,7 +220,7 @@ def child(path: Path, mode: str, budget: int, n_tokens: int, logits_out: Path) -
         load_s = time.perf_counter() - t0
     if mode != "resident" and stream is None:
         sys.exit(f"the whole model fits in {budget} bytes: nothing to stream (lower the budget)")
-    peak = max(load_peak.peak, peak_rss())
+    peak = max(load_peak.peak, peak_rss_bytes())
     disk = []
     if stream is not None:
         units = list(plan.streamed)
@@ -235,7 +231,7 @@ def child(path: Path, mode: str, budget: int, n_tokens: int, logits_out: Path) -
     with PeakSampler(file) as decode_peak:
         tokens, logits, step_s = decode(model, n_tokens)
         stats = stream.snapshot() if stream is not None else None
-    peak = max(peak, decode_peak.peak, peak_rss())
+    peak = max(peak, decode_peak.peak, peak_rss_bytes())
     out = {
         "mode": mode,
         "load_s": load_s,

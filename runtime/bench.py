@@ -346,7 +346,18 @@ def measure_roofline(
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size."""
+    """This process's peak resident set size.
+
+    Linux: VmHWM, the high-water mark of this process's own memory. Not ru_maxrss: exec
+    carries the parent's peak into it, so `infer bench` started by a large process (a
+    script that made the model, a test run) would report the parent's peak.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # macOS: bytes; Linux: KiB
 

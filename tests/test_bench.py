@@ -113,6 +113,17 @@ def test_run_bench_on_a_tiny_model(tiny_smollm):
     assert len(r.rows()) >= 8
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
+def test_peak_rss_is_the_processs_own_not_its_parents():
+    # exec carries the parent's peak into ru_maxrss; the child must report its own
+    import numpy as np
+
+    held = np.ones(768 * 2**20, dtype=np.uint8)  # 768 MiB resident in this process
+    code = "from infer.runtime.bench import peak_rss_bytes; print(peak_rss_bytes())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout) < held.nbytes  # the child imports torch: ~250 MB
+
+
 def test_run_bench_bfloat16_halves_the_bytes(tiny_smollm):
     r = run_bench(tiny_smollm, n_prompt=4, n_gen=2, repeats=1, dtype=torch.bfloat16)
     assert r.dtype == "bfloat16"

@@ -4,6 +4,7 @@ builds alike. Separate processes run minutes apart cannot resolve a 10-20 % chan
 
     # OTHER.so: kernels_cpu/_C*.so of another commit (a clone built with pip install -e .)
     python benchmarks/ab_extension.py OTHER.so                       # int4 matmuls, M 1-8
+    python benchmarks/ab_extension.py OTHER.so --rows 16 128 --shapes 2048x2048 8192x2048
     python benchmarks/ab_extension.py OTHER.so --model DIR --tokens 2 4 8 64 [--decode 64]
 
 The kernel mode times `q4_matmul` (2 threads) on cold copies of each shape for M rows of
@@ -58,17 +59,17 @@ def alternate(builds: dict, run, rounds: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def bench_kernels(builds: dict, threads: int) -> None:
+def bench_kernels(builds: dict, threads: int, shapes: list, rows: list[int]) -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"q4_matmul g32 asymmetric, {threads} threads, median us: this / other (speed ratio)")
-    print("| N x K | " + " | ".join(f"M = {m}" for m in ROWS) + " |")
-    print("|---|" + "---|" * len(ROWS))
-    for N, K in SHAPES:
+    print("| N x K | " + " | ".join(f"M = {m}" for m in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for N, K in shapes:
         copies = [
             packed(4, 32, False, N, K, gen) for _ in range(max(2, COLD_BYTES // (N * K // 2)))
         ]
         cells = []
-        for M in ROWS:
+        for M in rows:
             x = torch.randn(M, K, generator=gen)
 
             def run(x=x, copies=copies):
@@ -124,6 +125,13 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=0, help="--model: also time this many steps")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="kernels: rows of x")
+    ap.add_argument(
+        "--shapes",
+        nargs="+",
+        default=[f"{n}x{k}" for n, k in SHAPES],
+        help="kernels: weight shapes, N x K",
+    )
     args = ap.parse_args()
     if not args.other.is_file():
         ap.error(f"no such file: {args.other}")
@@ -131,7 +139,8 @@ def main() -> None:
     builds = {"this": ops._C, "other": load_other(args.other)}
     if args.model is None:
         torch.set_num_threads(1)  # torch's threads would spin on the kernels' cores
-        bench_kernels(builds, args.threads)
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+        bench_kernels(builds, args.threads, shapes, args.rows)
     else:
         bench_model(builds, args.model, args.tokens, args.decode, args.rounds)
 

@@ -72,6 +72,30 @@ def isa() -> str | None:
     return None if _C is None else ISAS[_default_isa()]
 
 
+# csrc/kernels.h: the integer GEMM's x per block of 32, |round(x / sx)| <= IG_XMAX
+IG_XMAX = 32512
+
+
+def integer_gemm_error(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A bound on what the integer GEMM's digits of x move y = x w^T, per element of y
+    (M, N) for x (M, K) and dequantized w (N, K): half a step (amax / IG_XMAX per block of
+    32 of x) per element, plus float32's rounding of the step, times sum |w| over the
+    block. Callers add it where integer_gemm() holds and the rows run the GEMM."""
+    pad = -x.shape[-1] % 32
+    xb = torch.nn.functional.pad(x.abs(), (0, pad)).unflatten(-1, (-1, 32)).amax(-1)
+    wb = torch.nn.functional.pad(w.abs(), (0, pad)).unflatten(-1, (-1, 32)).sum(-1)
+    return (0.5 / IG_XMAX + 2.0**-21) * xb @ wb.T
+
+
+def integer_gemm(isa: str | None = None) -> bool:
+    """Whether a path (default: the default one) multiplies several rows of x (a prompt)
+    by integer dot products, with x as two int8 digits: 15 significant bits per block of
+    32 (csrc/kernels.h, "The integer GEMM"). Other paths dequantize W to float32."""
+    if _C is None:
+        return False
+    return _C.isa_integer_gemm(_default_isa() if isa is None else _isa_id(isa))
+
+
 def set_num_threads(n: int) -> None:
     """Threads for the kernels (the CLI's --threads); each output row is computed by one
     thread in a fixed order, so results do not depend on it."""

@@ -3,7 +3,8 @@
 Shapes are awkward on purpose: M = 1 (the GEMV), 3 (a GEMV per row), 7 (a GEMV per row
 when K >= 768, else the GEMM) and 33 (the GEMM, with partial blocks), N odd, K = 32 x odd
 (not a multiple of 256), per-channel int8 with K odd. Results must match the reference
-up to float summation order, and be bit-identical for 1 and 2 threads. Then the
+up to float summation order and what x's digits lose (23 significant bits per block of
+32 in the GEMV, 15 in the integer GEMM), and be bit-identical for 1 and 2 threads. Then the
 quantized layers' forwards, and greedy decoding of the default model with kernels
 against the reference path.
 """
@@ -27,6 +28,7 @@ INT8 = [(8, 0, True), (8, 32, True), (8, 64, True), (8, 128, True)]
 INT4 = [(4, g, s) for g in (32, 64, 128) for s in (True, False)]
 KINDS = INT8 + INT4
 SMALL_M = 4  # matmul.c: up to this many rows of x run one GEMV each (8 when K >= 768)
+IG_XMAX = ops.IG_XMAX  # the integer GEMM's digits of x, |X| <= IG_XMAX per block of 32
 KIND_IDS = [f"int{b}-g{g}-{'sym' if s else 'asym'}" for b, g, s in KINDS]
 
 
@@ -65,10 +67,27 @@ def dequantized(bits, g, w):
     return reference.dequantize_int4(w["qweight"], w["scales"], w["mins"], g)
 
 
-def expected(bits, g, w, x):
-    """The reference result, and a bound on summation-order error: 1e-5 of sum |x| |w|."""
+def runs_gemm(M: int, K: int) -> bool:
+    """Whether matmul.c multiplies M rows of x by the GEMM rather than a GEMV per row."""
+    return not (M <= SMALL_M or (M <= 8 and K >= 768))
+
+
+def digit_error(x, bits, g, w):
+    """The most x's digits can lose in the GEMV of each row (M <= SMALL_M): 23 significant
+    bits per block of 32 (kernels.h), so 2^-21 of the block's amax times sum |w| over it."""
     wf = dequantized(bits, g, w)
-    return x @ wf.T, 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
+    amax = x.abs().unflatten(-1, (-1, 32)).amax(-1)  # (M, K/32)
+    return 2.0**-21 * amax @ wf.abs().unflatten(-1, (-1, 32)).sum(-1).T
+
+
+def expected(bits, g, w, x):
+    """The reference result, and a bound on its error: summation order (1e-5 of
+    sum |x| |w|) and, where the shape runs the GEMM, what x's two digits lose there."""
+    wf = dequantized(bits, g, w)
+    tol = 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
+    if runs_gemm(*x.shape):
+        tol = tol + ops.integer_gemm_error(x, wf)
+    return x @ wf.T, tol
 
 
 def assert_matches(y, x, bits, g, w):
@@ -146,21 +165,13 @@ def test_int8_per_channel_any_row_length(isa, K, M):
     assert_matches(run(8, 0, w, x, isa=isa), x, 8, 0, w)
 
 
-def digit_error(x, bits, g, w):
-    """The most x's digits can lose in the GEMV of each row (M <= SMALL_M): 23 significant
-    bits per block of 32 (kernels.h), so 2^-21 of the block's amax times sum |w| over it."""
-    wf = dequantized(bits, g, w)
-    amax = x.abs().unflatten(-1, (-1, 32)).amax(-1)  # (M, K/32)
-    return 2.0**-21 * amax @ wf.abs().unflatten(-1, (-1, 32)).sum(-1).T
-
-
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("M", [2, SMALL_M + 1])
 def test_special_values(isa, M):
     """Scales that are float16 subnormals, zero, negative; x with zeros and huge values.
     A few rows run one GEMV each, whose digits keep 23 bits of a block with 1e30 in it;
-    more run the GEMM, exact to float32's summation."""
+    more run the GEMM, whose digits keep 15 (on paths with the integer GEMM)."""
     N, K = 6, 64
     w = packed(4, 32, False, N, K)
     w["scales"][0] = torch.tensor([6e-8, -6e-8]).half()  # subnormal
@@ -182,19 +193,58 @@ def test_special_values(isa, M):
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
-def test_gemv_extreme_activations(isa, kind):
-    """Decode (M = 1), where x becomes integer digits per block of 32 on VNNI paths: a
-    block of zeros, a block of tiny values, one huge value; then inf, which takes the
-    float GEMV (the outputs' finiteness as the reference's)."""
+def test_gemm_keeps_fifteen_bits_of_x(isa, kind):
+    """The GEMM's x: where the path has the integer GEMM, each element becomes
+    round(x / sx) with sx = amax / IG_XMAX per block of 32, so values under half a step
+    vanish and the rest keep 15 bits; other paths keep float32. A block holding 1.0 and
+    values of +-1.0e-5 to 1.4e-5 (under half a step, 1.54e-5) shows which one ran."""
+    bits, g, sym = kind
+    M, K = 9, 128
+    w = packed(bits, g, sym, 7, K)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.zeros(M, K)
+    x[:, 32:64] = (1 + 0.4 * torch.rand(M, 32, generator=gen)) * 1e-5
+    x[:, 32:64] *= torch.randint(0, 2, (M, 32), generator=gen) * 2 - 1
+    x[torch.arange(M), 32 + torch.randint(0, 32, (M,), generator=gen)] = 1.0
+    y = run(bits, g, w, x, isa=isa)
+    xb = x.unflatten(-1, (-1, 32))
+    step = xb.amax(-1, keepdim=True) / IG_XMAX
+    digits = torch.where(step > 0, (xb / step).round() * step, 0).flatten(-2)
+    assert (digits[:, 32:64] == 0).sum() == M * 31  # the small ones are under half a step
+    wf = dequantized(bits, g, w)
+    xs = digits if ops.integer_gemm(isa) else x  # what the path multiplies
+    ref, tol = xs @ wf.T, 1e-5 * (xs.abs() @ wf.abs().T)
+    assert ((y - ref).abs() <= tol).all()
+    other = x @ wf.T if ops.integer_gemm(isa) else digits @ wf.T
+    assert ((y - other).abs() > tol).any()  # and not the other one
+
+
+@needs_c
+def test_integer_gemm_where_vpdpbusd_is():
+    assert ops.integer_gemm("scalar") is False
+    if "avx512vnni" in ops.supported_isas():
+        assert ops.integer_gemm("avx512vnni")
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+@pytest.mark.parametrize("M", [1, 9])
+def test_extreme_activations(isa, kind, M):
+    """Decode (M = 1) and the GEMM (M = 9), where x becomes integer digits per block of
+    32 on VNNI paths: a block of zeros, blocks of tiny and of subnormal values, one huge
+    value; then inf, which takes the float GEMV or GEMM (the outputs' finiteness as the
+    reference's)."""
     bits, g, sym = kind
     K = 256
     w = packed(bits, g, sym, 9, K)
-    x = torch.randn(1, K)
-    x[0, :32] = 0
-    x[0, 32:64] *= 1e-30
+    x = torch.randn(M, K)
+    x[:, :32] = 0
+    x[:, 32:64] *= 1e-30
+    x[:, 64:96] *= 1e-39
     x[0, 100] = 3e30
     assert_matches(run(bits, g, w, x, isa=isa), x, bits, g, w)
-    x[0, 200] = float("inf")
+    x[-1, 200] = float("inf")
     ref, _ = expected(bits, g, w, x)
     assert torch.equal(run(bits, g, w, x, isa=isa).isfinite(), ref.isfinite())
 
@@ -281,7 +331,9 @@ def test_quant_linear_forward(fmt, params):
     q = FORMATS[fmt].from_float(weight, bias, search=False, **params)
     x = torch.randn(2, 5, 128)
     ref = QuantLinear.forward(q, x)
-    torch.testing.assert_close(q(x), ref, rtol=1e-4, atol=1e-4)
+    # 10 rows run the GEMM: where a path has the integer one, x keeps 15 bits a block
+    # (outputs here ~10, their error ~3e-4; test_matches_reference bounds it exactly)
+    torch.testing.assert_close(q(x), ref, rtol=1e-4, atol=2e-3)
     xb = x.bfloat16()  # other dtypes keep their torch paths
     torch.testing.assert_close(q(xb).float(), ref, rtol=0.05, atol=0.1)
 

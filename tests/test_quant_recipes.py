@@ -171,8 +171,10 @@ def test_quantize_keeps_what_the_recipe_skips(tiny_dirs):
 
 def test_quantize_imports_gguf_blocks(smollm2_gguf):
     """The default model is Q4_1 with a Q8_0 table: int4 g32 asymmetric imports every
-    tensor losslessly, so the dequantized model's logits are exactly the float model's
-    (the kernels' own summation order is tested against the reference elsewhere)."""
+    tensor losslessly, so the dequantized model's logits are exactly the float model's.
+    On the kernels they are within ~1e-2 (of 15-25): the prompt's GEMM keeps 15 bits of
+    the activations per block of 32 where the CPU has vpdpbusd; the kernels' error is
+    bounded against the reference in test_kernels_q.py."""
     lm = load_model(smollm2_gguf, max_seq_len=32, dequantize=True)
     ref = logits(lm.model)
     reports = quantize_model(lm.model, get_recipe("int4"), gguf=lm.info.gguf)
@@ -182,6 +184,6 @@ def test_quantize_imports_gguf_blocks(smollm2_gguf):
     assert sum(r.bytes_after for r in reports) == sum(
         t.nbytes for t in lm.info.gguf.tensors.values() if len(t.shape) == 2
     )
-    torch.testing.assert_close(logits(lm.model), ref, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(logits(lm.model), ref, atol=3e-2, rtol=1e-4)
     dequantize_model(lm.model)
     assert torch.equal(logits(lm.model), ref)

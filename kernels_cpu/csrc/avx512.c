@@ -590,12 +590,161 @@ T void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, 
     }
 }
 
+/* ------------------------------------------------------------------------------------
+ * Integer GEMM (igemm.c; layouts in kernels.h): x as two int8 digits, 16 rows of x per
+ * vector; W's codes broadcast 4 at a time. A block of 32 rows of x by NR rows of W: per
+ * 4 elements, four 64-byte loads of digits, NR broadcasts, 4 NR vpdpbusd; per block of
+ * 32, the digits' sums combined, the offset taken back, one conversion and one FMA (two
+ * if asymmetric) per 16 outputs.
+ * ---------------------------------------------------------------------------------- */
+
+T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
+    const int64_t Kp = d->Kp, B = Kp / 32;
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    int8_t *dt = d->digits + t * B * 8 * 256;
+    const int64_t rows = d->M - t * IG_MR < IG_MR ? d->M - t * IG_MR : IG_MR;
+    if (rows < IG_MR) { /* the last tile's missing rows: zeros */
+        memset(dt, 0, (size_t)(B * 8 * 256));
+        memset(d->sx + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(float));
+        memset(d->xs + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(float));
+        memset(d->off + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(int32_t));
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + (t * IG_MR + r) * K;
+        /* row r's dword lane: in the first or second 64 bytes of each 128 */
+        int8_t *dr = dt + (r / 16) * 64 + (r % 16) * 4;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t k = 32 * b, i = (t * B + b) * IG_MR + r, n = K - k < 32 ? K - k : 32;
+            __m512 x0 = _mm512_maskz_loadu_ps(first16(n), xr + k);
+            __m512 x1 = _mm512_maskz_loadu_ps(n > 16 ? first16(n - 16) : 0, xr + k + 16);
+            if (_mm512_fpclass_ps_mask(x0, 0x99) | _mm512_fpclass_ps_mask(x1, 0x99)) /* NaN, inf */
+                return -1;
+            float amax = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_and_ps(x0, absmask), _mm512_and_ps(x1, absmask)));
+            __m512i X0 = _mm512_setzero_si512(), X1 = X0;
+            if (amax > 0) {
+                /* tiny blocks scaled up first (exactly) so that IG_XMAX / amax is finite */
+                const __m512 up = _mm512_set1_ps(amax < 0x1p-100f ? 0x1p100f : 1.0f);
+                const __m512 inv = _mm512_set1_ps(IG_XMAX / (amax * _mm512_cvtss_f32(up)));
+                X0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x0, up), inv));
+                X1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x1, up), inv));
+            }
+            const __m512i L0 = _mm512_srai_epi32(_mm512_slli_epi32(X0, 24), 24);
+            const __m512i L1 = _mm512_srai_epi32(_mm512_slli_epi32(X1, 24), 24);
+            /* dword j of the hi (lo) digits: elements 4j..4j+3, to group j's hi (lo) vectors */
+            const __m128i h0 = _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(X0, L0), 8));
+            const __m128i h1 = _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(X1, L1), 8));
+            const __m128i l0 = _mm512_cvtepi32_epi8(L0), l1 = _mm512_cvtepi32_epi8(L1);
+            int32_t *db = (int32_t *)(dr + b * 8 * 256);
+            db[0] = _mm_cvtsi128_si32(h0), db[64] = _mm_extract_epi32(h0, 1);
+            db[128] = _mm_extract_epi32(h0, 2), db[192] = _mm_extract_epi32(h0, 3);
+            db[256] = _mm_cvtsi128_si32(h1), db[320] = _mm_extract_epi32(h1, 1);
+            db[384] = _mm_extract_epi32(h1, 2), db[448] = _mm_extract_epi32(h1, 3);
+            db[32] = _mm_cvtsi128_si32(l0), db[96] = _mm_extract_epi32(l0, 1);
+            db[160] = _mm_extract_epi32(l0, 2), db[224] = _mm_extract_epi32(l0, 3);
+            db[288] = _mm_cvtsi128_si32(l1), db[352] = _mm_extract_epi32(l1, 1);
+            db[416] = _mm_extract_epi32(l1, 2), db[480] = _mm_extract_epi32(l1, 3);
+            const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(X0, X1));
+            d->sx[i] = amax / IG_XMAX;
+            d->xs[i] = d->sx[i] * (float)sum;
+            d->off[i] = o * sum;
+        }
+    }
+    return 0;
+}
+
+/* y for rows [32 t, 32 t + 16 MV) of x and NR rows of W; MV (1, 2) and NR (1-4) fixed
+ * at compile time. */
+TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void
+ig_block(const ig_x *x, int64_t t, const uint8_t *w, const float *d, const float *mins, float *y,
+         int64_t ldy, const int MV, const int NR) {
+    const int64_t Kp = x->Kp, B = Kp / 32;
+    const int8_t *xd = x->digits + t * B * 8 * 256;
+    __m512 f[4][2];
+    for (int n = 0; n < NR; n++) f[n][0] = f[n][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < B; b++, xd += 8 * 256) {
+        __m512i ah[4][2], al[4][2];
+        for (int n = 0; n < NR; n++)
+            ah[n][0] = ah[n][1] = al[n][0] = al[n][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m512i xh[2], xl[2];
+            for (int v = 0; v < MV; v++) {
+                xh[v] = _mm512_load_si512(xd + j * 256 + 64 * v);
+                xl[v] = _mm512_load_si512(xd + j * 256 + 128 + 64 * v);
+            }
+            for (int n = 0; n < NR; n++) {
+                const __m512i c = _mm512_set1_epi32(load_i32(w + n * Kp + 32 * b + 4 * j));
+                for (int v = 0; v < MV; v++) {
+                    ah[n][v] = _mm512_dpbusd_epi32(ah[n][v], c, xh[v]);
+                    al[n][v] = _mm512_dpbusd_epi32(al[n][v], c, xl[v]);
+                }
+            }
+        }
+        const int64_t i = (t * B + b) * IG_MR;
+        for (int v = 0; v < MV; v++) {
+            const __m512i off = _mm512_load_si512(x->off + i + 16 * v);
+            const __m512 sx = _mm512_load_ps(x->sx + i + 16 * v);
+            for (int n = 0; n < NR; n++) {
+                __m512i a = _mm512_add_epi32(_mm512_slli_epi32(ah[n][v], 8), al[n][v]);
+                a = _mm512_sub_epi32(a, off);
+                f[n][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sx, _mm512_set1_ps(d[n * B + b])), f[n][v]);
+                if (mins)
+                    f[n][v] = _mm512_fmadd_ps(_mm512_load_ps(x->xs + i + 16 * v), _mm512_set1_ps(mins[n * B + b]), f[n][v]);
+            }
+        }
+    }
+    const int64_t rows = x->M - t * IG_MR < 16 * MV ? x->M - t * IG_MR : 16 * MV;
+    y += t * IG_MR * ldy;
+    for (int v = 0; v < MV; v++) {
+        if (NR == 4) { /* 4 columns x 16 rows -> 16 rows of 4: a 4 x 4 transpose per lane */
+            const __m512 t0 = _mm512_unpacklo_ps(f[0][v], f[1][v]), t1 = _mm512_unpackhi_ps(f[0][v], f[1][v]);
+            const __m512 t2 = _mm512_unpacklo_ps(f[2][v], f[3][v]), t3 = _mm512_unpackhi_ps(f[2][v], f[3][v]);
+            const __m512 u[4] = {_mm512_shuffle_ps(t0, t2, 0x44), _mm512_shuffle_ps(t0, t2, 0xEE),
+                                 _mm512_shuffle_ps(t1, t3, 0x44), _mm512_shuffle_ps(t1, t3, 0xEE)};
+            for (int r = 0; r < 16 && 16 * v + r < rows; r++) {
+                const __m512 ur = u[r % 4];
+                const __m128 row = r / 4 == 0   ? _mm512_castps512_ps128(ur)
+                                   : r / 4 == 1 ? _mm512_extractf32x4_ps(ur, 1)
+                                   : r / 4 == 2 ? _mm512_extractf32x4_ps(ur, 2)
+                                                : _mm512_extractf32x4_ps(ur, 3);
+                _mm_storeu_ps(y + (16 * v + r) * ldy, row);
+            }
+        } else { /* the last columns of W: through memory */
+            float o[4][16];
+            for (int n = 0; n < NR; n++) _mm512_storeu_ps(o[n], f[n][v]);
+            for (int r = 0; r < 16 && 16 * v + r < rows; r++)
+                for (int n = 0; n < NR; n++) y[(16 * v + r) * ldy + n] = o[n][r];
+        }
+    }
+}
+
+#define IG_CASE(MV_, NR_)                                                                        \
+    case (MV_) * 8 + (NR_):                                                                      \
+        ig_block(x, t, w + n * Kp, d + n * B, m ? m + n * B : NULL, y + n, ldy, MV_, NR_);       \
+        break;
+
+TARGET_AVX512_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const float *d,
+                                        const float *m, float *y, int64_t ldy, int64_t nb) {
+    const int64_t Kp = x->Kp, B = Kp / 32, tiles = (x->M + IG_MR - 1) / IG_MR;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int mv = x->M - t * IG_MR > 16 ? 2 : 1;
+        for (int64_t n = 0; n < nb; n += 4) {
+            const int nr = nb - n < 4 ? (int)(nb - n) : 4;
+            switch (mv * 8 + nr) {
+                IG_CASE(2, 4) IG_CASE(2, 3) IG_CASE(2, 2) IG_CASE(2, 1)
+                IG_CASE(1, 4) IG_CASE(1, 3) IG_CASE(1, 2) IG_CASE(1, 1)
+            }
+        }
+    }
+}
+
 const kernel_table kernels_avx512 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
 };
 const kernel_table kernels_avx512_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
-    q8_xprep, q8_gemv_digits,
+    q8_xprep, q8_gemv_digits, ig_xprep, ig_panel,
 };
 
 #endif

@@ -165,6 +165,44 @@ static inline void xprep8_pad(void *buf, int64_t K) {
     for (int i = 0; i < 8; i++) lanes[16 * (B / 2) + 8 + i] = 0;
 }
 
+/* The integer GEMM (igemm.c), for prefill: x as two int8 digits per element and W's
+ * codes as bytes, multiplied by integer dot products (vpdpbusd), then scaled per block.
+ *
+ * x, row m, block b of 32: X = round(x / sx) with sx = amax / IG_XMAX (a block of zeros
+ * has sx = 0), so |X| <= IG_XMAX = 32512: 15 significant bits of the block's largest
+ * element, against float32's 24. X = 256 hi + lo, lo = X mod 256 in [-128, 127]. K is
+ * padded with zeros to Kp, a multiple of 32. Rows go in tiles of IG_MR = 32 (the last
+ * padded with zero rows); per tile, block and group of 4 elements j, 256 bytes: hi digits
+ * of rows 0-15, of rows 16-31, then lo digits the same, each 64 bytes holding row l's 4
+ * digits in dword lane l. Per tile, block and row: sx, off = o * sum X (o: the codes'
+ * offset, below) and xs = sx * sum X (the asymmetric mins' term).
+ *
+ * W, a panel of rows: codes as unsigned bytes c, Kp per row (zeros past K). int4: c = q,
+ * w = d (c - 8) symmetric, w = d c + m asymmetric; int8: c = q + 128, w = d (c - 128).
+ * Per row and block, float d (the scale of the row's group holding the block, or its
+ * channel's) and, asymmetric, m.
+ *
+ *     y[m, n] = sum_b  d[n,b] sx[m,b] (sum_k c[n,k] X[m,k] - o sum_k X[m,k])  +  m[n,b] xs[m,b]
+ *
+ * with o = 8 (int4 symmetric), 0 (asymmetric) or 128 (int8); the integer sums are exact
+ * (256 * 32 * 255 * 127 + 32 * 255 * 128 + 128 * 32 * 32512 < 2^31). */
+#define IG_XMAX 32512
+enum { IG_MR = 32 };
+typedef struct {
+    int8_t *digits;     /* (Mp / IG_MR, Kp / 32, 8, 256) */
+    float *sx, *xs;     /* (Mp / IG_MR, Kp / 32, IG_MR) */
+    int32_t *off;       /* (Mp / IG_MR, Kp / 32, IG_MR) */
+    int64_t M, Kp;
+} ig_x;
+/* Tile t of x (rows 32 t .. 32 t + 31 of x, each K long) -> its digits and block terms in
+ * `d` (zero for rows past d->M); o as above. Returns -1 if the rows have inf or NaN (the
+ * float GEMM then runs). */
+typedef int (*ig_xprep_fn)(const float *x, int64_t K, int64_t t, int o, const ig_x *d);
+/* y[m, n] for every m < x->M and n < nb (y rows strided by ldy) from nb rows of codes w
+ * (nb, Kp), d and m (nb, Kp / 32; m NULL unless asymmetric) as above. */
+typedef void (*ig_panel_fn)(const ig_x *x, const uint8_t *w, const float *d, const float *m,
+                            float *y, int64_t ldy, int64_t nb);
+
 typedef struct {
     gemv_fn q8_gemv, q4_gemv;
     xprep_fn q4_xprep;      /* NULL: the path has no digit GEMV */
@@ -174,6 +212,8 @@ typedef struct {
     xprep_fn q8_xprep;      /* NULL: the path has no int8 digit GEMV (it needs vpdpbusd:
                              * vpmaddubsw's int16 pairs overflow on 8-bit weights) */
     gemv_fn q8_gemv_digits;
+    ig_xprep_fn ig_xprep;   /* NULL: the path has no integer GEMM (prefill dequantizes) */
+    ig_panel_fn ig_panel;
 } kernel_table;
 
 extern const kernel_table kernels_scalar;
@@ -204,6 +244,9 @@ static inline int gemv_threads(int64_t bytes, int nthreads) {
 /* The drivers (matmul.c): split over output rows, run on the pool. bits is 8 or 4.
  * Returns 0, or -1 when out of memory. */
 int q_matmul(int bits, const qmat *a, int isa, int nthreads);
+/* igemm.c: q_matmul's GEMM on the integer path. Returns 0, -1 when out of memory, or 1
+ * when it does not apply (the path has none for `bits`, or x has inf or NaN). */
+int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads);
 /* n GEMVs (M == 1 each, bits[i] 8 or 4) as one pool job, e.g. q, k and v of a block, or
  * the gate and up projections of 8 experts: one wake-up of the pool instead of n, and
  * small matrices share the threads. Each output element is computed exactly as q_matmul

@@ -227,5 +227,7 @@ int q_matmul(int bits, const qmat *a_in, int isa, int nthreads) {
     if (nthreads < 1) nthreads = 1;
     if (a.M == 1) return gemv(bits, &a, kt, nthreads);
     const int rows = a.M <= SMALL_M || (a.M <= WIDE_M && a.K >= WIDE_K);
-    return rows ? gemv_rows(bits, &a, kt, nthreads) : gemm(bits, &a, kt, nthreads);
+    if (rows) return gemv_rows(bits, &a, kt, nthreads);
+    const int rc = q_igemm(bits, &a, kt, nthreads);
+    return rc <= 0 ? rc : gemm(bits, &a, kt, nthreads);
 }

@@ -117,6 +117,14 @@ static PyObject *py_isa_supported(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(isa >= 0 && isa < ISA_COUNT && kernels_for((int)isa) && isa_supported((int)isa));
 }
 
+static PyObject *py_isa_integer_gemm(PyObject *self, PyObject *arg) {
+    (void)self;
+    long isa = PyLong_AsLong(arg);
+    if (isa == -1 && PyErr_Occurred()) return NULL;
+    const kernel_table *kt = isa >= 0 && isa < ISA_COUNT ? kernels_for((int)isa) : NULL;
+    return PyBool_FromLong(kt && kt->ig_xprep);
+}
+
 static PyObject *py_isa_best(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
     return PyLong_FromLong(isa_best());
@@ -139,6 +147,8 @@ static PyMethodDef methods[] = {
     {"isa_names", py_isa_names, METH_NOARGS, "names of the instruction-set paths, by id"},
     {"isa_supported", py_isa_supported, METH_O, "whether this CPU can run path `isa`"},
     {"isa_best", py_isa_best, METH_NOARGS, "the fastest path this CPU can run"},
+    {"isa_integer_gemm", py_isa_integer_gemm, METH_O,
+     "whether path `isa` multiplies prompts (the GEMM) with integer dot products"},
     {"cpu_has", py_cpu_has, METH_O, "whether the CPU has a feature (e.g. 'avx512vnni')"},
     {NULL, NULL, 0, NULL},
 };

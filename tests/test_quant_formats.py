@@ -12,7 +12,6 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from infer.kernels_cpu import lut as lut_kernel
-from infer.kernels_cpu import ops
 from infer.quant.base import FORMATS
 from infer.quant.gguf_import import from_gguf, importable
 from infer.quant.int4 import GroupSizeError, pack_nibbles, unpack_nibbles
@@ -215,9 +214,8 @@ def test_forward_is_matmul_with_dequantized(fmt, params):
             # the LUT kernel's int8 activation tables: within their bound (kernels_cpu/lut.py)
             bound = lut_kernel.table_error_bound(x, q.scales, q.bits, q.group_size)
             assert ((q(x) - want).abs() <= bound + 1e-4 * want.abs() + 1e-4).all()
-        else:  # int8, int4: 7 rows run the GEMM, whose digits of x keep 15 bits
-            bound = ops.integer_gemm_error(x.reshape(-1, 256), q.dequantize()).view(want.shape)
-            assert ((q(x) - want).abs() <= bound + 1e-5 * want.abs() + 1e-4).all()
+        else:
+            torch.testing.assert_close(q(x), want, atol=1e-4, rtol=1e-5)
 
 
 def test_int8_per_channel_bf16_path():

@@ -28,6 +28,12 @@ TI float hsum(__m256 v) {
 
 TI __m256 bcast_half(const uint16_t *p) { return _mm256_set1_ps(_cvtsh_ss(*p)); }
 
+TI int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 TI __m256 widen_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
@@ -550,12 +556,151 @@ T void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, 
     }
 }
 
+/* ------------------------------------------------------------------------------------
+ * Integer GEMM (igemm.c; layouts in kernels.h), with AVX-VNNI: as avx512.c's, in 16
+ * registers. 16 rows of x at a time (two vectors of 8) by NR = 3 rows of W, the digits
+ * one after the other into the same accumulators (shifted by 8 between them), so that 6
+ * accumulators, 6 sums and 2 vectors of digits fit: per 4 elements and digit, two loads
+ * of digits, three broadcasts of codes, six vpdpbusd.
+ * ---------------------------------------------------------------------------------- */
+
+T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
+    const int64_t Kp = d->Kp, B = Kp / 32;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int8_t *dt = d->digits + t * B * 8 * 256;
+    const int64_t rows = d->M - t * IG_MR < IG_MR ? d->M - t * IG_MR : IG_MR;
+    if (rows < IG_MR) { /* the last tile's missing rows: zeros */
+        memset(dt, 0, (size_t)(B * 8 * 256));
+        memset(d->sx + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(float));
+        memset(d->xs + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(float));
+        memset(d->off + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(int32_t));
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + (t * IG_MR + r) * K;
+        int32_t *dr = (int32_t *)(dt + (r / 16) * 64 + (r % 16) * 4); /* row r's dword lane */
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t k = 32 * b, i = (t * B + b) * IG_MR + r, n = K - k < 32 ? K - k : 32;
+            __m256 v[4];
+            for (int j = 0; j < 4; j++)
+                v[j] = n >= 8 * j + 8 ? _mm256_loadu_ps(xr + k + 8 * j)
+                       : n > 8 * j    ? _mm256_maskload_ps(xr + k + 8 * j, first_lanes(n - 8 * j))
+                                      : _mm256_setzero_ps();
+            __m256 mx = _mm256_setzero_ps(), bad = mx;
+            for (int j = 0; j < 4; j++) {
+                mx = _mm256_max_ps(mx, _mm256_and_ps(v[j], absmask));
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v[j], v[j]), _mm256_setzero_ps(),
+                                                      _CMP_NEQ_UQ)); /* NaN or inf */
+            }
+            if (_mm256_movemask_ps(bad)) return -1;
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            __m256i X[4], L[4], H[4];
+            /* tiny blocks scaled up first (exactly) so that IG_XMAX / amax is finite */
+            const float up = amax < 0x1p-100f ? 0x1p100f : 1.0f;
+            const __m256 inv = _mm256_set1_ps(amax > 0 ? IG_XMAX / (amax * up) : 0);
+            __m256i sum = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                X[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(up)), inv));
+                L[j] = _mm256_srai_epi32(_mm256_slli_epi32(X[j], 24), 24);
+                H[j] = _mm256_srai_epi32(_mm256_sub_epi32(X[j], L[j]), 8);
+                sum = _mm256_add_epi32(sum, X[j]);
+            }
+            /* digits fit int8: the packs do not saturate; bytes in element order */
+            const __m256i hi = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(H[0], H[1]), _mm256_packs_epi32(H[2], H[3])), order);
+            const __m256i lo = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(L[0], L[1]), _mm256_packs_epi32(L[2], L[3])), order);
+            int32_t *db = dr + b * 8 * 64; /* dword j of each: group j's hi (lo) vector */
+            db[0 * 64] = _mm256_extract_epi32(hi, 0), db[1 * 64] = _mm256_extract_epi32(hi, 1);
+            db[2 * 64] = _mm256_extract_epi32(hi, 2), db[3 * 64] = _mm256_extract_epi32(hi, 3);
+            db[4 * 64] = _mm256_extract_epi32(hi, 4), db[5 * 64] = _mm256_extract_epi32(hi, 5);
+            db[6 * 64] = _mm256_extract_epi32(hi, 6), db[7 * 64] = _mm256_extract_epi32(hi, 7);
+            db[0 * 64 + 32] = _mm256_extract_epi32(lo, 0), db[1 * 64 + 32] = _mm256_extract_epi32(lo, 1);
+            db[2 * 64 + 32] = _mm256_extract_epi32(lo, 2), db[3 * 64 + 32] = _mm256_extract_epi32(lo, 3);
+            db[4 * 64 + 32] = _mm256_extract_epi32(lo, 4), db[5 * 64 + 32] = _mm256_extract_epi32(lo, 5);
+            db[6 * 64 + 32] = _mm256_extract_epi32(lo, 6), db[7 * 64 + 32] = _mm256_extract_epi32(lo, 7);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+            d->sx[i] = amax / IG_XMAX;
+            d->xs[i] = d->sx[i] * (float)total;
+            d->off[i] = o * total;
+        }
+    }
+    return 0;
+}
+
+/* y for rows [32 t + 16 v, + 16) of x and NR (1-3, fixed at compile time) rows of W. */
+TARGET_AVX2_VNNI static inline __attribute__((always_inline)) void
+ig_block(const ig_x *x, int64_t t, int v, const uint8_t *w, const float *d, const float *mins,
+         float *y, int64_t ldy, const int NR) {
+    const int64_t Kp = x->Kp, B = Kp / 32;
+    const int8_t *xd = x->digits + t * B * 8 * 256 + 64 * v;
+    __m256 f[3][2];
+    for (int n = 0; n < NR; n++) f[n][0] = f[n][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; b++, xd += 8 * 256) {
+        __m256i acc[3][2];
+        for (int n = 0; n < NR; n++) acc[n][0] = acc[n][1] = _mm256_setzero_si256();
+        for (int digit = 0; digit < 2; digit++) { /* hi, then lo: acc = 256 sum(hi) + sum(lo) */
+            if (digit)
+                for (int n = 0; n < NR; n++)
+                    for (int h = 0; h < 2; h++) acc[n][h] = _mm256_slli_epi32(acc[n][h], 8);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i x0 = _mm256_load_si256((const __m256i *)(xd + j * 256 + 128 * digit));
+                const __m256i x1 = _mm256_load_si256((const __m256i *)(xd + j * 256 + 128 * digit + 32));
+                for (int n = 0; n < NR; n++) {
+                    const __m256i c = _mm256_set1_epi32(load_i32(w + n * Kp + 32 * b + 4 * j));
+                    acc[n][0] = _mm256_dpbusd_avx_epi32(acc[n][0], c, x0);
+                    acc[n][1] = _mm256_dpbusd_avx_epi32(acc[n][1], c, x1);
+                }
+            }
+        }
+        const int64_t i = (t * B + b) * IG_MR + 16 * v;
+        for (int h = 0; h < 2; h++) {
+            const __m256i off = _mm256_load_si256((const __m256i *)(x->off + i + 8 * h));
+            const __m256 sx = _mm256_load_ps(x->sx + i + 8 * h);
+            for (int n = 0; n < NR; n++) {
+                const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[n][h], off));
+                f[n][h] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(d[n * B + b])), f[n][h]);
+                if (mins)
+                    f[n][h] = _mm256_fmadd_ps(_mm256_load_ps(x->xs + i + 8 * h),
+                                              _mm256_set1_ps(mins[n * B + b]), f[n][h]);
+            }
+        }
+    }
+    const int64_t row0 = t * IG_MR + 16 * v, rows = x->M - row0 < 16 ? x->M - row0 : 16;
+    for (int r = 0; r < rows; r++) /* lane r % 8 of half r / 8, moved to lane 0 */
+        for (int n = 0; n < NR; n++)
+            y[(row0 + r) * ldy + n] = _mm256_cvtss_f32(
+                _mm256_permutevar8x32_ps(f[n][r / 8], _mm256_set1_epi32(r % 8)));
+}
+
+#define IG_CASE(NR_)                                                                             \
+    case NR_:                                                                                    \
+        ig_block(x, t, v, w + n * Kp, d + n * B, m ? m + n * B : NULL, y + n, ldy, NR_);         \
+        break;
+
+TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const float *d,
+                                      const float *m, float *y, int64_t ldy, int64_t nb) {
+    const int64_t Kp = x->Kp, B = Kp / 32;
+    for (int64_t t = 0; t * IG_MR < x->M; t++)
+        for (int v = 0; v < 2 && t * IG_MR + 16 * v < x->M; v++)
+            for (int64_t n = 0; n < nb; n += 3) {
+                switch (nb - n < 3 ? (int)(nb - n) : 3) {
+                    IG_CASE(3) IG_CASE(2) IG_CASE(1)
+                }
+            }
+}
+
 const kernel_table kernels_avx2 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
 };
 const kernel_table kernels_avx2_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
-    q8_xprep, q8_gemv_digits,
+    q8_xprep, q8_gemv_digits, ig_xprep, ig_panel,
 };
 
 #endif

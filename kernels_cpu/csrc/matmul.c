@@ -22,6 +22,12 @@ enum { GEMV_TASK_BYTES = 1024 * 1024 };
  * A row's GEMV has work per output element besides the K-long dot product, so it pays
  * for more rows when rows are long. */
 enum { SMALL_M = 4, WIDE_M = 8, WIDE_K = 768, SMALL_TASK_BYTES = 128 * 1024 };
+/* The GEMM of at least IGEMM_MIN_M rows takes the integer GEMM where the path has one
+ * (igemm.c). Below, its fixed work (x's digits, each panel's widening, tiles of 16 rows)
+ * costs more than it saves: against the float GEMM, int4 on 2 threads (avx512vnni,
+ * benchmarks/ab_extension.py), M = 5-8 0.75-0.97x and M = 12 0.86-1.12x on 512- and
+ * 576-wide rows, M = 16 1.04-1.44x, M = 128 1.47-1.81x (576 ... 8192 wide). */
+enum { IGEMM_MIN_M = 16 };
 
 typedef struct {
     const qmat *a;
@@ -228,6 +234,6 @@ int q_matmul(int bits, const qmat *a_in, int isa, int nthreads) {
     if (a.M == 1) return gemv(bits, &a, kt, nthreads);
     const int rows = a.M <= SMALL_M || (a.M <= WIDE_M && a.K >= WIDE_K);
     if (rows) return gemv_rows(bits, &a, kt, nthreads);
-    const int rc = q_igemm(bits, &a, kt, nthreads);
+    const int rc = a.M >= IGEMM_MIN_M ? q_igemm(bits, &a, kt, nthreads) : 1;
     return rc <= 0 ? rc : gemm(bits, &a, kt, nthreads);
 }

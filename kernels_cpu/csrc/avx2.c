@@ -5,7 +5,8 @@
  * int8 digits, 32 weights per load (1.2x the float path on one core: 21.5 GB/s against
  * 17.9). int4: x as three int8 digits, 64 weights (32 bytes) per load.
  * GEMM: 4 x 2 blocks of dot products (8 accumulators, 6 loads per 8 FMAs: 16 registers
- * do not hold the 4 x 4 block avx512.c uses).
+ * do not hold the 4 x 4 block avx512.c uses). With AVX-VNNI, from 16 rows of x, the
+ * integer GEMM (igemm.c), 16 rows of x by 3 rows of codes.
  */
 #include <string.h>
 

@@ -11,7 +11,9 @@
  *
  * GEMM: a tile of dequantized rows times x in 4 x 4 blocks of dot products (16
  * accumulators, 8 loads per 16 FMAs), then one reduction of 4 accumulators into 4
- * contiguous outputs.
+ * contiguous outputs. With VNNI, from 16 rows of x, the integer GEMM (igemm.c): 32 rows
+ * of x's digits by 4 rows of codes, 16 vpdpbusd per 4 elements (near 300 GOP/s on one
+ * core at M = 128, against the float tile's ~170 GFLOP/s).
  */
 #include <string.h>
 

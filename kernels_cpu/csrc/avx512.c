@@ -605,12 +605,6 @@ T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     int8_t *dt = d->digits + t * B * 8 * 256;
     const int64_t rows = d->M - t * IG_MR < IG_MR ? d->M - t * IG_MR : IG_MR;
-    if (rows < IG_MR) { /* the last tile's missing rows: zeros */
-        memset(dt, 0, (size_t)(B * 8 * 256));
-        memset(d->sx + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(float));
-        memset(d->xs + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(float));
-        memset(d->off + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(int32_t));
-    }
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + (t * IG_MR + r) * K;
         /* row r's dword lane: in the first or second 64 bytes of each 128 */

@@ -113,7 +113,15 @@ typedef struct {
 static void xprep_task(void *ctx, int64_t t, int tid) {
     (void)tid;
     const ig_job *j = ctx;
-    j->bad[t] = (int8_t)(j->kt->ig_xprep(j->a->x, j->a->K, t, j->o, &j->x) != 0);
+    const ig_x *x = &j->x;
+    const int64_t B = x->Kp / 32;
+    if (x->M - t * IG_MR < IG_MR) { /* the last tile's missing rows: zeros */
+        memset(x->digits + t * B * 8 * 256, 0, (size_t)(B * 8 * 256));
+        memset(x->sx + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(float));
+        memset(x->xs + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(float));
+        memset(x->off + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(int32_t));
+    }
+    j->bad[t] = (int8_t)(j->kt->ig_xprep(j->a->x, j->a->K, t, j->o, x) != 0);
 }
 
 static void panel_task(void *ctx, int64_t t, int tid) {

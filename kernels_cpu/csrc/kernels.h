@@ -197,9 +197,9 @@ typedef struct {
     int32_t *off;       /* (Mp / IG_MR, Kp / 32, IG_MR) */
     int64_t M, Kp;
 } ig_x;
-/* Tile t of x (rows 32 t .. 32 t + 31 of x, each K long) -> its digits and block terms in
- * `d` (zero for rows past d->M); o as above. Returns -1 if the rows have inf or NaN (the
- * float GEMM then runs). */
+/* Tile t of x (rows 32 t .. 32 t + 31 of x, each K long, up to d->M) -> its digits and
+ * block terms in `d` (the caller has zeroed those of rows past d->M); o as above. Returns
+ * -1 if the rows have inf or NaN (the float GEMM then runs). */
 typedef int (*ig_xprep_fn)(const float *x, int64_t K, int64_t t, int o, const ig_x *d);
 /* y[m, n] for every m < x->M and n < nb (y rows strided by ldy) from nb rows of codes w
  * (nb, Kp), d and m (nb, Kp / 32; m NULL unless asymmetric) as above. */

@@ -247,8 +247,8 @@ static inline int gemv_threads(int64_t bytes, int nthreads) {
 /* The drivers (matmul.c): split over output rows, run on the pool. bits is 8 or 4.
  * Returns 0, or -1 when out of memory. */
 int q_matmul(int bits, const qmat *a, int isa, int nthreads);
-/* igemm.c: q_matmul's GEMM on the integer path. Returns 0, -1 when out of memory, or 1
- * when it does not apply (the path has none for `bits`, or x has inf or NaN). */
+/* igemm.c: q_matmul's GEMM on the integer path (bits 8 or 4). Returns 0, -1 when out of
+ * memory, or 1 when it does not apply (the path has none, or x has inf or NaN). */
 int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads);
 /* n GEMVs (M == 1 each, bits[i] 8 or 4) as one pool job, e.g. q, k and v of a block, or
  * the gate and up projections of 8 experts: one wake-up of the pool instead of n, and

@@ -99,12 +99,14 @@ class BenchResult:
     breakdown: Breakdown | None = None
     offload: StreamReport | None = None  # under --max-memory (or a model too large)
     experts: ExpertReport | None = None  # a MoE model's expert cache, decode steps only
+    kernels: str = ""  # the C kernels' instruction-set path, as kernel_path() names it
 
     def rows(self) -> list[list[str]]:
         """(metric, value) pairs as text, for a table."""
         rows = [
             ["model", f"{self.model} ({self.format}, {self.quantization}, run as {self.dtype})"],
             ["threads", str(self.threads)],
+            ["kernels", self.kernels],
             ["load", f"{self.load_s:.2f} s"],
             [f"prefill ({self.n_prompt} tok)", f"{self.prefill_tok_s:.1f} tok/s"],
             ["TTFT", f"{self.ttft_s * 1000:.0f} ms"],
@@ -345,6 +347,18 @@ def measure_roofline(
     )
 
 
+def kernel_path() -> str:
+    """The quantized kernels' instruction-set path, and how prompts multiply on it, as
+    llama.cpp's system line shows its SIMD flags: "avx512vnni (prompts: integer dot
+    products)", "avx2 (prompts: float32)", or the torch reference's note."""
+    from ..kernels_cpu import ops
+
+    if not ops.available():
+        return "torch reference (C extension not built)"
+    how = "integer dot products" if ops.integer_gemm() else "float32"
+    return f"{ops.isa()} (prompts: {how})"
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size.
 
@@ -473,4 +487,5 @@ def run_bench(
         breakdown=breakdown,
         offload=offload,
         experts=experts,
+        kernels=kernel_path(),
     )

@@ -113,6 +113,24 @@ def test_run_bench_on_a_tiny_model(tiny_smollm):
     assert len(r.rows()) >= 8
 
 
+def test_bench_names_the_kernel_path(monkeypatch):
+    from infer.kernels_cpu import ops
+    from infer.runtime.bench import kernel_path
+
+    if not ops.available():
+        assert kernel_path() == "torch reference (C extension not built)"
+        return
+    how = "integer dot products" if ops.integer_gemm() else "float32"
+    assert kernel_path() == f"{ops.isa()} (prompts: {how})"
+    try:  # a path without the integer GEMM
+        monkeypatch.setenv(ops.ENV_ISA, "scalar")
+        ops._default_isa.cache_clear()
+        assert kernel_path() == "scalar (prompts: float32)"
+    finally:
+        monkeypatch.delenv(ops.ENV_ISA)
+        ops._default_isa.cache_clear()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
 def test_peak_rss_is_the_processs_own_not_its_parents():
     # exec carries the parent's peak into ru_maxrss; the child must report its own
@@ -144,6 +162,7 @@ def test_bench_cli_json(smollm2_gguf):
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert data["threads"] == 1
+    assert data["kernels"].startswith(("avx", "neon", "scalar", "torch reference"))
     assert (data["n_prompt"], data["n_gen"], data["repeats"]) == (16, 4, 1)
     assert data["quantization"] == "Q4_1" and data["dtype"] == "float32"
     # The file's blocks run as they are (int4 layers, an int8 table), norms in float32.

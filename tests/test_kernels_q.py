@@ -1,7 +1,8 @@
 """C kernels (kernels_cpu) against their torch reference, on every path this CPU runs.
 
 Shapes are awkward on purpose: M = 1 (the GEMV), 3 (a GEMV per row), 7 (a GEMV per row
-when K >= 768, else the GEMM) and 33 (the GEMM, with partial blocks), N odd, K = 32 x odd
+when K >= 768, else the GEMM), 12 (the float GEMM) and 33 (the integer GEMM where the path
+has one, else the float GEMM; partial tiles and blocks), N odd, K = 32 x odd
 (not a multiple of 256), per-channel int8 with K odd. Results must match the reference
 up to float summation order and what x's digits lose (23 significant bits per block of
 32 in the GEMV, 15 in the integer GEMM), and be bit-identical for 1 and 2 threads. Then the
@@ -223,9 +224,8 @@ def test_gemm_keeps_fifteen_bits_of_x(isa, kind):
 
 @needs_c
 def test_integer_gemm_where_vpdpbusd_is():
-    assert ops.integer_gemm("scalar") is False
-    if "avx512vnni" in ops.supported_isas():
-        assert ops.integer_gemm("avx512vnni")
+    for isa in ops.supported_isas():
+        assert ops.integer_gemm(isa) == (isa in ("avx512vnni", "avx2vnni")), isa
 
 
 @needs_c

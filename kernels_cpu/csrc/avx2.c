@@ -618,10 +618,7 @@ T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
             db[6 * 64 + 32] = _mm256_extract_epi32(lo, 6), db[7 * 64 + 32] = _mm256_extract_epi32(lo, 7);
             __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-            const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
-            d->sx[i] = amax / IG_XMAX;
-            d->xs[i] = d->sx[i] * (float)total;
-            d->off[i] = o * total;
+            ig_terms(d, i, amax, _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1))), o);
         }
     }
     return 0;

@@ -640,10 +640,7 @@ T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
             db[160] = _mm_extract_epi32(l0, 2), db[224] = _mm_extract_epi32(l0, 3);
             db[288] = _mm_cvtsi128_si32(l1), db[352] = _mm_extract_epi32(l1, 1);
             db[416] = _mm_extract_epi32(l1, 2), db[480] = _mm_extract_epi32(l1, 3);
-            const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(X0, X1));
-            d->sx[i] = amax / IG_XMAX;
-            d->xs[i] = d->sx[i] * (float)sum;
-            d->off[i] = o * sum;
+            ig_terms(d, i, amax, _mm512_reduce_add_epi32(_mm512_add_epi32(X0, X1)), o);
         }
     }
     return 0;

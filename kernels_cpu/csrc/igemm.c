@@ -16,7 +16,6 @@
  * task widens one panel of IG_NR rows of W into its thread's scratch and runs the path's
  * panel kernel over every row of x. Each output element is computed by one task in a
  * fixed order: any thread count gives the same bits. */
-#define _POSIX_C_SOURCE 200112L /* posix_memalign */
 #include <stdlib.h>
 #include <string.h>
 
@@ -27,11 +26,6 @@
 #endif
 
 enum { IG_NR = 32 }; /* rows of W per task */
-
-static void *aligned(size_t bytes) {
-    void *p = NULL;
-    return posix_memalign(&p, 64, bytes ? bytes : 64) ? NULL : p;
-}
 
 /* ------------------------------------------------------------------------------------
  * Panels of W: codes (nb, Kp), d and m (nb, Kp / 32); layouts in kernels.h
@@ -144,14 +138,14 @@ int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     if (!kt->ig_xprep) return 1;
     const int64_t Kp = (a->K + 31) / 32 * 32, B = Kp / 32, T = (a->M + IG_MR - 1) / IG_MR;
     ig_job j = {.a = a, .kt = kt, .bits = bits, .o = bits == 8 ? 128 : a->mins ? 0 : 8};
-    int8_t *digits = aligned((size_t)(T * B * 8 * 256));
-    float *sx = aligned((size_t)(T * B * IG_MR) * (2 * sizeof(float) + sizeof(int32_t)));
+    int8_t *digits = alloc64((size_t)(T * B * 8 * 256));
+    float *sx = alloc64((size_t)(T * B * IG_MR) * (2 * sizeof(float) + sizeof(int32_t)));
     j.x = (ig_x){digits, sx, sx + T * B * IG_MR, (int32_t *)(sx + 2 * T * B * IG_MR), a->M, Kp};
     j.bad = calloc((size_t)T, 1);
     j.panel_bytes = (IG_NR * Kp + 2 * IG_NR * B * (int64_t)sizeof(float) + 63) / 64 * 64;
     const int64_t n_panels = (a->N + IG_NR - 1) / IG_NR;
     const int threads = nthreads < n_panels ? nthreads : (int)n_panels;
-    j.scratch = aligned((size_t)(threads * j.panel_bytes));
+    j.scratch = alloc64((size_t)(threads * j.panel_bytes));
     int rc = -1;
     if (digits && sx && j.bad && j.scratch) {
         pool_run(nthreads, T, xprep_task, &j);

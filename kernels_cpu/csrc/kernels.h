@@ -20,6 +20,12 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+
+/* 64-byte aligned memory for the kernels' buffers (free() it); NULL when out of memory. */
+static inline void *alloc64(size_t bytes) {
+    return aligned_alloc(64, bytes ? (bytes + 63) / 64 * 64 : 64);
+}
 
 /* ------------------------------------------------------------------------------------
  * Instruction-set paths
@@ -197,6 +203,13 @@ typedef struct {
     int32_t *off;       /* (Mp / IG_MR, Kp / 32, IG_MR) */
     int64_t M, Kp;
 } ig_x;
+/* A row's terms for one block, at i = (t * Kp / 32 + b) * IG_MR + row in its tile: the
+ * step sx from the block's amax, and o * sum X and sx * sum X from the sum of its X. */
+static inline void ig_terms(const ig_x *d, int64_t i, float amax, int32_t sum, int o) {
+    d->sx[i] = amax / IG_XMAX;
+    d->xs[i] = d->sx[i] * (float)sum;
+    d->off[i] = o * sum;
+}
 /* Tile t of x (rows 32 t .. 32 t + 31 of x, each K long, up to d->M) -> its digits and
  * block terms in `d` (the caller has zeroed those of rows past d->M); o as above. Returns
  * -1 if the rows have inf or NaN (the float GEMM then runs). */

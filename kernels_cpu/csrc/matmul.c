@@ -2,7 +2,6 @@
  * split output rows into tasks, run them on the pool. Each output element is computed
  * by one task in an order that depends only on the shapes, so any thread count gives
  * the same bits. */
-#define _POSIX_C_SOURCE 200112L /* posix_memalign */
 #include <stdlib.h>
 
 #include "kernels.h"
@@ -57,11 +56,6 @@ static void gemm_task(void *ctx, int64_t t, int tid) {
     }
 }
 
-static void *aligned(size_t bytes) {
-    void *p = NULL;
-    return posix_memalign(&p, 64, bytes ? bytes : 64) ? NULL : p;
-}
-
 /* Prepare one GEMV as a job: what its rows share (x's group sums and int8 digits) and its
  * split into tasks for `nthreads`. `tmp` receives what must be freed after the job.
  * `xq_ready`: x's digits in this format's layout from an earlier job of the same x
@@ -85,7 +79,7 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
         a->xsum = xsum;
         if (kt->q4_xprep) { /* x as int8 digits; x with inf or NaN keeps the float GEMV */
             if (!xq_ready) {
-                if (!(tmp[1] = aligned(XPREP_BYTES(a->K)))) return -1;
+                if (!(tmp[1] = alloc64(XPREP_BYTES(a->K)))) return -1;
                 if (kt->q4_xprep(a->x, a->K, tmp[1]) == 0) xq_ready = tmp[1];
             }
             if (xq_ready) {
@@ -99,7 +93,7 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
         const int64_t G = a->g ? K / a->g : 1, per = a->g ? a->g / 32 : B; /* blocks a group */
         if (!(tmp[0] = malloc((size_t)G * sizeof(float)))) return -1;
         if (!xq_ready) {
-            if (!(tmp[1] = aligned(XPREP8_BYTES(K)))) return -1;
+            if (!(tmp[1] = alloc64(XPREP8_BYTES(K)))) return -1;
             if (kt->q8_xprep(a->x, K, tmp[1]) == 0) xq_ready = tmp[1];
         }
         if (xq_ready) {
@@ -183,7 +177,7 @@ static int gemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     const int64_t n_tasks = (a->N + TILE_N - 1) / TILE_N;
     if (nthreads > n_tasks) nthreads = (int)n_tasks;
     job_t j = {a, NULL, bits == 8 ? kt->q8_dequant : kt->q4_dequant, kt->tile, TILE_N, NULL};
-    if (!(j.scratch = aligned((size_t)nthreads * TILE_N * a->K * sizeof(float)))) return -1;
+    if (!(j.scratch = alloc64((size_t)nthreads * TILE_N * a->K * sizeof(float)))) return -1;
     pool_run(nthreads, n_tasks, gemm_task, &j);
     free(j.scratch);
     return 0;

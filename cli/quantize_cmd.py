@@ -32,8 +32,8 @@ To = Annotated[
     str,
     typer.Option(
         "--to",
-        help="int8, int4, lut2, lut3, lut4, or a recipe: mixed (int8 attention, int4 MLP), "
-        "q4_k_m (like llama.cpp's Q4_K_M), lut3_m, lut2_m (like Q3_K_M, Q2_K).",
+        help="int8, int6 (Q6_K's layout), int4, lut2, lut3, lut4, or a recipe: mixed "
+        "(int8 attention, int4 MLP), q4_k_m (like llama.cpp's Q4_K_M), lut3_m, lut2_m (like Q3_K_M, Q2_K).",
         show_default=False,
     ),
 ]

@@ -28,7 +28,7 @@ On a Qwen3-30B-A3B-shaped model the per-expert Python and torch attention took a
 of a token's time (30.3 -> 20.3 ms a token fused; benchmarks/README.md).
 
 It runs models whose compute dtype is float32 and whose every block linear (each
-expert's included) is a quantized format with a C kernel (int8, int4, lut1-4); routers
+expert's included) is a quantized format with a C kernel (int8, int6, int4, lut1-4); routers
 stay float, in torch. The plan holds data pointers into the model's tensors and KV
 caches, so it is built again (Transformer.setup_caches does) whenever those change, and a
 model whose dense layers are swapped in and out (offload/stream.py) must not use it.
@@ -57,6 +57,8 @@ def _kind(module: nn.Module) -> tuple[int, int] | None:
     fmt, params = module.format, module.params
     if fmt in ("int8", "int4"):
         return int(fmt[3:]), int(params.get("group_size", 0))
+    if fmt == "int6":
+        return 6, 256
     if fmt.startswith("lut"):
         return -int(fmt[3:]), int(params["group_size"])
     return None
@@ -74,7 +76,7 @@ def _linear_words(module: nn.Module) -> list[int] | None:
     # the buffers' dict, not attributes: an offloaded expert's words are taken at each
     # visit, ~100 a token
     buffers = module._buffers
-    qweight, scales, mins = buffers["qweight"], buffers["scales"], buffers.get("mins")
+    qweight, scales, mins = buffers["qweight"], buffers.get("scales"), buffers.get("mins")
     # A placeholder (offload/: one element expanded) or a meta tensor holds no weights.
     for t in (qweight, scales, mins):
         if t is not None and (t.is_meta or not t.is_contiguous()):
@@ -82,7 +84,7 @@ def _linear_words(module: nn.Module) -> list[int] | None:
     return [
         kind,
         qweight.data_ptr(),
-        scales.data_ptr(),
+        0 if scales is None else scales.data_ptr(),
         0 if mins is None else mins.data_ptr(),
         0 if bias is None else bias.data_ptr(),
         module.out_features,

@@ -243,6 +243,22 @@ def q4_matmul(x, qweight, scales, mins, group_size: int, *, isa=None, threads=No
     return _launch(_C.q4_matmul, x, K, N, ptrs, g, isa, threads)
 
 
+def q6_matmul(x, qweight, *, isa=None, threads=None):
+    """y (..., N) = x (..., K) W^T for int6 W (quant/int6.py): qweight uint8
+    (N, K/256*210), GGUF Q6_K's blocks. x float32. isa, threads: as q8_matmul."""
+    if not (qweight.dtype is torch.uint8 and qweight.dim() == 2 and qweight.is_cpu
+            and qweight.is_contiguous() and qweight.shape[1] % 210 == 0
+            and qweight.shape[1]):  # fmt: skip
+        _fail("q6_matmul", "qweight", qweight, "uint8 (N, K/256*210)")
+    N, K = qweight.shape[0], qweight.shape[1] // 210 * 256
+    if not _x_ok(x, K):
+        _x_fail("q6_matmul", x, K)
+    if _C is None:
+        _warn_missing()
+        return reference.q6_matmul(x, qweight)
+    return _launch(_C.q6_matmul, x, K, N, (qweight.data_ptr(),), 256, isa, threads)
+
+
 def read_bandwidth(nbytes: int = 1 << 30, *, isa=None, threads=None, repeats: int = 5) -> float:
     """The machine's read bandwidth in GB/s: best of `repeats` streaming sums over a
     buffer of `nbytes` (a multiple of 256), on the kernels' pool."""

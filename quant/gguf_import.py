@@ -1,4 +1,4 @@
-"""GGUF Q8_0 / Q4_0 / Q4_1 tensors as int8 / int4 QuantLinears, by moving bytes.
+"""GGUF Q8_0 / Q6_K / Q4_0 / Q4_1 tensors as int8 / int6 / int4 QuantLinears, by moving bytes.
 
 ggml's block layouts (ggml/src/ggml-common.h; QK = 32 elements per block, little-endian,
 ggml_half = IEEE float16):
@@ -8,6 +8,8 @@ ggml_half = IEEE float16):
     block_q4_1 { ggml_half d, m;           uint8_t qs[16]; }  20 bytes  w = q_i * d + m
 
 where in the 4-bit types q_i is the low nibble of qs[i] and q_(16+i) its high nibble.
+Q6_K's 256-element blocks (210 bytes, w = d * sc * (q - 32)) are int6's layout as they
+are (quant/int6.py): import copies each row's blocks.
 A row of K elements is K/32 consecutive blocks. Our int8 (group 32) and int4 (group 32)
 layouts were chosen so that each block's `qs` is one 32-element run of `qweight` as is,
 and d (and m) one entry of `scales` (and `mins`): import splits the blocks into those
@@ -24,7 +26,7 @@ bit (`to_kernels`):
         8 sub-blocks of 32, each w = q * (d * sc) - dmin * m with 6-bit sc, m
         -> int4 g32 asymmetric: the codes as they are, scale d * sc and min -dmin * m
            rounded to float16 (relative error <= 2^-11 of a scale)
-    every other block-quantized type (Q5_x, Q6_K, Q2_K, Q3_K, the IQ types, ...)
+    every other block-quantized type (Q5_x, Q2_K, Q3_K, the IQ types, ...)
         -> int8 g32 from its values, each within 1/254 of its group's largest
            magnitude (within an eighth of a step for a 5- or 6-bit grid)
 
@@ -44,12 +46,15 @@ from ..runtime.errors import InferError
 from ..runtime.gguf_file import GGUFFile, GGUFTensor, dequantize
 from .base import FORMATS, QuantLinear
 from .int4 import Int4Linear
+from .int6 import BLOCK_BYTES as Q6_K_BYTES
+from .int6 import Int6Linear
 from .int8 import Int8Linear
 from .recipes import is_router
 
 # ggml type -> the format spec whose layout and arithmetic it is.
 GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
     GGMLQuantizationType.Q8_0: {"format": "int8", "group_size": 32},
+    GGMLQuantizationType.Q6_K: {"format": "int6"},
     GGMLQuantizationType.Q4_0: {"format": "int4", "group_size": 32, "symmetric": True},
     GGMLQuantizationType.Q4_1: {"format": "int4", "group_size": 32, "symmetric": False},
 }
@@ -93,7 +98,8 @@ def kernel_weights(gguf: GGUFFile) -> set[str]:
 
 
 def from_gguf(t: GGUFTensor, bias: torch.Tensor | None = None) -> QuantLinear:
-    """The Q8_0 / Q4_0 / Q4_1 tensor `t` (rows already un-permuted) as int8 / int4."""
+    """The Q8_0 / Q6_K / Q4_0 / Q4_1 tensor `t` (rows already un-permuted) as int8 / int6 /
+    int4."""
     if t.ggml_type not in GGUF_SPECS:
         supported = ", ".join(k.name for k in GGUF_SPECS)
         raise InferError(
@@ -102,6 +108,8 @@ def from_gguf(t: GGUFTensor, bias: torch.Tensor | None = None) -> QuantLinear:
     if len(t.shape) != 2:
         raise InferError(f"{t.name}: expected a 2-D weight, got shape {t.shape}")
     N, K = t.shape
+    if t.ggml_type == GGMLQuantizationType.Q6_K:
+        return Int6Linear(torch.from_numpy(t.data).view(N, K // 256 * Q6_K_BYTES), {}, bias)
     _, type_size = GGML_QUANT_SIZES[t.ggml_type]
     blocks = torch.from_numpy(t.data).view(N, K // 32, type_size)  # (N, K/32, bytes)
 
@@ -130,7 +138,7 @@ def loaded_bytes(t: GGUFTensor) -> int:
 
 def to_kernels(t: GGUFTensor, bias: torch.Tensor | None = None) -> QuantLinear:
     """The 2-D tensor `t` (a type of ON_KERNELS) as the QuantLinear that runs it: Q8_0 /
-    Q4_0 / Q4_1 bit for bit, Q4_K with its codes, any other type in int8 g32."""
+    Q6_K / Q4_0 / Q4_1 bit for bit, Q4_K with its codes, any other type in int8 g32."""
     if t.ggml_type in GGUF_SPECS:
         return from_gguf(t, bias)
     if t.ggml_type == GGMLQuantizationType.Q4_K:

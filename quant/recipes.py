@@ -7,7 +7,7 @@ weight in float. With tied embeddings the one table is asked about as "lm_head" 
 llama.cpp gives a tied token_embd the output layer's type).
 
 Every named recipe keeps the embeddings and the output layer in int8 (Q8_0-compatible;
-in the "int8" recipe they follow its group_size like every other weight):
+in the "int8" and "int6" recipes they are in that format like every other weight):
 they are the most sensitive tensors (llama.cpp keeps the output at Q6_K or better), and
 in small models with tied embeddings, like the default one, they are one tensor.
 
@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 
 from ..runtime.errors import InferError
-from . import int4, int8, lut  # noqa: F401  (register the formats)
+from . import int4, int6, int8, lut  # noqa: F401  (register the formats)
 from .base import FORMATS
 
 Recipe = Callable[[str], "dict | None"]
@@ -126,6 +126,7 @@ def _lut_m(main: dict, n_layers: int | None) -> Recipe:
 # name -> (main format spec, which the CLI's overrides change; builder(main, n_layers))
 RECIPES: dict[str, tuple[dict, Callable[[dict, int | None], Recipe]]] = {
     "int8": (INT8, _everything),
+    "int6": ({"format": "int6"}, _everything),  # as llama.cpp's Q6_K: every weight
     "int4": (INT4, _uniform),
     "lut2": ({"format": "lut2", "group_size": 64}, _uniform),
     "lut3": ({"format": "lut3", "group_size": 64}, _uniform),

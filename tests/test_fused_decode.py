@@ -56,6 +56,21 @@ def test_fused_equals_blocks(hf_dirs, arch, recipe, overrides):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
+def test_fused_runs_int6(tmp_path):
+    """int6 needs rows of whole 256-weight blocks: a model that wide, every linear int6."""
+    from infer.quant.int6 import Int6Linear
+
+    make_hf_model("llama", tmp_path / "m", hidden_size=256, intermediate_size=512)
+    model = load_model(tmp_path / "m", max_seq_len=64).model
+    quantize_model(model, get_recipe("int6"))
+    linears = [m for n, m in model.named_modules() if n.endswith("proj")]
+    assert linears and all(type(m) is Int6Linear for m in linears)
+    assert model.fused_decode is not None
+    ref = decode_logits(model, fused=False)
+    got = decode_logits(model, fused=True)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("arch", sorted(MOE_ARCHS))  # olmoe: q/k norms over the projection
 @pytest.mark.parametrize(
     "recipe, overrides",

@@ -463,10 +463,12 @@ def test_quantized_blocks_run_on_the_kernels(tmp_path, arch, embed, output):
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.Q5_0, T.Q5_1])
 def test_other_types_go_onto_the_kernels_closely(qtype):
-    """Q4_K keeps its codes in int4 g32 (scales and mins rounded to float16); the other
-    types are held in int8 g32, within half an int8 step of their values."""
+    """Q6_K's blocks are int6's as they are; Q4_K keeps its codes in int4 g32 (scales and
+    mins rounded to float16); the other types are held in int8 g32, within half an int8
+    step of their values."""
     from infer.quant.gguf_import import loaded_bytes, to_kernels
     from infer.quant.int4 import Int4Linear
+    from infer.quant.int6 import Int6Linear
     from infer.quant.int8 import Int8Linear
 
     N, K = 6, 512
@@ -482,7 +484,10 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
     q = to_kernels(t, bias)
     assert loaded_bytes(t) == q.nbytes  # what the auto budget counts it at
     err = (q.dequantize() - expected).abs()
-    if qtype == T.Q4_K:
+    if qtype == T.Q6_K:
+        assert type(q) is Int6Linear and torch.equal(q.dequantize(), expected)
+        assert q.nbytes == t.nbytes
+    elif qtype == T.Q4_K:
         assert type(q) is Int4Linear and (q.group_size, q.mins is not None) == (32, True)
         bound = 2**-11 * (15 * q.scales.float().abs().max() + q.mins.float().abs().max())
         assert err.max() <= bound  # a wrong code would be a whole step off

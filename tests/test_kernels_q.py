@@ -17,6 +17,8 @@ import warnings
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
+from tiny import random_blocks
 
 from infer.kernels_cpu import ops, reference
 
@@ -27,7 +29,8 @@ ISAS = ops.supported_isas() or ["none"]
 # (bits, group size, symmetric)
 INT8 = [(8, 0, True), (8, 32, True), (8, 64, True), (8, 128, True)]
 INT4 = [(4, g, s) for g in (32, 64, 128) for s in (True, False)]
-KINDS = INT8 + INT4
+INT6 = [(6, 256, True)]  # GGUF Q6_K's blocks of 256
+KINDS = INT8 + INT4 + INT6
 SMALL_M = 4  # matmul.c: up to this many rows of x run one GEMV each (8 when K >= 768)
 IGEMM_MIN_M = 16  # matmul.c: from this many rows the GEMM is the integer one, if any
 IG_XMAX = ops.IG_XMAX  # the integer GEMM's digits of x, |X| <= IG_XMAX per block of 32
@@ -47,6 +50,8 @@ def one_torch_thread():
 def packed(bits: int, g: int, sym: bool, N: int, K: int, seed: int = 0) -> dict:
     """Random packed weights: every code (int8 -128 included), scales of both signs."""
     gen = torch.Generator().manual_seed(seed)
+    if bits == 6:  # any bytes, float16 d sane
+        return {"qweight": torch.from_numpy(random_blocks(T.Q6_K, N, K, seed))}
     if bits == 8:
         q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=gen)
         s = torch.randn(N, K // g if g else 1, generator=gen) * 0.02
@@ -58,20 +63,25 @@ def packed(bits: int, g: int, sym: bool, N: int, K: int, seed: int = 0) -> dict:
 
 
 def run(bits, g, w, x, **kw):
+    if bits == 6:
+        return ops.q6_matmul(x, w["qweight"], **kw)
     if bits == 8:
         return ops.q8_matmul(x, w["qweight"], w["scales"], g, **kw)
     return ops.q4_matmul(x, w["qweight"], w["scales"], w["mins"], g, **kw)
 
 
 def dequantized(bits, g, w):
+    if bits == 6:
+        return reference.dequantize_int6(w["qweight"])
     if bits == 8:
         return reference.dequantize_int8(w["qweight"], w["scales"], g)
     return reference.dequantize_int4(w["qweight"], w["scales"], w["mins"], g)
 
 
-def runs_integer_gemm(M: int, isa: str) -> bool:
-    """Whether matmul.c multiplies M rows of x by the integer GEMM."""
-    return M >= IGEMM_MIN_M and ops.integer_gemm(isa)
+def runs_integer_gemm(M: int, isa: str, bits: int = 4) -> bool:
+    """Whether matmul.c multiplies M rows of x by the integer GEMM (int6 never: its scales
+    are per 16)."""
+    return M >= IGEMM_MIN_M and ops.integer_gemm(isa) and bits != 6
 
 
 def digit_error(x, bits, g, w):
@@ -87,7 +97,7 @@ def expected(bits, g, w, x, isa=None):
     sum |x| |w|) and, where `isa` runs the integer GEMM, what x's two digits lose there."""
     wf = dequantized(bits, g, w)
     tol = 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
-    if isa and runs_integer_gemm(x.shape[0], isa):
+    if isa and runs_integer_gemm(x.shape[0], isa, bits):
         tol = tol + ops.integer_gemm_error(x, wf)
     return x @ wf.T, tol
 
@@ -148,8 +158,10 @@ def test_unsupported_path_is_refused():
 @pytest.mark.parametrize("M", [1, 3, 7, 12, 33])
 def test_matches_reference(isa, kind, M):
     bits, g, sym = kind
-    # K mod 128 = 96, 0, 32, 64: every tail of the 64- and 128-element chunks
-    for N, K in [(37, 32 * 7), (5, 128 * 3), (3, 32 * 5), (66, 32 * 38), (1, 64 * 3)]:
+    # K mod 128 = 96, 0, 32, 64: every tail of the 64- and 128-element chunks; int6 takes
+    # whole blocks of 256
+    for N, K in [(37, 32 * 7), (5, 128 * 3), (3, 32 * 5), (66, 32 * 38), (1, 64 * 3),
+                 (7, 256 * 3), (2, 256)]:  # fmt: skip
         if g and K % g:
             continue
         w = packed(bits, g, sym, N, K, seed=N + K)
@@ -202,7 +214,7 @@ def test_gemm_keeps_fifteen_bits_of_x(isa, kind):
     vanish and the rest keep 15 bits; other paths keep float32. A block holding 1.0 and
     values of +-1.0e-5 to 1.4e-5 (under half a step, 1.54e-5) shows which one ran."""
     bits, g, sym = kind
-    M, K = IGEMM_MIN_M + 1, 128
+    M, K = IGEMM_MIN_M + 1, max(128, g)
     w = packed(bits, g, sym, 7, K)
     gen = torch.Generator().manual_seed(1)
     x = torch.zeros(M, K)
@@ -215,10 +227,11 @@ def test_gemm_keeps_fifteen_bits_of_x(isa, kind):
     digits = torch.where(step > 0, (xb / step).round() * step, 0).flatten(-2)
     assert (digits[:, 32:64] == 0).sum() == M * 31  # the small ones are under half a step
     wf = dequantized(bits, g, w)
-    xs = digits if runs_integer_gemm(M, isa) else x  # what the path multiplies
+    integer = runs_integer_gemm(M, isa, bits)
+    xs = digits if integer else x  # what the path multiplies
     ref, tol = xs @ wf.T, 1e-5 * (xs.abs() @ wf.abs().T)
     assert ((y - ref).abs() <= tol).all()
-    other = x @ wf.T if runs_integer_gemm(M, isa) else digits @ wf.T
+    other = x @ wf.T if integer else digits @ wf.T
     assert ((y - other).abs() > tol).any()  # and not the other one
 
 
@@ -257,7 +270,7 @@ def test_extreme_activations(isa, kind, M):
 @pytest.mark.parametrize("M", [1, 3, 5, 40])
 def test_threads_give_identical_bits(isa, kind, M):
     bits, g, sym = kind
-    N, K = 333, 128 * 5  # several tasks per thread, partial row blocks and tiles
+    N, K = 333, 128 * 5 if bits != 6 else 256 * 3  # several tasks a thread, partial tiles
     w = packed(bits, g, sym, N, K, seed=3)
     x = torch.randn(M, K)
     y1 = run(bits, g, w, x, isa=isa, threads=1)
@@ -324,14 +337,20 @@ def test_missing_extension_warns_once_and_runs_the_reference(monkeypatch):
 @needs_c
 @pytest.mark.parametrize(
     "fmt, params",
-    [("int8", {"group_size": 0}), ("int8", {"group_size": 32}), ("int4", {"group_size": 64})],
+    [
+        ("int8", {"group_size": 0}),
+        ("int8", {"group_size": 32}),
+        ("int4", {"group_size": 64}),
+        ("int6", {}),
+    ],
 )
 def test_quant_linear_forward(fmt, params):
     from infer.quant.base import FORMATS, QuantLinear
 
-    weight, bias = torch.randn(24, 128), torch.randn(24)
+    K = 256 if fmt == "int6" else 128  # int6: whole blocks of 256
+    weight, bias = torch.randn(24, K), torch.randn(24)
     q = FORMATS[fmt].from_float(weight, bias, search=False, **params)
-    x = torch.randn(2, 5, 128)
+    x = torch.randn(2, 5, K)
     ref = QuantLinear.forward(q, x)
     torch.testing.assert_close(q(x), ref, rtol=1e-4, atol=1e-4)
     xb = x.bfloat16()  # other dtypes keep their torch paths

@@ -2,7 +2,7 @@
 
 Each format's `dequantize` is its definition; these tests pin the packed layouts the C
 kernels read, check every element's error against the format's bound (half a step of its
-group), and check that GGUF Q8_0/Q4_0/Q4_1 blocks import bit for bit.
+group), and check that GGUF Q8_0/Q6_K/Q4_0/Q4_1 blocks import bit for bit.
 """
 
 import gguf
@@ -10,11 +10,14 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from tiny import random_blocks
 
 from infer.kernels_cpu import lut as lut_kernel
+from infer.kernels_cpu.reference import unpack_int6
 from infer.quant.base import FORMATS
 from infer.quant.gguf_import import from_gguf, importable
 from infer.quant.int4 import GroupSizeError, pack_nibbles, unpack_nibbles
+from infer.quant.int6 import pack_blocks
 from infer.quant.lut import pack_planes, unpack_planes
 from infer.runtime.errors import InferError
 from infer.runtime.gguf_file import GGUFFile, dequantize
@@ -257,6 +260,58 @@ def test_bad_shapes_and_params():
         FORMATS["int4"].from_tensors(q.tensors(), {"symmetric": True})
     with pytest.raises(InferError, match="planes"):
         FORMATS["lut3"].from_tensors(FORMATS["lut2"].from_float(torch.randn(4, 64)).tensors(), {})
+
+
+# ---------------------------------------------------------------------------------------
+# int6: GGUF Q6_K's blocks
+# ---------------------------------------------------------------------------------------
+
+
+def test_int6_blocks_are_q6_k():
+    """Any Q6_K block bytes (finite d) are an int6 qweight: dequantize equals gguf-py's
+    bit for bit, and packing the unpacked codes, scales and d gives the bytes back."""
+    N, K = 5, 768
+    blocks = random_blocks(T.Q6_K, N, K)
+    q = FORMATS["int6"].from_tensors({"qweight": torch.from_numpy(blocks)}, {})
+    assert (q.in_features, q.out_features, q.bits_per_weight) == (K, N, 6.5625)
+    assert torch.equal(q.dequantize(), torch.from_numpy(gguf.quants.dequantize(blocks, T.Q6_K)))
+    codes, sc, d = unpack_int6(q.qweight)
+    assert torch.equal(pack_blocks(codes, sc, d), q.qweight)
+    rows = torch.tensor([4, 0, 4])
+    assert torch.equal(q.dequantize(rows), q.dequantize()[rows])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int6_error_within_half_step(kind):
+    """Without the search every element is within half its group's step d * sc (a block
+    of zeros is exact), and the codes stay in range; with it the error only falls."""
+    w = weights(kind, K=512)
+    q = FORMATS["int6"].from_float(w, search=False)
+    codes, sc, d = unpack_int6(q.qweight)
+    assert int(codes.max()) <= 63 and int(sc.min()) >= -127
+    step = (d.float().repeat_interleave(16, 1) * sc.float()).abs().repeat_interleave(16, 1)
+    err = (q.dequantize() - w).abs()
+    assert (err <= 0.5 * step * (1 + 1e-6)).all(), (err - 0.5 * step).max()
+    if kind == "zeros":
+        assert torch.equal(q.dequantize(), w)
+    best = FORMATS["int6"].from_float(w)
+    sse = lambda m: (m.dequantize() - w).square().sum()
+    assert sse(best) <= sse(q)
+    if kind == "random":
+        assert sse(best) < 0.97 * sse(q)
+
+
+def test_int6_bad_input():
+    with pytest.raises(GroupSizeError, match="256"):
+        FORMATS["int6"].from_float(torch.randn(4, 576))  # the default model's width
+    with pytest.raises(InferError, match="unknown parameter group_size"):
+        FORMATS["int6"].from_float(torch.randn(4, 256), group_size=32)
+    with pytest.raises(InferError, match="NaN or infinite"):
+        FORMATS["int6"].from_float(torch.full((2, 256), float("inf")))
+    with pytest.raises(InferError, match="too large"):
+        FORMATS["int6"].from_float(torch.full((2, 256), 3e38))
+    with pytest.raises(InferError, match="210"):
+        FORMATS["int6"].from_tensors({"qweight": torch.zeros(2, 200, dtype=torch.uint8)}, {})
 
 
 # ---------------------------------------------------------------------------------------

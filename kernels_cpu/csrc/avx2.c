@@ -3,7 +3,8 @@
  *
  * GEMV: one row at a time. int8: 8 weights widened per FMA; with AVX-VNNI x as three
  * int8 digits, 32 weights per load (1.2x the float path on one core: 21.5 GB/s against
- * 17.9). int4: x as three int8 digits, 64 weights (32 bytes) per load.
+ * 17.9). int4: x as three int8 digits, 64 weights (32 bytes) per load. int6: x as
+ * int8's digits, a block's quarter (32 weights) widened to bytes per dot product.
  * GEMM: 4 x 2 blocks of dot products (8 accumulators, 6 loads per 8 FMAs: 16 registers
  * do not hold the 4 x 4 block avx512.c uses). With AVX-VNNI, from 16 rows of x, the
  * integer GEMM (igemm.c), 16 rows of x by 3 rows of codes.
@@ -455,6 +456,84 @@ TARGET_AVX2_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t n
 }
 
 /* ------------------------------------------------------------------------------------
+ * int6 GEMV on x as the int8 GEMV's digits (avx512.c has the layout). Per half block: 64
+ * bytes of ql as two vectors, 32 of qh as one, widened to four vectors of codes, each
+ * element order over one block of x (32 elements, one sx): quarter j takes ql's low (j <
+ * 2) or high nibbles and qh's bits 2j..2j+1. Dword lane l of quarter j covers elements
+ * 4l..4l+3: the half's group of 16 number 2j + l / 4. vpmaddubsw pairs hold for codes <= 63.
+ * ---------------------------------------------------------------------------------- */
+
+#define DOT1_MADD(t, q, x) _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)))
+#define DOT1_VNNI(t, q, x) _mm256_dpbusd_avx_epi32(t, q, x)
+
+#define Q6_GEMV_DIGITS(NAME, TARGET, DOT1)                                                       \
+    /* sum q X per dword lane, q against one block of x's three digits */                      \
+    TARGET static inline __attribute__((always_inline)) __m256 NAME##_dot(__m256i q,            \
+                                                                        const int8_t *xb) {     \
+        __m256i t = DOT1(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i *)xb));  \
+        t = DOT1(_mm256_slli_epi32(t, 8), q, _mm256_loadu_si256((const __m256i *)(xb + 64)));  \
+        t = DOT1(_mm256_slli_epi32(t, 8), q, _mm256_loadu_si256((const __m256i *)(xb + 128))); \
+        return _mm256_cvtepi32_ps(t);                                                           \
+    }                                                                                           \
+    TARGET static void NAME(const qmat *a, int64_t n0, int64_t n1) {                            \
+        const int64_t K = a->K, B = K / Q6_BLOCK;                                               \
+        const int8_t *xd = a->xq;                                                               \
+        const float *lanes = (const float *)(xd + K / 64 * XPREP8_CHUNK_BYTES);                 \
+        const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);                \
+        const __m256i g0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), two = _mm256_set1_epi32(2); \
+        for (int64_t n = n0; n < n1; n++) {                                                     \
+            const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;               \
+            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                         \
+            __m256 off = _mm256_setzero_ps();                                                   \
+            for (int64_t b = 0; b < B; b++) {                                                   \
+                const uint8_t *blk = row + b * Q6_BLOCK_BYTES;                                  \
+                for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM(blk + p);         \
+                uint16_t dh;                                                                    \
+                memcpy(&dh, blk + 208, 2);                                                      \
+                const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));                                 \
+                __m256 sc[2];                                                                   \
+                for (int h = 0; h < 2; h++) {                                                   \
+                    sc[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                            \
+                        _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h))));                \
+                    /* the groups' -32 sx sum X terms, times d sc */                            \
+                    off = _mm256_fmadd_ps(_mm256_mul_ps(sc[h], d),                              \
+                                          _mm256_loadu_ps(a->xsum + 16 * b + 8 * h), off);      \
+                }                                                                               \
+                __m256 f = _mm256_setzero_ps();                                                 \
+                for (int h = 0; h < 2; h++) {                                                   \
+                    const uint8_t *ql = blk + 64 * h;                                           \
+                    const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);                 \
+                    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));          \
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)); \
+                    __m256i q[4];                                                               \
+                    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4),                            \
+                                           _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));    \
+                    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),                            \
+                                           _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));    \
+                    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),      \
+                                           _mm256_and_si256(qh, m30));                          \
+                    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),      \
+                                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));    \
+                    __m256i gj = g0;                                                            \
+                    for (int j = 0; j < 4; j++, gj = _mm256_add_epi32(gj, two)) {               \
+                        const int64_t xb = 8 * b + 4 * h + j; /* x's block of 32 */             \
+                        const int8_t *dg = xd + (xb / 2) * XPREP8_CHUNK_BYTES + 32 * (xb % 2);  \
+                        const float sx = lanes[16 * (xb / 2) + 8 * (xb % 2)];                  \
+                        const __m256 s = _mm256_mul_ps(_mm256_permutevar8x32_ps(sc[h], gj),     \
+                                                       _mm256_set1_ps(sx));                     \
+                        f = _mm256_fmadd_ps(NAME##_dot(q[j], dg), s, f);                        \
+                    }                                                                           \
+                }                                                                               \
+                acc[b & 1] = _mm256_fmadd_ps(f, d, acc[b & 1]);                                 \
+            }                                                                                   \
+            a->y[n] = hsum(_mm256_add_ps(acc[0], acc[1])) + hsum(off);                          \
+        }                                                                                       \
+    }
+
+Q6_GEMV_DIGITS(q6_gemv_digits, TARGET_AVX2, DOT1_MADD)
+Q6_GEMV_DIGITS(q6_gemv_digits_vnni, TARGET_AVX2_VNNI, DOT1_VNNI)
+
+/* ------------------------------------------------------------------------------------
  * Dequantization for the GEMM (the formats' definitions: no FMA)
  * ---------------------------------------------------------------------------------- */
 
@@ -689,10 +768,11 @@ TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const flo
 
 const kernel_table kernels_avx2 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
+    .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits,
 };
 const kernel_table kernels_avx2_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
-    q8_xprep, q8_gemv_digits, ig_xprep, ig_panel,
+    q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni,
 };
 
 #endif

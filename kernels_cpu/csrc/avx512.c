@@ -7,7 +7,9 @@
  * by one XOR, three vpdpbusd, one conversion and one FMA with the lanes' scales (1.25x
  * the float path's GB/s on one core at group 32: 29 against 23.5). int4: x as three int8
  * digits, 128 weights (64 bytes) per load split into nibbles by one AND and one shift,
- * six integer dot products, one conversion and one FMA with the lanes' scales.
+ * six integer dot products, one conversion and one FMA with the lanes' scales. int6
+ * (Q6_K's blocks): x as int8's digits; 128 weights (64 bytes of low nibbles, 32 of top
+ * bits) widen to two vectors of bytes with no shuffle, three dot products each.
  *
  * GEMM: a tile of dequantized rows times x in 4 x 4 blocks of dot products (16
  * accumulators, 8 loads per 16 FMAs), then one reduction of 4 accumulators into 4
@@ -476,6 +478,84 @@ TARGET_AVX512_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t
 }
 
 /* ------------------------------------------------------------------------------------
+ * int6 GEMV on x as the int8 GEMV's digits (kernels.h: int6; x in XPREP8's layout)
+ *
+ * Half a block (128 weights: 64 bytes of ql, 32 of qh) widens to two vectors of codes in
+ * element order, with no shuffle: lo = elements 0..63 (ql & 15; top bits from qh's bits
+ * 0-1 for bytes 0..31, 2-3 for 32..63), hi = elements 64..127 (ql >> 4; qh's bits 4-5,
+ * 6-7), qh loaded into both 256-bit halves and shifted per half. Each vector meets one
+ * chunk of x's digits (three dot products). Dword lane l of lo covers elements 4l..4l+3,
+ * in the half's group of 16 number l / 4; of hi, 4 + l / 4. Codes <= 63, so vpmaddubsw's
+ * int16 pairs hold (63 * 128 * 2 < 2^15) where there is no vpdpbusd.
+ * ---------------------------------------------------------------------------------- */
+
+#define DOT1_MADD(t, q, x) _mm512_add_epi32(t, _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), ONES16))
+#define DOT1_VNNI(t, q, x) _mm512_dpbusd_epi32(t, q, x)
+
+#define Q6_GEMV_DIGITS(NAME, TARGET, DOT1)                                                       \
+    /* sum q X per dword lane, q against one chunk of x's three digits */                      \
+    TARGET static inline __attribute__((always_inline)) __m512 NAME##_dot(__m512i q,            \
+                                                                        const int8_t *xc) {     \
+        const __m512i *v = (const __m512i *)xc;                                                 \
+        __m512i t = DOT1(_mm512_setzero_si512(), q, v[0]);                                      \
+        t = DOT1(_mm512_slli_epi32(t, 8), q, v[1]);                                             \
+        return _mm512_cvtepi32_ps(DOT1(_mm512_slli_epi32(t, 8), q, v[2]));                      \
+    }                                                                                           \
+    TARGET static void NAME(const qmat *a, int64_t n0, int64_t n1) {                            \
+        const int64_t K = a->K, B = K / Q6_BLOCK;                                               \
+        const int8_t *xd = a->xq;                                                               \
+        const float *lanes = (const float *)(xd + K / 64 * XPREP8_CHUNK_BYTES);                 \
+        const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);                \
+        /* qh's top bits to bits 4-5: per 256-bit half, lo shifts left 4 / 2, hi right 0 / 2 */ \
+        const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1); \
+        const __m512i sh_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); \
+        const __m512i g_lo = _mm512_srli_epi32(                                                 \
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);        \
+        const __m512i g_hi = _mm512_add_epi32(g_lo, _mm512_set1_epi32(4));                      \
+        for (int64_t n = n0; n < n1; n++) {                                                     \
+            const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;               \
+            __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};                         \
+            __m512 off = _mm512_setzero_ps();                                                   \
+            for (int64_t b = 0; b < B; b++) {                                                   \
+                const uint8_t *blk = row + b * Q6_BLOCK_BYTES;                                  \
+                for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM(blk + p);         \
+                uint16_t dh;                                                                    \
+                memcpy(&dh, blk + 208, 2);                                                      \
+                const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));                                 \
+                const __m512 sc = _mm512_cvtepi32_ps(                                           \
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));       \
+                /* the groups' -32 sx sum X terms, times d sc */                                \
+                off = _mm512_fmadd_ps(_mm512_mul_ps(sc, d), _mm512_loadu_ps(a->xsum + 16 * b), off); \
+                __m512 f = _mm512_setzero_ps();                                                 \
+                for (int h = 0; h < 2; h++) {                                                   \
+                    const __m512i ql = _mm512_loadu_si512(blk + 64 * h);                        \
+                    const __m512i qh = _mm512_broadcast_i64x4(                                  \
+                        _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));             \
+                    const __m512i lo = _mm512_or_si512(                                         \
+                        _mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), m30)); \
+                    const __m512i hi = _mm512_or_si512(                                         \
+                        _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),                         \
+                        _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30));                   \
+                    const int64_t c = 4 * b + 2 * h; /* x's chunk for lo; c + 1 for hi */       \
+                    const __m512i at = _mm512_set1_epi32(8 * h);                                \
+                    /* each lane's scale: its group's sc times its x block's sx */             \
+                    const __m512 s0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(g_lo, at), sc), \
+                                                    _mm512_loadu_ps(lanes + 16 * c));           \
+                    const __m512 s1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(g_hi, at), sc), \
+                                                    _mm512_loadu_ps(lanes + 16 * (c + 1)));     \
+                    f = _mm512_fmadd_ps(NAME##_dot(lo, xd + c * XPREP8_CHUNK_BYTES), s0, f);    \
+                    f = _mm512_fmadd_ps(NAME##_dot(hi, xd + (c + 1) * XPREP8_CHUNK_BYTES), s1, f); \
+                }                                                                               \
+                acc[b & 1] = _mm512_fmadd_ps(f, d, acc[b & 1]);                                 \
+            }                                                                                   \
+            a->y[n] = hsum(_mm512_add_ps(acc[0], acc[1])) + hsum(off);                          \
+        }                                                                                       \
+    }
+
+Q6_GEMV_DIGITS(q6_gemv_digits, TARGET_AVX512, DOT1_MADD)
+Q6_GEMV_DIGITS(q6_gemv_digits_vnni, TARGET_AVX512_VNNI, DOT1_VNNI)
+
+/* ------------------------------------------------------------------------------------
  * Dequantization for the GEMM (exactly the formats' definitions: no FMA)
  * ---------------------------------------------------------------------------------- */
 
@@ -734,10 +814,11 @@ TARGET_AVX512_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const f
 
 const kernel_table kernels_avx512 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
+    .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits,
 };
 const kernel_table kernels_avx512_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
-    q8_xprep, q8_gemv_digits, ig_xprep, ig_panel,
+    q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni,
 };
 
 #endif

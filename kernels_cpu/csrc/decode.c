@@ -20,7 +20,7 @@
             are over the whole projection, as OLMoE's; 0: per head), HEADER = 13 words
    layer:   attn_norm, ffn_norm, q_norm (0: none), k_norm, k_cache, v_cache
             (float32 (n_kv_heads, max_seq, head_dim)), then 7 linears q k v o gate up down,
-            each LIN = 8 words: kind (8 int8, 4 int4, 1..4 = -bits for lut), qweight,
+            each LIN = 8 words: kind (8 int8, 6 int6, 4 int4, -1..-4 = -bits for lut), qweight,
             scales, mins (0: none), bias (float32, 0: none), N, K, g
 
    A mixture-of-experts layer has kind 0 in its gate, up and down words: decode_layers
@@ -74,7 +74,7 @@ static float bits_to_float(int64_t b) {
 static int linear(const int64_t *L, const float *x, float *y, const model_t *m) {
     const int64_t kind = L[0], N = L[5], K = L[6], g = L[7];
     int rc;
-    if (kind == 8 || kind == 4) {
+    if (kind == 8 || kind == 6 || kind == 4) {
         qmat a = {.x = x, .qw = PTR(const void *, L[1]), .scales = PTR(const void *, L[2]),
                   .mins = PTR(const uint16_t *, L[3]), .y = y, .M = 1, .N = N, .K = K, .g = g};
         rc = q_matmul((int)kind, &a, m->isa, m->nthreads);
@@ -90,7 +90,7 @@ static int linear(const int64_t *L, const float *x, float *y, const model_t *m) 
 }
 
 /* y[i] = W_i x[i] (+ bias_i) for n <= Q_GEMV_MANY_MAX linears of the plan: one pool job
-   when all are int8/int4 (q_gemv_many; linears sharing an x quantize it once) or all lut
+   when all are int8/int6/int4 (q_gemv_many; linears sharing an x quantize it once) or all lut
    (lut_gemv_many; linears sharing an x share its tables), else one after another. */
 static int linears_each(int n, const int64_t *const *L, const float *const *x,
                         float *const *y, const model_t *m) {
@@ -100,7 +100,7 @@ static int linears_each(int n, const int64_t *const *L, const float *const *x,
     const qmat *pa[Q_GEMV_MANY_MAX];
     int all_q = n <= Q_GEMV_MANY_MAX, all_lut = all_q;
     for (int i = 0; i < n && (all_q || all_lut); i++) {
-        all_q = all_q && (L[i][0] == 8 || L[i][0] == 4);
+        all_q = all_q && (L[i][0] == 8 || L[i][0] == 6 || L[i][0] == 4);
         all_lut = all_lut && L[i][0] < 0;
         bits[i] = (int)L[i][0];
         a[i] = (qmat){.x = x[i], .qw = PTR(const void *, L[i][1]),

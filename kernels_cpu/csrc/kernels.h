@@ -117,6 +117,15 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * rows, paths with vpdpbusd (avx512vnni, avx2vnni) run the integer GEMM instead (below):
  * x as two int8 digits, 15 significant bits per block of 32 (bf16 keeps 8 per element,
  * llama.cpp's Q8 activations 8 per block), 1.5-1.8x the float GEMM's speed on prompts.
+ *
+ * int6 (quant/int6.py, GGUF Q6_K's blocks): qw uint8 (N, K / 256 * 210), K % 256 == 0,
+ *      w = d * sc * (q - 32), q 6 bits, sc an int8 per 16, d a float16 per 256; scales
+ *      and mins unused, g = 256. The GEMV runs on x as the int8 GEMV's digits (kernels.h
+ *      XPREP8; |X| <= 2^21, 22 significant bits; 4 * 63 * 2^21 < 2^31) where the path
+ *      has them: per group of 16, d sc sx (sum q X) plus the group's term
+ *      d sc (-32 sx sum X) (xsum, from the same digits). Without them (x with inf or NaN,
+ *      or a path with no digits) it runs q6_gemv_c in float. The GEMM dequantizes tiles
+ *      (q6_dequant_c; no integer GEMM: its scales are per 32).
  * ---------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -127,7 +136,8 @@ typedef struct {
     float *y;             /* (M, N) */
     int64_t M, N, K, g;   /* g == 0: int8 per output channel */
     const float *xsum;    /* GEMV, int4: (K/g) group sums of x[0] (times -8 if symmetric);
-                           * int8 digit path: per group (one when g == 0), -128 sx sum X */
+                           * int8 digit path: per group (one when g == 0), -128 sx sum X;
+                           * int6 digit path: per 16, -32 sx sum X */
     const void *xq;       /* GEMV, digit paths: x[0] as digits and scales (xprep_fn) */
 } qmat;
 
@@ -230,7 +240,19 @@ typedef struct {
     gemv_fn q8_gemv_digits;
     ig_xprep_fn ig_xprep;   /* NULL: the path has no integer GEMM (prefill dequantizes) */
     ig_panel_fn ig_panel;
+    xprep_fn q6_xprep;      /* NULL: the path has no int6 digit GEMV; else x in XPREP8 */
+    gemv_fn q6_gemv_digits;
 } kernel_table;
+
+/* int6 in plain C (scalar.c), every path's fallback: the GEMV in float32 (x with inf or
+ * NaN, or no digit GEMV) and the GEMM's dequantization (exact). */
+void q6_gemv_c(const qmat *a, int64_t n0, int64_t n1);
+void q6_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
+enum { Q6_BLOCK = 256, Q6_BLOCK_BYTES = 210 };
+/* Bytes of one row of W: K * bits / 8, or int6's blocks. */
+static inline int64_t q_row_bytes(int bits, int64_t K) {
+    return bits == 6 ? K / Q6_BLOCK * Q6_BLOCK_BYTES : K * bits / 8;
+}
 
 extern const kernel_table kernels_scalar;
 #ifdef INFER_X86
@@ -257,13 +279,13 @@ static inline int gemv_threads(int64_t bytes, int nthreads) {
     return nthreads > most ? (most > 1 ? (int)most : 1) : nthreads;
 }
 
-/* The drivers (matmul.c): split over output rows, run on the pool. bits is 8 or 4.
+/* The drivers (matmul.c): split over output rows, run on the pool. bits is 8, 6 or 4.
  * Returns 0, or -1 when out of memory. */
 int q_matmul(int bits, const qmat *a, int isa, int nthreads);
 /* igemm.c: q_matmul's GEMM on the integer path (bits 8 or 4). Returns 0, -1 when out of
  * memory, or 1 when it does not apply (the path has none, or x has inf or NaN). */
 int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads);
-/* n GEMVs (M == 1 each, bits[i] 8 or 4) as one pool job, e.g. q, k and v of a block, or
+/* n GEMVs (M == 1 each, bits[i] 8, 6 or 4) as one pool job, e.g. q, k and v of a block, or
  * the gate and up projections of 8 experts: one wake-up of the pool instead of n, and
  * small matrices share the threads. Each output element is computed exactly as q_matmul
  * computes it. Returns 0, or -1 (out of memory, or n outside [1, Q_GEMV_MANY_MAX]). */

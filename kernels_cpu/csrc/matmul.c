@@ -62,8 +62,30 @@ static void gemm_task(void *ctx, int64_t t, int tid) {
  * (q, k and v share one x), or NULL. */
 static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads, job_t *j,
                         void *tmp[2], const void *xq_ready) {
-    *j = (job_t){a, bits == 8 ? kt->q8_gemv : kt->q4_gemv, NULL, NULL, 0, NULL};
+    *j = (job_t){a, bits == 8 ? kt->q8_gemv : bits == 6 ? q6_gemv_c : kt->q4_gemv, NULL, NULL, 0, NULL};
     tmp[0] = tmp[1] = NULL;
+    if (bits == 6 && kt->q6_xprep) { /* x as the int8 GEMV's digits; inf or NaN: float */
+        const int64_t K = a->K;
+        if (!(tmp[0] = malloc((size_t)(K / 16) * sizeof(float)))) return -1;
+        if (!xq_ready) {
+            if (!(tmp[1] = alloc64(XPREP8_BYTES(K)))) return -1;
+            if (kt->q6_xprep(a->x, K, tmp[1]) == 0) xq_ready = tmp[1];
+        }
+        if (xq_ready) { /* per 16: -32 sx sum X, from the digits the kernel multiplies */
+            const int8_t *xd = xq_ready;
+            const float *lanes = (const float *)(xd + (K + 63) / 64 * XPREP8_CHUNK_BYTES);
+            float *xsum = tmp[0];
+            for (int64_t s = 0; s < K / 16; s++) {
+                const int8_t *d = xd + (s / 4) * XPREP8_CHUNK_BYTES + 16 * (s % 4);
+                int32_t t = 0;
+                for (int i = 0; i < 16; i++) t += d[i] * 65536 + d[64 + i] * 256 + d[128 + i];
+                xsum[s] = -32.0f * lanes[16 * (s / 4) + 4 * (s % 4)] * (float)t;
+            }
+            a->xq = xq_ready;
+            a->xsum = xsum;
+            j->gemv = kt->q6_gemv_digits;
+        }
+    }
     if (bits == 4) { /* group sums of x, shared by every row: the mins' (or -8 d's) term */
         const int64_t G = a->K / a->g;
         float *xsum = malloc((size_t)G * sizeof *xsum);
@@ -109,7 +131,7 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
             j->gemv = kt->q8_gemv_digits;
         }
     }
-    const int64_t row_bytes = a->K * bits / 8;
+    const int64_t row_bytes = q_row_bytes(bits, a->K);
     int64_t rows = (GEMV_TASK_BYTES + row_bytes - 1) / row_bytes;
     const int64_t per = (int64_t)GEMV_TASKS_PER_THREAD * nthreads;
     const int64_t fair = (a->N + per - 1) / per;
@@ -118,7 +140,7 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
 }
 
 static int gemv(int bits, qmat *a, const kernel_table *kt, int nthreads) {
-    const int64_t row_bytes = a->K * bits / 8;
+    const int64_t row_bytes = q_row_bytes(bits, a->K);
     nthreads = gemv_threads(a->N * row_bytes, nthreads);
     job_t j;
     void *tmp[2];
@@ -152,16 +174,17 @@ int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nt
         a[i] = *a_in[i];
         a[i].xq = NULL; /* set by gemv_prepare */
         if (a[i].M != 1) return -1;
-        bytes += a[i].N * a[i].K * bits[i] / 8;
+        bytes += a[i].N * q_row_bytes(bits[i], a[i].K);
     }
     nthreads = gemv_threads(bytes, nthreads < 1 ? 1 : nthreads);
     many_job m = {.n = n};
     void *tmp[Q_GEMV_MANY_MAX][2] = {{0}};
     int rc = 0;
     for (int i = 0; i < n && !rc; i++) {
-        const void *xq = NULL; /* x's digits, when an earlier matrix of the kind had them */
+        const void *xq = NULL; /* x's digits, when an earlier matrix of the layout had them */
         for (int k = 0; k < i && !xq; k++)
-            if (a[k].x == a[i].x && a[k].K == a[i].K && bits[k] == bits[i]) xq = a[k].xq;
+            if (a[k].x == a[i].x && a[k].K == a[i].K && (bits[k] == 4) == (bits[i] == 4))
+                xq = a[k].xq;
         rc = gemv_prepare(bits[i], &a[i], kt, nthreads, &m.jobs[i], tmp[i], xq);
         m.first[i + 1] = m.first[i] + (a[i].N + m.jobs[i].rows - 1) / m.jobs[i].rows;
     }
@@ -176,7 +199,8 @@ int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nt
 static int gemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     const int64_t n_tasks = (a->N + TILE_N - 1) / TILE_N;
     if (nthreads > n_tasks) nthreads = (int)n_tasks;
-    job_t j = {a, NULL, bits == 8 ? kt->q8_dequant : kt->q4_dequant, kt->tile, TILE_N, NULL};
+    job_t j = {a, NULL, bits == 8 ? kt->q8_dequant : bits == 6 ? q6_dequant_c : kt->q4_dequant,
+               kt->tile, TILE_N, NULL};
     if (!(j.scratch = alloc64((size_t)nthreads * TILE_N * a->K * sizeof(float)))) return -1;
     pool_run(nthreads, n_tasks, gemm_task, &j);
     free(j.scratch);
@@ -197,7 +221,7 @@ static void rows_task(void *ctx, int64_t t, int tid) {
 }
 
 static int gemv_rows(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
-    const int64_t row_bytes = a->K * bits / 8;
+    const int64_t row_bytes = q_row_bytes(bits, a->K);
     nthreads = gemv_threads(a->N * row_bytes, nthreads);
     rows_job r = {.M = a->M};
     qmat am[WIDE_M];
@@ -228,6 +252,6 @@ int q_matmul(int bits, const qmat *a_in, int isa, int nthreads) {
     if (a.M == 1) return gemv(bits, &a, kt, nthreads);
     const int rows = a.M <= SMALL_M || (a.M <= WIDE_M && a.K >= WIDE_K);
     if (rows) return gemv_rows(bits, &a, kt, nthreads);
-    const int rc = a.M >= IGEMM_MIN_M ? q_igemm(bits, &a, kt, nthreads) : 1;
+    const int rc = a.M >= IGEMM_MIN_M && bits != 6 ? q_igemm(bits, &a, kt, nthreads) : 1;
     return rc <= 0 ? rc : gemm(bits, &a, kt, nthreads);
 }

@@ -34,7 +34,8 @@ static int check_isa(long long isa) {
     return 0;
 }
 
-/* Shared by q8_matmul and q4_matmul: v = x, qw, scales, mins, y, M, N, K, g, isa, threads */
+/* Shared by q8_matmul, q6_matmul and q4_matmul: v = x, qw, scales, mins, y, M, N, K, g, isa,
+ * threads */
 static PyObject *matmul(int bits, const long long *v) {
     qmat a = {
         .x = (const float *)(intptr_t)v[0],
@@ -48,7 +49,8 @@ static PyObject *matmul(int bits, const long long *v) {
         .g = v[8],
     };
     const long long isa = v[9], threads = v[10];
-    const int g_ok = a.g == 32 || a.g == 64 || a.g == 128 || (bits == 8 && a.g == 0);
+    const int g_ok = bits == 6 ? a.g == 256 && !a.scales && !a.mins
+                               : a.g == 32 || a.g == 64 || a.g == 128 || (bits == 8 && a.g == 0);
     if (a.M < 0 || a.N < 0 || a.K <= 0 || !g_ok || (a.g && a.K % a.g)) {
         PyErr_Format(PyExc_ValueError, "int%d matmul: bad sizes M=%lld N=%lld K=%lld g=%lld", bits,
                      (long long)a.M, (long long)a.N, (long long)a.K, (long long)a.g);
@@ -58,7 +60,7 @@ static PyObject *matmul(int bits, const long long *v) {
         PyErr_SetString(PyExc_ValueError, "int8 matmul takes no mins");
         return NULL;
     }
-    if ((a.M && a.N) && (!a.x || !a.qw || !a.scales || !a.y)) {
+    if ((a.M && a.N) && (!a.x || !a.qw || (!a.scales && bits != 6) || !a.y)) {
         PyErr_SetString(PyExc_ValueError, "null data pointer");
         return NULL;
     }
@@ -85,6 +87,15 @@ static PyObject *py_q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t 
     long long v[11];
     if (infer_parse_ints(args, nargs, 11, v, "q4_matmul")) return NULL;
     return matmul(4, v);
+}
+
+static PyObject *py_q6_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[9];
+    /* (x, qw, y, M, N, K, g, isa, threads): no scales or mins, g = 256 */
+    if (infer_parse_ints(args, nargs, 9, v, "q6_matmul")) return NULL;
+    long long w[11] = {v[0], v[1], 0, 0, v[2], v[3], v[4], v[5], v[6], v[7], v[8]};
+    return matmul(6, w);
 }
 
 static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -142,6 +153,8 @@ static PyMethodDef methods[] = {
     {"q4_matmul", (PyCFunction)(void (*)(void))py_q4_matmul, METH_FASTCALL,
      "q4_matmul(x, qweight, scales, mins, y, M, N, K, group_size, isa, threads): y = x W^T, "
      "int4 W (mins 0: symmetric)"},
+    {"q6_matmul", (PyCFunction)(void (*)(void))py_q6_matmul, METH_FASTCALL,
+     "q6_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, int6 W (Q6_K blocks)"},
     {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,
      "stream_read(ptr, nbytes, isa, threads): sum a buffer (read-bandwidth probe)"},
     {"isa_names", py_isa_names, METH_NOARGS, "names of the instruction-set paths, by id"},

@@ -91,6 +91,63 @@ static void q4_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
     }
 }
 
+/* ---------------------------------------------------------------------------------- */
+
+/* Element i (0..255) of an int6 block: its code q in 0..63 (quant/int6.py's layout). */
+static inline int q6_code(const uint8_t *blk, int i) {
+    const int h = i / 128, j = (i % 128) / 32, l = i % 32;
+    const uint8_t ql = blk[64 * h + 32 * (j & 1) + l], qh = blk[128 + 32 * h + l];
+    return ((j < 2 ? ql & 15 : ql >> 4) | (((qh >> (2 * j)) & 3) << 4));
+}
+
+void q6_gemv_c(const qmat *a, int64_t n0, int64_t n1) {
+    const int64_t K = a->K, B = K / Q6_BLOCK;
+    const float *x = a->x;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;
+        float acc[L] = {0};
+        for (int64_t b = 0; b < B; b++) {
+            const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = half_to_float((uint16_t)(blk[208] | blk[209] << 8));
+            const float *xb = x + b * Q6_BLOCK;
+            for (int s = 0; s < 16; s++) {
+                float t[L] = {0};
+                for (int i = 16 * s; i < 16 * s + 16; i++)
+                    t[i % L] += (float)(q6_code(blk, i) - 32) * xb[i];
+                const float ds = d * (float)sc[s];
+                for (int i = 0; i < L; i++) acc[i] += t[i] * ds;
+            }
+        }
+        a->y[n] = hsum(acc);
+    }
+}
+
+void q6_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t K = a->K, B = K / Q6_BLOCK;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;
+        for (int64_t b = 0; b < B; b++, w += Q6_BLOCK) {
+            const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
+            const float d = half_to_float((uint16_t)(blk[208] | blk[209] << 8));
+            /* per half and quarter j: 32 elements from one run of ql and qh (no division
+             * per element), d * sc exact */
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t *ql = blk + 64 * h + 32 * (j & 1), *qh = blk + 128 + 32 * h;
+                    const int shift = j < 2 ? 0 : 4;
+                    float *o = w + 128 * h + 32 * j;
+                    const float s0 = d * (float)(int8_t)blk[192 + 8 * h + 2 * j];
+                    const float s1 = d * (float)(int8_t)blk[192 + 8 * h + 2 * j + 1];
+                    for (int l = 0; l < 32; l++) {
+                        const int q = ((ql[l] >> shift) & 15) | (((qh[l] >> (2 * j)) & 3) << 4);
+                        o[l] = (float)(q - 32) * (l < 16 ? s0 : s1);
+                    }
+                }
+        }
+    }
+}
+
 static void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
                  int64_t M, int64_t nb, int64_t K, int accumulate) {
     for (int64_t m = 0; m < M; m++) {

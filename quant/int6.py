@@ -1,0 +1,164 @@
+"""int6: 6-bit codes in groups of 16, GGUF Q6_K's layout and arithmetic, byte for byte.
+
+Format (what `dequantize` computes; no parameters):
+
+    w[n, k] = d[n, k // 256] * sc[n, k // 16] * (q[n, k] - 32)
+
+with q in 0..63, sc an int8 per group of 16, d a float16 per super-block of 256. Every
+product is exact in float32 (11 + 8 + 6 bits), so any evaluation order gives the same
+bits, gguf-py's among them. K must be a multiple of 256.
+
+Packed tensor (N = out_features, K = in_features): qweight uint8 (N, K / 256 * 210),
+each row K / 256 blocks of ggml's block_q6_K (ggml/src/ggml-common.h):
+
+    block_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; ggml_half d; }
+
+where, for each half h = 0, 1 of the block (elements 128 h .. 128 h + 127, ql + 64 h,
+qh + 32 h) and i < 32:
+    ql[i], ql[32 + i]  low nibbles: the low 4 bits of elements i, 32 + i;
+                       high nibbles: of elements 64 + i, 96 + i;
+    qh[i]              bits 0-1, 2-3, 4-5, 6-7: the high 2 bits of elements i, 32 + i,
+                       64 + i, 96 + i.
+So 64 bytes of ql give elements 0..63 of the half in order (AND 0x0F) and 64..127 (shift
+right 4), and 32 bytes of qh, seen twice, their top bits with one shift per half: a
+kernel widens 128 weights to bytes with no shuffle (kernels_cpu/reference.py's
+unpack_int6 reads them). GGUF import copies the blocks.
+
+6.5625 bits per weight (llama.cpp keeps its output layers and the sensitive half of
+v_proj and down_proj at Q6_K in Q4_K_M); int8 g32 is 8.5.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..kernels_cpu import ops as kernels
+from ..kernels_cpu.reference import dequantize_int6
+from ..runtime.errors import InferError
+from .base import QuantLinear, register
+from .int4 import GroupSizeError, _round_up, check_params, check_weight, fit_groups
+
+QK = 256  # weights per block
+BLOCK_BYTES = 210  # 128 ql + 64 qh + 16 scales + 2 d
+
+
+def pack_blocks(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Codes q (N, K) in 0..63, sc (N, K/16) int8, d (N, K/256) float16 -> (N, K/256*210)."""
+    N, K = q.shape
+    B = K // QK
+    q = q.to(torch.uint8).view(N, B, 2, 4, 32)  # (block, half, quarter, i): 128 h + 32 j + i
+    lo, hi = q & 15, q >> 4
+    ql = (lo[:, :, :, 0:2] | (lo[:, :, :, 2:4] << 4)).reshape(N, B, 128)
+    qh = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
+    blocks = torch.cat(
+        (
+            ql,
+            qh.reshape(N, B, 64),
+            sc.contiguous().view(torch.uint8).view(N, B, 16),
+            d.contiguous().view(torch.uint8).view(N, B, 2),
+        ),
+        -1,
+    )
+    return blocks.reshape(N, B * BLOCK_BYTES)
+
+
+def _codes(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Nearest codes in [-32, 31] for w ~ c * step (step 0: code 0)."""
+    return torch.where(step == 0, 0.0, w / step).round_().clamp_(-32, 31)
+
+
+def fit(w: torch.Tensor, search: bool = True):
+    """Quantize w (N, K) float32, K % 256 == 0: codes (N, K) in -32..31, sc (N, K/16) int8,
+    d (N, K/256) float16.
+
+    Each group of 16 gets its own best scale s (int4.fit_groups on codes -32..31: the
+    clipping search, or with search=False the step covering the group's range); each
+    block's d is its largest |s| / 127 rounded up to float16, so no |s / d| passes 127
+    and no block's d is zero unless all its weights are; sc is |s / d| rounded up, with
+    s's sign, so the step d sc covers the group and the codes chosen again for it are
+    each within half a step. With search, sc one nearer zero is tried too (a finer step
+    that may clip), and each group keeps the one with the smaller error."""
+    N, K = w.shape
+    B = K // QK
+    _, s16, _ = fit_groups(w, 16, -32, 31, affine=False, dtype=torch.float32, search=search)
+    s = s16.view(N, B, 16)
+    d = _round_up(s.abs().amax(-1, keepdim=True) / 127, torch.float16)  # (N, B, 1)
+    if not torch.isfinite(d).all():
+        raise InferError("int6: weights too large for float16 scales")
+    sc = torch.where(d == 0, 0.0, (s / d).abs().ceil_().clamp_(max=127) * s.sign())
+    wg = w.view(N, B, 16, 16)
+    best = None
+    for t in (sc, sc - sc.sign()) if search else (sc,):
+        step = (d * t).unsqueeze(-1)  # (N, B, 16, 1): exact products
+        c = _codes(wg, step)
+        err = (c * step - wg).square_().sum(-1)
+        if best is None:
+            best = [t, c, err]
+        else:
+            better = err < best[2]
+            best = [
+                torch.where(better, t, best[0]),
+                torch.where(better.unsqueeze(-1), c, best[1]),
+                torch.where(better, err, best[2]),
+            ]
+    return (
+        best[1].view(N, K).to(torch.int16),
+        best[0].view(N, B * 16).to(torch.int8),
+        d.view(N, B).half(),
+    )
+
+
+@register
+class Int6Linear(QuantLinear):
+    format: ClassVar[str] = "int6"
+    defaults: ClassVar[dict] = {}
+
+    def __init__(self, qweight, params: dict, bias=None):
+        super().__init__(qweight.shape[1] // BLOCK_BYTES * QK, qweight.shape[0], params, bias)
+        self.register_buffer("qweight", qweight)  # (N, K/256*210) uint8
+
+    @classmethod
+    def resolve_params(cls, params: dict) -> dict:
+        return check_params(cls.format, params, cls.defaults)
+
+    @classmethod
+    def from_float(cls, weight, bias=None, *, search: bool = True, **params):
+        p = cls.resolve_params(params)
+        if weight.dim() == 2 and weight.shape[1] % QK:
+            raise GroupSizeError(
+                f"int6: row length {weight.shape[1]} is not a multiple of its blocks of {QK}"
+            )
+        w = check_weight(cls.format, weight, QK)
+        # Rows a few MB at a time: fit_groups' temporaries stay small for any tensor.
+        rows = max(1, (1 << 21) // w.shape[1])
+        parts = []
+        for r0 in range(0, w.shape[0], rows):
+            c, sc, d = fit(w[r0 : r0 + rows], search)
+            parts.append(pack_blocks(c + 32, sc, d))
+        return cls(torch.cat(parts), p, bias)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"qweight": self.qweight}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], params: dict, bias=None):
+        p = cls.resolve_params(params)
+        qweight = tensors.get("qweight")
+        if qweight is None or qweight.dtype != torch.uint8 or qweight.dim() != 2:
+            raise InferError("int6: qweight must be a 2-D uint8 tensor")
+        if qweight.shape[1] % BLOCK_BYTES or qweight.shape[1] == 0:
+            raise InferError(f"int6: qweight rows must be whole blocks of {BLOCK_BYTES} bytes")
+        if set(tensors) - {"qweight"}:
+            raise InferError(f"int6: unexpected tensors {sorted(set(tensors) - {'qweight'})}")
+        return cls(qweight, p, bias)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        return dequantize_int6(self.qweight if rows is None else self.qweight[rows])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            y = kernels.q6_matmul(x, self.qweight)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)

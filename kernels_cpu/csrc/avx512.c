@@ -611,6 +611,51 @@ T void q4_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
     }
 }
 
+/* int6, as q6_dequant_c: each half block widened as the GEMV widens it, 16 codes at a
+ * time to float times their group's d * sc (every product exact) */
+T void q6_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t B = a->K / Q6_BLOCK;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i sh_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i c32 = _mm512_set1_epi8(32);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;
+        for (int64_t b = 0; b < B; b++, w += Q6_BLOCK) {
+            const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
+            uint16_t dh;
+            memcpy(&dh, blk + 208, 2);
+            const float d = _cvtsh_ss(dh);
+            for (int h = 0; h < 2; h++) {
+                const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+                const __m512i qh =
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+                __m512i v[2];
+                v[0] = _mm512_or_si512(_mm512_and_si512(ql, m4),
+                                       _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), m30));
+                v[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                       _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30));
+                for (int j = 0; j < 2; j++) {
+                    const __m512i c = _mm512_sub_epi8(v[j], c32); /* q - 32 as int8 */
+                    for (int i = 0; i < 4; i++) {
+                        const int grp = 8 * h + 4 * j + i; /* group of 16 in the block */
+                        __m128i part;
+                        switch (i) {
+                        case 0: part = _mm512_extracti32x4_epi32(c, 0); break;
+                        case 1: part = _mm512_extracti32x4_epi32(c, 1); break;
+                        case 2: part = _mm512_extracti32x4_epi32(c, 2); break;
+                        default: part = _mm512_extracti32x4_epi32(c, 3); break;
+                        }
+                        const float ds = d * (float)(int8_t)blk[192 + grp];
+                        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(part));
+                        _mm512_storeu_ps(w + 16 * grp, _mm512_mul_ps(q, _mm512_set1_ps(ds)));
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------------------
  * Float tile: y[m, j] (+)= x[m, :] . w[j, :]
  * ---------------------------------------------------------------------------------- */
@@ -814,11 +859,11 @@ TARGET_AVX512_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const f
 
 const kernel_table kernels_avx512 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
-    .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits,
+    .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits, .q6_dequant = q6_dequant,
 };
 const kernel_table kernels_avx512_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
-    q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni,
+    q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni, q6_dequant,
 };
 
 #endif

@@ -242,10 +242,11 @@ typedef struct {
     ig_panel_fn ig_panel;
     xprep_fn q6_xprep;      /* NULL: the path has no int6 digit GEMV; else x in XPREP8 */
     gemv_fn q6_gemv_digits;
+    dequant_fn q6_dequant;  /* NULL: q6_dequant_c */
 } kernel_table;
 
 /* int6 in plain C (scalar.c), every path's fallback: the GEMV in float32 (x with inf or
- * NaN, or no digit GEMV) and the GEMM's dequantization (exact). */
+ * NaN, or no digit GEMV) and the GEMM's dequantization (exact; AVX-512 has its own). */
 void q6_gemv_c(const qmat *a, int64_t n0, int64_t n1);
 void q6_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
 enum { Q6_BLOCK = 256, Q6_BLOCK_BYTES = 210 };

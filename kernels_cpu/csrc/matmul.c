@@ -199,8 +199,9 @@ int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nt
 static int gemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     const int64_t n_tasks = (a->N + TILE_N - 1) / TILE_N;
     if (nthreads > n_tasks) nthreads = (int)n_tasks;
-    job_t j = {a, NULL, bits == 8 ? kt->q8_dequant : bits == 6 ? q6_dequant_c : kt->q4_dequant,
-               kt->tile, TILE_N, NULL};
+    const dequant_fn q6 = kt->q6_dequant ? kt->q6_dequant : q6_dequant_c;
+    job_t j = {a, NULL, bits == 8 ? kt->q8_dequant : bits == 6 ? q6 : kt->q4_dequant, kt->tile,
+               TILE_N, NULL};
     if (!(j.scratch = alloc64((size_t)nthreads * TILE_N * a->K * sizeof(float)))) return -1;
     pool_run(nthreads, n_tasks, gemm_task, &j);
     free(j.scratch);

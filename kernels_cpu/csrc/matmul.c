@@ -62,7 +62,8 @@ static void gemm_task(void *ctx, int64_t t, int tid) {
  * (q, k and v share one x), or NULL. */
 static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads, job_t *j,
                         void *tmp[2], const void *xq_ready) {
-    *j = (job_t){a, bits == 8 ? kt->q8_gemv : bits == 6 ? q6_gemv_c : kt->q4_gemv, NULL, NULL, 0, NULL};
+    const gemv_fn plain = bits == 8 ? kt->q8_gemv : bits == 6 ? q6_gemv_c : kt->q4_gemv;
+    *j = (job_t){a, plain, NULL, NULL, 0, NULL};
     tmp[0] = tmp[1] = NULL;
     if (bits == 6 && kt->q6_xprep) { /* x as the int8 GEMV's digits; inf or NaN: float */
         const int64_t K = a->K;

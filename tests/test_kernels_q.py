@@ -171,6 +171,23 @@ def test_matches_reference(isa, kind, M):
 
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_long_rows(isa, kind):
+    """Rows past 4096 weights, whose x digits the GEMV takes in slices of K (kernels.h):
+    two whole slices and a short one, and for g = 32 a part chunk at the end; a few rows
+    per task on 1 and 3 threads give the same bits."""
+    bits, g, sym = kind
+    K = 8448 + (32 if g == 32 else 0) - (1 if g == 0 else 0)
+    w = packed(bits, g, sym, 11, K, seed=5)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(5))
+    for M in (1, 3):
+        y = run(bits, g, w, x[:M], isa=isa, threads=1)
+        assert_matches(y, x[:M], bits, g, w, isa)
+        assert torch.equal(run(bits, g, w, x[:M], isa=isa, threads=3), y)
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("K", [1, 5, 17, 33, 100])
 @pytest.mark.parametrize("M", [1, 3, 6, 20])
 def test_int8_per_channel_any_row_length(isa, K, M):

@@ -7,9 +7,7 @@
  * by one XOR, three vpdpbusd, one conversion and one FMA with the lanes' scales (1.25x
  * the float path's GB/s on one core at group 32: 29 against 23.5). int4: x as three int8
  * digits, 128 weights (64 bytes) per load split into nibbles by one AND and one shift,
- * six integer dot products, one conversion and one FMA with the lanes' scales. int6
- * (Q6_K's blocks): x as int8's digits; 128 weights (64 bytes of low nibbles, 32 of top
- * bits) widen to two vectors of bytes with no shuffle, three dot products each.
+ * six integer dot products, one conversion and one FMA with the lanes' scales.
  *
  * GEMM: a tile of dequantized rows times x in 4 x 4 blocks of dot products (16
  * accumulators, 8 loads per 16 FMAs), then one reduction of 4 accumulators into 4
@@ -297,11 +295,11 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
 #define Q4_GEMV_DIGITS(NAME, TARGET, DOT2)                                                       \
     /* sum over chunk c of q * X, per dword lane (8 elements of block lane / 4) */              \
     TARGET static inline __attribute__((always_inline)) __m512i NAME##_chunk(                   \
-        const uint8_t *q, const int8_t *xd, int64_t KB, int64_t c) {                            \
+        const uint8_t *q, const int8_t *xd, int64_t KB, int64_t c, int64_t pf) {                \
         const int64_t bytes = KB - 64 * c < 64 ? KB - 64 * c : 64;                              \
         const __m512i *xc = (const __m512i *)(xd + c * CHUNK_BYTES);                            \
         const __m512i m4 = _mm512_set1_epi8(0x0f);                                              \
-        PREFETCH_STREAM(q + 64 * c);                                                            \
+        PREFETCH_AT(q + 64 * c, pf);                                                            \
         /* masked loads only at the tail: streaming from memory through masked loads runs */   \
         /* ~4x slower on Zen 5 */                                                               \
         __m512i w = bytes == 64 ? _mm512_loadu_si512(q + 64 * c)                                \
@@ -312,13 +310,14 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
         t = DOT2(_mm512_slli_epi32(t, 8), lo, xc[2], hi, xc[3]);                                \
         return DOT2(_mm512_slli_epi32(t, 8), lo, xc[4], hi, xc[5]);                             \
     }                                                                                           \
-    TARGET static inline __attribute__((always_inline)) void NAME##_row(const qmat *a, int64_t n, \
-                                                                        const int64_t g) {      \
+    TARGET static inline __attribute__((always_inline)) void NAME##_row(                        \
+        const qmat *a, int64_t n, const int64_t g, int64_t c0, int64_t c1) {                    \
         const int64_t K = a->K, KB = K / 2, G = K / g, C = (K + CHUNK - 1) / CHUNK;             \
         const int64_t gpc = CHUNK / g; /* groups per chunk */                                  \
         const int8_t *xd = a->xq;                                                               \
         const float *lanes = (const float *)(xd + C * CHUNK_BYTES);                             \
         const uint8_t *q = (const uint8_t *)a->qw + n * KB;                                     \
+        const int64_t pf = prefetch_distance(KB, C > Q4_SLICE_CHUNKS);                          \
         const uint16_t *s = (const uint16_t *)a->scales + n * G;                                \
         /* lane l of a chunk belongs to group l / (16 / gpc) of the chunk's gpc groups */       \
         const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); \
@@ -327,10 +326,9 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
                                        : _mm512_setzero_si512();                                \
         __m512 acc[ACC];                                                                        \
         for (int i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();                             \
-        /* chunks in turn to ACC accumulators, the last C % ACC to the first */                \
-        int64_t c = 0;                                                                          \
-        for (; c < C; c += ACC) {                                                               \
-            const int u_end = C - c < ACC ? (int)(C - c) : ACC;                                 \
+        /* chunks in turn to ACC accumulators, the last (c1 - c0) % ACC to the first */        \
+        for (int64_t c = c0; c < c1; c += ACC) {                                                \
+            const int u_end = c1 - c < ACC ? (int)(c1 - c) : ACC;                               \
             for (int u = 0; u < ACC; u++) {                                                     \
                 if (u >= u_end) break;                                                          \
                 const int64_t cu = c + u;                                                       \
@@ -341,7 +339,7 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
                             : g == 64  ? _mm_cvtsi32_si128(load_i32(sc))                        \
                                        : _mm_cvtsi32_si128(*sc);                                \
                 __m512 d = _mm512_permutexvar_ps(gidx, _mm512_castps128_ps512(_mm_cvtph_ps(h))); \
-                __m512 f = _mm512_cvtepi32_ps(NAME##_chunk(q, xd, KB, cu));                     \
+                __m512 f = _mm512_cvtepi32_ps(NAME##_chunk(q, xd, KB, cu, pf));                 \
                 __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(lanes + 16 * cu));              \
                 if (u_end == ACC)                                                               \
                     acc[u] = _mm512_fmadd_ps(f, scale, acc[u]);                                 \
@@ -349,15 +347,21 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
                     acc[0] = _mm512_fmadd_ps(f, scale, acc[0]);                                 \
             }                                                                                   \
         }                                                                                       \
-        a->y[n] = hsum_acc(acc) +                                                               \
-                  group_offset((a->mins ? a->mins : (const uint16_t *)a->scales) + n * G, G,    \
-                               a->xsum);                                                        \
+        const int64_t g0 = c0 * CHUNK / g, g1 = c1 == C ? G : c1 * CHUNK / g;                   \
+        const float part = hsum_acc(acc) +                                                      \
+            group_offset((a->mins ? a->mins : (const uint16_t *)a->scales) + n * G + g0, g1 - g0, \
+                         a->xsum + g0);                                                         \
+        a->y[n] = c0 ? a->y[n] + part : part;                                                   \
     }                                                                                           \
     TARGET static void NAME(const qmat *a, int64_t n0, int64_t n1) {                            \
-        switch (a->g) {                                                                         \
-        case 32: ROWS_LOOP(NAME##_row, 32); break;                                              \
-        case 64: ROWS_LOOP(NAME##_row, 64); break;                                              \
-        default: ROWS_LOOP(NAME##_row, 128); break;                                             \
+        const int64_t C = (a->K + CHUNK - 1) / CHUNK;                                           \
+        for (int64_t c0 = 0; c0 < C; c0 += Q4_SLICE_CHUNKS) {                                   \
+            const int64_t c1 = C - c0 < Q4_SLICE_CHUNKS ? C : c0 + Q4_SLICE_CHUNKS;             \
+            for (int64_t n = n0; n < n1; n++) switch (a->g) {                                   \
+                case 32: NAME##_row(a, n, 32, c0, c1); break;                                   \
+                case 64: NAME##_row(a, n, 64, c0, c1); break;                                   \
+                default: NAME##_row(a, n, 128, c0, c1); break;                                  \
+                }                                                                               \
         }                                                                                       \
     }
 
@@ -411,10 +415,10 @@ T int q8_xprep(const float *x, int64_t K, void *buf) {
 
 /* sum over chunk c of (q + 128) * X, per dword lane (4 elements of block 2c + lane / 8) */
 TARGET_AVX512_VNNI static inline __attribute__((always_inline)) __m512i q8_digits_chunk(
-    const int8_t *q, const int8_t *xd, int64_t K, int64_t c) {
+    const int8_t *q, const int8_t *xd, int64_t K, int64_t c, int64_t pf) {
     const int64_t bytes = K - 64 * c < 64 ? K - 64 * c : 64;
     const __m512i *xc = (const __m512i *)(xd + c * XPREP8_CHUNK_BYTES);
-    PREFETCH_STREAM(q + 64 * c);
+    PREFETCH_AT(q + 64 * c, pf);
     /* masked loads only at the tail (see Q4_GEMV_DIGITS); past K the digits are 0 */
     __m512i w = bytes == 64 ? _mm512_loadu_si512(q + 64 * c)
                             : _mm512_maskz_loadu_epi8(((__mmask64)1 << bytes) - 1, q + 64 * c);
@@ -425,23 +429,23 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) __m512i q8_digit
 }
 
 TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q8_gemv_digits_row(
-    const qmat *a, int64_t n, const int64_t g) {
+    const qmat *a, int64_t n, const int64_t g, int64_t c0, int64_t c1) {
     const int64_t K = a->K, C = (K + 63) / 64;
     const int8_t *xd = a->xq;
     const float *lanes = (const float *)(xd + C * XPREP8_CHUNK_BYTES);
     const int8_t *q = (const int8_t *)a->qw + n * K;
+    const int64_t pf = prefetch_distance(K, C > XPREP8_SLICE_CHUNKS);
     /* lane l of a chunk: group 2c + l / 8 (g = 32), c (g = 64), c / 2 (g = 128) */
     const __m512i gidx = _mm512_srli_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 3);
     __m512 acc[ACC];
     for (int i = 0; i < ACC; i++) acc[i] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c < C; c += ACC) {
-        const int u_end = C - c < ACC ? (int)(C - c) : ACC;
+    for (int64_t c = c0; c < c1; c += ACC) {
+        const int u_end = c1 - c < ACC ? (int)(c1 - c) : ACC;
         for (int u = 0; u < ACC; u++) {
             if (u >= u_end) break;
             const int64_t cu = c + u;
-            __m512 f = _mm512_cvtepi32_ps(q8_digits_chunk(q, xd, K, cu));
+            __m512 f = _mm512_cvtepi32_ps(q8_digits_chunk(q, xd, K, cu, pf));
             __m512 scale = _mm512_loadu_ps(lanes + 16 * cu);
             if (g) {
                 const uint16_t *s = (const uint16_t *)a->scales + n * (K / g);
@@ -462,18 +466,26 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q8_gemv_dig
                 acc[0] = _mm512_fmadd_ps(f, scale, acc[0]);
         }
     }
-    if (g)
-        a->y[n] = hsum_acc(acc) + group_offset((const uint16_t *)a->scales + n * (K / g), K / g, a->xsum);
-    else
-        a->y[n] = (hsum_acc(acc) + a->xsum[0]) * ((const float *)a->scales)[n];
+    float part = hsum_acc(acc);
+    if (g) {
+        const int64_t g0 = c0 * 64 / g, g1 = c1 == C ? K / g : c1 * 64 / g;
+        part += group_offset((const uint16_t *)a->scales + n * (K / g) + g0, g1 - g0, a->xsum + g0);
+    }
+    part = c0 ? a->y[n] + part : part;
+    /* per channel: the scale once, after the last slice */
+    a->y[n] = g || c1 < C ? part : (part + a->xsum[0]) * ((const float *)a->scales)[n];
 }
 
 TARGET_AVX512_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
-    switch (a->g) {
-    case 32: ROWS_LOOP(q8_gemv_digits_row, 32); break;
-    case 64: ROWS_LOOP(q8_gemv_digits_row, 64); break;
-    case 128: ROWS_LOOP(q8_gemv_digits_row, 128); break;
-    default: ROWS_LOOP(q8_gemv_digits_row, 0); break;
+    const int64_t C = (a->K + 63) / 64;
+    for (int64_t c0 = 0; c0 < C; c0 += XPREP8_SLICE_CHUNKS) {
+        const int64_t c1 = C - c0 < XPREP8_SLICE_CHUNKS ? C : c0 + XPREP8_SLICE_CHUNKS;
+        for (int64_t n = n0; n < n1; n++) switch (a->g) {
+            case 32: q8_gemv_digits_row(a, n, 32, c0, c1); break;
+            case 64: q8_gemv_digits_row(a, n, 64, c0, c1); break;
+            case 128: q8_gemv_digits_row(a, n, 128, c0, c1); break;
+            default: q8_gemv_digits_row(a, n, 0, c0, c1); break;
+            }
     }
 }
 
@@ -501,8 +513,11 @@ TARGET_AVX512_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t
         t = DOT1(_mm512_slli_epi32(t, 8), q, v[1]);                                             \
         return _mm512_cvtepi32_ps(DOT1(_mm512_slli_epi32(t, 8), q, v[2]));                      \
     }                                                                                           \
-    TARGET static void NAME(const qmat *a, int64_t n0, int64_t n1) {                            \
+    TARGET static inline __attribute__((always_inline)) void NAME##_slice(                      \
+        const qmat *a, int64_t n0, int64_t n1, int64_t b0) {                                    \
         const int64_t K = a->K, B = K / Q6_BLOCK;                                               \
+        const int64_t b1 = B - b0 < XPREP8_SLICE_CHUNKS / 4 ? B : b0 + XPREP8_SLICE_CHUNKS / 4; \
+        const int64_t pf = prefetch_distance(B * Q6_BLOCK_BYTES, B > XPREP8_SLICE_CHUNKS / 4); \
         const int8_t *xd = a->xq;                                                               \
         const float *lanes = (const float *)(xd + K / 64 * XPREP8_CHUNK_BYTES);                 \
         const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);                \
@@ -516,9 +531,9 @@ TARGET_AVX512_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t
             const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;               \
             __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};                         \
             __m512 off = _mm512_setzero_ps();                                                   \
-            for (int64_t b = 0; b < B; b++) {                                                   \
+            for (int64_t b = b0; b < b1; b++) {                                                 \
                 const uint8_t *blk = row + b * Q6_BLOCK_BYTES;                                  \
-                for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM(blk + p);         \
+                for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_AT(blk + p, pf);         \
                 uint16_t dh;                                                                    \
                 memcpy(&dh, blk + 208, 2);                                                      \
                 const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));                                 \
@@ -548,8 +563,13 @@ TARGET_AVX512_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t
                 }                                                                               \
                 acc[b & 1] = _mm512_fmadd_ps(f, d, acc[b & 1]);                                 \
             }                                                                                   \
-            a->y[n] = hsum(_mm512_add_ps(acc[0], acc[1])) + hsum(off);                          \
+            const float part = hsum(_mm512_add_ps(acc[0], acc[1])) + hsum(off);                 \
+            a->y[n] = b0 ? a->y[n] + part : part;                                               \
         }                                                                                       \
+    }                                                                                           \
+    TARGET static void NAME(const qmat *a, int64_t n0, int64_t n1) {                            \
+        for (int64_t b0 = 0; b0 < a->K / Q6_BLOCK; b0 += XPREP8_SLICE_CHUNKS / 4)               \
+            NAME##_slice(a, n0, n1, b0);                                                        \
     }
 
 Q6_GEMV_DIGITS(q6_gemv_digits, TARGET_AVX512, DOT1_MADD)

@@ -365,13 +365,15 @@ def test_quant_linear_forward(fmt, params):
     from infer.quant.base import FORMATS, QuantLinear
 
     K = 256 if fmt == "int6" else 128  # int6: whole blocks of 256
+    torch.manual_seed(0)
     weight, bias = torch.randn(24, K), torch.randn(24)
     q = FORMATS[fmt].from_float(weight, bias, search=False, **params)
     x = torch.randn(2, 5, K)
     ref = QuantLinear.forward(q, x)
     torch.testing.assert_close(q(x), ref, rtol=1e-4, atol=1e-4)
     xb = x.bfloat16()  # other dtypes keep their torch paths
-    torch.testing.assert_close(q(xb).float(), ref, rtol=0.05, atol=0.1)
+    # bfloat16's rounding of x and of the products grows with sqrt(K)
+    torch.testing.assert_close(q(xb).float(), ref, rtol=0.05, atol=0.1 * (K / 128) ** 0.5)
 
 
 # ---------------------------------------------------------------------------------------

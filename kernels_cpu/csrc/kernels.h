@@ -71,17 +71,18 @@ int cpu_has(const char *feature);
 #define PREFETCH_AT(p, ahead) __builtin_prefetch((const char *)(p) + (ahead), 0, 2)
 #define PREFETCH_STREAM(p) PREFETCH_AT(p, PREFETCH_AHEAD)
 
-/* A digit GEMV whose x's digits would fill the L1 cache (int8 and int6 rows of 8192: 32 KB
- * of digits and lane scales) runs its rows in slices of K, each slice of every row of its
- * task before the next slice, so that a slice's digits stay in L1 while the rows pass:
- * slices of 4096 elements (16 KB of digits) for int8 and int6 rows longer than that, of
- * 8192 (28 KB) for int4's. A row's slices add up in order, whatever the split of rows into
+/* An AVX-512 digit GEMV whose x's digits would fill the L1 cache (int8 and int6 rows of
+ * 8192: 32 KB of digits and lane scales) runs its rows in slices of K, each slice of every
+ * row of its task before the next slice, so that a slice's digits stay in L1 while the
+ * rows pass: slices of 4096 elements (16 KB of digits) for int8 and int6 rows longer than
+ * that, of 8192 (28 KB) for int4's. A row's slices add up in order, whatever the split of rows into
  * tasks. Its weights are then read a slice of a row at a time, rows apart: the prefetch
  * runs SLICE_PREFETCH_ROWS rows ahead, at the same slice. Zen 4, one core, 2048 x 8192 (a
  * down projection): int8 10.9 -> 18.7 G weights/s, int6 11.5 -> 18.5; two threads 21.4
  * -> 33.4 and 20.8 -> 33.5. With slices of 2048, or the prefetch one row ahead, rows of
  * 4096 and 8192 lost up to 40 %; int4 in slices of 4096 gained 0-16 % alone but decoded
- * the 1B shape's Q4_0 4-5 % slower, so its rows of 8192 stay whole. */
+ * the 1B shape's Q4_0 4-5 % slower, so its rows of 8192 stay whole. The AVX2 paths keep
+ * rows whole (not measured: this host's AVX2 has no AVX-VNNI for the int8 GEMV). */
 enum { XPREP8_SLICE_CHUNKS = 64, Q4_SLICE_CHUNKS = 64, SLICE_PREFETCH_ROWS = 4 };
 /* How far ahead a GEMV row of `row_bytes` prefetches its weights. */
 static inline int64_t prefetch_distance(int64_t row_bytes, int sliced) {

@@ -101,7 +101,7 @@ TI __m256 q8_group(const int8_t *q, const float *x, int64_t k0, const int64_t g)
     for (int64_t k = k0 + 8; k < k0 + g; k += 8)
         t = _mm256_fmadd_ps(widen_i8(q + k), _mm256_loadu_ps(x + k), t);
     for (int64_t l = k0; l < k0 + g; l += 64) /* once per 64 bytes */
-        if (!(l & 63)) PREFETCH_STREAM(q + l);
+        if (!(l & 63)) PREFETCH_STREAM_L1(q + l);
     return t;
 }
 
@@ -133,7 +133,7 @@ TI void q8_gemv_row(const qmat *a, int64_t n, const int64_t g) {
     } else {
         int64_t k = 0;
         for (; k + 8 * ACC <= K; k += 8 * ACC) {
-            if (!(k & 63)) PREFETCH_STREAM(q + k);
+            if (!(k & 63)) PREFETCH_STREAM_L1(q + k);
             for (int i = 0; i < ACC; i++)
                 acc[i] = _mm256_fmadd_ps(widen_i8(q + k + 8 * i), _mm256_loadu_ps(x + k + 8 * i), acc[i]);
         }
@@ -294,7 +294,7 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
         const __m256i *xc = (const __m256i *)(xd + c * CHUNK_BYTES);                            \
         const __m256i m4 = _mm256_set1_epi8(0x0f);                                              \
         const uint8_t *qc = q + 32 * c;                                                         \
-        if (!(c & 1)) PREFETCH_STREAM(qc); /* once per 64 bytes */                              \
+        if (!(c & 1)) PREFETCH_STREAM_L1(qc); /* once per 64 bytes */                              \
         __m256i w = KB - 32 * c >= 32                                                           \
                         ? _mm256_loadu_si256((const __m256i *)qc)                               \
                         : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)qc));          \
@@ -402,7 +402,7 @@ TARGET_AVX2_VNNI static inline __attribute__((always_inline)) __m256i q8_digits_
     const int8_t *q, const int8_t *xd, int64_t K, int64_t b) {
     const int64_t bytes = K - 32 * b < 32 ? K - 32 * b : 32;
     const int8_t *xb = xd + (b / 2) * XPREP8_CHUNK_BYTES + 32 * (b % 2);
-    if (!(b & 1)) PREFETCH_STREAM(q + 32 * b); /* once per 64 bytes */
+    if (!(b & 1)) PREFETCH_STREAM_L1(q + 32 * b); /* once per 64 bytes */
     __m256i w;
     if (bytes == 32) {
         w = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
@@ -487,7 +487,7 @@ TARGET_AVX2_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t n
             __m256 off = _mm256_setzero_ps();                                                   \
             for (int64_t b = 0; b < B; b++) {                                                   \
                 const uint8_t *blk = row + b * Q6_BLOCK_BYTES;                                  \
-                for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM(blk + p);         \
+                for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM_L1(blk + p);         \
                 uint16_t dh;                                                                    \
                 memcpy(&dh, blk + 208, 2);                                                      \
                 const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));                                 \

@@ -64,12 +64,15 @@ int cpu_has(const char *feature);
  * int8 GEMV at ~65 % of the read bandwidth here (Zen 5 guest); a software prefetch 4 KiB
  * ahead of each 64 bytes consumed brings it to ~85 % (benchmarks/bench_kernels.py, A/B
  * interleaved). A prefetch never faults, so running past a matrix's end is harmless.
- * It fetches into L2, not L1: fetched into L1, the weights evicted the digits of x that
- * every row reads again (Zen 4, 32 KB L1, one core: the int4 GEMV 15-32 % faster into
- * L2, int8 3-17 %; the 1B shape's Q4_0 decode 30.6-33.0 -> 37.6-37.9 tok/s). */
+ * On the AVX-512 paths it fetches into L2, not L1: fetched into L1, the weights evicted
+ * the digits of x that every row reads again (Zen 4, 32 KB L1, one core: the int4 GEMV
+ * 15-32 % faster into L2, int8 3-17 %; the 1B shape's Q4_0 decode 30.6-33.0 -> 37.6-37.9
+ * tok/s). The AVX2 paths keep L1: on the same core forced onto them, L2 was 10-13 %
+ * slower at rows of 2048 (14-20 % faster at 8192), and no AVX2-only CPU was at hand. */
 #define PREFETCH_AHEAD 4096
 #define PREFETCH_AT(p, ahead) __builtin_prefetch((const char *)(p) + (ahead), 0, 2)
 #define PREFETCH_STREAM(p) PREFETCH_AT(p, PREFETCH_AHEAD)
+#define PREFETCH_STREAM_L1(p) __builtin_prefetch((const char *)(p) + PREFETCH_AHEAD, 0, 3)
 
 /* An AVX-512 digit GEMV whose x's digits would fill the L1 cache (int8 and int6 rows of
  * 8192: 32 KB of digits and lane scales) runs its rows in slices of K, each slice of every

@@ -38,7 +38,7 @@ from ..kernels_cpu import ops as kernels
 from ..kernels_cpu.reference import dequantize_int6
 from ..runtime.errors import InferError
 from .base import QuantLinear, register
-from .int4 import GroupSizeError, _round_up, check_params, check_weight, fit_groups
+from .int4 import GroupSizeError, _codes, _round_up, check_params, check_weight, fit_groups
 
 QK = 256  # weights per block
 BLOCK_BYTES = 210  # 128 ql + 64 qh + 16 scales + 2 d
@@ -64,11 +64,6 @@ def pack_blocks(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Ten
     return blocks.reshape(N, B * BLOCK_BYTES)
 
 
-def _codes(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """Nearest codes in [-32, 31] for w ~ c * step (step 0: code 0)."""
-    return torch.where(step == 0, 0.0, w / step).round_().clamp_(-32, 31)
-
-
 def fit(w: torch.Tensor, search: bool = True):
     """Quantize w (N, K) float32, K % 256 == 0: codes (N, K) in -32..31, sc (N, K/16) int8,
     d (N, K/256) float16.
@@ -92,7 +87,7 @@ def fit(w: torch.Tensor, search: bool = True):
     best = None
     for t in (sc, sc - sc.sign()) if search else (sc,):
         step = (d * t).unsqueeze(-1)  # (N, B, 16, 1): exact products
-        c = _codes(wg, step)
+        c = _codes(wg, step, None, -32, 31)
         err = (c * step - wg).square_().sum(-1)
         if best is None:
             best = [t, c, err]

@@ -493,8 +493,7 @@ TARGET_AVX2_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t n
                 const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));                                 \
                 __m256 sc[2];                                                                   \
                 for (int h = 0; h < 2; h++) {                                                   \
-                    sc[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                            \
-                        _mm_loadl_epi64((const __m128i *)(blk + 192 + 8 * h))));                \
+                    sc[h] = widen_i8((const int8_t *)(blk + 192 + 8 * h));                      \
                     /* the groups' -32 sx sum X terms, times d sc */                            \
                     off = _mm256_fmadd_ps(_mm256_mul_ps(sc[h], d),                              \
                                           _mm256_loadu_ps(a->xsum + 16 * b + 8 * h), off);      \

@@ -501,6 +501,19 @@ TARGET_AVX512_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t
  * int16 pairs hold (63 * 128 * 2 < 2^15) where there is no vpdpbusd.
  * ---------------------------------------------------------------------------------- */
 
+/* Half h of an int6 block -> its codes as bytes: lo = elements 0..63, hi = 64..127 */
+TI void q6_widen(const uint8_t *blk, int h, __m512i *lo, __m512i *hi) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    /* qh's top bits to bits 4-5: per 256-bit half, lo shifts left 4 / 2, hi right 0 / 2 */
+    const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i sh_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
+    *lo = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), m30));
+    *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                          _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30));
+}
+
 #define DOT1_MADD(t, q, x) _mm512_add_epi32(t, _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), ONES16))
 #define DOT1_VNNI(t, q, x) _mm512_dpbusd_epi32(t, q, x)
 
@@ -520,10 +533,6 @@ TARGET_AVX512_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t
         const int64_t pf = prefetch_distance(B * Q6_BLOCK_BYTES, B > XPREP8_SLICE_CHUNKS / 4); \
         const int8_t *xd = a->xq;                                                               \
         const float *lanes = (const float *)(xd + K / 64 * XPREP8_CHUNK_BYTES);                 \
-        const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);                \
-        /* qh's top bits to bits 4-5: per 256-bit half, lo shifts left 4 / 2, hi right 0 / 2 */ \
-        const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1); \
-        const __m512i sh_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1); \
         const __m512i g_lo = _mm512_srli_epi32(                                                 \
             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);        \
         const __m512i g_hi = _mm512_add_epi32(g_lo, _mm512_set1_epi32(4));                      \
@@ -537,20 +546,13 @@ TARGET_AVX512_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t
                 uint16_t dh;                                                                    \
                 memcpy(&dh, blk + 208, 2);                                                      \
                 const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));                                 \
-                const __m512 sc = _mm512_cvtepi32_ps(                                           \
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));       \
+                const __m512 sc = widen_i8((const int8_t *)(blk + 192));                        \
                 /* the groups' -32 sx sum X terms, times d sc */                                \
                 off = _mm512_fmadd_ps(_mm512_mul_ps(sc, d), _mm512_loadu_ps(a->xsum + 16 * b), off); \
                 __m512 f = _mm512_setzero_ps();                                                 \
                 for (int h = 0; h < 2; h++) {                                                   \
-                    const __m512i ql = _mm512_loadu_si512(blk + 64 * h);                        \
-                    const __m512i qh = _mm512_broadcast_i64x4(                                  \
-                        _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));             \
-                    const __m512i lo = _mm512_or_si512(                                         \
-                        _mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), m30)); \
-                    const __m512i hi = _mm512_or_si512(                                         \
-                        _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),                         \
-                        _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30));                   \
+                    __m512i lo, hi;                                                             \
+                    q6_widen(blk, h, &lo, &hi);                                                 \
                     const int64_t c = 4 * b + 2 * h; /* x's chunk for lo; c + 1 for hi */       \
                     const __m512i at = _mm512_set1_epi32(8 * h);                                \
                     /* each lane's scale: its group's sc times its x block's sx */             \
@@ -635,9 +637,6 @@ T void q4_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
  * time to float times their group's d * sc (every product exact) */
 T void q6_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
     const int64_t B = a->K / Q6_BLOCK;
-    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
-    const __m512i sh_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-    const __m512i sh_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     const __m512i c32 = _mm512_set1_epi8(32);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;
@@ -646,31 +645,17 @@ T void q6_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
             uint16_t dh;
             memcpy(&dh, blk + 208, 2);
             const float d = _cvtsh_ss(dh);
+            int8_t q[Q6_BLOCK]; /* q - 32, in element order */
             for (int h = 0; h < 2; h++) {
-                const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
-                const __m512i qh =
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-                __m512i v[2];
-                v[0] = _mm512_or_si512(_mm512_and_si512(ql, m4),
-                                       _mm512_and_si512(_mm512_sllv_epi16(qh, sh_lo), m30));
-                v[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                       _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30));
-                for (int j = 0; j < 2; j++) {
-                    const __m512i c = _mm512_sub_epi8(v[j], c32); /* q - 32 as int8 */
-                    for (int i = 0; i < 4; i++) {
-                        const int grp = 8 * h + 4 * j + i; /* group of 16 in the block */
-                        __m128i part;
-                        switch (i) {
-                        case 0: part = _mm512_extracti32x4_epi32(c, 0); break;
-                        case 1: part = _mm512_extracti32x4_epi32(c, 1); break;
-                        case 2: part = _mm512_extracti32x4_epi32(c, 2); break;
-                        default: part = _mm512_extracti32x4_epi32(c, 3); break;
-                        }
-                        const float ds = d * (float)(int8_t)blk[192 + grp];
-                        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(part));
-                        _mm512_storeu_ps(w + 16 * grp, _mm512_mul_ps(q, _mm512_set1_ps(ds)));
-                    }
-                }
+                __m512i lo, hi;
+                q6_widen(blk, h, &lo, &hi);
+                _mm512_storeu_si512(q + 128 * h, _mm512_sub_epi8(lo, c32));
+                _mm512_storeu_si512(q + 128 * h + 64, _mm512_sub_epi8(hi, c32));
+            }
+            for (int grp = 0; grp < 16; grp++) {
+                const float ds = d * (float)(int8_t)blk[192 + grp];
+                const __m512 c = widen_i8(q + 16 * grp);
+                _mm512_storeu_ps(w + 16 * grp, _mm512_mul_ps(c, _mm512_set1_ps(ds)));
             }
         }
     }

@@ -93,12 +93,20 @@ static void q4_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
 
 /* ---------------------------------------------------------------------------------- */
 
-/* Element i (0..255) of an int6 block: its code q in 0..63 (quant/int6.py's layout). */
-static inline int q6_code(const uint8_t *blk, int i) {
-    const int h = i / 128, j = (i % 128) / 32, l = i % 32;
-    const uint8_t ql = blk[64 * h + 32 * (j & 1) + l], qh = blk[128 + 32 * h + l];
-    return ((j < 2 ? ql & 15 : ql >> 4) | (((qh >> (2 * j)) & 3) << 4));
+/* An int6 block's codes minus 32, in element order (quant/int6.py's layout): per half h
+ * and quarter j, 32 elements from one run of ql and of qh. */
+static void q6_codes(const uint8_t *blk, int8_t q[Q6_BLOCK]) {
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++) {
+            const uint8_t *ql = blk + 64 * h + 32 * (j & 1), *qh = blk + 128 + 32 * h;
+            const int shift = j < 2 ? 0 : 4;
+            for (int l = 0; l < 32; l++)
+                q[128 * h + 32 * j + l] =
+                    (int8_t)((((ql[l] >> shift) & 15) | (((qh[l] >> (2 * j)) & 3) << 4)) - 32);
+        }
 }
+
+static float q6_d(const uint8_t *blk) { return half_to_float((uint16_t)(blk[208] | blk[209] << 8)); }
 
 void q6_gemv_c(const qmat *a, int64_t n0, int64_t n1) {
     const int64_t K = a->K, B = K / Q6_BLOCK;
@@ -108,14 +116,13 @@ void q6_gemv_c(const qmat *a, int64_t n0, int64_t n1) {
         float acc[L] = {0};
         for (int64_t b = 0; b < B; b++) {
             const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            const float d = half_to_float((uint16_t)(blk[208] | blk[209] << 8));
-            const float *xb = x + b * Q6_BLOCK;
+            const float d = q6_d(blk), *xb = x + b * Q6_BLOCK;
+            int8_t q[Q6_BLOCK];
+            q6_codes(blk, q);
             for (int s = 0; s < 16; s++) {
                 float t[L] = {0};
-                for (int i = 16 * s; i < 16 * s + 16; i++)
-                    t[i % L] += (float)(q6_code(blk, i) - 32) * xb[i];
-                const float ds = d * (float)sc[s];
+                for (int i = 16 * s; i < 16 * s + 16; i++) t[i % L] += (float)q[i] * xb[i];
+                const float ds = d * (float)(int8_t)blk[192 + s];
                 for (int i = 0; i < L; i++) acc[i] += t[i] * ds;
             }
         }
@@ -129,21 +136,11 @@ void q6_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) {
         const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;
         for (int64_t b = 0; b < B; b++, w += Q6_BLOCK) {
             const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
-            const float d = half_to_float((uint16_t)(blk[208] | blk[209] << 8));
-            /* per half and quarter j: 32 elements from one run of ql and qh (no division
-             * per element), d * sc exact */
-            for (int h = 0; h < 2; h++)
-                for (int j = 0; j < 4; j++) {
-                    const uint8_t *ql = blk + 64 * h + 32 * (j & 1), *qh = blk + 128 + 32 * h;
-                    const int shift = j < 2 ? 0 : 4;
-                    float *o = w + 128 * h + 32 * j;
-                    const float s0 = d * (float)(int8_t)blk[192 + 8 * h + 2 * j];
-                    const float s1 = d * (float)(int8_t)blk[192 + 8 * h + 2 * j + 1];
-                    for (int l = 0; l < 32; l++) {
-                        const int q = ((ql[l] >> shift) & 15) | (((qh[l] >> (2 * j)) & 3) << 4);
-                        o[l] = (float)(q - 32) * (l < 16 ? s0 : s1);
-                    }
-                }
+            const float d = q6_d(blk);
+            int8_t q[Q6_BLOCK];
+            q6_codes(blk, q);
+            for (int i = 0; i < Q6_BLOCK; i++) /* d * sc exact, and so the product */
+                w[i] = (float)q[i] * (d * (float)(int8_t)blk[192 + i / 16]);
         }
     }
 }

@@ -4,8 +4,9 @@ Shapes are awkward on purpose: M = 1 (the GEMV), 3 (a GEMV per row), 7 (a GEMV p
 when K >= 768, else the GEMM), 12 (the float GEMM) and 33 (the integer GEMM where the path
 has one, else the float GEMM; partial tiles and blocks), N odd, K = 32 x odd
 (not a multiple of 256), per-channel int8 with K odd. Results must match the reference
-up to float summation order and what x's digits lose (23 significant bits per block of
-32 in the GEMV, 15 in the integer GEMM), and be bit-identical for 1 and 2 threads. Then the
+up to float summation order and what x's digits lose (15 significant bits per block of
+32 in the integer GEMM and in x86's int4 GEMV, 23 in the other digit GEMVs), and be
+bit-identical for 1 and 2 threads. Then the
 quantized layers' forwards, and greedy decoding of the default model with kernels
 against the reference path.
 """
@@ -32,6 +33,7 @@ INT4 = [(4, g, s) for g in (32, 64, 128) for s in (True, False)]
 INT6 = [(6, 256, True)]  # GGUF Q6_K's blocks of 256
 KINDS = INT8 + INT4 + INT6
 SMALL_M = 4  # matmul.c: up to this many rows of x run one GEMV each (8 when K >= 768)
+WIDE_M, WIDE_K = 8, 768
 IGEMM_MIN_M = 16  # matmul.c: from this many rows the GEMM is the integer one, if any
 IG_XMAX = ops.IG_XMAX  # the integer GEMM's digits of x, |X| <= IG_XMAX per block of 32
 KIND_IDS = [f"int{b}-g{g}-{'sym' if s else 'asym'}" for b, g, s in KINDS]
@@ -84,9 +86,21 @@ def runs_integer_gemm(M: int, isa: str, bits: int = 4) -> bool:
     return M >= IGEMM_MIN_M and ops.integer_gemm(isa) and bits != 6
 
 
+def runs_gemv(M: int, K: int) -> bool:
+    """Whether matmul.c multiplies M rows of x by a GEMV per row."""
+    return M <= SMALL_M or (M <= WIDE_M and K >= WIDE_K)
+
+
+def takes_fifteen_bits(M: int, K: int, isa: str, bits: int) -> bool:
+    """Whether the rows' x becomes the integer GEMM's two digits: in that GEMM, and in
+    the int4 GEMV of the paths with two digits."""
+    gemv_digits = bits == 4 and ops.int4_gemv_digits(isa) == 2 and runs_gemv(M, K)
+    return runs_integer_gemm(M, isa, bits) or gemv_digits
+
+
 def digit_error(x, bits, g, w):
-    """The most x's digits can lose in the GEMV of each row (M <= SMALL_M): 23 significant
-    bits per block of 32 (kernels.h), so 2^-21 of the block's amax times sum |w| over it."""
+    """The most x's digits can lose in a GEMV of three digits: 23 significant bits per
+    block of 32 (kernels.h), so 2^-21 of the block's amax times sum |w| over it."""
     wf = dequantized(bits, g, w)
     amax = x.abs().unflatten(-1, (-1, 32)).amax(-1)  # (M, K/32)
     return 2.0**-21 * amax @ wf.abs().unflatten(-1, (-1, 32)).sum(-1).T
@@ -94,10 +108,10 @@ def digit_error(x, bits, g, w):
 
 def expected(bits, g, w, x, isa=None):
     """The reference result, and a bound on its error: summation order (1e-5 of
-    sum |x| |w|) and, where `isa` runs the integer GEMM, what x's two digits lose there."""
+    sum |x| |w|) and, where `isa` takes x as two digits, what they lose."""
     wf = dequantized(bits, g, w)
     tol = 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
-    if isa and runs_integer_gemm(x.shape[0], isa, bits):
+    if isa and takes_fifteen_bits(*x.shape, isa, bits):
         tol = tol + ops.integer_gemm_error(x, wf)
     return x @ wf.T, tol
 
@@ -201,9 +215,9 @@ def test_int8_per_channel_any_row_length(isa, K, M):
 @pytest.mark.parametrize("M", [2, SMALL_M + 1, IGEMM_MIN_M])
 def test_special_values(isa, M):
     """Scales that are float16 subnormals, zero, negative; x with zeros and huge values.
-    A few rows run one GEMV each, whose digits keep 23 bits of a block with 1e30 in it;
-    more run the GEMM, float32 or (16 rows or more, on paths that have it) integer, whose
-    digits keep 15."""
+    A few rows run one GEMV each, whose digits keep 23 bits of a block with 1e30 in it
+    (15 in x86's int4 GEMV); more run the GEMM, float32 or (16 rows or more, on paths
+    that have it) integer, whose digits keep 15."""
     N, K = 6, 64
     w = packed(4, 32, False, N, K)
     w["scales"][0] = torch.tensor([6e-8, -6e-8]).half()  # subnormal
@@ -217,21 +231,31 @@ def test_special_values(isa, M):
     for bits, g, wt in ((4, 32, w), (8, 32, w8)):
         y = run(bits, g, wt, x, isa=isa)
         ref, tol = expected(bits, g, wt, x, isa)
-        if M <= SMALL_M:
+        if M <= SMALL_M and not takes_fifteen_bits(M, K, isa, bits):
             tol = tol + digit_error(x, bits, g, wt)
         assert not ((y - ref).abs() > tol).any(), (bits, (y - ref).abs().max())
 
 
+# prompts (the GEMM) of every kind, and decode (the GEMV) of int4: int8 and int6 decode
+# take x as three digits (22 bits), which are neither x nor its 15 bits exactly
+FIFTEEN_BITS_CASES = [(IGEMM_MIN_M + 1, k) for k in KINDS] + [(1, k) for k in INT4]
+
+
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
-def test_gemm_keeps_fifteen_bits_of_x(isa, kind):
-    """The GEMM's x: where the path has the integer GEMM, each element becomes
-    round(x / sx) with sx = amax / IG_XMAX per block of 32, so values under half a step
-    vanish and the rest keep 15 bits; other paths keep float32. A block holding 1.0 and
-    values of +-1.0e-5 to 1.4e-5 (under half a step, 1.54e-5) shows which one ran."""
+@pytest.mark.parametrize(
+    ("M", "kind"),
+    FIFTEEN_BITS_CASES,
+    ids=[f"{M}-{KIND_IDS[KINDS.index(k)]}" for M, k in FIFTEEN_BITS_CASES],
+)
+def test_which_paths_keep_fifteen_bits_of_x(isa, M, kind):
+    """x in the integer GEMM (prompts), and in the int4 GEMV (decode) of paths with two
+    digits: each element becomes round(x / sx) with sx = amax / IG_XMAX per block of 32,
+    so values under half a step vanish and the rest keep 15 bits; other paths keep
+    float32 (or, NEON's int4 decode, 23 bits). A block holding 1.0 and values of +-1.0e-5
+    to 1.4e-5 (under half a step, 1.54e-5) shows which one ran."""
     bits, g, sym = kind
-    M, K = IGEMM_MIN_M + 1, max(128, g)
+    K = max(128, g)
     w = packed(bits, g, sym, 7, K)
     gen = torch.Generator().manual_seed(1)
     x = torch.zeros(M, K)
@@ -244,7 +268,7 @@ def test_gemm_keeps_fifteen_bits_of_x(isa, kind):
     digits = torch.where(step > 0, (xb / step).round() * step, 0).flatten(-2)
     assert (digits[:, 32:64] == 0).sum() == M * 31  # the small ones are under half a step
     wf = dequantized(bits, g, w)
-    integer = runs_integer_gemm(M, isa, bits)
+    integer = takes_fifteen_bits(M, K, isa, bits)
     xs = digits if integer else x  # what the path multiplies
     ref, tol = xs @ wf.T, 1e-5 * (xs.abs() @ wf.abs().T)
     assert ((y - ref).abs() <= tol).all()
@@ -256,6 +280,13 @@ def test_gemm_keeps_fifteen_bits_of_x(isa, kind):
 def test_integer_gemm_where_vpdpbusd_is():
     for isa in ops.supported_isas():
         assert ops.integer_gemm(isa) == (isa in ("avx512vnni", "avx2vnni")), isa
+
+
+@needs_c
+def test_int4_decode_digits_per_path():
+    digits = {"avx2": 2, "avx2vnni": 2, "avx512": 2, "avx512vnni": 2, "neondot": 3}
+    for isa in ops.supported_isas():
+        assert ops.int4_gemv_digits(isa) == digits.get(isa, 0), isa
 
 
 @needs_c
@@ -301,10 +332,10 @@ def test_leading_dims_empty_rows_and_non_contiguous_x():
     x = torch.randn(2, 3, 64)
     y = run(4, 32, w, x)
     assert y.shape == (2, 3, 10)
-    assert_matches(y.view(6, 10), x.view(6, 64), 4, 32, w)
+    assert_matches(y.view(6, 10), x.view(6, 64), 4, 32, w, ops.isa())
     assert run(4, 32, w, torch.randn(0, 64)).shape == (0, 10)
     xt = torch.randn(64, 3).T  # (3, 64), not contiguous
-    assert_matches(run(4, 32, w, xt), xt.contiguous(), 4, 32, w)
+    assert_matches(run(4, 32, w, xt), xt.contiguous(), 4, 32, w, ops.isa())
 
 
 @needs_c

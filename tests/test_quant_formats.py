@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as T
 from tiny import random_blocks
 
 from infer.kernels_cpu import lut as lut_kernel
+from infer.kernels_cpu import ops
 from infer.kernels_cpu.reference import unpack_int6
 from infer.quant.base import FORMATS
 from infer.quant.gguf_import import from_gguf, importable
@@ -217,6 +218,10 @@ def test_forward_is_matmul_with_dequantized(fmt, params):
             # the LUT kernel's int8 activation tables: within their bound (kernels_cpu/lut.py)
             bound = lut_kernel.table_error_bound(x, q.scales, q.bits, q.group_size)
             assert ((q(x) - want).abs() <= bound + 1e-4 * want.abs() + 1e-4).all()
+        elif fmt == "int4" and ops.int4_gemv_digits() == 2:
+            # decode's x as the integer GEMM's two digits (15 bits a block): its bound
+            bound = ops.integer_gemm_error(x.reshape(-1, 256), q.dequantize()).view(want.shape)
+            assert ((q(x) - want).abs() <= bound + 1e-5 * want.abs() + 1e-4).all()
         else:
             torch.testing.assert_close(q(x), want, atol=1e-4, rtol=1e-5)
 

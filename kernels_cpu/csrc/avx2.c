@@ -3,12 +3,13 @@
  *
  * GEMV: one row at a time. int8: 8 weights widened per FMA; with AVX-VNNI x as three
  * int8 digits, 32 weights per load (1.2x the float path on one core: 21.5 GB/s against
- * 17.9). int4: x as three int8 digits, 64 weights (32 bytes) per load. int6: x as
+ * 17.9). int4: x as two int8 digits, 64 weights (32 bytes) per load. int6: x as
  * int8's digits, a block's quarter (32 weights) widened to bytes per dot product.
  * GEMM: 4 x 2 blocks of dot products (8 accumulators, 6 loads per 8 FMAs: 16 registers
  * do not hold the 4 x 4 block avx512.c uses). With AVX-VNNI, from 16 rows of x, the
  * integer GEMM (igemm.c), 16 rows of x by 3 rows of codes.
  */
+#include <math.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -196,11 +197,10 @@ T void q4_gemv(const qmat *a, int64_t n0, int64_t n1) {
  * int4 GEMV on x as int8 digits (avx512.c describes the digits)
  *
  * Chunks of 64 elements = 2 blocks = 32 bytes of a row; a chunk's digits are stored as
- * [digit 2, 1, 0][low, high][32 bytes], then its 8 lane scales (lane l: block l / 4).
+ * [digit 1, 0][low, high][32 bytes], then its 8 lane scales (lane l: block l / 4).
  * ---------------------------------------------------------------------------------- */
 
-enum { CHUNK = 64, CHUNK_BYTES = 3 * 2 * 32 };
-
+/* 2^k as a float, for -126 <= k <= 127 (the int8 digit GEMV's block scales) */
 TI float pow2(int k) {
     union {
         uint32_t u;
@@ -209,6 +209,7 @@ TI float pow2(int k) {
     return v.f;
 }
 
+/* One block's exponent e (max |x| < 2^e), or 999 for inf / NaN. */
 TI int block_exponent(float amax) {
     union {
         float f;
@@ -218,7 +219,9 @@ TI int block_exponent(float amax) {
     return ef == 0xff ? 999 : (ef ? ef : 1) - 126;
 }
 
-/* 32 int32 X (4 vectors) -> three digits as 32 bytes each, in element order */
+enum { CHUNK = 64, CHUNK_BYTES = 2 * 2 * 32 };
+
+/* 32 int32 X (4 vectors) -> three digits as 32 bytes each, in element order (int8's) */
 TI void digits32(const __m256i X[4], __m256i d[3]) {
     __m256i D[3][4];
     for (int i = 0; i < 4; i++) {
@@ -234,6 +237,20 @@ TI void digits32(const __m256i X[4], __m256i d[3]) {
     }
 }
 
+/* 32 int32 X (4 vectors), |X| <= IG_XMAX -> two digits as 32 bytes each, in element order */
+TI void digits32_2(const __m256i X[4], __m256i d[2]) {
+    __m256i D[2][4];
+    for (int i = 0; i < 4; i++) {
+        D[1][i] = _mm256_srai_epi32(_mm256_slli_epi32(X[i], 24), 24);
+        D[0][i] = _mm256_srai_epi32(_mm256_sub_epi32(X[i], D[1][i]), 8);
+    }
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int p = 0; p < 2; p++) { /* digits fit int8: the packs do not saturate */
+        __m256i ab = _mm256_packs_epi32(D[p][0], D[p][1]), cd = _mm256_packs_epi32(D[p][2], D[p][3]);
+        d[p] = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order);
+    }
+}
+
 T int q4_xprep(const float *x, int64_t K, void *buf) {
     const int64_t C = (K + CHUNK - 1) / CHUNK;
     int8_t *xd = buf;
@@ -244,37 +261,47 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
         for (int j = 0; j < 2; j++) {
             const int64_t k = c * CHUNK + 32 * j;
             if (k >= K) { /* past the end: zero digits, zero scale */
-                for (int p = 0; p < 3; p++) {
+                for (int p = 0; p < 2; p++) {
                     _mm_store_si128((__m128i *)(d + 64 * p + 16 * j), _mm_setzero_si128());
                     _mm_store_si128((__m128i *)(d + 64 * p + 32 + 16 * j), _mm_setzero_si128());
                 }
                 for (int i = 0; i < 4; i++) lanes[8 * c + 4 * j + i] = 0;
                 continue;
             }
-            __m256 xv[4], m = _mm256_setzero_ps();
+            __m256 xv[4], m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+            const __m256 inf = _mm256_set1_ps(INFINITY);
             for (int i = 0; i < 4; i++) {
                 xv[i] = _mm256_loadu_ps(x + k + 8 * i);
-                m = _mm256_max_ps(m, _mm256_and_ps(xv[i], absmask));
+                const __m256 ax = _mm256_and_ps(xv[i], absmask);
+                m = _mm256_max_ps(m, ax);
+                /* NaN or inf: not below inf (max_ps would drop a NaN) */
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(ax, inf, _CMP_NLT_UQ));
             }
+            if (_mm256_movemask_ps(bad)) return -1;
             __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
             h = _mm_max_ps(h, _mm_movehl_ps(h, h));
             h = _mm_max_ss(h, _mm_movehdup_ps(h));
             const float amax = _mm_cvtss_f32(h);
-            const int e = block_exponent(amax);
-            /* max_ps drops NaN operands: check the block for NaN separately */
-            __m256 nan = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv[i], xv[i], _CMP_UNORD_Q));
-            if (e == 999 || _mm256_movemask_ps(nan)) return -1;
-            const __m256 s1 = _mm256_set1_ps(pow2((22 - e) / 2)), s2 = _mm256_set1_ps(pow2(22 - e - (22 - e) / 2));
-            __m256i X[4], dg[3];
-            for (int i = 0; i < 4; i++) X[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(xv[i], s1), s2));
-            digits32(X, dg);
-            for (int p = 0; p < 3; p++) { /* elements 0..15 -> low, 16..31 -> high */
+            __m256i X[4], dg[2];
+            for (int i = 0; i < 4; i++) X[i] = _mm256_setzero_si256();
+            if (amax > 0) { /* X = x IG_XMAX / amax, as the integer GEMM's (ig_xprep) */
+                const float up = amax < 0x1p-100f ? 0x1p100f : 1.0f;
+                const __m256 vup = _mm256_set1_ps(up), inv = _mm256_set1_ps(IG_XMAX / (amax * up));
+                for (int i = 0; i < 4; i++)
+                    X[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(xv[i], vup), inv));
+            }
+            digits32_2(X, dg);
+            for (int p = 0; p < 2; p++) { /* elements 0..15 -> low, 16..31 -> high */
                 _mm_store_si128((__m128i *)(d + 64 * p + 16 * j), _mm256_castsi256_si128(dg[p]));
                 _mm_store_si128((__m128i *)(d + 64 * p + 32 + 16 * j), _mm256_extracti128_si256(dg[p], 1));
             }
-            const float sx = pow2((e - 22) / 2) * pow2(e - 22 - (e - 22) / 2);
+            const float sx = amax / IG_XMAX;
             for (int i = 0; i < 4; i++) lanes[8 * c + 4 * j + i] = sx;
+            __m256i sum = _mm256_add_epi32(_mm256_add_epi32(X[0], X[1]), _mm256_add_epi32(X[2], X[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            xprep4_xs(buf, K)[k / 32] = sx * (float)_mm_cvtsi128_si32(s4);
         }
     }
     return 0;
@@ -301,8 +328,7 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
         __m256i lo = _mm256_and_si256(w, m4);                                                   \
         __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);                             \
         __m256i t = DOT2(_mm256_setzero_si256(), lo, xc[0], hi, xc[1]);                         \
-        t = DOT2(_mm256_slli_epi32(t, 8), lo, xc[2], hi, xc[3]);                                \
-        return DOT2(_mm256_slli_epi32(t, 8), lo, xc[4], hi, xc[5]);                             \
+        return DOT2(_mm256_slli_epi32(t, 8), lo, xc[2], hi, xc[3]);                             \
     }                                                                                           \
     TARGET static inline __attribute__((always_inline)) void NAME##_row(const qmat *a, int64_t n, \
                                                                         const int64_t g) {      \
@@ -767,11 +793,12 @@ TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const flo
 
 const kernel_table kernels_avx2 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
-    .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits,
+    .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits, .q4_digits = 2,
 };
 const kernel_table kernels_avx2_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni,
+    .q4_digits = 2,
 };
 
 #endif

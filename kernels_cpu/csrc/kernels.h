@@ -78,8 +78,8 @@ int cpu_has(const char *feature);
  * 8192: 32 KB of digits and lane scales) runs its rows in slices of K, each slice of every
  * row of its task before the next slice, so that a slice's digits stay in L1 while the
  * rows pass: slices of 4096 elements (16 KB of digits) for int8 and int6 rows longer than
- * that, of 8192 (28 KB) for int4's. A row's slices add up in order, whatever the split of rows into
- * tasks. Its weights are then read a slice of a row at a time, rows apart: the prefetch
+ * that, of 8192 (20 KB of two digits and lane scales) for int4's. A row's slices add up
+ * in order, whatever the split of rows into tasks. Its weights are then read a slice of a row at a time, rows apart: the prefetch
  * runs SLICE_PREFETCH_ROWS rows ahead, at the same slice. Zen 4, one core, 2048 x 8192 (a
  * down projection): int8 10.9 -> 18.7 G weights/s, int6 11.5 -> 18.5; two threads 21.4
  * -> 33.4 and 20.8 -> 33.5. With slices of 2048, or the prefetch one row ahead, rows of
@@ -121,13 +121,19 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * registers and each group's partial dot product is scaled once:
  *      y[n] = sum_g d[n,g] * sum_{k in g} q[n,k] x[k]  +  sum_g c[n,g] * xsum[g]
  * (int4: c = m, or c = d with xsum = -8 * sum of x over the group when symmetric).
- * On x86 the int4 GEMV instead splits x, per block of 32, into three int8 digits,
- *      x ~ sx * (D2 * 2^16 + D1 * 2^8 + D0),  sx a power of two, |D2 * 2^16 + ...| <= 2^22,
- * so integer dot products (vpdpbusd, or vpmaddubsw + vpmaddwd) give sum q * x with
- * 23 significant bits in x: as accurate as float32 arithmetic, and ~2x fewer
+ * On x86 the int4 GEMV instead takes x as the integer GEMM's (below) two int8 digits per
+ * element, x ~ sx * (D1 * 2^8 + D0) with sx = amax / IG_XMAX per block of 32: 15
+ * significant bits per block, and the same x, bit for bit, as prompts multiply. Integer
+ * dot products (vpdpbusd, or vpmaddubsw + vpmaddwd) then give sum q * X with ~3x fewer
  * instructions per weight byte than widening nibbles to float (which is compute-bound,
- * not bandwidth-bound, on one core). It is not llama.cpp's one int8 digit (Q8_0
- * activations), which costs accuracy. Blocks with inf or NaN take the float GEMV.
+ * not bandwidth-bound, on one core). The mins' (or -8 d's) term takes its group sums
+ * from the same digits, so y is exactly x's digits times W. NEON keeps three digits, 23
+ * significant bits (x ~ sx * (D2 * 2^16 + D1 * 2^8 + D0), sx a power of two). Neither is
+ * llama.cpp's one int8 digit (Q8_0 activations), which costs accuracy: with the Q4_1
+ * blocks of the default model, llama.cpp's KL 0.0026, ours below 1e-6 (README). With
+ * three digits on x86 the GEMV was bound by the core more than by memory (Zen 4); two
+ * decode the 1B shape's Q4_0 16 % faster on one thread. Blocks with inf or NaN take the
+ * float GEMV.
  * Where vpdpbusd exists the int8 GEMV does the same with |X| <= 2^21 (22 significant
  * bits: sum_4 (q + 128) X must fit int32), the weights made unsigned by q ^ 0x80 and the
  * 128 * X that adds taken back per block of x: sum q X = sum (q + 128) X - 128 sum X.
@@ -177,9 +183,15 @@ typedef void (*tile_fn)(const float *x, int64_t ldx, const float *w, int64_t ldw
                         int64_t ldy, int64_t M, int64_t nb, int64_t K, int accumulate);
 
 /* x (K) -> digits and block scales in the layout the path's q4_gemv_digits reads, in a
- * 64-byte aligned buffer of XPREP_BYTES(K). Returns -1 (and leaves it) if x has inf or NaN. */
+ * 64-byte aligned buffer of XPREP_BYTES(K). Returns -1 (and leaves it) if x has inf or NaN.
+ * Paths of two digits also write, at the buffer's end (xprep4_xs), each block's term
+ * sx * sum X: the int4 GEMV's mins (or -8 d) term then multiplies the same x as its
+ * codes do, and y is exactly x's digits times W, as in the integer GEMM. */
 typedef int (*xprep_fn)(const float *x, int64_t K, void *buf);
-#define XPREP_BYTES(K) ((((K) + 127) / 128) * 448 + 64)
+#define XPREP_BYTES(K) ((((K) + 127) / 128) * 448 + 64 + (((K) + 31) / 32) * 4)
+static inline float *xprep4_xs(void *buf, int64_t K) {
+    return (float *)((int8_t *)buf + XPREP_BYTES(K)) - (K + 31) / 32;
+}
 
 /* The int8 digit GEMV's x: per 64 elements three digit vectors of 64 bytes, then per
  * 64 elements 16 lane scales (lane l: elements 4l..4l+3, scale of their block of 32),
@@ -268,6 +280,8 @@ typedef struct {
     xprep_fn q6_xprep;      /* NULL: the path has no int6 digit GEMV; else x in XPREP8 */
     gemv_fn q6_gemv_digits;
     dequant_fn q6_dequant;  /* NULL: q6_dequant_c */
+    int q4_digits;          /* int8 digits of x in q4_gemv_digits: 2 (x86: 15 significant
+                             * bits per block, as the integer GEMM's x) or 3 (NEON: 23) */
 } kernel_table;
 
 /* int6 in plain C (scalar.c), every path's fallback: the GEMV in float32 (x with inf or

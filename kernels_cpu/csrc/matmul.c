@@ -91,15 +91,6 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
         const int64_t G = a->K / a->g;
         float *xsum = malloc((size_t)G * sizeof *xsum);
         if (!(tmp[0] = xsum)) return -1;
-        const float f = a->mins ? 1.0f : -8.0f;
-        for (int64_t gi = 0; gi < G; gi++) { /* 8 partial sums: no add-latency chain */
-            const float *xg = a->x + gi * a->g;
-            float p[8] = {0};
-            for (int64_t k = 0; k < a->g; k += 8)
-                for (int i = 0; i < 8; i++) p[i] += xg[k + i];
-            xsum[gi] = f * (((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7])));
-        }
-        a->xsum = xsum;
         if (kt->q4_xprep) { /* x as int8 digits; x with inf or NaN keeps the float GEMV */
             if (!xq_ready) {
                 if (!(tmp[1] = alloc64(XPREP_BYTES(a->K)))) return -1;
@@ -110,6 +101,24 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
                 j->gemv = kt->q4_gemv_digits;
             }
         }
+        const float f = a->mins ? 1.0f : -8.0f;
+        if (j->gemv == kt->q4_gemv_digits && kt->q4_digits == 2) { /* the sums of the digits the codes multiply */
+            const float *xs = xprep4_xs((void *)a->xq, a->K);
+            for (int64_t gi = 0, per = a->g / 32; gi < G; gi++) {
+                float t = 0;
+                for (int64_t b = gi * per; b < (gi + 1) * per; b++) t += xs[b];
+                xsum[gi] = f * t;
+            }
+        } else {
+            for (int64_t gi = 0; gi < G; gi++) { /* 8 partial sums: no add-latency chain */
+                const float *xg = a->x + gi * a->g;
+                float p[8] = {0};
+                for (int64_t k = 0; k < a->g; k += 8)
+                    for (int i = 0; i < 8; i++) p[i] += xg[k + i];
+                xsum[gi] = f * (((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7])));
+            }
+        }
+        a->xsum = xsum;
     }
     if (bits == 8 && kt->q8_xprep) { /* x as int8 digits; x with inf or NaN: float GEMV */
         const int64_t K = a->K, B = (K + 31) / 32;

@@ -395,6 +395,7 @@ static void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float
 const kernel_table kernels_neon = {q8_gemv, q4_gemv, NULL, NULL, q8_dequant, q4_dequant, tile};
 const kernel_table kernels_neon_dot = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
+    .q4_digits = 3,
 };
 
 #endif

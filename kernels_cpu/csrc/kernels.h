@@ -68,11 +68,16 @@ int cpu_has(const char *feature);
  * the digits of x that every row reads again (Zen 4, 32 KB L1, one core: the int4 GEMV
  * 15-32 % faster into L2, int8 3-17 %; the 1B shape's Q4_0 decode 30.6-33.0 -> 37.6-37.9
  * tok/s). The AVX2 paths keep L1: on the same core forced onto them, L2 was 10-13 %
- * slower at rows of 2048 (14-20 % faster at 8192), and no AVX2-only CPU was at hand. */
-#define PREFETCH_AHEAD 4096
+ * slower at rows of 2048 (14-20 % faster at 8192), and no AVX2-only CPU was at hand.
+ * Into L2 the prefetch runs 8 KiB ahead: once the int4 GEMV took x as two digits (less
+ * work a byte), 4 KiB left one core waiting on memory (Zen 4, one thread, from memory,
+ * both distances in one process: int4 +2-15 %, int8 +6-15 % at rows of 2048 to 8192;
+ * two threads 0-7 %). The AVX2 paths keep 4 KiB. */
+#define PREFETCH_AHEAD 8192
+#define PREFETCH_AHEAD_L1 4096
 #define PREFETCH_AT(p, ahead) __builtin_prefetch((const char *)(p) + (ahead), 0, 2)
 #define PREFETCH_STREAM(p) PREFETCH_AT(p, PREFETCH_AHEAD)
-#define PREFETCH_STREAM_L1(p) __builtin_prefetch((const char *)(p) + PREFETCH_AHEAD, 0, 3)
+#define PREFETCH_STREAM_L1(p) __builtin_prefetch((const char *)(p) + PREFETCH_AHEAD_L1, 0, 3)
 
 /* An AVX-512 digit GEMV whose x's digits would fill the L1 cache (int8 and int6 rows of
  * 8192: 32 KB of digits and lane scales) runs its rows in slices of K, each slice of every

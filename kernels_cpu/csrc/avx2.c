@@ -9,7 +9,6 @@
  * do not hold the 4 x 4 block avx512.c uses). With AVX-VNNI, from 16 rows of x, the
  * integer GEMM (igemm.c), 16 rows of x by 3 rows of codes.
  */
-#include <math.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -251,11 +250,40 @@ TI void digits32_2(const __m256i X[4], __m256i d[2]) {
     }
 }
 
+/* A block of 32 elements (4 vectors) -> max |x|, or -1 if it holds NaN or inf */
+TI float block_amax(const __m256 v[4]) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps(), bad = mx;
+    for (int j = 0; j < 4; j++) {
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v[j], absmask));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v[j], v[j]), _mm256_setzero_ps(),
+                                              _CMP_NEQ_UQ)); /* NaN or inf */
+    }
+    if (_mm256_movemask_ps(bad)) return -1;
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+/* The integer GEMM's X = round(x / sx), sx = amax / IG_XMAX, of a block (4 vectors); sum X */
+TI int32_t ig_block_X(const __m256 v[4], float amax, __m256i X[4]) {
+    /* tiny blocks scaled up first (exactly) so that IG_XMAX / amax is finite */
+    const float up = amax < 0x1p-100f ? 0x1p100f : 1.0f;
+    const __m256 inv = _mm256_set1_ps(amax > 0 ? IG_XMAX / (amax * up) : 0);
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        X[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(up)), inv));
+        sum = _mm256_add_epi32(sum, X[j]);
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+}
+
 T int q4_xprep(const float *x, int64_t K, void *buf) {
     const int64_t C = (K + CHUNK - 1) / CHUNK;
     int8_t *xd = buf;
     float *lanes = (float *)(xd + C * CHUNK_BYTES);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t c = 0; c < C; c++) {
         int8_t *d = xd + c * CHUNK_BYTES;
         for (int j = 0; j < 2; j++) {
@@ -268,28 +296,12 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
                 for (int i = 0; i < 4; i++) lanes[8 * c + 4 * j + i] = 0;
                 continue;
             }
-            __m256 xv[4], m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-            const __m256 inf = _mm256_set1_ps(INFINITY);
-            for (int i = 0; i < 4; i++) {
-                xv[i] = _mm256_loadu_ps(x + k + 8 * i);
-                const __m256 ax = _mm256_and_ps(xv[i], absmask);
-                m = _mm256_max_ps(m, ax);
-                /* NaN or inf: not below inf (max_ps would drop a NaN) */
-                bad = _mm256_or_ps(bad, _mm256_cmp_ps(ax, inf, _CMP_NLT_UQ));
-            }
-            if (_mm256_movemask_ps(bad)) return -1;
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_max_ss(h, _mm_movehdup_ps(h));
-            const float amax = _mm_cvtss_f32(h);
+            __m256 xv[4];
+            for (int i = 0; i < 4; i++) xv[i] = _mm256_loadu_ps(x + k + 8 * i);
+            const float amax = block_amax(xv);
+            if (amax < 0) return -1;
             __m256i X[4], dg[2];
-            for (int i = 0; i < 4; i++) X[i] = _mm256_setzero_si256();
-            if (amax > 0) { /* X = x IG_XMAX / amax, as the integer GEMM's (ig_xprep) */
-                const float up = amax < 0x1p-100f ? 0x1p100f : 1.0f;
-                const __m256 vup = _mm256_set1_ps(up), inv = _mm256_set1_ps(IG_XMAX / (amax * up));
-                for (int i = 0; i < 4; i++)
-                    X[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(xv[i], vup), inv));
-            }
+            const int32_t sum_x = ig_block_X(xv, amax, X);
             digits32_2(X, dg);
             for (int p = 0; p < 2; p++) { /* elements 0..15 -> low, 16..31 -> high */
                 _mm_store_si128((__m128i *)(d + 64 * p + 16 * j), _mm256_castsi256_si128(dg[p]));
@@ -297,11 +309,7 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
             }
             const float sx = amax / IG_XMAX;
             for (int i = 0; i < 4; i++) lanes[8 * c + 4 * j + i] = sx;
-            __m256i sum = _mm256_add_epi32(_mm256_add_epi32(X[0], X[1]), _mm256_add_epi32(X[2], X[3]));
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-            xprep4_xs(buf, K)[k / 32] = sx * (float)_mm_cvtsi128_si32(s4);
+            xprep4_xs(buf, K)[k / 32] = sx * (float)sum_x;
         }
     }
     return 0;
@@ -671,7 +679,6 @@ T void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, 
 
 T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
     const int64_t Kp = d->Kp, B = Kp / 32;
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int8_t *dt = d->digits + t * B * 8 * 256;
     const int64_t rows = d->M - t * IG_MR < IG_MR ? d->M - t * IG_MR : IG_MR;
@@ -685,26 +692,13 @@ T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
                 v[j] = n >= 8 * j + 8 ? _mm256_loadu_ps(xr + k + 8 * j)
                        : n > 8 * j    ? _mm256_maskload_ps(xr + k + 8 * j, first_lanes(n - 8 * j))
                                       : _mm256_setzero_ps();
-            __m256 mx = _mm256_setzero_ps(), bad = mx;
-            for (int j = 0; j < 4; j++) {
-                mx = _mm256_max_ps(mx, _mm256_and_ps(v[j], absmask));
-                bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v[j], v[j]), _mm256_setzero_ps(),
-                                                      _CMP_NEQ_UQ)); /* NaN or inf */
-            }
-            if (_mm256_movemask_ps(bad)) return -1;
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            const float amax = block_amax(v);
+            if (amax < 0) return -1;
             __m256i X[4], L[4], H[4];
-            /* tiny blocks scaled up first (exactly) so that IG_XMAX / amax is finite */
-            const float up = amax < 0x1p-100f ? 0x1p100f : 1.0f;
-            const __m256 inv = _mm256_set1_ps(amax > 0 ? IG_XMAX / (amax * up) : 0);
-            __m256i sum = _mm256_setzero_si256();
+            const int32_t sum_x = ig_block_X(v, amax, X);
             for (int j = 0; j < 4; j++) {
-                X[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(up)), inv));
                 L[j] = _mm256_srai_epi32(_mm256_slli_epi32(X[j], 24), 24);
                 H[j] = _mm256_srai_epi32(_mm256_sub_epi32(X[j], L[j]), 8);
-                sum = _mm256_add_epi32(sum, X[j]);
             }
             /* digits fit int8: the packs do not saturate; bytes in element order */
             const __m256i hi = _mm256_permutevar8x32_epi32(
@@ -720,9 +714,7 @@ T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
             db[2 * 64 + 32] = _mm256_extract_epi32(lo, 2), db[3 * 64 + 32] = _mm256_extract_epi32(lo, 3);
             db[4 * 64 + 32] = _mm256_extract_epi32(lo, 4), db[5 * 64 + 32] = _mm256_extract_epi32(lo, 5);
             db[6 * 64 + 32] = _mm256_extract_epi32(lo, 6), db[7 * 64 + 32] = _mm256_extract_epi32(lo, 7);
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-            ig_terms(d, i, amax, _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1))), o);
+            ig_terms(d, i, amax, sum_x, o);
         }
     }
     return 0;

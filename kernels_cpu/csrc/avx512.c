@@ -258,6 +258,19 @@ TI void digits16_2(__m512i X, __m128i *d1, __m128i *d0) {
 
 enum { CHUNK = 128, CHUNK_BYTES = 2 * 2 * 64 };
 
+/* The integer GEMM's X = round(x / sx), sx = amax / IG_XMAX, of a block (x0, x1; finite,
+ * max |x| = amax); zero for a block of zeros. */
+TI void ig_block_X(__m512 x0, __m512 x1, float amax, __m512i *X0, __m512i *X1) {
+    *X0 = *X1 = _mm512_setzero_si512();
+    if (amax > 0) {
+        /* tiny blocks scaled up first (exactly) so that IG_XMAX / amax is finite */
+        const __m512 up = _mm512_set1_ps(amax < 0x1p-100f ? 0x1p100f : 1.0f);
+        const __m512 inv = _mm512_set1_ps(IG_XMAX / (amax * _mm512_cvtss_f32(up)));
+        *X0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x0, up), inv));
+        *X1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x1, up), inv));
+    }
+}
+
 T int q4_xprep(const float *x, int64_t K, void *buf) {
     const int64_t C = (K + CHUNK - 1) / CHUNK;
     int8_t *xd = buf;
@@ -278,13 +291,8 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
                 return -1;
             float amax = _mm512_reduce_max_ps(
                 _mm512_max_ps(_mm512_and_ps(x0, absmask), _mm512_and_ps(x1, absmask)));
-            __m512i X0 = _mm512_setzero_si512(), X1 = X0;
-            if (amax > 0) {
-                const __m512 up = _mm512_set1_ps(amax < 0x1p-100f ? 0x1p100f : 1.0f);
-                const __m512 inv = _mm512_set1_ps(IG_XMAX / (amax * _mm512_cvtss_f32(up)));
-                X0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x0, up), inv));
-                X1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x1, up), inv));
-            }
+            __m512i X0, X1;
+            ig_block_X(x0, x1, amax, &X0, &X1);
             digits16_2(X0, &lo[0], &lo[8]);
             digits16_2(X1, &hi[0], &hi[8]);
             const float sx = amax / IG_XMAX;
@@ -759,14 +767,8 @@ T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
                 return -1;
             float amax = _mm512_reduce_max_ps(
                 _mm512_max_ps(_mm512_and_ps(x0, absmask), _mm512_and_ps(x1, absmask)));
-            __m512i X0 = _mm512_setzero_si512(), X1 = X0;
-            if (amax > 0) {
-                /* tiny blocks scaled up first (exactly) so that IG_XMAX / amax is finite */
-                const __m512 up = _mm512_set1_ps(amax < 0x1p-100f ? 0x1p100f : 1.0f);
-                const __m512 inv = _mm512_set1_ps(IG_XMAX / (amax * _mm512_cvtss_f32(up)));
-                X0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x0, up), inv));
-                X1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(x1, up), inv));
-            }
+            __m512i X0, X1;
+            ig_block_X(x0, x1, amax, &X0, &X1);
             const __m512i L0 = _mm512_srai_epi32(_mm512_slli_epi32(X0, 24), 24);
             const __m512i L1 = _mm512_srai_epi32(_mm512_slli_epi32(X1, 24), 24);
             /* dword j of the hi (lo) digits: elements 4j..4j+3, to group j's hi (lo) vectors */

@@ -84,8 +84,9 @@ int cpu_has(const char *feature);
  * row of its task before the next slice, so that a slice's digits stay in L1 while the
  * rows pass: slices of 4096 elements (16 KB of digits) for int8 and int6 rows longer than
  * that, of 8192 (20 KB of two digits and lane scales) for int4's. A row's slices add up
- * in order, whatever the split of rows into tasks. Its weights are then read a slice of a row at a time, rows apart: the prefetch
- * runs SLICE_PREFETCH_ROWS rows ahead, at the same slice. Zen 4, one core, 2048 x 8192 (a
+ * in order, whatever the split of rows into tasks. Its weights are then read a slice of
+ * a row at a time, rows apart: the prefetch runs SLICE_PREFETCH_ROWS rows ahead, at the
+ * same slice. Zen 4, one core, 2048 x 8192 (a
  * down projection): int8 10.9 -> 18.7 G weights/s, int6 11.5 -> 18.5; two threads 21.4
  * -> 33.4 and 20.8 -> 33.5. With slices of 2048, or the prefetch one row ahead, rows of
  * 4096 and 8192 lost up to 40 %; int4 in slices of 4096 gained 0-16 % alone but decoded

@@ -5,10 +5,9 @@ when K >= 768, else the GEMM), 12 (the float GEMM) and 33 (the integer GEMM wher
 has one, else the float GEMM; partial tiles and blocks), N odd, K = 32 x odd
 (not a multiple of 256), per-channel int8 with K odd. Results must match the reference
 up to float summation order and what x's digits lose (15 significant bits per block of
-32 in the integer GEMM and in x86's int4 GEMV, 23 in the other digit GEMVs), and be
-bit-identical for 1 and 2 threads. Then the
-quantized layers' forwards, and greedy decoding of the default model with kernels
-against the reference path.
+32 in the integer GEMM and in x86's int4 GEMV, 22-23 in the other digit GEMVs), and be
+bit-identical for 1 and 2 threads. Then the quantized layers' forwards, and greedy
+decoding of the default model with kernels against the reference path.
 """
 
 from __future__ import annotations

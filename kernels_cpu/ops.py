@@ -81,7 +81,7 @@ def integer_gemm_error(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (M, N) for x (M, K) and dequantized w (N, K): half a step (amax / IG_XMAX per block of
     32 of x) per element, plus float32's rounding of the step, times sum |w| over the
     block. Callers add it where integer_gemm() holds and the rows run the GEMM, and where
-    int4 rows run the GEMV on a path whose int4_gemv_digits() is 2."""
+    int4 rows run the GEMV and int4_gemv_fifteen_bits() holds."""
     pad = -x.shape[-1] % 32
     xb = torch.nn.functional.pad(x.abs(), (0, pad)).unflatten(-1, (-1, 32)).amax(-1)
     wb = torch.nn.functional.pad(w.abs(), (0, pad)).unflatten(-1, (-1, 32)).sum(-1)
@@ -97,14 +97,14 @@ def integer_gemm(isa: str | None = None) -> bool:
     return _C.isa_integer_gemm(_default_isa() if isa is None else _isa_id(isa))
 
 
-def int4_gemv_digits(isa: str | None = None) -> int:
-    """How a path (default: the default one) multiplies decode's x by int4 weights: as
-    two int8 digits (x86: 15 significant bits per block of 32, x exactly as the integer
-    GEMM takes it, so integer_gemm_error bounds it too), three (NEON: 23 bits), or 0
-    (float32: the scalar and plain-NEON paths)."""
+def int4_gemv_fifteen_bits(isa: str | None = None) -> bool:
+    """Whether a path (default: the default one) multiplies decode's x by int4 weights
+    as the integer GEMM's two int8 digits: 15 significant bits per block of 32, x exactly
+    as prompts take it, so integer_gemm_error bounds it too. The paths with integer dot
+    products for it do (x86, neondot); scalar and plain NEON multiply in float32."""
     if _C is None:
-        return 0
-    return _C.isa_q4_digits(_default_isa() if isa is None else _isa_id(isa))
+        return False
+    return _C.isa_int4_digits(_default_isa() if isa is None else _isa_id(isa))
 
 
 def set_num_threads(n: int) -> None:

@@ -5,7 +5,7 @@ when K >= 768, else the GEMM), 12 (the float GEMM) and 33 (the integer GEMM wher
 has one, else the float GEMM; partial tiles and blocks), N odd, K = 32 x odd
 (not a multiple of 256), per-channel int8 with K odd. Results must match the reference
 up to float summation order and what x's digits lose (15 significant bits per block of
-32 in the integer GEMM and in x86's int4 GEMV, 22-23 in the other digit GEMVs), and be
+32 in the integer GEMM and in the int4 GEMV, 22 in the int8 and int6 GEMVs), and be
 bit-identical for 1 and 2 threads. Then the quantized layers' forwards, and greedy
 decoding of the default model with kernels against the reference path.
 """
@@ -92,14 +92,15 @@ def runs_gemv(M: int, K: int) -> bool:
 
 def takes_fifteen_bits(M: int, K: int, isa: str, bits: int) -> bool:
     """Whether the rows' x becomes the integer GEMM's two digits: in that GEMM, and in
-    the int4 GEMV of the paths with two digits."""
-    gemv_digits = bits == 4 and ops.int4_gemv_digits(isa) == 2 and runs_gemv(M, K)
+    the int4 GEMV of the paths with integer dot products for it."""
+    gemv_digits = bits == 4 and ops.int4_gemv_fifteen_bits(isa) and runs_gemv(M, K)
     return runs_integer_gemm(M, isa, bits) or gemv_digits
 
 
 def digit_error(x, bits, g, w):
-    """The most x's digits can lose in a GEMV of three digits: 23 significant bits per
-    block of 32 (kernels.h), so 2^-21 of the block's amax times sum |w| over it."""
+    """The most x's digits can lose in a GEMV of three digits (int8, int6): 22
+    significant bits per block of 32 (kernels.h), so 2^-21 of the block's amax times sum
+    |w| over it."""
     wf = dequantized(bits, g, w)
     amax = x.abs().unflatten(-1, (-1, 32)).amax(-1)  # (M, K/32)
     return 2.0**-21 * amax @ wf.abs().unflatten(-1, (-1, 32)).sum(-1).T
@@ -214,9 +215,9 @@ def test_int8_per_channel_any_row_length(isa, K, M):
 @pytest.mark.parametrize("M", [2, SMALL_M + 1, IGEMM_MIN_M])
 def test_special_values(isa, M):
     """Scales that are float16 subnormals, zero, negative; x with zeros and huge values.
-    A few rows run one GEMV each, whose digits keep 23 bits of a block with 1e30 in it
-    (15 in x86's int4 GEMV); more run the GEMM, float32 or (16 rows or more, on paths
-    that have it) integer, whose digits keep 15."""
+    A few rows run one GEMV each, whose digits keep 22 bits of a block with 1e30 in it
+    (int8; int4's 15); more run the GEMM, float32 or (16 rows or more, on paths that have
+    it) integer, whose digits keep 15."""
     N, K = 6, 64
     w = packed(4, 32, False, N, K)
     w["scales"][0] = torch.tensor([6e-8, -6e-8]).half()  # subnormal
@@ -251,8 +252,8 @@ def test_which_paths_keep_fifteen_bits_of_x(isa, M, kind):
     """x in the integer GEMM (prompts), and in the int4 GEMV (decode) of paths with two
     digits: each element becomes round(x / sx) with sx = amax / IG_XMAX per block of 32,
     so values under half a step vanish and the rest keep 15 bits; other paths keep
-    float32 (or, NEON's int4 decode, 23 bits). A block holding 1.0 and values of +-1.0e-5
-    to 1.4e-5 (under half a step, 1.54e-5) shows which one ran."""
+    float32. A block holding 1.0 and values of +-1.0e-5 to 1.4e-5 (under half a step,
+    1.54e-5) shows which one ran."""
     bits, g, sym = kind
     K = max(128, g)
     w = packed(bits, g, sym, 7, K)
@@ -282,10 +283,10 @@ def test_integer_gemm_where_vpdpbusd_is():
 
 
 @needs_c
-def test_int4_decode_digits_per_path():
-    digits = {"avx2": 2, "avx2vnni": 2, "avx512": 2, "avx512vnni": 2, "neondot": 3}
+def test_int4_decode_takes_fifteen_bits_where_integer_dots_are():
+    on_digits = ("avx2", "avx2vnni", "avx512", "avx512vnni", "neondot")
     for isa in ops.supported_isas():
-        assert ops.int4_gemv_digits(isa) == digits.get(isa, 0), isa
+        assert ops.int4_gemv_fifteen_bits(isa) == (isa in on_digits), isa
 
 
 @needs_c

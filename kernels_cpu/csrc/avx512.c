@@ -879,12 +879,10 @@ TARGET_AVX512_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const f
 const kernel_table kernels_avx512 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
     .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits, .q6_dequant = q6_dequant,
-    .q4_digits = 2,
 };
 const kernel_table kernels_avx512_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni, q6_dequant,
-    .q4_digits = 2,
 };
 
 #endif

@@ -127,19 +127,18 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * registers and each group's partial dot product is scaled once:
  *      y[n] = sum_g d[n,g] * sum_{k in g} q[n,k] x[k]  +  sum_g c[n,g] * xsum[g]
  * (int4: c = m, or c = d with xsum = -8 * sum of x over the group when symmetric).
- * On x86 the int4 GEMV instead takes x as the integer GEMM's (below) two int8 digits per
- * element, x ~ sx * (D1 * 2^8 + D0) with sx = amax / IG_XMAX per block of 32: 15
- * significant bits per block, and the same x, bit for bit, as prompts multiply. Integer
- * dot products (vpdpbusd, or vpmaddubsw + vpmaddwd) then give sum q * X with ~3x fewer
- * instructions per weight byte than widening nibbles to float (which is compute-bound,
- * not bandwidth-bound, on one core). The mins' (or -8 d's) term takes its group sums
- * from the same digits, so y is exactly x's digits times W. NEON keeps three digits, 23
- * significant bits (x ~ sx * (D2 * 2^16 + D1 * 2^8 + D0), sx a power of two). Neither is
- * llama.cpp's one int8 digit (Q8_0 activations), which costs accuracy: with the Q4_1
- * blocks of the default model, llama.cpp's KL 0.0026, ours below 1e-6 (README). With
- * three digits on x86 the GEMV was bound by the core more than by memory (Zen 4); two
- * decode the 1B shape's Q4_0 16 % faster on one thread. Blocks with inf or NaN take the
- * float GEMV.
+ * Paths with integer dot products for it (x86, neondot) instead run the int4 GEMV on x
+ * as the integer GEMM's (below) two int8 digits per element, x ~ sx * (D1 * 2^8 + D0)
+ * with sx = amax / IG_XMAX per block of 32: 15 significant bits per block, and the same
+ * x, bit for bit, as prompts multiply. Integer dot products (vpdpbusd, vpmaddubsw +
+ * vpmaddwd, sdot) then give sum q * X with ~3x fewer instructions per weight byte than
+ * widening nibbles to float (which is compute-bound, not bandwidth-bound, on one core).
+ * The mins' (or -8 d's) term takes its group sums from the same digits, so y is exactly
+ * x's digits times W. It is not llama.cpp's one int8 digit (Q8_0 activations), which
+ * costs accuracy: with the Q4_1 blocks of the default model, llama.cpp's KL 0.0026, ours
+ * below 1e-6 (README). With three digits (23 bits) the GEMV was bound by the core more
+ * than by memory (Zen 4); two decode the 1B shape's Q4_0 16 % faster on one thread.
+ * Blocks with inf or NaN take the float GEMV.
  * Where vpdpbusd exists the int8 GEMV does the same with |X| <= 2^21 (22 significant
  * bits: sum_4 (q + 128) X must fit int32), the weights made unsigned by q ^ 0x80 and the
  * 128 * X that adds taken back per block of x: sum q X = sum (q + 128) X - 128 sum X.
@@ -286,8 +285,6 @@ typedef struct {
     xprep_fn q6_xprep;      /* NULL: the path has no int6 digit GEMV; else x in XPREP8 */
     gemv_fn q6_gemv_digits;
     dequant_fn q6_dequant;  /* NULL: q6_dequant_c */
-    int q4_digits;          /* int8 digits of x in q4_gemv_digits: 2 (x86: 15 significant
-                             * bits per block, as the integer GEMM's x) or 3 (NEON: 23) */
 } kernel_table;
 
 /* int6 in plain C (scalar.c), every path's fallback: the GEMV in float32 (x with inf or

@@ -102,7 +102,7 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
             }
         }
         const float f = a->mins ? 1.0f : -8.0f;
-        if (j->gemv == kt->q4_gemv_digits && kt->q4_digits == 2) {
+        if (j->gemv == kt->q4_gemv_digits) {
             /* the group sums of the digits the codes multiply */
             const float *xs = xprep4_xs((void *)a->xq, a->K);
             for (int64_t gi = 0, per = a->g / 32; gi < G; gi++) {

@@ -136,12 +136,12 @@ static PyObject *py_isa_integer_gemm(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(kt && kt->ig_xprep);
 }
 
-static PyObject *py_isa_q4_digits(PyObject *self, PyObject *arg) {
+static PyObject *py_isa_int4_digits(PyObject *self, PyObject *arg) {
     (void)self;
     long isa = PyLong_AsLong(arg);
     if (isa == -1 && PyErr_Occurred()) return NULL;
     const kernel_table *kt = isa >= 0 && isa < ISA_COUNT ? kernels_for((int)isa) : NULL;
-    return PyLong_FromLong(kt && kt->q4_xprep ? kt->q4_digits : 0);
+    return PyBool_FromLong(kt && kt->q4_xprep);
 }
 
 static PyObject *py_isa_best(PyObject *self, PyObject *unused) {
@@ -170,8 +170,8 @@ static PyMethodDef methods[] = {
     {"isa_best", py_isa_best, METH_NOARGS, "the fastest path this CPU can run"},
     {"isa_integer_gemm", py_isa_integer_gemm, METH_O,
      "whether path `isa` multiplies prompts (the GEMM) with integer dot products"},
-    {"isa_q4_digits", py_isa_q4_digits, METH_O,
-     "int8 digits of x in path `isa`'s int4 GEMV (0: it multiplies in float)"},
+    {"isa_int4_digits", py_isa_int4_digits, METH_O,
+     "whether path `isa`'s int4 GEMV takes x as the integer GEMM's two int8 digits"},
     {"cpu_has", py_cpu_has, METH_O, "whether the CPU has a feature (e.g. 'avx512vnni')"},
     {NULL, NULL, 0, NULL},
 };

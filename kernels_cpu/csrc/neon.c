@@ -3,8 +3,9 @@
  * algorithms as avx512.c (see there and kernels.h):
  *
  * GEMV: one row at a time, ACC accumulators. int8 and (neon) int4 widen weights to float;
- * neondot's int4 GEMV takes x as three int8 digits per element, one 32-element block
- * (16 bytes of a row) per step, six sdot.
+ * neondot's int4 GEMV takes x as two int8 digits per element (15 significant bits a
+ * block: the integer GEMM's x, as on x86), one 32-element block (16 bytes of a row) per
+ * step, four sdot.
  * GEMM: dequantized tile times x in 4 x 4 blocks of dot products (16 accumulators of
  * the 32 registers).
  */
@@ -193,29 +194,12 @@ static void q4_gemv(const qmat *a, int64_t n0, int64_t n1) {
  * int4 GEMV on x as int8 digits (neondot)
  *
  * One chunk = one block of 32 elements = 16 bytes of a row; its digits are stored as
- * [digit 2, 1, 0][low, high][16 bytes] (low: elements 0..15, high: 16..31), 96 bytes,
- * and after all chunks one scale per block.
+ * [digit 1, 0][low, high][16 bytes] (low: elements 0..15, high: 16..31), 64 bytes,
+ * and after all chunks one scale per block; at the buffer's end each block's sx * sum X
+ * (kernels.h, xprep4_xs). X as the integer GEMM's and the x86 paths' (avx512.c).
  * ---------------------------------------------------------------------------------- */
 
-enum { CHUNK = 32, CHUNK_BYTES = 3 * 2 * 16 };
-
-TI float pow2(int k) {
-    union {
-        uint32_t u;
-        float f;
-    } v = {(uint32_t)(k + 127) << 23};
-    return v.f;
-}
-
-/* 4 int32 X -> digits (D2, D1, D0) as int32 */
-TI void digits4(int32x4_t X, int32x4_t d[3]) {
-    int32x4_t D0 = vshrq_n_s32(vshlq_n_s32(X, 24), 24);
-    int32x4_t X1 = vshrq_n_s32(vsubq_s32(X, D0), 8);
-    int32x4_t D1 = vshrq_n_s32(vshlq_n_s32(X1, 24), 24);
-    d[0] = vshrq_n_s32(vsubq_s32(X1, D1), 8);
-    d[1] = D1;
-    d[2] = D0;
-}
+enum { CHUNK = 32, CHUNK_BYTES = 2 * 2 * 16 };
 
 /* 16 int32 digits (4 vectors) -> 16 bytes (they fit int8: no saturation) */
 TI int8x16_t narrow16(const int32x4_t v[4]) {
@@ -234,26 +218,25 @@ static int q4_xprep(const float *x, int64_t K, void *buf) {
             xv[i] = vld1q_f32(x + c * CHUNK + 4 * i);
             m = vmaxq_f32(m, vabsq_f32(xv[i])); /* FMAX: NaN propagates */
         }
-        union {
-            float f;
-            uint32_t u;
-        } v = {vmaxvq_f32(m)};
-        const int ef = (int)(v.u >> 23) & 0xff;
-        if (ef == 0xff) return -1; /* inf or NaN */
-        const int e = (ef ? ef : 1) - 126;
-        const float32x4_t s1 = vdupq_n_f32(pow2((22 - e) / 2)), s2 = vdupq_n_f32(pow2(22 - e - (22 - e) / 2));
-        int32x4_t dg[3][8];
+        const float amax = vmaxvq_f32(m);
+        if (!(amax <= 0x1.fffffep127f)) return -1; /* inf or NaN */
+        /* X = round(x / sx), sx = amax / IG_XMAX; tiny blocks scaled up first (exactly) */
+        const float up = amax < 0x1p-100f ? 0x1p100f : 1.0f;
+        const float32x4_t vup = vdupq_n_f32(up), inv = vdupq_n_f32(amax > 0 ? IG_XMAX / (amax * up) : 0);
+        int32x4_t hi[8], lo[8], sum = vdupq_n_s32(0);
         for (int i = 0; i < 8; i++) {
-            int32x4_t d[3];
-            digits4(vcvtnq_s32_f32(vmulq_f32(vmulq_f32(xv[i], s1), s2)), d);
-            for (int p = 0; p < 3; p++) dg[p][i] = d[p];
+            const int32x4_t X = vcvtnq_s32_f32(vmulq_f32(vmulq_f32(xv[i], vup), inv));
+            lo[i] = vshrq_n_s32(vshlq_n_s32(X, 24), 24); /* X mod 256 in [-128, 127] */
+            hi[i] = vshrq_n_s32(vsubq_s32(X, lo[i]), 8);
+            sum = vaddq_s32(sum, X);
         }
         int8_t *out = xd + c * CHUNK_BYTES;
-        for (int p = 0; p < 3; p++) {
-            vst1q_s8(out + 32 * p, narrow16(dg[p]));          /* elements 0..15 */
-            vst1q_s8(out + 32 * p + 16, narrow16(dg[p] + 4)); /* elements 16..31 */
-        }
-        scale[c] = pow2((e - 22) / 2) * pow2(e - 22 - (e - 22) / 2);
+        vst1q_s8(out, narrow16(hi));          /* elements 0..15 */
+        vst1q_s8(out + 16, narrow16(hi + 4)); /* elements 16..31 */
+        vst1q_s8(out + 32, narrow16(lo));
+        vst1q_s8(out + 48, narrow16(lo + 4));
+        scale[c] = amax / IG_XMAX;
+        xprep4_xs(buf, K)[c] = scale[c] * (float)vaddvq_s32(sum);
     }
     return 0;
 }
@@ -265,8 +248,7 @@ TARGET_DOT TI int32x4_t q4_chunk(const uint8_t *q, const int8_t *xd, int64_t c) 
     int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(w, vdupq_n_u8(15)));
     int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(w, 4));
     int32x4_t t = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xc)), hi, vld1q_s8(xc + 16));
-    t = vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 32)), hi, vld1q_s8(xc + 48));
-    return vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 64)), hi, vld1q_s8(xc + 80));
+    return vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 32)), hi, vld1q_s8(xc + 48));
 }
 
 TARGET_DOT TI void q4_digits_row(const qmat *a, int64_t n, const int64_t g) {
@@ -395,7 +377,6 @@ static void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float
 const kernel_table kernels_neon = {q8_gemv, q4_gemv, NULL, NULL, q8_dequant, q4_dequant, tile};
 const kernel_table kernels_neon_dot = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
-    .q4_digits = 3,
 };
 
 #endif

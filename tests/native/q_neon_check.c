@@ -1,0 +1,152 @@
+/* The NEON int8 and int4 matmuls (kernels_cpu/csrc/neon.c) against the scalar path,
+   without Python.
+
+   AArch64 only; tests/test_q_neon.py builds it with a cross compiler and runs it under
+   qemu-aarch64, once on a CPU with dotprod and once without:
+
+     aarch64-linux-gnu-gcc -O2 -std=c11 -ffp-contract=off -pthread -Ikernels_cpu/csrc \
+         tests/native/q_neon_check.c kernels_cpu/csrc/{pool,cpu,scalar,neon,matmul,igemm}.c \
+         -lm -o q_neon
+     qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max ./q_neon   (or -cpu cortex-a53)
+
+   Awkward shapes as tests/test_kernels_q.py's: M = 1 and 3 (a GEMV per row), 7 (a GEMV per
+   row when K >= 768, else the GEMM), 12 (the GEMM); N odd; K = 32 x odd. Each result must
+   equal the scalar path's up to float summation order (1e-5 of sum |x| |w|) and, where the
+   rows run neondot's int4 GEMV, what x's two int8 digits lose: half a step, amax / IG_XMAX
+   per block of 32 (kernels.h), and float32's rounding of it, times sum |w| over the block.
+   1 and 2 threads must give the same bits. Prints "dotprod=D cases=C" and exits 0 when
+   every case holds, 1 otherwise. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+enum { SMALL_M = 4, WIDE_M = 8, WIDE_K = 768 }; /* matmul.c: which rows run a GEMV each */
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint32_t next_u32(void) { /* xorshift64* */
+    rng ^= rng >> 12;
+    rng ^= rng << 25;
+    rng ^= rng >> 27;
+    return (uint32_t)((rng * 0x2545F4914F6CDD1Dull) >> 32);
+}
+static float uniform(void) { return (float)(next_u32() >> 8) / 16777216.0f; }
+
+/* A float16 of magnitude 2^-6 .. 2^2 and random sign */
+static uint16_t rand_half(void) {
+    uint32_t r = next_u32();
+    return (uint16_t)(((r & 1) << 15) | ((9 + (r >> 1) % 8) << 10) | ((r >> 4) & 0x3ff));
+}
+
+/* heavy-tailed activations, as hidden states */
+static void activations(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float u = uniform();
+        x[i] = (2.0f * uniform() - 1.0f) * u * u * u * u * 3.0f;
+    }
+}
+
+/* W[n, k] as the format defines it (kernels.h, "Quantized matmul") */
+static double weight(const qmat *a, int bits, int64_t n, int64_t k) {
+    const int64_t K = a->K, g = a->g;
+    if (bits == 8) {
+        const double q = ((const int8_t *)a->qw)[n * K + k];
+        return g ? q * half_to_float(((const uint16_t *)a->scales)[n * (K / g) + k / g])
+                 : q * ((const float *)a->scales)[n];
+    }
+    const uint8_t byte = ((const uint8_t *)a->qw)[n * (K / 2) + k / 32 * 16 + k % 16];
+    const int q = k % 32 < 16 ? byte & 15 : byte >> 4;
+    const int64_t G = n * (K / g) + k / g;
+    const double d = half_to_float(((const uint16_t *)a->scales)[G]);
+    return a->mins ? q * d + half_to_float(a->mins[G]) : (q - 8) * d;
+}
+
+static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_t K) {
+    const int64_t nq = bits == 8 ? N * K : N * K / 2, ns = g ? N * (K / g) : N;
+    float *x = malloc(sizeof(float) * M * K), *ys = malloc(sizeof(float) * M * N),
+          *y1 = malloc(sizeof(float) * M * N), *y2 = malloc(sizeof(float) * M * N);
+    uint8_t *qw = malloc((size_t)nq);
+    uint16_t *s = malloc(2 * ns), *mn = sym ? NULL : malloc(2 * ns);
+    float *sf = malloc(sizeof(float) * N);
+    activations(x, M * K);
+    if (M > 1) memset(x + K, 0, sizeof(float) * 32); /* a block of zeros */
+    if (M > 2)
+        for (int k = 0; k < 32; k++) x[2 * K + k] *= 1e-30f; /* a block of tiny values */
+    for (int64_t i = 0; i < nq; i++) qw[i] = (uint8_t)next_u32();
+    for (int64_t i = 0; i < ns; i++) s[i] = rand_half();
+    for (int64_t i = 0; mn && i < ns; i++) mn[i] = rand_half();
+    for (int64_t i = 0; i < N; i++) sf[i] = uniform() * 0.02f + 0.001f;
+    qmat a = {.x = x, .qw = qw, .scales = bits == 8 && !g ? (const void *)sf : s, .mins = mn,
+              .M = M, .N = N, .K = K, .g = g};
+    int bad = 0;
+    a.y = ys;
+    if (q_matmul(bits, &a, ISA_SCALAR, 1)) bad = 1;
+    a.y = y1;
+    if (q_matmul(bits, &a, isa, 1)) bad = 1;
+    a.y = y2;
+    if (q_matmul(bits, &a, isa, 2)) bad = 1;
+    if (memcmp(y1, y2, sizeof(float) * M * N)) {
+        printf("THREADS %s bits=%d g=%d M=%ld N=%ld K=%ld: 1 and 2 threads differ\n",
+               isa_name(isa), bits, g, (long)M, (long)N, (long)K);
+        bad = 1;
+    }
+    const kernel_table *kt = kernels_for(isa);
+    const int runs_gemv = M <= SMALL_M || (M <= WIDE_M && K >= WIDE_K);
+    const int two_digits = bits == 4 && kt->q4_xprep && runs_gemv;
+    for (int64_t m = 0; m < M && !bad; m++)
+        for (int64_t n = 0; n < N; n++) {
+            double tol = 1e-30, digits = 0;
+            for (int64_t b = 0; b < K / 32; b++) {
+                double amax = 0, wsum = 0;
+                for (int64_t k = 32 * b; k < 32 * b + 32; k++) {
+                    const double w = fabs(weight(&a, bits, n, k)), xk = fabs(x[m * K + k]);
+                    tol += 1e-5 * w * xk;
+                    wsum += w;
+                    amax = xk > amax ? xk : amax;
+                }
+                digits += amax * wsum;
+            }
+            if (two_digits) tol += (0.5 / IG_XMAX + 0x1p-21) * digits;
+            const double err = fabs((double)y1[m * N + n] - ys[m * N + n]);
+            if (!(err <= tol)) {
+                printf("MISMATCH %s bits=%d g=%d sym=%d M=%ld N=%ld K=%ld at (%ld, %ld): %.9g "
+                       "against %.9g (tolerance %.3g)\n", isa_name(isa), bits, g, sym, (long)M,
+                       (long)N, (long)K, (long)m, (long)n, y1[m * N + n], ys[m * N + n], tol);
+                bad = 1;
+                break;
+            }
+        }
+    free(x), free(ys), free(y1), free(y2), free(qw), free(s), free(mn), free(sf);
+    return bad;
+}
+
+int main(void) {
+    const int dot = cpu_has("dotprod");
+    if (isa_supported(ISA_NEON_DOT) != dot) {
+        printf("DISPATCH neondot supported=%d, dotprod=%d\n", isa_supported(ISA_NEON_DOT), dot);
+        return 1;
+    }
+    /* (bits, g, symmetric) as tests/test_kernels_q.py's KINDS, int6 aside (NEON runs it in
+       the portable C) */
+    static const int KINDS[][3] = {{8, 0, 1},  {8, 32, 1},  {8, 64, 1},  {8, 128, 1},
+                                   {4, 32, 1}, {4, 32, 0},  {4, 64, 1},  {4, 64, 0},
+                                   {4, 128, 1}, {4, 128, 0}};
+    static const int64_t KS[] = {32 * 7, 128 * 3, 32 * 5, 32 * 38, 64 * 3};
+    static const int64_t NS[] = {1, 37};
+    static const int64_t MS[] = {1, 3, 7, 12};
+    const int isas[2] = {ISA_NEON, ISA_NEON_DOT};
+    int cases = 0, bad = 0;
+    for (int i = 0; i < (dot ? 2 : 1); i++)
+        for (size_t k = 0; k < sizeof KINDS / sizeof *KINDS; k++)
+            for (size_t kk = 0; kk < sizeof KS / sizeof *KS; kk++) {
+                if (KINDS[k][1] && KS[kk] % KINDS[k][1]) continue;
+                for (size_t n = 0; n < sizeof NS / sizeof *NS; n++)
+                    for (size_t m = 0; m < sizeof MS / sizeof *MS; m++, cases++)
+                        bad |= check(isas[i], KINDS[k][0], KINDS[k][1], KINDS[k][2], MS[m],
+                                     NS[n], KS[kk]);
+            }
+    printf("dotprod=%d cases=%d %s\n", dot, cases, bad ? "FAILED" : "ok");
+    return bad;
+}

@@ -74,7 +74,7 @@ def importable(t: GGUFTensor, spec: dict) -> bool:
     if target is None or len(t.shape) != 2 or spec.get("format") != target["format"]:
         return False
     params = FORMATS[target["format"]].resolve_params(
-        {k: v for k, v in spec.items() if k != "format"}
+        {k: v for k, v in spec.items() if k not in ("format", "fallback")}
     )
     return {"format": target["format"], **params} == target
 

@@ -79,6 +79,13 @@ class Grid:
     dtype: torch.dtype = torch.float16
 
 
+def supports(cls: type[QuantLinear]) -> bool:
+    """Whether GPTQ quantizes format `cls`: one scale (and min) per group. Not int6,
+    whose two levels of scales (an int8 per 16 under a float16 per 256) it has no grid
+    for; at 6.56 bits a weight, its own clipping search serves."""
+    return issubclass(cls, (Int4Linear, LutLinear, Int8Linear))
+
+
 def grid_of(cls: type[QuantLinear], params: dict, in_features: int) -> Grid:
     """The Grid of format `cls` with resolved `params` for rows of `in_features`."""
     g = params.get("group_size")

@@ -45,9 +45,14 @@ from .gguf_import import from_gguf, importable
 from .int4 import GroupSizeError
 from .recipes import Recipe
 
-# Used instead of a spec whose group size does not divide a weight's rows: per-channel
-# int8 fits any shape.
+# Used instead of a spec whose group size does not divide a weight's rows, unless the spec
+# names its own ("fallback", recipes.py): per-channel int8 fits any shape.
 FALLBACK = {"format": "int8", "group_size": 0}
+
+
+def _params(spec: dict) -> dict:
+    """A spec's format parameters: all but its format and fallback."""
+    return {k: v for k, v in spec.items() if k not in ("format", "fallback")}
 
 
 @dataclass
@@ -94,22 +99,23 @@ def _quantize(
 ) -> tuple[QuantLinear, bool]:
     """QuantLinear for `weight` following `spec`, and whether it came from GGUF blocks.
 
-    With `hessian` (of the layer's inputs) it is quantized by GPTQ, unless imported."""
+    With `hessian` (of the layer's inputs) it is quantized by GPTQ, unless imported or
+    its format has no GPTQ (int6: its own clipping search, gptq.supports)."""
     if _imports(weight, spec, source):
         return from_gguf(source, bias), True
-    params = {k: v for k, v in spec.items() if k != "format"}
+    params = _params(spec)
     if spec["format"] not in FORMATS:
         raise InferError(f"unknown format {spec['format']!r} (known: {', '.join(FORMATS)})")
 
     def make(cls, **params):
-        if hessian is None:
+        if hessian is None or not gptq.supports(cls):
             return cls.from_float(weight, bias, **params)
         return gptq.quantize_linear(cls, weight, bias, params, hessian)
 
     try:
         return make(FORMATS[spec["format"]], **params), False
-    except GroupSizeError:
-        return make(FORMATS[FALLBACK["format"]], group_size=FALLBACK["group_size"]), False
+    except GroupSizeError:  # the format's groups do not split the rows: its fallback
+        return _quantize(weight, bias, spec.get("fallback", FALLBACK), source, hessian)
 
 
 def _errors(q: QuantLinear, weight: torch.Tensor) -> tuple[float, float]:

@@ -34,6 +34,18 @@ _BLOCK = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(?:experts\.\d+\.|shared_e
 _ROUTER = re.compile(r"layers\.\d+\.mlp\.(gate|shared_expert_gate)")
 INT8 = {"format": "int8", "group_size": 32}
 INT4 = {"format": "int4", "group_size": 32, "symmetric": False}
+# A spec may name the spec to use instead where its format does not fit a weight's rows
+# ("fallback"; without one, quantize.FALLBACK): int6's blocks of 256, else int8 g32.
+INT6 = {"format": "int6", "fallback": INT8}
+
+
+def _outside_blocks(name: str) -> dict:
+    """The output layer (and an embedding table tied to it) as llama.cpp's Q6_K output:
+    int6, or int8 g32 where its rows are not a multiple of 256. An untied embedding table:
+    int8 g32. One large matrix read every token, where int6's 6.56 bits a weight beat
+    int8's 8.5: a lut2 copy of the 1B shape 583 -> 520 MB read a token, 32.7-36.2 ->
+    37.5-39.3 tok/s (benchmarks/README.md)."""
+    return INT6 if name == "lm_head" else INT8
 
 
 def is_router(name: str) -> bool:
@@ -47,16 +59,18 @@ def _everything(main: dict, n_layers: int | None) -> Recipe:
 
 
 def _uniform(main: dict, n_layers: int | None) -> Recipe:
-    """`main` for every linear layer in the blocks; int8 for embeddings and output."""
-    return lambda name: main if _BLOCK.fullmatch(name) else INT8
+    """`main` for every linear layer in the blocks; outside them, _outside_blocks."""
+    return lambda name: main if _BLOCK.fullmatch(name) else _outside_blocks(name)
 
 
 def _mixed(main: dict, n_layers: int | None) -> Recipe:
-    """int8 attention, `main` (int4) MLP, int8 embeddings and output."""
+    """int8 attention, `main` (int4) MLP; outside the blocks, _outside_blocks."""
 
     def recipe(name: str) -> dict | None:
         m = _BLOCK.fullmatch(name)
-        return main if m and m.group(2) == "mlp" else INT8
+        if m is None:
+            return _outside_blocks(name)
+        return main if m.group(2) == "mlp" else INT8
 
     return recipe
 
@@ -76,8 +90,9 @@ def _q4_k_m(main: dict, n_layers: int | None) -> Recipe:
     formats standing in for its types:
       Q4_K (4.5 bpw: 32-element sub-blocks, 6-bit scale and min)  -> int4 g32 asymmetric
          (the same sub-block structure with float16 scale and min: 5.0 bpw)
-      Q6_K for attn_v and ffn_down where use_more_bits(layer)      -> int8 g32
-      Q6_K for output.weight (and a tied token_embd)               -> int8 g32
+      Q6_K for attn_v and ffn_down where use_more_bits(layer)      -> int8 g32 (int6 there
+         read fewer bytes but decoded no faster: benchmarks/README.md)
+      Q6_K for output.weight (and a tied token_embd)               -> int6 (else int8 g32)
       token_embd (untied; Q4_K there)                              -> int8 g32, as in
          every recipe here
     Everything else (q, k, o, gate, up, and v/down in the other layers) is Q4_K -> int4."""
@@ -85,7 +100,7 @@ def _q4_k_m(main: dict, n_layers: int | None) -> Recipe:
     def recipe(name: str) -> dict | None:
         m = _BLOCK.fullmatch(name)
         if m is None:
-            return INT8
+            return _outside_blocks(name)
         layer, proj = int(m.group(1)), m.group(3)
         if proj in ("v_proj", "down_proj") and use_more_bits(layer, n_layers):
             return INT8
@@ -114,7 +129,7 @@ def _lut_m(main: dict, n_layers: int | None) -> Recipe:
     def recipe(name: str) -> dict | None:
         m = _BLOCK.fullmatch(name)
         if m is None:
-            return INT8
+            return _outside_blocks(name)
         layer, proj = int(m.group(1)), m.group(3)
         if layer in (0, n_layers - 1):
             return edge

@@ -12,7 +12,7 @@ from torch import nn
 
 from infer.quant import gptq
 from infer.quant.base import FORMATS
-from infer.quant.quantize import quantize_model
+from infer.quant.quantize import _quantize, quantize_model
 from infer.quant.recipes import get_recipe
 from infer.runtime.loader import inspect_model, load_model, load_weights
 
@@ -92,6 +92,17 @@ def test_gptq_beats_rounding_on_correlated_inputs(fmt, params):
 
     assert err(got) < 0.8 * err(rtn), (err(got), err(rtn))  # 0.59-0.72 here
     assert gptq.output_error(w, got, hessian(X)) == pytest.approx(err(got).item(), rel=1e-4)
+
+
+def test_calibrated_int6_takes_its_own_search():
+    # int6 (the output layer of the recipes below 8 bits) has no GPTQ grid: with a
+    # calibration Hessian it is quantized as without one
+    assert not gptq.supports(FORMATS["int6"]) and gptq.supports(FORMATS["lut2"])
+    weight = torch.randn(8, 256)
+    spec = {"format": "int6", "fallback": {"format": "int8", "group_size": 32}}
+    q, imported = _quantize(weight, None, spec, None, hessian=torch.eye(256))
+    want = FORMATS["int6"].from_float(weight)
+    assert not imported and q.format == "int6" and torch.equal(q.qweight, want.qweight)
 
 
 def test_calibration_windows():

@@ -32,7 +32,11 @@ def formats(recipe, n_layers=2) -> dict[str, str | None]:
                                            ("lut3", "lut3"), ("lut4", "lut4")])  # fmt: skip
 def test_uniform_recipes(name, fmt):
     f = formats(get_recipe(name))
-    assert f.pop("embed_tokens") == f.pop("lm_head") == "int8"
+    # outside the blocks: the output layer int6 (llama.cpp's Q6_K output) below 8 bits
+    assert (f.pop("embed_tokens"), f.pop("lm_head")) == (
+        "int8",
+        "int8" if fmt == "int8" else "int6",
+    )
     assert set(f.values()) == {fmt}
 
 
@@ -44,8 +48,14 @@ def test_recipe_params_and_overrides():
     assert get_recipe("lut2", group_size=None)("layers.0.mlp.up_proj")["group_size"] == 64
     assert get_recipe("int8", group_size=0)("layers.1.self_attn.q_proj")["group_size"] == 0
     assert get_recipe("int8", group_size=0)("lm_head")["group_size"] == 0
-    # Overrides change the main format only: embeddings and output stay int8 g32.
-    assert get_recipe("mixed", group_size=128)("lm_head") == {"format": "int8", "group_size": 32}
+    # Overrides change the main format only: embeddings and output keep theirs, the output
+    # int6, or int8 g32 where its rows do not fit int6's blocks of 256.
+    int6 = {"format": "int6", "fallback": {"format": "int8", "group_size": 32}}
+    assert get_recipe("mixed", group_size=128)("lm_head") == int6
+    assert get_recipe("mixed", group_size=128)("embed_tokens") == {
+        "format": "int8",
+        "group_size": 32,
+    }
 
 
 def test_recipe_errors():
@@ -62,7 +72,7 @@ def test_recipe_errors():
 
 def test_mixed_recipe():
     f = formats(get_recipe("mixed"))
-    assert f["embed_tokens"] == f["lm_head"] == "int8"
+    assert (f["embed_tokens"], f["lm_head"]) == ("int8", "int6")
     assert all(v == "int8" for k, v in f.items() if "self_attn" in k)
     assert all(v == "int4" for k, v in f.items() if ".mlp." in k)
 
@@ -72,7 +82,7 @@ def test_q4_k_m_promotes_llama_cpp_layers():
     promoted = [i for i in range(32) if use_more_bits(i, 32)]
     assert promoted == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
     f = formats(get_recipe("q4_k_m", n_layers=32), 32)
-    assert f["embed_tokens"] == f["lm_head"] == "int8"
+    assert (f["embed_tokens"], f["lm_head"]) == ("int8", "int6")
     for i in range(32):
         for m in BLOCK:
             more = m in ("self_attn.v_proj", "mlp.down_proj") and i in promoted
@@ -84,7 +94,7 @@ def test_lut_m_promotes_k_v_o_down_and_the_edge_layers(name, bits):
     # llama.cpp's Q2_K / Q3_K_M keep attn_v, attn_output, ffn_down one type up; we add
     # attn_k, and the first and last layer are lut4 whole.
     f = formats(get_recipe(name, n_layers=30), 30)
-    assert f.pop("embed_tokens") == f.pop("lm_head") == "int8"
+    assert (f.pop("embed_tokens"), f.pop("lm_head")) == ("int8", "int6")
     for i in range(30):
         for m in BLOCK:
             more = m.split(".")[1] in ("k_proj", "v_proj", "o_proj", "down_proj")
@@ -98,7 +108,7 @@ def test_lut_m_promotes_k_v_o_down_and_the_edge_layers(name, bits):
         recipe = get_recipe(name, n_layers=30, group_size=g)
         sizes = {recipe(f"layers.{i}.{m}")["group_size"] for i in range(30) for m in BLOCK}
         assert sizes == {g or 64}
-        assert recipe("lm_head") == {"format": "int8", "group_size": 32}
+        assert recipe("lm_head")["format"] == "int6"
 
 
 # ---------------------------------------------------------------------------------------
@@ -156,6 +166,20 @@ def test_quantize_model_end_to_end(tiny_dirs, arch, recipe, tol):
     got = logits(model)
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < tol, rel
+
+
+@pytest.mark.parametrize(
+    ("K", "fmt", "params"),
+    [(512, "int6", {}), (576, "int8", {"group_size": 32}), (112, "int8", {"group_size": 0})],
+)
+def test_the_output_layer_falls_back_where_int6_does_not_fit(K, fmt, params):
+    # int6 (blocks of 256), else the spec's fallback int8 g32, else (as for any spec)
+    # per-channel int8
+    model = nn.Module()
+    model.lm_head = nn.Linear(K, 24)
+    (report,) = quantize_model(model, get_recipe("int4"))
+    assert (report.name, report.format, report.params) == ("lm_head", fmt, params)
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.format == fmt
 
 
 def test_quantize_keeps_what_the_recipe_skips(tiny_dirs):

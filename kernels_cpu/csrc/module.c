@@ -128,20 +128,25 @@ static PyObject *py_isa_supported(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(isa >= 0 && isa < ISA_COUNT && kernels_for((int)isa) && isa_supported((int)isa));
 }
 
+/* The kernel table of the path id `arg` into *kt (NULL when not built in); -1 with a
+ * Python error set when `arg` is not an integer. */
+static int table_of(PyObject *arg, const kernel_table **kt) {
+    long isa = PyLong_AsLong(arg);
+    if (isa == -1 && PyErr_Occurred()) return -1;
+    *kt = isa >= 0 && isa < ISA_COUNT ? kernels_for((int)isa) : NULL;
+    return 0;
+}
+
 static PyObject *py_isa_integer_gemm(PyObject *self, PyObject *arg) {
     (void)self;
-    long isa = PyLong_AsLong(arg);
-    if (isa == -1 && PyErr_Occurred()) return NULL;
-    const kernel_table *kt = isa >= 0 && isa < ISA_COUNT ? kernels_for((int)isa) : NULL;
-    return PyBool_FromLong(kt && kt->ig_xprep);
+    const kernel_table *kt;
+    return table_of(arg, &kt) ? NULL : PyBool_FromLong(kt && kt->ig_xprep);
 }
 
 static PyObject *py_isa_int4_digits(PyObject *self, PyObject *arg) {
     (void)self;
-    long isa = PyLong_AsLong(arg);
-    if (isa == -1 && PyErr_Occurred()) return NULL;
-    const kernel_table *kt = isa >= 0 && isa < ISA_COUNT ? kernels_for((int)isa) : NULL;
-    return PyBool_FromLong(kt && kt->q4_xprep);
+    const kernel_table *kt;
+    return table_of(arg, &kt) ? NULL : PyBool_FromLong(kt && kt->q4_xprep);
 }
 
 static PyObject *py_isa_best(PyObject *self, PyObject *unused) {

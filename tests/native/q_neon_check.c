@@ -1,7 +1,7 @@
 /* The NEON int8 and int4 matmuls (kernels_cpu/csrc/neon.c) against the scalar path,
    without Python.
 
-   AArch64 only; tests/test_q_neon.py builds it with a cross compiler and runs it under
+   AArch64 only; tests/test_neon.py builds it with a cross compiler and runs it under
    qemu-aarch64, once on a CPU with dotprod and once without:
 
      aarch64-linux-gnu-gcc -O2 -std=c11 -ffp-contract=off -pthread -Ikernels_cpu/csrc \
@@ -22,31 +22,9 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "random_inputs.h"
 
 enum { SMALL_M = 4, WIDE_M = 8, WIDE_K = 768 }; /* matmul.c: which rows run a GEMV each */
-
-static uint64_t rng = 0x9E3779B97F4A7C15ull;
-static uint32_t next_u32(void) { /* xorshift64* */
-    rng ^= rng >> 12;
-    rng ^= rng << 25;
-    rng ^= rng >> 27;
-    return (uint32_t)((rng * 0x2545F4914F6CDD1Dull) >> 32);
-}
-static float uniform(void) { return (float)(next_u32() >> 8) / 16777216.0f; }
-
-/* A float16 of magnitude 2^-6 .. 2^2 and random sign */
-static uint16_t rand_half(void) {
-    uint32_t r = next_u32();
-    return (uint16_t)(((r & 1) << 15) | ((9 + (r >> 1) % 8) << 10) | ((r >> 4) & 0x3ff));
-}
-
-/* heavy-tailed activations, as hidden states */
-static void activations(float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        float u = uniform();
-        x[i] = (2.0f * uniform() - 1.0f) * u * u * u * u * 3.0f;
-    }
-}
 
 /* W[n, k] as the format defines it (kernels.h, "Quantized matmul") */
 static double weight(const qmat *a, int bits, int64_t n, int64_t k) {

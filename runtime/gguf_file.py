@@ -33,6 +33,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from . import hugepages
 from .errors import InferError
 
 GGUF_MAGIC = b"GGUF"
@@ -307,6 +308,8 @@ class GGUFFile:
         # zero-copy tensors need no warning and an accidental in-place op copies a page
         # instead of faulting. Pages are read from disk only when touched.
         self._map = np.memmap(self.path, dtype=np.uint8, mode="c")
+        # Pages read from now on come in 2 MiB folios, mapped whole (runtime/hugepages.py).
+        hugepages.advise(self._map)
         r = _HeaderReader(memoryview(self._map), self.path)
 
         magic = bytes(self._map[:4])

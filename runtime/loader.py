@@ -43,6 +43,7 @@ from ..offload.stream import (
 from ..offload.trace import TraceRecorder
 from ..quant.base import QuantEmbedding, set_module
 from ..quant.gguf_import import ON_KERNELS, kernel_weights, loaded_bytes, to_kernels
+from . import hugepages
 from .checkpoint import Checkpoint, build_model, is_checkpoint, read_checkpoint, verify
 from .config import ModelArgs
 from .errors import InferError
@@ -246,6 +247,8 @@ def load_weights(
         raise InferError(f"{info.path}: weights do not match the config: {detail}")
     if args.tie_embeddings and isinstance(model.embed_tokens, nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight
+    if not dequantize:  # a model to run, not a reference read once
+        hugepages.rehome([*model.parameters(), *model.buffers()])
     model.setup_caches(min(max_seq_len or args.max_seq_len, args.max_seq_len), dtype)
     return model.eval().requires_grad_(False)
 

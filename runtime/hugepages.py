@@ -1,0 +1,116 @@
+"""Weights that were copied at load, moved into memory backed by 2 MiB pages.
+
+Decode reads every weight once a token. Held in 4 KiB pages, the 1B shape's 700 MB are
+175,000 pages a token, each a TLB miss and a page walk, and each a boundary where the
+hardware prefetchers stop; on one core of a Zen 4 host that is 10-15 % of decode
+(benchmarks/README.md, "Huge pages for the weights").
+
+Weights mapped from a file need nothing here: on Linux 6.x the page cache of a file read
+in order already comes in large folios, mapped 2 MiB at a time. What needs it is what the
+loader copies into memory torch allocates: GGUF's Q8_0 / Q4_0 / Q4_1 blocks split into
+codes and scales, weights converted to another dtype. `rehome` moves those into one
+anonymous map that asks for transparent huge pages (MADV_HUGEPAGE; the kernel's default
+"madvise" mode grants them only where asked). Where the kernel has none, nothing moves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 << 20
+ALIGN = 64  # each tensor's start: a cache line, as torch's own allocator gives
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def available() -> bool:
+    """Whether this kernel grants transparent huge pages to a map that asks."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):  # not Linux
+        return False
+    try:
+        return "[never]" not in THP_MODE.read_text()
+    except OSError:
+        return False
+
+
+def advise(mapped) -> None:
+    """Ask for huge pages in a file's map (an np.memmap) before it is read: pages not yet
+    in the page cache are then read in 2 MiB folios and mapped 2 MiB at a time. Only for
+    maps read whole: a fault reads the 2 MiB around it, read-ahead or not."""
+    raw = getattr(mapped, "_mmap", None)
+    if raw is not None and available():
+        raw.madvise(mmap.MADV_HUGEPAGE)
+
+
+def rehome(tensors: Iterable[torch.Tensor]) -> int:
+    """Move the storages of `tensors` that torch allocated (not those mapped from a file,
+    nor those already moved) into one map of huge pages, in place: each tensor keeps its
+    identity, shape, strides and values; only its storage changes. A view's base moves
+    with it, so the old storage is freed unless a tensor not named here still holds it.
+    Returns the bytes moved (0 where huge pages are not available)."""
+    if not available():
+        return 0
+    groups: dict[int, dict[int, torch.Tensor]] = {}  # storage address -> {id: tensor}
+    storages = {}
+    for t in tensors:
+        if t is None or t.is_meta or t.device.type != "cpu":
+            continue
+        s = t.untyped_storage()
+        if not s.resizable() or s.nbytes() == 0:  # mapped from a file, or already here
+            continue
+        group = groups.setdefault(s.data_ptr(), {})
+        while t is not None:  # a view's base holds the storage too: it moves with it
+            group[id(t)] = t
+            t = t._base
+        storages[s.data_ptr()] = s
+    offsets, total = {}, 0
+    for ptr, s in storages.items():
+        offsets[ptr] = total
+        total += -(-s.nbytes() // ALIGN) * ALIGN
+    if total == 0:
+        return 0
+    arena = _huge_map(total)
+    target = arena.untyped_storage()
+    base = arena.storage_offset()  # bytes from the map's start to the first huge page
+    with torch.no_grad():
+        for ptr, ts in groups.items():
+            s, at = storages.pop(ptr), base + offsets[ptr]
+            arena[offsets[ptr] : offsets[ptr] + s.nbytes()].copy_(_bytes_of(s))
+            for t in ts.values():
+                size = t.element_size()
+                t.set_(target, (at + t.storage_offset() * size) // size, t.size(), t.stride())
+            del s
+    _give_back_freed_memory()
+    return total
+
+
+def _huge_map(nbytes: int) -> torch.Tensor:
+    """`nbytes` of zeroed memory (uint8) starting on a huge page, from an anonymous
+    private map advised MADV_HUGEPAGE before any page of it is touched. The tensor keeps
+    the map alive."""
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(m, dtype=torch.uint8)
+    skip = -whole.data_ptr() % HUGE_PAGE
+    return whole[skip : skip + nbytes]
+
+
+def _bytes_of(s: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(s)
+
+
+def _give_back_freed_memory() -> None:
+    """glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in its
+    heap, counted in RSS; malloc_trim returns them to the system."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)

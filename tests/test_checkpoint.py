@@ -269,6 +269,23 @@ def test_overwrite_needs_force(qwen2, tmp_path):
     assert (tmp_path / "other" / "notes.txt").exists()
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+def test_written_weights_leave_the_page_cache(qwen2, tmp_path, monkeypatch):
+    """Pages just written are small folios; let go, the first load reads them back in
+    huge ones (runtime/hugepages.py)."""
+    model, _, _ = qwen2
+    dropped, fadvise = [], os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_DONTNEED and (offset, length) == (0, 0):
+            dropped.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    _save_small(model, tmp_path / "ck")
+    assert dropped == [checkpoint.WEIGHTS]
+
+
 # -- damaged files ----------------------------------------------------------------------
 
 

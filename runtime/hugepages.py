@@ -5,12 +5,14 @@ Decode reads every weight once a token. Held in 4 KiB pages, the 1B shape's 700 
 hardware prefetchers stop; on one core of a Zen 4 host that is 10-15 % of decode
 (benchmarks/README.md, "Huge pages for the weights").
 
-Weights mapped from a file need nothing here: on Linux 6.x the page cache of a file read
-in order already comes in large folios, mapped 2 MiB at a time. What needs it is what the
-loader copies into memory torch allocates: GGUF's Q8_0 / Q4_0 / Q4_1 blocks split into
-codes and scales, weights converted to another dtype. `rehome` moves those into one
-anonymous map that asks for transparent huge pages (MADV_HUGEPAGE; the kernel's default
-"madvise" mode grants them only where asked). Where the kernel has none, nothing moves.
+Weights mapped from a file need little here: on Linux 6.x the page cache of a file read
+in order comes in large folios, mapped 2 MiB at a time (`advise` asks for them before the
+first read). What needs it is what the loader copies into memory torch allocates: GGUF's
+Q8_0 / Q4_0 / Q4_1 blocks split into codes and scales for the kernels. `rehome` moves
+those into one anonymous map that asks for transparent huge pages (MADV_HUGEPAGE; the
+kernel's default "madvise" mode grants them only where asked). Where the kernel has none,
+nothing moves. (Float weights converted at load are left: the 1B's 4.9 GB in float32
+decoded no faster, and loaded 1.7 s slower.)
 """
 
 from __future__ import annotations

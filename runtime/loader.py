@@ -41,7 +41,7 @@ from ..offload.stream import (
     process_rss,
 )
 from ..offload.trace import TraceRecorder
-from ..quant.base import QuantEmbedding, set_module
+from ..quant.base import QuantEmbedding, QuantLinear, set_module
 from ..quant.gguf_import import ON_KERNELS, kernel_weights, loaded_bytes, to_kernels
 from . import hugepages
 from .checkpoint import Checkpoint, build_model, is_checkpoint, read_checkpoint, verify
@@ -247,8 +247,10 @@ def load_weights(
         raise InferError(f"{info.path}: weights do not match the config: {detail}")
     if args.tie_embeddings and isinstance(model.embed_tokens, nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight
-    if not dequantize:  # a model to run, not a reference read once
-        hugepages.rehome([*model.parameters(), *model.buffers()])
+    # The kernels' weights, copied from the file's blocks, into huge pages (hugepages.py).
+    hugepages.rehome(
+        [t for m in model.modules() if isinstance(m, QuantLinear) for t in m.buffers()]
+    )
     model.setup_caches(min(max_seq_len or args.max_seq_len, args.max_seq_len), dtype)
     return model.eval().requires_grad_(False)
 

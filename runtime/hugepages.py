@@ -54,7 +54,8 @@ def rehome(tensors: Iterable[torch.Tensor]) -> int:
     nor those already moved) into one map of huge pages, in place: each tensor keeps its
     identity, shape, strides and values; only its storage changes. A view's base moves
     with it, so the old storage is freed unless a tensor not named here still holds it.
-    Returns the bytes moved (0 where huge pages are not available)."""
+    Returns the bytes moved: 0 where huge pages are not available, or the map could not
+    be made (nothing moves then)."""
     if not available():
         return 0
     groups: dict[int, dict[int, torch.Tensor]] = {}  # storage address -> {id: tensor}
@@ -76,7 +77,10 @@ def rehome(tensors: Iterable[torch.Tensor]) -> int:
         total += -(-s.nbytes() // ALIGN) * ALIGN
     if total == 0:
         return 0
-    arena = _huge_map(total)
+    try:
+        arena = _huge_map(total)
+    except OSError:  # no room for a second copy, or the kernel refused the advice
+        return 0
     target = arena.untyped_storage()
     base = arena.storage_offset()  # bytes from the map's start to the first huge page
     with torch.no_grad():

@@ -56,6 +56,18 @@ def test_nothing_moves_without_huge_pages(monkeypatch):
     assert a.data_ptr() == ptr and a.untyped_storage().resizable()
 
 
+def test_nothing_moves_when_the_map_fails(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(hugepages, "available", lambda: True)
+    monkeypatch.setattr(hugepages.mmap, "mmap", refuse)
+    a = torch.randn(64, 64)
+    expect, ptr = a.clone(), a.data_ptr()
+    assert hugepages.rehome([a]) == 0
+    assert a.data_ptr() == ptr and torch.equal(a, expect)
+
+
 def test_available_reads_the_kernel_mode(monkeypatch, tmp_path):
     mode = tmp_path / "enabled"
     monkeypatch.setattr(hugepages, "THP_MODE", mode)

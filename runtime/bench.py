@@ -30,6 +30,7 @@ from torch import nn
 from ..offload.experts import ExpertReport
 from ..offload.stream import StreamReport, report
 from ..quant.base import QuantEmbedding, QuantLinear
+from . import hugepages
 from .errors import InferError
 from .generate import generate, make_sampler
 from .llama import Transformer
@@ -93,6 +94,7 @@ class BenchResult:
     prefill_tok_s: float  # median
     decode_tok_s: float  # median
     peak_rss_bytes: int
+    huge_page_bytes: int | None  # memory mapped in 2 MiB pages after the runs (hugepages.py)
     weight_bytes_per_token: int
     decode_gb_s: float  # weight_bytes_per_token x decode_tok_s / 1e9
     roofline: Roofline | None = None
@@ -114,6 +116,7 @@ class BenchResult:
             ["weights read per token", f"{self.weight_bytes_per_token / 1e6:.1f} MB"],
             ["achieved bandwidth", f"{self.decode_gb_s:.2f} GB/s"],
             ["peak RSS", f"{self.peak_rss_bytes / 1e6:.0f} MB"],
+            ["in huge pages", _huge_pages(self.huge_page_bytes)],
             ["repeats", f"{self.repeats} (median, after a warm-up)"],
         ]
         if o := self.offload:
@@ -139,6 +142,12 @@ class BenchResult:
                 ["  linear by name (ms)", by_name],
             ]
         return rows
+
+
+def _huge_pages(n: int | None) -> str:
+    if n is None:
+        return "unknown on this system"
+    return f"{n / 1e6:.0f} MB"
 
 
 def _offload_rows(o: StreamReport) -> list[list[str]]:
@@ -460,6 +469,7 @@ def run_bench(
     decode_tok_s = n_gen / decode_s
     threads = torch.get_num_threads()
     rss = peak_rss_bytes()  # before the bandwidth buffer (1 GiB) is allocated
+    huge = hugepages.mapped_bytes()
     ceiling = breakdown = None
     if roofline:
         breakdown = decode_breakdown(model, prompt, n_gen)
@@ -481,6 +491,7 @@ def run_bench(
         prefill_tok_s=statistics.median(n_prompt / r[0] for r in runs),
         decode_tok_s=decode_tok_s,
         peak_rss_bytes=rss,
+        huge_page_bytes=huge,
         weight_bytes_per_token=bytes_per_token,
         decode_gb_s=bytes_per_token * decode_tok_s / 1e9,
         roofline=ceiling,

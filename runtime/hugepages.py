@@ -40,6 +40,17 @@ def available() -> bool:
         return False
 
 
+def mapped_bytes() -> int | None:
+    """How much of this process's memory is mapped 2 MiB at a time, anonymous and file
+    pages together; None where the system does not say (not Linux)."""
+    fields = ("AnonHugePages:", "FilePmdMapped:", "ShmemPmdMapped:")
+    try:
+        lines = Path("/proc/self/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return None
+    return sum(int(line.split()[1]) * 1024 for line in lines if line.startswith(fields))
+
+
 def advise(mapped) -> None:
     """Ask for huge pages in a file's map (an np.memmap) before it is read: pages not yet
     in the page cache are then read in 2 MiB folios and mapped 2 MiB at a time. Only for

@@ -172,6 +172,8 @@ def test_bench_cli_json(smollm2_gguf):
     assert data["prefill_tok_s"] > 1 and data["decode_tok_s"] > 0.5
     assert data["decode_gb_s"] > 0
     assert data["peak_rss_bytes"] > data["weight_bytes_per_token"]
+    # What the kernel granted (runtime/hugepages.py): a count, not a promise.
+    assert data["huge_page_bytes"] is None or data["huge_page_bytes"] >= 0
 
 
 # ------------------------------------------------------------------ --roofline, breakdown

@@ -2,6 +2,7 @@
 values and views intact; weights mapped from a file stay where they are."""
 
 import mmap
+import sys
 
 import numpy as np
 import pytest
@@ -37,6 +38,12 @@ def test_rehome_keeps_values_views_and_identity():
     assert torch.equal(b, expect[1] + 1)
 
     assert hugepages.rehome([a, b, c, d]) == 0  # already there
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps_rollup")
+def test_mapped_bytes_reads_this_process():
+    n = hugepages.mapped_bytes()
+    assert isinstance(n, int) and n >= 0
 
 
 def test_rehome_leaves_mapped_tensors(tmp_path):

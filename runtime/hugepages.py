@@ -18,7 +18,6 @@ decoded no faster, and loaded 1.7 s slower.)
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 from collections.abc import Iterable
 from pathlib import Path
@@ -72,23 +71,22 @@ def rehome(tensors: Iterable[torch.Tensor]) -> int:
     be made (nothing moves then)."""
     if not available():
         return 0
-    groups: dict[int, dict[int, torch.Tensor]] = {}  # storage address -> {id: tensor}
-    storages = {}
+    # storage address -> (the storage, its offset in the map, {id: each tensor on it})
+    moves: dict[int, tuple[torch.UntypedStorage, int, dict[int, torch.Tensor]]] = {}
+    total = 0
     for t in tensors:
-        if t is None or t.is_meta or t.device.type != "cpu":
+        if t is None or t.device.type != "cpu":  # absent, or on the meta device
             continue
         s = t.untyped_storage()
         if not s.resizable() or s.nbytes() == 0:  # mapped from a file, or already here
             continue
-        group = groups.setdefault(s.data_ptr(), {})
+        if s.data_ptr() not in moves:
+            moves[s.data_ptr()] = (s, total, {})
+            total += -(-s.nbytes() // ALIGN) * ALIGN
+        group = moves[s.data_ptr()][2]
         while t is not None:  # a view's base holds the storage too: it moves with it
             group[id(t)] = t
             t = t._base
-        storages[s.data_ptr()] = s
-    offsets, total = {}, 0
-    for ptr, s in storages.items():
-        offsets[ptr] = total
-        total += -(-s.nbytes() // ALIGN) * ALIGN
     if total == 0:
         return 0
     try:
@@ -98,13 +96,14 @@ def rehome(tensors: Iterable[torch.Tensor]) -> int:
     target = arena.untyped_storage()
     base = arena.storage_offset()  # bytes from the map's start to the first huge page
     with torch.no_grad():
-        for ptr, ts in groups.items():
-            s, at = storages.pop(ptr), base + offsets[ptr]
-            arena[offsets[ptr] : offsets[ptr] + s.nbytes()].copy_(_bytes_of(s))
-            for t in ts.values():
+        for ptr in list(moves):  # in order: the first weights (the table) first
+            s, offset, group = moves.pop(ptr)  # held no longer than its copy takes
+            arena[offset : offset + s.nbytes()].copy_(_bytes_of(s))
+            for t in group.values():
                 size = t.element_size()
-                t.set_(target, (at + t.storage_offset() * size) // size, t.size(), t.stride())
-            del s
+                at = base + offset + t.storage_offset() * size
+                t.set_(target, at // size, t.size(), t.stride())
+            del s  # with its tensors moved, the old storage is freed here
     _give_back_freed_memory()
     return total
 
@@ -126,11 +125,8 @@ def _bytes_of(s: torch.UntypedStorage) -> torch.Tensor:
 
 def _give_back_freed_memory() -> None:
     """glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in its
-    heap, counted in RSS; malloc_trim returns them to the system."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
+    heap, counted in RSS; malloc_trim returns them to the system (other C libraries have
+    no such call, and nothing to do here)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)

@@ -49,7 +49,7 @@ from .int4 import Int4Linear
 from .int6 import BLOCK_BYTES as Q6_K_BYTES
 from .int6 import Int6Linear
 from .int8 import Int8Linear
-from .recipes import is_router
+from .recipes import is_router, spec_params
 
 # ggml type -> the format spec whose layout and arithmetic it is.
 GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
@@ -73,9 +73,7 @@ def importable(t: GGUFTensor, spec: dict) -> bool:
     target = GGUF_SPECS.get(t.ggml_type)
     if target is None or len(t.shape) != 2 or spec.get("format") != target["format"]:
         return False
-    params = FORMATS[target["format"]].resolve_params(
-        {k: v for k, v in spec.items() if k not in ("format", "fallback")}
-    )
+    params = FORMATS[target["format"]].resolve_params(spec_params(spec))
     return {"format": target["format"], **params} == target
 
 

@@ -43,16 +43,11 @@ from . import block_ap, gptq, tune
 from .base import FORMATS, QuantEmbedding, QuantLinear, set_module
 from .gguf_import import from_gguf, importable
 from .int4 import GroupSizeError
-from .recipes import Recipe
+from .recipes import Recipe, spec_params
 
 # Used instead of a spec whose group size does not divide a weight's rows, unless the spec
 # names its own ("fallback", recipes.py): per-channel int8 fits any shape.
 FALLBACK = {"format": "int8", "group_size": 0}
-
-
-def _params(spec: dict) -> dict:
-    """A spec's format parameters: all but its format and fallback."""
-    return {k: v for k, v in spec.items() if k not in ("format", "fallback")}
 
 
 @dataclass
@@ -103,7 +98,7 @@ def _quantize(
     its format has no GPTQ (int6: its own clipping search, gptq.supports)."""
     if _imports(weight, spec, source):
         return from_gguf(source, bias), True
-    params = _params(spec)
+    params = spec_params(spec)
     if spec["format"] not in FORMATS:
         raise InferError(f"unknown format {spec['format']!r} (known: {', '.join(FORMATS)})")
 

@@ -39,6 +39,11 @@ INT4 = {"format": "int4", "group_size": 32, "symmetric": False}
 INT6 = {"format": "int6", "fallback": INT8}
 
 
+def spec_params(spec: dict) -> dict:
+    """A spec's format parameters: all but its format and fallback."""
+    return {k: v for k, v in spec.items() if k not in ("format", "fallback")}
+
+
 def _outside_blocks(name: str) -> dict:
     """The output layer (and an embedding table tied to it) as llama.cpp's Q6_K output:
     int6, or int8 g32 where its rows are not a multiple of 256. An untied embedding table:

@@ -37,11 +37,13 @@ compute dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..runtime import hugepages
 from ..runtime.errors import InferError
 from ..runtime.gguf_file import GGUFFile, GGUFTensor, dequantize
 from .base import FORMATS, QuantLinear
@@ -66,6 +68,9 @@ GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
 ON_KERNELS = {t for t, (block, _) in GGML_QUANT_SIZES.items() if block > 1}
 HELD_IN_INT8 = ON_KERNELS - {*GGUF_SPECS, GGMLQuantizationType.Q4_K}
 ROWS_AT_ONCE = 4096
+
+# A contiguous copy of a tensor: where the kernels' weights are written at load
+Place = Callable[[torch.Tensor], torch.Tensor]
 
 
 def importable(t: GGUFTensor, spec: dict) -> bool:
@@ -95,9 +100,13 @@ def kernel_weights(gguf: GGUFFile) -> set[str]:
     return found
 
 
-def from_gguf(t: GGUFTensor, bias: torch.Tensor | None = None) -> QuantLinear:
+def from_gguf(
+    t: GGUFTensor, bias: torch.Tensor | None = None, place: Place = torch.Tensor.contiguous
+) -> QuantLinear:
     """The Q8_0 / Q6_K / Q4_0 / Q4_1 tensor `t` (rows already un-permuted) as int8 / int6 /
-    int4."""
+    int4. Q6_K's blocks stay where they are (the file's map); the others' codes and scales
+    are copied apart by `place` (a contiguous copy: torch's by default, or into the
+    loader's huge-page arena)."""
     if t.ggml_type not in GGUF_SPECS:
         supported = ", ".join(k.name for k in GGUF_SPECS)
         raise InferError(
@@ -112,16 +121,16 @@ def from_gguf(t: GGUFTensor, bias: torch.Tensor | None = None) -> QuantLinear:
     blocks = torch.from_numpy(t.data).view(N, K // 32, type_size)  # (N, K/32, bytes)
 
     def f16(at: int) -> torch.Tensor:  # the float16 at byte `at` of every block: (N, K/32)
-        return blocks[:, :, at : at + 2].contiguous().view(torch.float16).view(N, K // 32)
+        return place(blocks[:, :, at : at + 2]).view(torch.float16).view(N, K // 32)
 
     params = {k: v for k, v in GGUF_SPECS[t.ggml_type].items() if k != "format"}
     if t.ggml_type == GGMLQuantizationType.Q8_0:
-        qweight = blocks[:, :, 2:].contiguous().view(torch.int8).view(N, K)
+        qweight = place(blocks[:, :, 2:]).view(torch.int8).view(N, K)
         return Int8Linear(qweight, f16(0), params, bias)
     if t.ggml_type == GGMLQuantizationType.Q4_0:
-        qweight = blocks[:, :, 2:].contiguous().view(N, K // 2)
+        qweight = place(blocks[:, :, 2:]).view(N, K // 2)
         return Int4Linear(qweight, f16(0), None, params, bias)
-    qweight = blocks[:, :, 4:].contiguous().view(N, K // 2)  # Q4_1
+    qweight = place(blocks[:, :, 4:]).view(N, K // 2)  # Q4_1
     return Int4Linear(qweight, f16(0), f16(2), params, bias)
 
 
@@ -134,16 +143,34 @@ def loaded_bytes(t: GGUFTensor) -> int:
     return math.prod(t.shape) // 32 * per_32
 
 
-def to_kernels(t: GGUFTensor, bias: torch.Tensor | None = None) -> QuantLinear:
+def placed_bytes(t: GGUFTensor) -> int:
+    """The bytes that `to_kernels` copies with `place` for `t` (all its experts, for a
+    stacked tensor): none for Q6_K, left in the file's map; for the others their codes,
+    scales and mins, each rounded up to a cache line as an arena lays them."""
+    if t.ggml_type == GGMLQuantizationType.Q6_K:
+        return 0
+    pieces = math.prod(t.shape[:-2])  # 1, or the experts of a stacked tensor
+    return loaded_bytes(t) + 3 * hugepages.ALIGN * pieces
+
+
+def to_kernels(
+    t: GGUFTensor, bias: torch.Tensor | None = None, place: Place = torch.Tensor.contiguous
+) -> QuantLinear:
     """The 2-D tensor `t` (a type of ON_KERNELS) as the QuantLinear that runs it: Q8_0 /
-    Q6_K / Q4_0 / Q4_1 bit for bit, Q4_K with its codes, any other type in int8 g32."""
+    Q6_K / Q4_0 / Q4_1 bit for bit, Q4_K with its codes, any other type in int8 g32. Its
+    codes and scales are put where `place` copies them (from_gguf)."""
     if t.ggml_type in GGUF_SPECS:
-        return from_gguf(t, bias)
+        return from_gguf(t, bias, place)
     if t.ggml_type == GGMLQuantizationType.Q4_K:
-        return _from_q4_k(t, bias)
-    if t.ggml_type in HELD_IN_INT8:
-        return _held_in_int8(t, bias)
-    raise InferError(f"{t.name}: no kernel runs ggml type {t.ggml_type.name}")
+        q = _from_q4_k(t, bias)
+    elif t.ggml_type in HELD_IN_INT8:
+        q = _held_in_int8(t, bias)
+    else:
+        raise InferError(f"{t.name}: no kernel runs ggml type {t.ggml_type.name}")
+    for name in ("qweight", "scales", "mins"):  # computed in torch's memory: moved whole
+        if getattr(q, name, None) is not None:
+            setattr(q, name, place(getattr(q, name)))
+    return q
 
 
 def _held_in_int8(t: GGUFTensor, bias: torch.Tensor | None) -> Int8Linear:

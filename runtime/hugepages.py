@@ -8,10 +8,10 @@ faster on two (benchmarks/README.md, "Huge pages for the weights").
 Weights mapped from a file need little here: on Linux 6.x the page cache of a file read
 in order comes in large folios, mapped 2 MiB at a time (`advise` asks for them before the
 first read). What needs it is what the loader copies into memory torch allocates: GGUF's
-Q8_0 / Q4_0 / Q4_1 blocks split into codes and scales for the kernels. `rehome` moves
-those into one anonymous map that asks for transparent huge pages (MADV_HUGEPAGE; the
-kernel's default "madvise" mode grants them only where asked). Where the kernel has none,
-nothing moves. (Float weights converted at load are left: the 1B's 4.9 GB in float32
+Q8_0 / Q4_0 / Q4_1 blocks split into codes and scales for the kernels. The loader writes
+those straight into an `Arena`: one anonymous map that asks for transparent huge pages
+(MADV_HUGEPAGE; the kernel's default "madvise" mode grants them only where asked). Where
+the kernel has none, they go to torch's memory. (Float weights converted at load are left: the 1B's 4.9 GB in float32
 decoded no faster, and loaded 1.7 s slower.)
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -62,50 +61,40 @@ def advise(mapped) -> None:
             pass
 
 
-def rehome(tensors: Iterable[torch.Tensor]) -> int:
-    """Move the storages of `tensors` that torch allocated (not those mapped from a file,
-    nor those already moved) into one map of huge pages, in place: each tensor keeps its
-    identity, shape, strides and values; only its storage changes. A view's base moves
-    with it, so the old storage is freed unless a tensor not named here still holds it.
-    Returns the bytes moved: 0 where huge pages are not available, or the map could not
-    be made (nothing moves then)."""
-    if not available():
-        return 0
-    # storage address -> (the storage, its offset in the map, {id: each tensor on it})
-    moves: dict[int, tuple[torch.UntypedStorage, int, dict[int, torch.Tensor]]] = {}
-    total = 0
-    for t in tensors:
-        if t is None or t.device.type != "cpu":  # absent, or on the meta device
-            continue
-        s = t.untyped_storage()
-        if not s.resizable() or s.nbytes() == 0:  # mapped from a file, or already here
-            continue
-        if s.data_ptr() not in moves:
-            moves[s.data_ptr()] = (s, total, {})
-            total += -(-s.nbytes() // ALIGN) * ALIGN
-        group = moves[s.data_ptr()][2]
-        while t is not None:  # a view's base holds the storage too: it moves with it
-            group[id(t)] = t
-            t = t._base
-    if total == 0:
-        return 0
-    try:
-        arena = _huge_map(total)
-    except OSError:  # no room for a second copy, or the kernel refused the advice
-        return 0
-    target = arena.untyped_storage()
-    base = arena.storage_offset()  # bytes from the map's start to the first huge page
-    with torch.no_grad():
-        for ptr in list(moves):  # in order: the first weights (the table) first
-            s, offset, group = moves.pop(ptr)  # held no longer than its copy takes
-            arena[offset : offset + s.nbytes()].copy_(_bytes_of(s))
-            for t in group.values():
-                size = t.element_size()
-                at = base + offset + t.storage_offset() * size
-                t.set_(target, at // size, t.size(), t.stride())
-            del s  # with its tensors moved, the old storage is freed here
-    _give_back_freed_memory()
-    return total
+class Arena:
+    """One map of huge pages that weights copied at load are written into, one after
+    another, each at a cache line (`ALIGN`). Sized in advance (`nbytes`); a tensor that
+    no longer fits is copied into torch's memory instead, as without an arena."""
+
+    def __init__(self, nbytes: int):
+        self._memory = _huge_map(nbytes)
+        self._used = 0
+
+    @classmethod
+    def of(cls, nbytes: int) -> Arena | None:
+        """An arena of `nbytes`; None where huge pages are not available, there is
+        nothing to hold, or the map cannot be made (the weights stay in torch's memory)."""
+        if nbytes <= 0 or not available():
+            return None
+        try:
+            return cls(nbytes)
+        except OSError:  # no room, or the kernel refused the advice
+            return None
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of `t` in the arena (same dtype, shape and values)."""
+        n = t.numel() * t.element_size()
+        if self._used + n > self._memory.numel():
+            return t.contiguous()
+        out = self._memory[self._used : self._used + n].view(t.dtype).view(t.shape)
+        out.copy_(t)
+        self._used += -(-n // ALIGN) * ALIGN
+        return out
+
+    def close(self) -> None:
+        """Loading is done: glibc hands back the heap that the temporaries of the copies
+        (a Q4_K's codes, a tensor held in int8) took."""
+        _give_back_freed_memory()
 
 
 def _huge_map(nbytes: int) -> torch.Tensor:
@@ -117,10 +106,6 @@ def _huge_map(nbytes: int) -> torch.Tensor:
     whole = torch.frombuffer(m, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE
     return whole[skip : skip + nbytes]
-
-
-def _bytes_of(s: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(s)
 
 
 def _give_back_freed_memory() -> None:

@@ -41,8 +41,14 @@ from ..offload.stream import (
     process_rss,
 )
 from ..offload.trace import TraceRecorder
-from ..quant.base import QuantEmbedding, QuantLinear, set_module
-from ..quant.gguf_import import ON_KERNELS, kernel_weights, loaded_bytes, to_kernels
+from ..quant.base import QuantEmbedding, set_module
+from ..quant.gguf_import import (
+    ON_KERNELS,
+    kernel_weights,
+    loaded_bytes,
+    placed_bytes,
+    to_kernels,
+)
 from . import hugepages
 from .checkpoint import Checkpoint, build_model, is_checkpoint, read_checkpoint, verify
 from .config import ModelArgs
@@ -218,11 +224,19 @@ def load_weights(
     sd = Transformer.sanitize(_state_dict(info, dtype, skip=blocks), args)
     with torch.device("meta"):
         model = Transformer(args)
+    # The kernels' weights, copied from the file's blocks, go straight into huge pages.
+    # Sized from the file's quantized tensors (a tensor not loaded this way only leaves
+    # pages of the map untouched, which cost no memory).
+    arena = None
+    if blocks:
+        quantized = [t for t in info.gguf.tensors.values() if t.ggml_type in ON_KERNELS]
+        arena = hugepages.Arena.of(sum(map(placed_bytes, quantized)))
+    place = arena.place if arena else torch.Tensor.contiguous
     for hf in blocks:
         t = info.gguf.hf_tensor(hf)
         name = hf.removeprefix("model.").removesuffix(".weight")
         sd.pop(f"{name}.weight", None)  # sanitize ties an lm_head it did not see to the table
-        q = to_kernels(t, sd.pop(f"{name}.bias", None))
+        q = to_kernels(t, sd.pop(f"{name}.bias", None), place)
         info.gguf.release(t)  # copied into q: its pages need not stay in memory
         if name == "embed_tokens":
             model.embed_tokens = QuantEmbedding(q)
@@ -247,10 +261,8 @@ def load_weights(
         raise InferError(f"{info.path}: weights do not match the config: {detail}")
     if args.tie_embeddings and isinstance(model.embed_tokens, nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight
-    # The kernels' weights, copied from the file's blocks, into huge pages (hugepages.py).
-    hugepages.rehome(
-        [t for m in model.modules() if isinstance(m, QuantLinear) for t in m.buffers()]
-    )
+    if arena:
+        arena.close()
     model.setup_caches(min(max_seq_len or args.max_seq_len, args.max_seq_len), dtype)
     return model.eval().requires_grad_(False)
 

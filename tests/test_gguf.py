@@ -466,10 +466,11 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
     """Q6_K's blocks are int6's as they are; Q4_K keeps its codes in int4 g32 (scales and
     mins rounded to float16); the other types are held in int8 g32, within half an int8
     step of their values."""
-    from infer.quant.gguf_import import loaded_bytes, to_kernels
+    from infer.quant.gguf_import import loaded_bytes, placed_bytes, to_kernels
     from infer.quant.int4 import Int4Linear
     from infer.quant.int6 import Int6Linear
     from infer.quant.int8 import Int8Linear
+    from infer.runtime import hugepages
 
     N, K = 6, 512
     if qtype in (T.Q5_0, T.Q5_1):
@@ -483,6 +484,13 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
     bias = torch.randn(N, generator=torch.Generator().manual_seed(1))
     q = to_kernels(t, bias)
     assert loaded_bytes(t) == q.nbytes  # what the auto budget counts it at
+    arena = hugepages.Arena.of(placed_bytes(t))
+    if arena is not None:  # the same weights, written into a huge-page arena of that size
+        placed = to_kernels(t, bias, arena.place)
+        assert torch.equal(placed.dequantize(), q.dequantize())
+        held = [placed.qweight] if qtype == T.Q6_K else [placed.qweight, placed.scales]
+        moved = not any(b.untyped_storage().resizable() for b in held)
+        assert moved == (qtype != T.Q6_K)  # Q6_K's blocks stay where they are
     err = (q.dequantize() - expected).abs()
     if qtype == T.Q6_K:
         assert type(q) is Int6Linear and torch.equal(q.dequantize(), expected)

@@ -1,10 +1,9 @@
-"""runtime/hugepages.py: weights copied at load move into one map of huge pages, in place,
-values and views intact; weights mapped from a file stay where they are."""
+"""runtime/hugepages.py: weights copied at load are written into one map of huge pages
+(an arena), values intact; without huge pages they stay in torch's memory."""
 
 import mmap
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,30 +13,32 @@ needs_thp = pytest.mark.skipif(not hugepages.available(), reason="no transparent
 
 
 @needs_thp
-def test_rehome_keeps_values_views_and_identity():
-    a = torch.randn(300, 100)
-    b = a[10:20]  # a view: moves with a
-    c = torch.arange(5002, dtype=torch.int32).to(torch.uint8)[1:].view(-1, 3)  # view of a view
-    d = torch.ones(7, dtype=torch.float16)
-    expect = [t.clone() for t in (a, b, c, d)]
-    ids = [id(t) for t in (a, b, c, d)]
+def test_an_arena_places_copies_in_huge_pages():
+    arena = hugepages.Arena.of(1 << 20)
+    blocks = torch.arange(4 * 6 * 34, dtype=torch.int32).to(torch.uint8).view(4, 6, 34)
+    codes = arena.place(blocks[:, :, 2:])  # a strided view, as GGUF blocks are split
+    scales = arena.place(blocks[:, :, :2].view(torch.int16))
+    floats = torch.randn(3, 5, dtype=torch.float64)
+    placed = arena.place(floats)
+    for t, want in ((codes, blocks[:, :, 2:]), (scales, blocks[:, :, :2].view(torch.int16))):
+        assert t.is_contiguous() and t.dtype == want.dtype and torch.equal(t, want)
+    assert torch.equal(placed, floats)
+    # one map, laid out in order, each at a cache line; the first starts a huge page
+    assert codes.data_ptr() % hugepages.HUGE_PAGE == 0
+    assert scales.data_ptr() == codes.data_ptr() + -(-codes.nbytes // 64) * 64
+    assert placed.data_ptr() % hugepages.ALIGN == 0 and placed.data_ptr() > scales.data_ptr()
+    assert len({t.untyped_storage().data_ptr() for t in (codes, scales, placed)}) == 1
+    assert not codes.untyped_storage().resizable()  # not torch's allocation
 
-    moved = hugepages.rehome([a, b, c, d, a])  # twice: once is enough
-    assert moved >= a.nbytes + c._base.nbytes + d.nbytes
-    assert [id(t) for t in (a, b, c, d)] == ids
-    for t, e in zip((a, b, c, d), expect, strict=True):
-        assert t.dtype == e.dtype and t.shape == e.shape and torch.equal(t, e)
-        assert not t.untyped_storage().resizable()  # no longer torch's allocation
-    assert a.data_ptr() % hugepages.ALIGN == 0 and d.data_ptr() % hugepages.ALIGN == 0
-    # one map: a view still shares its base's memory, and the bases moved too
-    assert b.data_ptr() == a.data_ptr() + 10 * 100 * 4
-    assert c._base.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
-    assert a.untyped_storage().data_ptr() == d.untyped_storage().data_ptr()
-    assert a.data_ptr() % hugepages.HUGE_PAGE == 0  # the first starts the huge page
-    a.add_(1)  # still writable, and b sees it
-    assert torch.equal(b, expect[1] + 1)
 
-    assert hugepages.rehome([a, b, c, d]) == 0  # already there
+@needs_thp
+def test_a_full_arena_copies_into_torchs_memory():
+    arena = hugepages.Arena.of(100)
+    first = arena.place(torch.ones(25, dtype=torch.float32))  # 100 bytes: fits
+    second = arena.place(torch.ones(2, 3).t())  # no room: torch's copy, same values
+    assert not first.untyped_storage().resizable()
+    assert second.untyped_storage().resizable() and second.is_contiguous()
+    assert torch.equal(second, torch.ones(3, 2))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps_rollup")
@@ -46,33 +47,20 @@ def test_mapped_bytes_reads_this_process():
     assert isinstance(n, int) and n >= 0
 
 
-def test_rehome_leaves_mapped_tensors(tmp_path):
-    path = tmp_path / "w.bin"
-    path.write_bytes(np.arange(4096, dtype=np.float32).tobytes())
-    mapped = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="c"))
-    ptr = mapped.data_ptr()
-    assert hugepages.rehome([mapped, None]) == 0
-    assert mapped.data_ptr() == ptr
-
-
-def test_nothing_moves_without_huge_pages(monkeypatch):
+def test_no_arena_without_huge_pages(monkeypatch):
     monkeypatch.setattr(hugepages, "available", lambda: False)
-    a = torch.randn(64, 64)
-    ptr = a.data_ptr()
-    assert hugepages.rehome([a]) == 0
-    assert a.data_ptr() == ptr and a.untyped_storage().resizable()
+    assert hugepages.Arena.of(1 << 20) is None
+    monkeypatch.setattr(hugepages, "available", lambda: True)
+    assert hugepages.Arena.of(0) is None  # nothing to hold
 
 
-def test_nothing_moves_when_the_map_fails(monkeypatch):
+def test_no_arena_when_the_map_fails(monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")
 
     monkeypatch.setattr(hugepages, "available", lambda: True)
     monkeypatch.setattr(hugepages.mmap, "mmap", refuse)
-    a = torch.randn(64, 64)
-    expect, ptr = a.clone(), a.data_ptr()
-    assert hugepages.rehome([a]) == 0
-    assert a.data_ptr() == ptr and torch.equal(a, expect)
+    assert hugepages.Arena.of(1 << 20) is None
 
 
 def test_available_reads_the_kernel_mode(monkeypatch, tmp_path):
@@ -87,9 +75,10 @@ def test_available_reads_the_kernel_mode(monkeypatch, tmp_path):
 
 
 @needs_thp
-def test_a_gguf_models_copied_weights_move(tmp_path):
-    """Q4_0 / Q8_0 blocks split into codes and scales at load end in the huge-page map;
-    the model still computes what it did (test_gguf checks it against the reference)."""
+def test_a_gguf_models_copied_weights_lie_in_one_map(tmp_path):
+    """Q4_0 / Q8_0 blocks split into codes and scales at load are written into one
+    huge-page map; the model still computes what it did (test_gguf checks it against the
+    reference)."""
     from gguf import GGMLQuantizationType as T
     from test_gguf import tiny_model
 

@@ -11,8 +11,9 @@ first read). What needs it is what the loader copies into memory torch allocates
 Q8_0 / Q4_0 / Q4_1 blocks split into codes and scales for the kernels. The loader writes
 those straight into an `Arena`: one anonymous map that asks for transparent huge pages
 (MADV_HUGEPAGE; the kernel's default "madvise" mode grants them only where asked). Where
-the kernel has none, they go to torch's memory. (Float weights converted at load are left: the 1B's 4.9 GB in float32
-decoded no faster, and loaded 1.7 s slower.)
+the kernel has none, they go to torch's memory. (Float weights converted at load stay
+there: the 1B's 4.9 GB in float32 decoded no faster in huge pages, and loaded 1.7 s
+slower.)
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def from_gguf(
     def f16(at: int) -> torch.Tensor:  # the float16 at byte `at` of every block: (N, K/32)
         return place(blocks[:, :, at : at + 2]).view(torch.float16).view(N, K // 32)
 
-    params = {k: v for k, v in GGUF_SPECS[t.ggml_type].items() if k != "format"}
+    params = spec_params(GGUF_SPECS[t.ggml_type])
     if t.ggml_type == GGMLQuantizationType.Q8_0:
         qweight = place(blocks[:, :, 2:]).view(torch.int8).view(N, K)
         return Int8Linear(qweight, f16(0), params, bias)

@@ -171,7 +171,7 @@ def get_recipe(name: str, *, n_layers: int | None = None, **overrides) -> Recipe
     # Validate now, before any weight is touched: unknown or unsupported params raise.
     main = {
         "format": cls.format,
-        **cls.resolve_params({k: v for k, v in main.items() if k != "format"}),
+        **cls.resolve_params(spec_params(main)),
     }
     if name in _NEEDS_LAYERS and n_layers is None:
         raise InferError(f"recipe {name!r} needs the model's layer count (n_layers)")

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.kernels_cpu import lut, ops
-from infer.quant.base import FORMATS
+from infer.quant.formats.base import FORMATS
 
 SHAPES = [(4096, 4096), (11008, 4096)]  # (N, K): a 7B model's attention and MLP-up
 BITS = [1, 2, 3, 4]

@@ -128,7 +128,7 @@ def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
 
 def tokenizer_metadata(path: Path) -> dict:
     """The gpt2-type tokenizer keys of a GGUF file (the default model's)."""
-    from infer.runtime.gguf_file import GGUFFile
+    from infer.runtime.files.gguf import GGUFFile
 
     md = GGUFFile(path).metadata
     if md.get("tokenizer.ggml.model") != "gpt2":

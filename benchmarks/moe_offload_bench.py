@@ -116,7 +116,7 @@ class Int4Source:
         return lo | (hi << 4)
 
     def layer(self, out_features: int, in_features: int, pooled: bool, std: float = 0.02):
-        from infer.quant.int4 import Int4Linear
+        from infer.quant.formats.int4 import Int4Linear
 
         n = out_features * in_features // 2
         if pooled:
@@ -166,7 +166,7 @@ def make_model(dest: Path, config: dict, seed: int = 0) -> None:
 def disk_bandwidth(path: Path, n_reads: int = 96) -> dict:
     """GB/s reading random expert units with O_DIRECT, 1, 2, 4 and 8 reads in flight."""
     from infer.offload.reader import alloc_buffer
-    from infer.runtime.checkpoint import read_checkpoint
+    from infer.runtime.files.checkpoint import read_checkpoint
 
     ckpt = read_checkpoint(path)
     experts = [u for u in ckpt.ranges if ".experts." in u]
@@ -193,7 +193,7 @@ def child(path: Path, run: str, n_tokens: int, warmup: int, logits_out: Path) ->
     from infer.offload.footprint import PeakSampler
     from infer.offload.stream import process_rss
     from infer.runtime.bench import peak_rss_bytes
-    from infer.runtime.checkpoint import read_checkpoint
+    from infer.runtime.files.checkpoint import read_checkpoint
 
     torch.set_num_threads(2)
     ckpt = read_checkpoint(path)

@@ -296,7 +296,7 @@ def decode(model, tokens: torch.Tensor) -> float:
 def live(path: Path, tokens: torch.Tensor) -> None:
     """Experts read from disk through the cache, token by token, against resident."""
     from infer.offload.experts import load_expert_cached
-    from infer.runtime.checkpoint import read_checkpoint
+    from infer.runtime.files.checkpoint import read_checkpoint
 
     n = len(tokens)
     resident = load_model(path, max_seq_len=WINDOW).model

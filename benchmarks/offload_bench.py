@@ -77,7 +77,7 @@ def byte_tokenizer(path: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
-    from infer.runtime.tokenizer import Tokenizer as InferTokenizer
+    from infer.runtime.model.tokenizer import Tokenizer as InferTokenizer
 
     specials = ["<unk>", "<s>", "</s>"]
     vocab = {ch: i + len(specials) for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
@@ -95,7 +95,7 @@ def byte_tokenizer(path: Path):
 
 def random_int4(out_features: int, in_features: int, gen: torch.Generator):
     """An int4 (Q4_0 layout) layer of random codes; w = (q - 8) * d has std ~0.02."""
-    from infer.quant.int4 import Int4Linear
+    from infer.quant.formats.int4 import Int4Linear
 
     q = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, generator=gen)
     d = torch.full((out_features, in_features // 32), 0.02 / 4.6, dtype=torch.float16)
@@ -111,10 +111,10 @@ def write_random_model(dest: Path, config: dict, linear, embedding) -> None:
     Shared with moe_offload_bench.py."""
     from torch import nn
 
-    from infer.quant.base import QuantEmbedding, QuantLinear
-    from infer.runtime.checkpoint import save_checkpoint
-    from infer.runtime.config import ModelArgs
-    from infer.runtime.llama import Transformer
+    from infer.quant.formats.base import QuantEmbedding, QuantLinear
+    from infer.runtime.files.checkpoint import save_checkpoint
+    from infer.runtime.model.config import ModelArgs
+    from infer.runtime.model.llama import Transformer
 
     args = ModelArgs.from_dict(config)
     with torch.device("meta"):
@@ -194,7 +194,7 @@ def child(path: Path, mode: str, budget: int, n_tokens: int, logits_out: Path) -
     from infer.offload.reader import alloc_buffer
     from infer.offload.stream import load_streamed, process_rss
     from infer.runtime.bench import peak_rss_bytes
-    from infer.runtime.checkpoint import read_checkpoint
+    from infer.runtime.files.checkpoint import read_checkpoint
     from infer.runtime.loader import load_model
 
     torch.set_num_threads(2)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from infer.runtime.errors import InferError
+from infer import InferError
 from infer.runtime.generate import Sampler, generate
 from infer.runtime.loader import LoadedModel
 

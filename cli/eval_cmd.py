@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from infer import InferError
 from infer.cli.common import is_tty, print_json, print_table, set_threads, status, torch_dtype
 from infer.cli.options import (
     Debug,
@@ -26,7 +27,6 @@ from infer.cli.options import (
     Threads,
 )
 from infer.offload.budget import parse_size
-from infer.runtime.errors import InferError
 
 TextFile = Annotated[
     Path,

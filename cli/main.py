@@ -18,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from infer import __version__
+from infer import InferError, __version__
 from infer.cli.common import (
     human_bytes,
     human_count,
@@ -54,7 +54,6 @@ from infer.cli.options import (
 )
 from infer.cli.quantize_cmd import quantize
 from infer.offload.budget import parse_size
-from infer.runtime.errors import InferError
 
 app = typer.Typer(
     name="infer",

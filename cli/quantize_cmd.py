@@ -18,9 +18,9 @@ from typing import Annotated
 
 import typer
 
+from infer import InferError
 from infer.cli.common import human_bytes, is_tty, print_json, print_table, set_threads, status
 from infer.cli.options import Debug, Json, RequiredModelArg, Threads
-from infer.runtime.errors import InferError
 
 CALIB_CTX = 512  # tokens per calibration window (as `infer eval`'s default context)
 LOW_BIT = {"lut2", "lut3"}  # formats that need calibration text to stay usable
@@ -117,9 +117,9 @@ def quantize(
 
     import torch
 
+    from infer.quant.formats.recipes import RECIPES, get_recipe
     from infer.quant.quantize import dequantize_model, quantize_model
-    from infer.quant.recipes import RECIPES, get_recipe
-    from infer.runtime.checkpoint import describe_source, save_checkpoint
+    from infer.runtime.files.checkpoint import describe_source, save_checkpoint
     from infer.runtime.loader import inspect_model, load_tokenizer, load_weights
 
     set_threads(threads)

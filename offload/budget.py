@@ -31,7 +31,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..runtime.errors import InferError
+from .. import InferError
 
 MIN_SLOTS = 2  # the computing layer and at least one being read ahead
 MAX_SLOTS = 4

@@ -59,7 +59,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ..runtime.errors import InferError
+from .. import InferError
 
 Key = tuple[int, int]  # (layer, expert)
 

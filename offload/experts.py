@@ -66,12 +66,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import InferError
 from ..kernels_cpu import ops as kernel_ops
-from ..quant.int8 import Int8Linear
-from ..runtime.checkpoint import Checkpoint, build_model, unit_views
-from ..runtime.errors import InferError
-from ..runtime.llama import RMSNorm, Transformer
-from ..runtime.moe import MoE
+from ..quant.formats.int8 import Int8Linear
+from ..runtime.files.checkpoint import Checkpoint, build_model, unit_views
+from ..runtime.model.llama import RMSNorm, Transformer
+from ..runtime.model.moe import MoE
 from .budget import Overheads, Plan, format_size, minimum_bytes, plan_memory
 from .expert_cache import DEFAULT_POLICY, CacheStats, ExpertCache, allocate, make_policy
 from .reader import DEFAULT_TIMEOUT_S, UnitReader, alloc_buffer, round_up

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-from ..runtime.errors import InferError
+from .. import InferError
 
 PAGE = 4096  # the checkpoint aligns units to this; O_DIRECT needs no more on Linux
 DEFAULT_TIMEOUT_S = 120.0

@@ -33,15 +33,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..runtime.checkpoint import (
+from .. import InferError
+from ..runtime.files.checkpoint import (
     GLOBALS,
     Checkpoint,
     build_model,
     unit_views,
 )
-from ..runtime.config import ModelArgs
-from ..runtime.errors import InferError
-from ..runtime.llama import Transformer
+from ..runtime.model.config import ModelArgs
+from ..runtime.model.llama import Transformer
 from .budget import LayerCost, Overheads, Plan, minimum_bytes, plan_memory
 from .reader import Ticket, UnitReader, alloc_buffer, round_up
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.errors import InferError
+from .. import InferError
 from .expert_cache import CacheStats, ExpertCache, Policy, allocate, make_policy
 
 

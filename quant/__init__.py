@@ -1,5 +1,2 @@
-"""Quantized formats (see issue 3)."""
-
-# Importing the format modules registers them in base.FORMATS, so that anything reading
-# a checkpoint finds every format by name.
-from . import int4, int6, int8, lut  # noqa: F401
+"""Quantization: the formats (formats/) and the offline algorithms over a model
+(recipes' application, GPTQ, Block-AP, scale tuning)."""

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime.llama import Transformer
-from .base import QuantLinear
+from ..runtime.model.llama import Transformer
+from .formats.base import QuantLinear
 from .gptq import block_hessians, grid_of, head_hessian, pack
 from .tune import Frozen, descend, full_sequences, swapped
 

@@ -17,7 +17,7 @@ by DAMP times its mean diagonal before the inversion.
 
 Each format's groups keep their structure: when the quantizer reaches the first column
 of a group, that group's scale (and min) are fitted to the group's weights as they stand
-then, error feedback included, by the formats' clipping search (`int4.fit_groups`) with
+then, error feedback included, by the formats' clipping search (`fit.fit_groups`) with
 each column's error weighted by its input's mean square (H's diagonal), as llama.cpp's
 importance matrix weights it; its columns are then rounded to nearest with those. The
 codes, scales and mins are packed into an ordinary QuantLinear of the format, which
@@ -48,11 +48,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..runtime.errors import InferError
-from .base import QuantLinear
-from .int4 import REFINE, SHRINK, Int4Linear, check_weight, fit_groups, pack_nibbles
-from .int8 import Int8Linear
-from .lut import LutLinear, pack_planes
+from .. import InferError
+from .formats.base import QuantLinear
+from .formats.fit import REFINE, SHRINK, check_weight, fit_groups
+from .formats.int4 import Int4Linear, pack_nibbles
+from .formats.int8 import Int8Linear
+from .formats.lut import LutLinear, pack_planes
 
 BLOCK_SIZE = 128  # columns per lazy-update block (the paper's B)
 # Dampening, as a fraction of H's mean diagonal. The paper uses 0.01; with calibration

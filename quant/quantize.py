@@ -36,14 +36,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..runtime.errors import InferError
-from ..runtime.gguf_file import GGUFFile, GGUFTensor
-from ..runtime.llama import Transformer
+from .. import InferError
+from ..runtime.files.gguf import GGUFFile
+from ..runtime.files.gguf_blocks import from_gguf, importable
+from ..runtime.files.gguf_tensor import GGUFTensor
+from ..runtime.model.llama import Transformer
 from . import block_ap, gptq, tune
-from .base import FORMATS, QuantEmbedding, QuantLinear, set_module
-from .gguf_import import from_gguf, importable
-from .int4 import GroupSizeError
-from .recipes import Recipe, spec_params
+from .formats.base import FORMATS, QuantEmbedding, QuantLinear, set_module
+from .formats.fit import GroupSizeError
+from .formats.recipes import Recipe, spec_params
 
 # Used instead of a spec whose group size does not divide a weight's rows, unless the spec
 # names its own ("fallback", recipes.py): per-channel int8 fits any shape.

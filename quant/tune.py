@@ -45,9 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime.errors import InferError
-from ..runtime.llama import Transformer
-from .base import QuantLinear, set_module
+from .. import InferError
+from ..runtime.model.llama import Transformer
+from .formats.base import QuantLinear, set_module
 from .gptq import calibration_windows
 
 TOP_K = 64  # teacher probabilities kept per position

@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import InferError
 from ..offload.experts import ExpertReport
 from ..offload.stream import StreamReport, report
-from ..quant.base import QuantEmbedding, QuantLinear
-from . import hugepages
-from .errors import InferError
+from ..quant.formats.base import QuantEmbedding, QuantLinear
+from .files import hugepages
 from .generate import generate, make_sampler
-from .llama import Transformer
 from .loader import load_model
+from .model.llama import Transformer
 
 # Real text, so the prompt is made of real token ids (cycled to the length asked for).
 BENCH_TEXT = (

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import InferError
-from .llama import Transformer
+from .. import InferError
 from .loader import LoadedModel
-from .tokenizer import Tokenizer
+from .model.llama import Transformer
+from .model.tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]  # (windows done, windows in all)
 

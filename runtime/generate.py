@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .errors import InferError
-from .llama import Transformer
+from .. import InferError
+from .model.llama import Transformer
 
 Sampler = Callable[[torch.Tensor], int]
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import InferError
 from ..offload.budget import Plan
 from ..offload.expert_cache import DEFAULT_POLICY
 from ..offload.experts import (
@@ -41,22 +42,21 @@ from ..offload.stream import (
     process_rss,
 )
 from ..offload.trace import TraceRecorder
-from ..quant.base import QuantEmbedding, set_module
-from ..quant.gguf_import import (
+from ..quant.formats.base import QuantEmbedding, set_module
+from .files import hugepages
+from .files.checkpoint import Checkpoint, build_model, is_checkpoint, read_checkpoint, verify
+from .files.gguf import GGUFFile, is_gguf
+from .files.gguf_blocks import (
     ON_KERNELS,
     kernel_weights,
     loaded_bytes,
     placed_bytes,
     to_kernels,
 )
-from . import hugepages
-from .checkpoint import Checkpoint, build_model, is_checkpoint, read_checkpoint, verify
-from .config import ModelArgs
-from .errors import InferError
-from .gguf_file import GGUFFile, is_gguf
-from .llama import Transformer
-from .safetensors_file import read_header, read_safetensors
-from .tokenizer import Tokenizer
+from .files.safetensors import read_header, read_safetensors
+from .model.config import ModelArgs
+from .model.llama import Transformer
+from .model.tokenizer import Tokenizer
 
 
 @dataclass

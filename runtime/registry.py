@@ -30,7 +30,7 @@ from importlib.resources import files
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .errors import InferError
+from .. import InferError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -215,7 +215,7 @@ def pull(
 
 def _local_model(path: Path) -> ResolvedModel | None:
     """A GGUF file (by its magic) or a folder holding config.json, else None."""
-    from .gguf_file import is_gguf  # imports torch: only when a path is given
+    from .files.gguf import is_gguf  # imports torch: only when a path is given
 
     if is_gguf(path):
         return ResolvedModel(path.stem, path.resolve())
@@ -569,7 +569,7 @@ def _gguf_quantization(path: Path) -> str | None:
     import gguf
 
     try:
-        from .gguf_file import GGUFFile
+        from .files.gguf import GGUFFile
 
         file_type = GGUFFile(path).metadata.get("general.file_type")
         name = gguf.LlamaFileType(file_type).name  # e.g. MOSTLY_Q4_1, ALL_F32

@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
+from infer import InferError
 from infer.runtime.bench import BENCH_TEXT, bench_prompt, run_bench, weight_bytes_per_token
-from infer.runtime.config import ModelArgs
-from infer.runtime.errors import InferError
-from infer.runtime.gguf_file import GGUFFile
-from infer.runtime.llama import Transformer
+from infer.runtime.files.gguf import GGUFFile
+from infer.runtime.model.config import ModelArgs
+from infer.runtime.model.llama import Transformer
 
 CONFIG = {
     "model_type": "llama",
@@ -54,8 +54,8 @@ def test_weight_bytes_tied_counts_the_shared_matrix_once():
 
 def _quantize_table(model, tied: bool):
     """Replace lm_head (and, if tied, the embedding) by int8 per-channel, as a load does."""
-    from infer.quant.base import QuantEmbedding
-    from infer.quant.int8 import Int8Linear
+    from infer.quant.formats.base import QuantEmbedding
+    from infer.quant.formats.int8 import Int8Linear
 
     q = Int8Linear.from_float(model.lm_head.weight.detach(), group_size=0)
     model.lm_head = q

@@ -11,9 +11,9 @@ from test_tune import kl_to, log_probs
 from tiny import make_hf_model
 
 from infer.quant import block_ap
-from infer.quant.base import FORMATS, QuantLinear
+from infer.quant.formats.base import FORMATS, QuantLinear
+from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import quantize_model
-from infer.quant.recipes import get_recipe
 from infer.runtime.loader import inspect_model, load_model, load_weights
 
 

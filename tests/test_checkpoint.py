@@ -10,9 +10,10 @@ import pytest
 import torch
 from tiny import make_hf_model
 
-from infer.quant.base import FORMATS, QuantEmbedding, QuantLinear
-from infer.runtime import checkpoint
-from infer.runtime.checkpoint import (
+from infer import InferError
+from infer.quant.formats.base import FORMATS, QuantEmbedding, QuantLinear
+from infer.runtime.files import checkpoint
+from infer.runtime.files.checkpoint import (
     ALIGN,
     build_model,
     is_checkpoint,
@@ -20,7 +21,6 @@ from infer.runtime.checkpoint import (
     save_checkpoint,
     verify,
 )
-from infer.runtime.errors import InferError
 from infer.runtime.loader import inspect_model, load_model, load_tokenizer, load_weights
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]

@@ -215,8 +215,8 @@ def test_one_shot_and_json_agree(smollm2_gguf, home_env):
 
 
 def test_no_chat_prompt_plus_stdin_and_max_tokens(smollm2_gguf):
-    from infer.runtime.gguf_file import GGUFFile
-    from infer.runtime.tokenizer import Tokenizer
+    from infer.runtime.files.gguf import GGUFFile
+    from infer.runtime.model.tokenizer import Tokenizer
 
     r = infer(
         "run", smollm2_gguf, "Counting: 1, 2, 3,", "--no-chat", "-n", "5", "--json", *GREEDY,

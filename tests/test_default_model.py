@@ -54,8 +54,8 @@ def test_logits_match_transformers_gguf_loader(smollm2, smollm2_gguf):
 def test_runs_its_blocks_on_the_kernels(smollm2, smollm2_gguf):
     """Q4_1 layers on the int4 kernels, the tied Q8_0 table on int8, as llama.cpp runs the
     file; the dequantized float model (`infer eval --ref`) is the same to ~1e-7 in KL."""
-    from infer.quant.int4 import Int4Linear
-    from infer.quant.int8 import Int8Linear
+    from infer.quant.formats.int4 import Int4Linear
+    from infer.quant.formats.int8 import Int8Linear
 
     model = smollm2.model
     assert type(model.layers[7].mlp.down_proj) is Int4Linear

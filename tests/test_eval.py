@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.runtime.errors import InferError
+from infer import InferError
 from infer.runtime.evaluate import evaluate, make_windows, tokenize_text
 
 CTX = 64

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from infer import InferError
 from infer.offload.expert_cache import (
     CacheStats,
     ExpertCache,
@@ -25,7 +26,6 @@ from infer.offload.expert_cache import (
     make_policy,
 )
 from infer.offload.trace import Trace, TraceRecorder, replay, visit
-from infer.runtime.errors import InferError
 
 
 def make_cache(policy, slots, expert_bytes=10, **kw):
@@ -427,7 +427,7 @@ TOKENS = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140, 8, 8, 300, 41, 12, 19
 @pytest.mark.parametrize(("name", "slots", "prefetch"), [("lfu", 5, True), ("lru", 4, False)])
 def test_expert_cached_model_equals_resident(moe_checkpoint, name, slots, prefetch):
     from infer.offload.experts import load_expert_cached
-    from infer.runtime.checkpoint import read_checkpoint
+    from infer.runtime.files.checkpoint import read_checkpoint
     from infer.runtime.loader import load_model
 
     resident = load_model(moe_checkpoint, max_seq_len=64).model
@@ -469,7 +469,7 @@ def test_expert_cached_model_equals_resident(moe_checkpoint, name, slots, prefet
 
 def test_expert_cached_decode_replays_exactly(moe_checkpoint, tmp_path):
     from infer.offload.experts import load_expert_cached
-    from infer.runtime.checkpoint import read_checkpoint
+    from infer.runtime.files.checkpoint import read_checkpoint
 
     rec = TraceRecorder(2, 8)
     model, off = load_expert_cached(
@@ -490,7 +490,7 @@ def test_expert_cache_needs_one_unit_per_expert(moe_checkpoint):
     import dataclasses
 
     from infer.offload.experts import load_expert_cached
-    from infer.runtime.checkpoint import read_checkpoint
+    from infer.runtime.files.checkpoint import read_checkpoint
 
     ckpt = read_checkpoint(moe_checkpoint)
     units = {u: n for u, n in ckpt.units.items() if u != "layers.3.mlp.experts.5"}

@@ -6,11 +6,11 @@ import torch
 from tiny import ARCHS, MOE_ARCHS, make_hf_model
 
 from infer.kernels_cpu import ops
-from infer.kernels_cpu.decode import FusedDecode
+from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import dequantize_model, quantize_model
-from infer.quant.recipes import get_recipe
 from infer.runtime.loader import load_model
-from infer.runtime.moe import MoE
+from infer.runtime.model.fused_decode import FusedDecode
+from infer.runtime.model.moe import MoE
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]  # 12 tokens: past a window of 8
 NEXT = [41, 7, 233, 18, 90]
@@ -58,7 +58,7 @@ def test_fused_equals_blocks(hf_dirs, arch, recipe, overrides):
 
 def test_fused_runs_int6(tmp_path):
     """int6 needs rows of whole 256-weight blocks: a model that wide, every linear int6."""
-    from infer.quant.int6 import Int6Linear
+    from infer.quant.formats.int6 import Int6Linear
 
     make_hf_model("llama", tmp_path / "m", hidden_size=256, intermediate_size=512)
     model = load_model(tmp_path / "m", max_seq_len=64).model
@@ -121,7 +121,7 @@ def test_bad_experts_are_refused(hf_dirs):
     weights = torch.ones(1, 2)
     for ids in ([[0, block.n_experts]], [[-1, 0]]):  # an expert the layer does not have
         with pytest.raises(ValueError, match="decode_experts: bad table"):
-            step._run_experts(table, torch.tensor(ids), weights, None, x, x.clone(), 0, 1, phase=3)
+            step._run_experts(table, torch.tensor(ids), weights, None, x, x.clone(), phase=3)
 
 
 @pytest.mark.parametrize("isa", ops.supported_isas())

@@ -11,8 +11,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 from tiny import random_blocks
 
-from infer.runtime.errors import InferError
-from infer.runtime.gguf_file import GGUFFile, GGUFTensor, dequantize
+from infer import InferError
+from infer.runtime.files.gguf import GGUFFile
+from infer.runtime.files.gguf_tensor import GGUFTensor, dequantize
 
 
 def write_gguf(path: Path, arch: str, tensors: dict, kv=(), alignment: int | None = None) -> Path:
@@ -420,8 +421,8 @@ def test_quantized_blocks_run_on_the_kernels(tmp_path, arch, embed, output):
     the model computes what the dequantized one does, prompt and token by token."""
     from torch import nn
 
-    from infer.quant.int4 import Int4Linear
-    from infer.quant.int8 import Int8Linear
+    from infer.quant.formats.int4 import Int4Linear
+    from infer.quant.formats.int8 import Int8Linear
     from infer.runtime.loader import inspect_model, load_weights
 
     path, _ = tiny_model(tmp_path / "m.gguf", arch, arch == "llama", embed=embed, output=output)
@@ -466,11 +467,11 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
     """Q6_K's blocks are int6's as they are; Q4_K keeps its codes in int4 g32 (scales and
     mins rounded to float16); the other types are held in int8 g32, within half an int8
     step of their values."""
-    from infer.quant.gguf_import import loaded_bytes, placed_bytes, to_kernels
-    from infer.quant.int4 import Int4Linear
-    from infer.quant.int6 import Int6Linear
-    from infer.quant.int8 import Int8Linear
-    from infer.runtime import hugepages
+    from infer.quant.formats.int4 import Int4Linear
+    from infer.quant.formats.int6 import Int6Linear
+    from infer.quant.formats.int8 import Int8Linear
+    from infer.runtime.files import hugepages
+    from infer.runtime.files.gguf_blocks import loaded_bytes, placed_bytes, to_kernels
 
     N, K = 6, 512
     if qtype in (T.Q5_0, T.Q5_1):
@@ -511,7 +512,7 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
 
 
 def test_kernel_weights_picks_weights_by_type(tmp_path):
-    from infer.quant.gguf_import import kernel_weights
+    from infer.runtime.files.gguf_blocks import kernel_weights
 
     K = 256
     tensors = {

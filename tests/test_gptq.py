@@ -11,9 +11,9 @@ from tiny import make_hf_model
 from torch import nn
 
 from infer.quant import gptq
-from infer.quant.base import FORMATS
+from infer.quant.formats.base import FORMATS
+from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import _quantize, quantize_model
-from infer.quant.recipes import get_recipe
 from infer.runtime.loader import inspect_model, load_model, load_weights
 
 BLOCK = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from infer.runtime import hugepages
+from infer.runtime.files import hugepages
 
 needs_thp = pytest.mark.skipif(not hugepages.available(), reason="no transparent huge pages")
 
@@ -82,7 +82,7 @@ def test_a_gguf_models_copied_weights_lie_in_one_map(tmp_path):
     from gguf import GGMLQuantizationType as T
     from test_gguf import tiny_model
 
-    from infer.quant.base import QuantLinear
+    from infer.quant.formats.base import QuantLinear
     from infer.runtime.loader import inspect_model, load_weights
 
     path, _ = tiny_model(tmp_path / "m.gguf", "llama", True, embed=T.Q8_0, output=None)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from infer.kernels_cpu import lut, ops
-from infer.quant.base import FORMATS
+from infer.quant.formats.base import FORMATS
 
 pytestmark = pytest.mark.skipif(not lut.available(), reason="C extension not built")
 

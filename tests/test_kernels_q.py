@@ -393,7 +393,7 @@ def test_missing_extension_warns_once_and_runs_the_reference(monkeypatch):
     ],
 )
 def test_quant_linear_forward(fmt, params):
-    from infer.quant.base import FORMATS, QuantLinear
+    from infer.quant.formats.base import FORMATS, QuantLinear
 
     K = 256 if fmt == "int6" else 128  # int6: whole blocks of 256
     torch.manual_seed(0)
@@ -426,11 +426,11 @@ def smollm2_float(smollm2_gguf, one_torch_thread):
 def test_default_model_greedy_tokens_equal_reference(smollm2_float, smollm2_gguf, to, monkeypatch):
     import copy
 
-    from infer.quant.int8 import Int8Linear
+    from infer.quant.formats.int8 import Int8Linear
+    from infer.quant.formats.recipes import get_recipe
     from infer.quant.quantize import dequantize_model, quantize_model
-    from infer.quant.recipes import get_recipe
+    from infer.runtime.files.gguf import GGUFFile
     from infer.runtime.generate import generate, make_sampler
-    from infer.runtime.gguf_file import GGUFFile
 
     model = copy.deepcopy(smollm2_float.model)
     # As `infer quantize --to int4 / int8`: Q4_1 and Q8_0 blocks import losslessly;

@@ -13,17 +13,18 @@ import torch
 from gguf import GGMLQuantizationType as T
 from tiny import MOE_ARCHS, make_hf_model, random_blocks
 
-from infer.quant.base import QuantLinear
+from infer import InferError
+from infer.quant.formats.base import QuantLinear
+from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import quantize_model
-from infer.quant.recipes import get_recipe
-from infer.runtime.checkpoint import read_checkpoint
-from infer.runtime.config import ModelArgs
-from infer.runtime.errors import InferError
+from infer.runtime.files.checkpoint import read_checkpoint
+from infer.runtime.files.gguf import GGUFFile
+from infer.runtime.files.gguf_tensor import dequantize
 from infer.runtime.generate import prefill
-from infer.runtime.gguf_file import GGUFFile, dequantize
-from infer.runtime.llama import Transformer
 from infer.runtime.loader import inspect_model, load_model, load_weights
-from infer.runtime.moe import MoE
+from infer.runtime.model.config import ModelArgs
+from infer.runtime.model.llama import Transformer
+from infer.runtime.model.moe import MoE
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
 
@@ -468,8 +469,8 @@ def test_gguf_k_quant_experts_run_on_the_kernels(tmp_path, qtype):
     """K-quant stacked experts (rows of 256) load onto the kernels one expert at a time, as
     a 2-D K-quant tensor does: Q4_K's codes into int4, Q6_K's blocks as int6; prompt and
     token-by-token logits follow the dequantized model."""
-    from infer.quant.int4 import Int4Linear
-    from infer.quant.int6 import Int6Linear
+    from infer.quant.formats.int4 import Int4Linear
+    from infer.quant.formats.int6 import Int6Linear
 
     ref = make_hf_model("olmoe", tmp_path / "hf", hidden_size=256, intermediate_size=256)
     path = write_moe_gguf(ref, tmp_path / "k.gguf", qtype=qtype)

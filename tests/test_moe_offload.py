@@ -13,6 +13,7 @@ import torch
 import transformers
 from tiny import COMMON, MOE_ARCHS, write_tokenizer
 
+from infer import InferError
 from infer.offload.budget import Overheads
 from infer.offload.expert_cache import CacheStats
 from infer.offload.experts import (
@@ -29,8 +30,7 @@ from infer.offload.experts import (
 from infer.offload.footprint import footprint
 from infer.offload.stream import layer_costs, overheads
 from infer.offload.trace import Trace, TraceRecorder, replay
-from infer.runtime.checkpoint import read_checkpoint
-from infer.runtime.errors import InferError
+from infer.runtime.files.checkpoint import read_checkpoint
 from infer.runtime.loader import load_model
 
 INFER = [sys.executable, "-c", "from infer.cli.main import main; main()"]
@@ -217,7 +217,7 @@ def test_experts_in_memory_run_in_one_call(moe, monkeypatch, pattern):
 def test_route_takes_the_visits_router_output(moe, monkeypatch):
     """An expert cache's hook runs each MoE block's router on its input for the
     prefetch; route() then takes that output instead of running the router again."""
-    from infer.runtime.moe import MoE
+    from infer.runtime.model.moe import MoE
 
     expected = resident_logits(moe)
     ckpt = read_checkpoint(moe)
@@ -319,7 +319,7 @@ def test_float_experts_beside_quantized_attention(moe, tmp_path):
     """Offloaded experts the C cannot run (float) keep the whole model block by block,
     even where its attention could run fused."""
     from infer.quant.quantize import quantize_model
-    from infer.runtime.checkpoint import save_checkpoint
+    from infer.runtime.files.checkpoint import save_checkpoint
     from infer.runtime.loader import inspect_model, load_tokenizer, load_weights
 
     info = inspect_model(moe.parent / "hf")
@@ -340,7 +340,7 @@ def test_float_experts_beside_quantized_attention(moe, tmp_path):
 def test_float_experts_equal_resident(moe, tmp_path, stored):
     """Float experts are parameters (quantized ones buffers); bfloat16 ones are converted
     to the compute dtype as they are read."""
-    from infer.runtime.checkpoint import save_checkpoint
+    from infer.runtime.files.checkpoint import save_checkpoint
     from infer.runtime.loader import inspect_model, load_tokenizer, load_weights
 
     info = inspect_model(moe.parent / "hf")

@@ -14,14 +14,14 @@ import torch
 import transformers
 from tiny import ARCHS, COMMON, make_hf_model, write_tokenizer
 
+from infer import InferError
 from infer.offload.budget import LayerCost, Overheads, minimum_bytes, parse_size, plan_memory
 from infer.offload.footprint import cached_bytes, footprint
 from infer.offload.reader import UnitReader, alloc_buffer
 from infer.offload.stream import layer_costs, layer_units, load_streamed, overheads
+from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import quantize_model
-from infer.quant.recipes import get_recipe
-from infer.runtime.checkpoint import build_model, read_checkpoint, save_checkpoint
-from infer.runtime.errors import InferError
+from infer.runtime.files.checkpoint import build_model, read_checkpoint, save_checkpoint
 from infer.runtime.loader import inspect_model, load_model, load_tokenizer, load_weights
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200]

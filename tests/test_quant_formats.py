@@ -12,16 +12,18 @@ import torch
 from gguf import GGMLQuantizationType as T
 from tiny import random_blocks
 
+from infer import InferError
 from infer.kernels_cpu import lut as lut_kernel
 from infer.kernels_cpu import ops
 from infer.kernels_cpu.reference import unpack_int6
-from infer.quant.base import FORMATS
-from infer.quant.gguf_import import from_gguf, importable
-from infer.quant.int4 import GroupSizeError, pack_nibbles, unpack_nibbles
-from infer.quant.int6 import pack_blocks
-from infer.quant.lut import pack_planes, unpack_planes
-from infer.runtime.errors import InferError
-from infer.runtime.gguf_file import GGUFFile, dequantize
+from infer.quant.formats.base import FORMATS
+from infer.quant.formats.fit import GroupSizeError
+from infer.quant.formats.int4 import pack_nibbles, unpack_nibbles
+from infer.quant.formats.int6 import pack_blocks
+from infer.quant.formats.lut import pack_planes, unpack_planes
+from infer.runtime.files.gguf import GGUFFile
+from infer.runtime.files.gguf_blocks import from_gguf, importable
+from infer.runtime.files.gguf_tensor import dequantize
 
 # (format, params) covering every layout and option.
 CASES = [

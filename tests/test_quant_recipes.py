@@ -5,10 +5,10 @@ import torch
 from tiny import make_hf_model
 from torch import nn
 
-from infer.quant.base import QuantEmbedding, QuantLinear
+from infer import InferError
+from infer.quant.formats.base import QuantEmbedding, QuantLinear
+from infer.quant.formats.recipes import RECIPES, get_recipe, use_more_bits
 from infer.quant.quantize import dequantize_model, quantize_model
-from infer.quant.recipes import RECIPES, get_recipe, use_more_bits
-from infer.runtime.errors import InferError
 from infer.runtime.loader import inspect_model, load_model, load_weights
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]

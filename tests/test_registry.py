@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from infer import InferError
 from infer.runtime import registry
-from infer.runtime.errors import InferError
 from infer.runtime.registry import (
     DEFAULT_MODEL,
     extract_gguf,

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from tiny import make_hf_model
 
 from infer.kernels_cpu import ops
+from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import quantize_model
-from infer.quant.recipes import get_recipe
-from infer.runtime import llama
 from infer.runtime.generate import generate
 from infer.runtime.loader import load_model
+from infer.runtime.model import llama
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="C extension not built")
 

@@ -11,9 +11,10 @@ import pytest
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import pre_tokenizers
 
-from infer.runtime.errors import InferError
-from infer.runtime.gguf_file import GGUFFile
-from infer.runtime.tokenizer import PRE_TOKENIZERS, Tokenizer
+from infer import InferError
+from infer.runtime.files.gguf import GGUFFile
+from infer.runtime.model.pretokenizers import PRE_TOKENIZERS
+from infer.runtime.model.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",

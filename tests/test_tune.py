@@ -9,9 +9,9 @@ import torch
 from test_gptq import SPECS, infer, tiny_dirs  # noqa: F401  (tiny_dirs: a fixture)
 
 from infer.quant import tune
-from infer.quant.base import FORMATS, QuantLinear
+from infer.quant.formats.base import FORMATS, QuantLinear
+from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import quantize_model
-from infer.quant.recipes import get_recipe
 from infer.runtime.loader import inspect_model, load_model, load_weights
 
 

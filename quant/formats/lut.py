@@ -42,10 +42,10 @@ from typing import ClassVar
 
 import torch
 
-from ..kernels_cpu import lut as lut_kernel
-from ..runtime.errors import InferError
-from .base import QuantLinear, register
-from .int4 import check_params, check_weight, fit_groups
+from ... import InferError
+from ...kernels_cpu import lut as lut_kernel
+from .base import KernelWeights, QuantLinear, register
+from .fit import check_params, check_weight, fit_groups
 
 _SHIFTS = torch.arange(8, dtype=torch.uint8)  # bit i of a plane byte is element 8t + i
 
@@ -114,6 +114,9 @@ class LutLinear(QuantLinear):
             if t is None or t.dtype != torch.float16 or tuple(t.shape) != groups:
                 raise InferError(f"{cls.format}: {name} must be float16 of shape {groups}")
         return cls(qweight, scales, mins, p, bias)
+
+    def kernel_weights(self) -> KernelWeights:
+        return KernelWeights(-self.bits, self.group_size, self.qweight, self.scales, self.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # float32: the LUT kernel (int8 activation tables; kernels_cpu/lut.py bounds its

@@ -66,12 +66,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..quant.base import FORMATS, QuantEmbedding, QuantLinear
+from ... import InferError
+from ...quant.formats.base import FORMATS, QuantEmbedding, QuantLinear
+from ..model.config import ModelArgs
+from ..model.llama import Transformer
 from . import hugepages
-from .config import ModelArgs
-from .errors import InferError
-from .llama import Transformer
-from .safetensors_file import DTYPES, read_header, read_safetensors
+from .safetensors import DTYPES, read_header, read_safetensors
 
 FORMAT = "infer"
 FORMAT_VERSION = "1"

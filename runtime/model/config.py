@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from .errors import InferError
+from ... import InferError
 
 # model_type -> the variant fields it implies. Llama, Mistral, SmolLM (model_type
 # llama), Qwen2 and Qwen3 differ only in these; one model file serves them all. The

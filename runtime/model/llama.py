@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels_cpu import ops
-from ..quant.base import QuantLinear
+from ...kernels_cpu import ops
+from ...quant.formats.base import QuantLinear
 from .config import ModelArgs, rope_inv_freq
 from .moe import MoE
 
@@ -223,7 +223,7 @@ class Transformer(nn.Module):
     def prepare_fused_decode(self) -> None:
         """(Re)build the fused decode step and choose `threads`; call after swapping
         modules or weights."""
-        from ..kernels_cpu.decode import FusedDecode
+        from .fused_decode import FusedDecode
 
         self.fused_decode = FusedDecode.prepare(self)
         self.threads = ops.kernel_threads if self._matmuls_on_kernels() else contextlib.nullcontext

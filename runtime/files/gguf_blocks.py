@@ -43,15 +43,16 @@ from dataclasses import replace
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..runtime import hugepages
-from ..runtime.errors import InferError
-from ..runtime.gguf_file import GGUFFile, GGUFTensor, dequantize
-from .base import FORMATS, QuantLinear
-from .int4 import Int4Linear
-from .int6 import BLOCK_BYTES as Q6_K_BYTES
-from .int6 import Int6Linear
-from .int8 import Int8Linear
-from .recipes import is_router, spec_params
+from ... import InferError
+from ...quant.formats.base import FORMATS, QuantLinear
+from ...quant.formats.int4 import Int4Linear
+from ...quant.formats.int6 import BLOCK_BYTES as Q6_K_BYTES
+from ...quant.formats.int6 import Int6Linear
+from ...quant.formats.int8 import Int8Linear
+from ...quant.formats.recipes import is_router, spec_params
+from . import hugepages
+from .gguf import GGUFFile
+from .gguf_tensor import GGUFTensor, dequantize
 
 # ggml type -> the format spec whose layout and arithmetic it is.
 GGUF_SPECS: dict[GGMLQuantizationType, dict] = {

@@ -26,10 +26,10 @@ from typing import ClassVar
 
 import torch
 
-from ..kernels_cpu import ops as kernels
-from ..runtime.errors import InferError
-from .base import QuantLinear, register
-from .int4 import check_params, check_weight, fit_groups
+from ... import InferError
+from ...kernels_cpu import ops as kernels
+from .base import KernelWeights, QuantLinear, register
+from .fit import check_params, check_weight, fit_groups
 
 # Activation dtypes for which torch's int8 weight-only matmul (per-channel scales only) is
 # correct and faster than dequantize + matmul at M = 1. Measured on one core, 1536x576
@@ -98,6 +98,9 @@ class Int8Linear(QuantLinear):
         R, G = scales.shape
         q = qweight.view(R, G, -1).float()  # (R, groups, group_size)
         return (q * scales.float().unsqueeze(-1)).view(R, self.in_features)  # ggml: q * d
+
+    def kernel_weights(self) -> KernelWeights:
+        return KernelWeights(8, self.group_size, self.qweight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

@@ -34,11 +34,11 @@ from typing import ClassVar
 
 import torch
 
-from ..kernels_cpu import ops as kernels
-from ..kernels_cpu.reference import dequantize_int6
-from ..runtime.errors import InferError
-from .base import QuantLinear, register
-from .int4 import GroupSizeError, _codes, _round_up, check_params, check_weight, fit_groups
+from ... import InferError
+from ...kernels_cpu import ops as kernels
+from ...kernels_cpu.reference import dequantize_int6
+from .base import KernelWeights, QuantLinear, register
+from .fit import GroupSizeError, check_params, check_weight, fit_groups, nearest_codes, round_up
 
 QK = 256  # weights per block
 BLOCK_BYTES = 210  # 128 ql + 64 qh + 16 scales + 2 d
@@ -68,7 +68,7 @@ def fit(w: torch.Tensor, search: bool = True):
     """Quantize w (N, K) float32, K % 256 == 0: codes (N, K) in -32..31, sc (N, K/16) int8,
     d (N, K/256) float16.
 
-    Each group of 16 gets its own best scale s (int4.fit_groups on codes -32..31: the
+    Each group of 16 gets its own best scale s (fit.fit_groups on codes -32..31: the
     clipping search, or with search=False the step covering the group's range); each
     block's d is its largest |s| / 127 rounded up to float16, so no |s / d| passes 127
     and no block's d is zero unless all its weights are; sc is |s / d| rounded up, with
@@ -79,7 +79,7 @@ def fit(w: torch.Tensor, search: bool = True):
     B = K // QK
     _, s16, _ = fit_groups(w, 16, -32, 31, affine=False, dtype=torch.float32, search=search)
     s = s16.view(N, B, 16)
-    d = _round_up(s.abs().amax(-1, keepdim=True) / 127, torch.float16)  # (N, B, 1)
+    d = round_up(s.abs().amax(-1, keepdim=True) / 127, torch.float16)  # (N, B, 1)
     if not torch.isfinite(d).all():
         raise InferError("int6: weights too large for float16 scales")
     sc = torch.where(d == 0, 0.0, (s / d).abs().ceil_().clamp_(max=127) * s.sign())
@@ -87,7 +87,7 @@ def fit(w: torch.Tensor, search: bool = True):
     best = None
     for t in (sc, sc - sc.sign()) if search else (sc,):
         step = (d * t).unsqueeze(-1)  # (N, B, 16, 1): exact products
-        c = _codes(wg, step, None, -32, 31)
+        c = nearest_codes(wg, step, None, -32, 31)
         err = (c * step - wg).square_().sum(-1)
         if best is None:
             best = [t, c, err]
@@ -151,6 +151,9 @@ class Int6Linear(QuantLinear):
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         return dequantize_int6(self.qweight if rows is None else self.qweight[rows])
+
+    def kernel_weights(self) -> KernelWeights:
+        return KernelWeights(6, QK, self.qweight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

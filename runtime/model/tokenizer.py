@@ -16,19 +16,15 @@ Two GGUF tokenizer models are supported:
 
 import json
 import re
-from datetime import datetime
 from pathlib import Path
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.processors import TemplateProcessing
 
-from infer.runtime.errors import InferError
+from ... import InferError
+from .chat_template import ChatTemplate
+from .pretokenizers import FALLBACK_PRE_TOKENIZER, PRE_TOKENIZERS, byte_level_pre_tokenizer
 
 # GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -54,98 +50,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-# ---------------------------------------------------------------------------------------
-# Pre-tokenizers: the regex splits llama-vocab.cpp applies before BPE, by tokenizer.ggml.pre
-# ---------------------------------------------------------------------------------------
-
-# llama.cpp rewrites (?i:...) as explicit [sS] classes for its own regex engine; the
-# `tokenizers` library (Oniguruma) takes the originals from the models' tokenizer.json.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"]
-_DEEPSEEK_V3 = [
-    r"\p{N}{1,3}",
-    r"[一-龥぀-ゟ゠-ヿ]+",
-    (
-        r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-    ),
-]
-_FALCON = [
-    r"[\p{P}\$\+<=>\^~\|`]+",
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-    r"[0-9][0-9][0-9]",
-]
-
-
-def _names(names: str, splits: list[str], ignore_merges: bool = False) -> dict:
-    return {name: (splits, ignore_merges) for name in names.split()}
-
-
-# tokenizer.ggml.pre -> (regexes applied in turn, each piece split by the next; whether
-# a piece that is itself a token skips BPE, llama.cpp's `ignore_merges`).
-PRE_TOKENIZERS = {
-    **_names("default gpt-2 phi-2 mpt olmo jais trillion granite-docling exaone4", [_GPT2]),
-    **_names("jina-es jina-de jina-v1-en jina-v2-es jina-v2-de jina-v2-code", [_GPT2]),
-    **_names("roberta-bpe gigachat a.x-4.0 mellum modern-bert", [_GPT2]),
-    # "smollm" and the StarCoder family: every digit alone, then GPT-2's split. The
-    # transformers GGUF converter leaves out the digit split; SmolLM2's own
-    # tokenizer.json has it (Digits(individual_digits=True) before ByteLevel).
-    **_names(
-        "smollm starcoder refact command-r codeshell exaone minerva-7b mellum2",
-        [r"\p{N}", _GPT2],
-    ),
-    **_names(
-        "llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano",
-        [_LLAMA3],
-        ignore_merges=True,
-    ),
-    **_names("dbrx smaug-bpe chatglm-bpe glm4", [_LLAMA3]),
-    **_names(
-        "qwen2 deepseek-r1-qwen kormo f2llmv2 megrez stablelm2 hunyuan solar-open",
-        [_QWEN2],
-    ),
-    **_names("qwen35", [_QWEN35]),
-    **_names("gpt-4o llama4 kanana2 talkie minimax-m2", [_GPT4O]),
-    **_names("tekken", [_TEKKEN], ignore_merges=True),
-    **_names("deepseek-coder", _DEEPSEEK_CODER),
-    **_names("deepseek-v3", _DEEPSEEK_V3),
-    **_names("falcon", _FALCON),
-}
-# Any other name (deepseek-llm, bloom, viking, ...) falls back to GPT-2's split: close
-# for English, but not what those models were trained with. llama.cpp itself would
-# refuse an unknown name; the transformers converter also falls back to GPT-2.
-FALLBACK_PRE_TOKENIZER = "default"
-
-
-def _byte_level_pre_tokenizer(splits: list[str]):
-    # behavior="isolated": matches and the text between them both become pieces, as in
-    # llama.cpp's unicode_regex_split. ByteLevel then only maps bytes to its alphabet.
-    steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-    return pre_tokenizers.Sequence(steps)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -312,26 +216,13 @@ class Tokenizer:
         """Render `messages` ({"role", "content"} dicts) with the model's template, in a
         sandbox, with the variables transformers provides."""
         if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template or CHATML_TEMPLATE)
-        context = {
-            "messages": [dict(m) for m in messages],
-            "add_generation_prompt": add_generation_prompt,
-            "tools": None,
-            "documents": None,
+            self._compiled_template = ChatTemplate(self.chat_template or CHATML_TEMPLATE)
+        specials = {
+            name: self._token_text(token_id)
+            for name, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_id))
+            if token_id is not None
         }
-        for name, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_id)):
-            if token_id is not None:
-                context[name] = self._token_text(token_id)
-        try:
-            return self._compiled_template.render(**context)
-        except InferError:
-            raise  # raise_exception() from the template: already one clear line
-        except Exception as err:
-            # The template is code from the model file and can fail any way it likes;
-            # whatever it was, the user gets one line naming it.
-            raise InferError(
-                f"chat template failed: {type(err).__name__}: {_one_line(err)}"
-            ) from err
+        return self._compiled_template.render(messages, add_generation_prompt, **specials)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Render and encode a chat. BOS goes in once: where the template writes it and the
@@ -456,7 +347,7 @@ def _from_gguf_byte_level(md: dict) -> Tokenizer:
             raise InferError(f"GGUF tokenizer has a malformed merge {m!r}")
         pairs.append((m[:cut], m[cut + 1 :]))
     backend = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
-    backend.pre_tokenizer = _byte_level_pre_tokenizer(splits)
+    backend.pre_tokenizer = byte_level_pre_tokenizer(splits)
     backend.decoder = decoders.ByteLevel()
     special_ids = _add_gguf_specials(backend, tokens, types)
 
@@ -657,90 +548,3 @@ def _from_hf_dir(path: Path) -> Tokenizer:
         chat_template=template,
         strip_leading_space=strip,
     )
-
-
-# ---------------------------------------------------------------------------------------
-# Chat templates (untrusted code from the model file)
-# ---------------------------------------------------------------------------------------
-
-
-class _StrictSandbox(ImmutableSandboxedEnvironment):
-    """The sandbox transformers uses, but touching an unsafe attribute (`__class__`) fails
-    at once instead of rendering as empty, so a template probing for a way out stops."""
-
-    def unsafe_undefined(self, obj, attribute):
-        raise jinja2.exceptions.SecurityError(
-            f"access to attribute {attribute!r} of {type(obj).__name__!r} is unsafe"
-        )
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """{% generation %}...{% endgeneration %}: transformers marks assistant text with it
-    for training masks; rendering just keeps the body."""
-
-    tags = frozenset({"generation"})
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller):
-        return caller()
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """namespace() that refuses underscore names, as transformers' does."""
-
-    def __init__(*args, **kwargs):
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
-
-
-def _one_line(message) -> str:
-    return " ".join(str(message).split())
-
-
-def _raise_exception(message):
-    raise InferError(f"chat template refused the conversation: {_one_line(message)}")
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # transformers' tojson: no HTML escaping (Jinja's own escapes <, > and &).
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt):
-    return datetime.now().strftime(fmt)
-
-
-def _compile_template(source: str):
-    env = _StrictSandbox(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["namespace"] = _Namespace
-    # A plain dict() constructor, without the `dict` type itself to reach through.
-    env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as err:
-        raise InferError(f"chat template does not parse: {_one_line(err)}") from err

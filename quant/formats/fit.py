@@ -1,39 +1,14 @@
-"""int4: 4-bit group quantization, compatible with GGUF Q4_0 and Q4_1.
+"""Fitting shared by every group-quantized format: parameter checks, and a per-group
+search of scale (and offset) that minimizes the squared error of the rounded codes.
 
-Format (what `dequantize` computes; `params` = {"group_size": g, "symmetric": bool}):
-
-    symmetric=True  (Q4_0 when g = 32):  w[n, k] = (q[n, k] - 8) * d[n, k // g]
-    symmetric=False (Q4_1 when g = 32):  w[n, k] =  q[n, k] * d[n, k // g] + m[n, k // g]
-
-with q in 0..15 and d, m float16 (d may be negative, as in ggml's Q4_0), evaluated in float32 as written: one product, then a
-separate sum (no FMA), the operation order ggml uses, so imported GGUF blocks dequantize
-bit for bit as gguf does. g is 32, 64 or 128; K must be a multiple of g.
-
-Packed tensors (N = out_features, K = in_features):
-
-    qweight  uint8   (N, K/2)  each run of 32 elements k0..k0+31 of a row is 16 bytes;
-                               byte k0/2 + i holds element k0+i in its low nibble and
-                               element k0+16+i in its high nibble (i = 0..15)
-    scales   float16 (N, K/g)  d
-    mins     float16 (N, K/g)  m (symmetric=False only)
-
-The nibble order is ggml's block_q4_0/q4_1 `qs` order: a kernel gets 16 consecutive
-elements from 16 bytes with one AND 0x0F and the next 16 with one shift right by 4,
-and one 32-element run is exactly one GGUF block's `qs`, so GGUF import copies bytes.
-
-The fitting below (`fit_groups`) is shared with lut.py (1..4-bit affine codes) and
-int8.py (its symmetric case).
+    codes, d, m = fit_groups(w, group_size, lo, hi, affine=...)
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
-from ..kernels_cpu import ops as kernels
-from ..runtime.errors import InferError
-from .base import QuantLinear, register
+from ... import InferError
 
 
 class GroupSizeError(InferError):
@@ -90,21 +65,21 @@ REFINE = 2
 _CHUNK_ELEMENTS = 1 << 21
 
 
-def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The smallest `dtype` value >= x, as float32."""
     y = x.to(dtype)
     y = torch.where(y.float() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
     return y.float()
 
 
-def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The largest `dtype` value <= x, as float32."""
     y = x.to(dtype)
     y = torch.where(y.float() > x, torch.nextafter(y, torch.full_like(y, float("-inf"))), y)
     return y.float()
 
 
-def _codes(w, d, m, lo: int, hi: int) -> torch.Tensor:
+def nearest_codes(w, d, m, lo: int, hi: int) -> torch.Tensor:
     """Nearest codes in [lo, hi] for w ~ c * d + m (m None: 0); d = 0 gives code 0."""
     x = w if m is None else w - m
     c = torch.where(d == 0, 0.0, x / d).round_()
@@ -143,14 +118,14 @@ def _baseline(w, lo, hi, affine, dtype):
     wmin = w.amin(-1, keepdim=True)
     wmax = w.amax(-1, keepdim=True)
     if affine:
-        m = _round_down(wmin, dtype)
-        d = _round_up((wmax - m) / hi, dtype)
+        m = round_down(wmin, dtype)
+        d = round_up((wmax - m) / hi, dtype)
     else:
         # value = c * d, c in [lo, hi] with lo < 0 < hi. Either sign of d may give the
         # finer step: d > 0 puts the negative end at lo, d < 0 the positive end (ggml's
         # Q4_0 maps the largest-magnitude element to -8 the same way).
-        d_pos = _round_up(torch.maximum(wmax / hi, wmin / lo).clamp_(min=0), dtype)
-        d_neg = _round_up(torch.maximum(wmax / -lo, wmin / -hi).clamp_(min=0), dtype)
+        d_pos = round_up(torch.maximum(wmax / hi, wmin / lo).clamp_(min=0), dtype)
+        d_neg = round_up(torch.maximum(wmax / -lo, wmin / -hi).clamp_(min=0), dtype)
         d = torch.where(d_neg < d_pos, -d_neg, d_pos)
         m = None
     if not all_finite(d) or (m is not None and not all_finite(m)):
@@ -162,7 +137,7 @@ def _fit_chunk(w, lo, hi, affine, dtype, search):
     """w (R, G, g) float32 -> codes (R, G, g), d and m (R, G, 1), float32 tensors holding
     integers and `dtype` values (m None when not affine)."""
     d, m = _baseline(w, lo, hi, affine, dtype)
-    c = _codes(w, d, m, lo, hi)
+    c = nearest_codes(w, d, m, lo, hi)
     if not search:
         return c, d, m
 
@@ -182,7 +157,7 @@ def _fit_chunk(w, lo, hi, affine, dtype, search):
         nonlocal best, c, d, m
         d_a, m_a = _least_squares(w, c_try, d, m, dtype)
         good = torch.isfinite(d_a) if m_a is None else torch.isfinite(d_a) & torch.isfinite(m_a)
-        c_a = _codes(w, d_a, m_a, lo, hi)
+        c_a = nearest_codes(w, d_a, m_a, lo, hi)
         sse = _group_sse(w, c_a, d_a, m_a)
         better = good & (sse < best)
         best = torch.where(better, sse, best)
@@ -193,9 +168,9 @@ def _fit_chunk(w, lo, hi, affine, dtype, search):
     for alpha in SHRINK:
         if affine:
             lo_a = mean + (wmin - mean) * alpha
-            contend(_codes(w, (mean + (wmax - mean) * alpha - lo_a) / hi, lo_a, 0, hi))
+            contend(nearest_codes(w, (mean + (wmax - mean) * alpha - lo_a) / hi, lo_a, 0, hi))
         else:
-            contend(_codes(w, d0 * alpha, None, lo, hi))
+            contend(nearest_codes(w, d0 * alpha, None, lo, hi))
     for _ in range(REFINE):
         contend(c)
     return c, d, m
@@ -232,109 +207,3 @@ def fit_groups(
         if affine:
             m_out[r0 : r0 + rows] = m.view(-1, G).to(dtype)
     return codes, d_out, m_out
-
-
-# ---------------------------------------------------------------------------------------
-# Nibble packing
-# ---------------------------------------------------------------------------------------
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Codes (N, K) in 0..15, K % 32 == 0 -> (N, K/2) uint8 in ggml's nibble order."""
-    N, K = q.shape
-    q = q.to(torch.uint8).view(N, K // 32, 2, 16)
-    return (q[:, :, 0] | (q[:, :, 1] << 4)).view(N, K // 2)
-
-
-def unpack_nibbles(qweight: torch.Tensor) -> torch.Tensor:
-    """(N, K/2) uint8 -> codes (N, K) uint8; inverse of pack_nibbles."""
-    N, half = qweight.shape
-    b = qweight.view(N, half // 16, 1, 16)
-    return torch.cat((b & 0x0F, b >> 4), dim=2).view(N, 2 * half)
-
-
-# ---------------------------------------------------------------------------------------
-# The format
-# ---------------------------------------------------------------------------------------
-
-
-@register
-class Int4Linear(QuantLinear):
-    format: ClassVar[str] = "int4"
-    defaults: ClassVar[dict] = {"group_size": 32, "symmetric": False}
-    group_sizes: ClassVar[tuple[int, ...]] = (32, 64, 128)
-
-    def __init__(self, qweight, scales, mins, params: dict, bias=None):
-        super().__init__(2 * qweight.shape[1], qweight.shape[0], params, bias)
-        self.group_size: int = params["group_size"]
-        self.symmetric: bool = params["symmetric"]
-        self.register_buffer("qweight", qweight)  # (N, K/2) uint8
-        self.register_buffer("scales", scales)  # (N, K/g) float16
-        self.register_buffer("mins", mins)  # (N, K/g) float16, or None when symmetric
-
-    @classmethod
-    def resolve_params(cls, params: dict) -> dict:
-        p = check_params(cls.format, params, cls.defaults)
-        p = {"group_size": int(p["group_size"]), "symmetric": bool(p["symmetric"])}
-        if p["group_size"] not in cls.group_sizes:
-            raise InferError(
-                f"int4: group_size {p['group_size']} not supported "
-                f"(choose {', '.join(map(str, cls.group_sizes))})"
-            )
-        return p
-
-    @classmethod
-    def from_float(cls, weight, bias=None, *, search: bool = True, **params):
-        p = cls.resolve_params(params)
-        w = check_weight(cls.format, weight, p["group_size"])
-        if p["symmetric"]:
-            c, d, _ = fit_groups(w, p["group_size"], -8, 7, affine=False, search=search)
-            q, m = c + 8, None
-        else:
-            q, d, m = fit_groups(w, p["group_size"], 0, 15, affine=True, search=search)
-        return cls(pack_nibbles(q), d, m, p, bias)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        t = {"qweight": self.qweight, "scales": self.scales}
-        if self.mins is not None:
-            t["mins"] = self.mins
-        return t
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], params: dict, bias=None):
-        p = cls.resolve_params(params)
-        qweight, scales, mins = tensors.get("qweight"), tensors.get("scales"), tensors.get("mins")
-        if qweight is None or qweight.dtype != torch.uint8 or qweight.dim() != 2:
-            raise InferError("int4: qweight must be a 2-D uint8 tensor")
-        N, K = qweight.shape[0], 2 * qweight.shape[1]
-        groups = (N, K // p["group_size"])
-        if K % p["group_size"]:
-            raise InferError(f"int4: row length {K} is not a multiple of {p['group_size']}")
-        if scales is None or scales.dtype != torch.float16 or tuple(scales.shape) != groups:
-            raise InferError(f"int4: scales must be float16 of shape {groups}")
-        if p["symmetric"] != (mins is None):
-            raise InferError("int4: mins are present exactly when symmetric is false")
-        if mins is not None and (mins.dtype != torch.float16 or tuple(mins.shape) != groups):
-            raise InferError(f"int4: mins must be float16 of shape {groups}")
-        return cls(qweight, scales, mins, p, bias)
-
-    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        qweight, scales, mins = self.qweight, self.scales, self.mins
-        if rows is not None:
-            qweight, scales = qweight[rows], scales[rows]
-            mins = None if mins is None else mins[rows]
-        R, g = qweight.shape[0], self.group_size
-        q = unpack_nibbles(qweight).view(R, -1, g).float()  # (R, K/g, g)
-        if mins is None:
-            w = (q - 8) * scales.float().unsqueeze(-1)  # ggml: (q - 8) * d
-        else:
-            w = q * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)  # q * d + m
-        return w.view(R, self.in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # The C kernels (GEMV for one row, tiled GEMM for more; the torch reference,
-            # with one warning, when the extension is not built).
-            y = kernels.q4_matmul(x, self.qweight, self.scales, self.mins, self.group_size)
-            return y if self.bias is None else y + self.bias
-        return super().forward(x)

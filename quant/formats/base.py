@@ -13,6 +13,7 @@ Formats register themselves by name in `FORMATS`; a checkpoint records the name.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -30,6 +31,17 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     """Put `module` at dotted `name` in `model` (where a layer is swapped for another)."""
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, module)
+
+
+@dataclass(frozen=True)
+class KernelWeights:
+    """What the C kernels need to run a quantized linear (csrc/kernels.h)."""
+
+    kind: int  # the kernels' format id: 8 int8, 6 int6, 4 int4, -b a b-bit LUT
+    group_size: int  # values per scale; 0 for one scale per output row
+    qweight: torch.Tensor
+    scales: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
 
 
 class QuantLinear(nn.Module):
@@ -59,6 +71,11 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], params: dict, bias=None):
         raise NotImplementedError
+
+    def kernel_weights(self) -> KernelWeights | None:
+        """The buffers and parameters the C kernels run this layer from (the fused decode
+        step reads them); None for a format no kernel runs."""
+        return None
 
     # -- shared ----------------------------------------------------------------------
 

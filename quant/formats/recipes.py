@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from ..runtime.errors import InferError
+from ... import InferError
 from . import int4, int6, int8, lut  # noqa: F401  (register the formats)
 from .base import FORMATS
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import InferError
+from ... import InferError
 
 DTYPES = {
     "F64": torch.float64,

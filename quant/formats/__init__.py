@@ -1,0 +1,5 @@
+"""Quantized formats: one QuantLinear base with a registry, and each format the kernels run."""
+
+# Importing the format modules registers them in base.FORMATS, so that anything reading
+# a checkpoint finds every format by name.
+from . import int4, int6, int8, lut  # noqa: F401,E402

@@ -1,0 +1,1 @@
+"""Model files: readers of GGUF, safetensors and our checkpoint, and where their weights live."""

@@ -1,0 +1,272 @@
+"""The fused decode step: the blocks of a model for one token in C calls.
+
+At small models a token's ~200 matmuls are cheap and the ~1,200 torch element-wise ops
+and Python calls around them are not (`infer bench --roofline` measured ~6 ms of such
+overhead a token on the default model, as long as its matmuls). csrc/decode.c runs a
+whole Block for one token with the element-wise work in plain loops and the quantized
+matmuls called directly. Its definition is runtime/llama.py's Block.forward (tests
+compare them on every architecture variant).
+
+    step = FusedDecode.prepare(model)   # None when the model is not one it runs
+    x = step(x, pos)                    # x (1, 1, dim) float32 -> after the last block
+
+A dense model's blocks run in one C call. In a mixture-of-experts layer the C stops
+after attention; the block's router (MoE.route, in torch, so the experts chosen are the
+model's own) picks the experts, and one more C call runs them (decode_experts: all the
+chosen experts' gate and up GEMVs as one pool job, then their down GEMVs as another)
+and adds their weighted outputs, in MoE.forward's order, before the next layer's call.
+Experts held by an expert cache (offload/experts.py; MoE.resident_experts False) are
+bound through MoE.bound, which gets them from the cache in the order MoE.forward would:
+each call runs the next expert (waiting for its read if need be) with those after it
+already in memory (MoE.ready), so experts compute while later ones are still being
+read. The sum is kept between the calls: the cached model computes what the resident
+one does, bit for bit.
+Forward pre-hooks on a block or an MoE block (a routing recorder's, an expert cache's
+predictions) run where their __call__ would run them: the C stops before such a block.
+They observe; an input a hook returns in place of the block's is not used.
+On a Qwen3-30B-A3B-shaped model the per-expert Python and torch attention took a third
+of a token's time (30.3 -> 20.3 ms a token fused; benchmarks/README.md).
+
+It runs models whose compute dtype is float32 and whose every block linear (each
+expert's included) is a quantized format with a C kernel (int8, int6, int4, lut1-4); routers
+stay float, in torch. The plan holds data pointers into the model's tensors and KV
+caches, so it is built again (Transformer.setup_caches does) whenever those change, and a
+model whose dense layers are swapped in and out (offload/stream.py) must not use it.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+from torch import nn
+
+from ...kernels_cpu import decode as kernels
+from ...quant.formats.base import QuantLinear
+from .moe import MoE
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _linear_words(module: nn.Module | None) -> list[int] | None:
+    """kind, qweight, scales, mins, bias, N, K, g of a linear the C runs, else None."""
+    w = module.kernel_weights() if isinstance(module, QuantLinear) else None
+    if w is None:
+        return None
+    bias = module.bias
+    if bias is not None and not (bias.dtype is torch.float32 and bias.is_contiguous()):
+        return None
+    # A placeholder (offload/: one element expanded) or a meta tensor holds no weights.
+    for t in (w.qweight, w.scales, w.mins):
+        if t is not None and (t.is_meta or not t.is_contiguous()):
+            return None
+    return [
+        w.kind,
+        w.qweight.data_ptr(),
+        0 if w.scales is None else w.scales.data_ptr(),
+        0 if w.mins is None else w.mins.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        module.out_features,
+        module.in_features,
+        w.group_size,
+    ]
+
+
+def _runs_on_kernels(module: nn.Module) -> bool:
+    return isinstance(module, QuantLinear) and module.kernel_weights() is not None
+
+
+def _f32(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype is torch.float32 and t.is_contiguous() and not t.is_meta
+
+
+def _mlp_words(mlp: nn.Module) -> list[int] | None:
+    """gate, up, down words of an MLP (a dense block's or an expert's) the C runs."""
+    words = []
+    for name in _MLP:
+        lin = _linear_words(getattr(mlp, name, None))
+        if lin is None:
+            return None
+        words += lin
+    return words
+
+
+class FusedDecode:
+    def __init__(
+        self, plan: torch.Tensor, scratch: torch.Tensor, keep: list, moe: dict, layers: list
+    ):
+        self.plan, self.scratch = plan, scratch
+        self._layers, self._cos, self._sin = layers, keep[0], keep[1]
+        self._keep = keep  # tensors and modules whose data pointers the plan holds
+        self._plan_ptr, self._words = plan.data_ptr(), plan.numel()
+        self._scratch_ptr, self._scratch_n = scratch.data_ptr(), scratch.numel()
+        self._n_layers = int(plan[0])
+        self._dim = int(plan[1])
+        # layer -> (MoE block, its experts' table (rows, 3 * LIN) int64); one scratch
+        self._moe = moe
+        hidden = max((b.experts[0].gate_proj.out_features for b, _ in moe.values()), default=0)
+        shared = [b.shared_expert.gate_proj.out_features for b, _ in moe.values()
+                  if b.shared_expert is not None]  # fmt: skip
+        self._moe_hidden = max([hidden, *shared])
+        per = kernels.layout()[3] if moe else 0
+        self._bufs = None  # _bound_buffers'
+        self._experts_scratch = torch.empty(per * (2 * self._moe_hidden + self._dim) + self._dim)
+
+    @classmethod
+    def prepare(cls, model: nn.Module) -> FusedDecode | None:
+        """The fused step for `model` (a runtime.llama.Transformer), or None if it has
+        parts the C does not run (float or unknown-format linears, other dtypes)."""
+        if not kernels.available() or not hasattr(model, "rope_cos"):
+            return None
+        args = model.args
+        cos, sin = model.rope_cos, model.rope_sin
+        if not (_f32(cos) and _f32(sin)) or args.head_dim % 2:
+            return None
+        header_words, layer_words, lin_words, _, attn_block = kernels.layout()
+        rows, keep, moe, hidden = [], [cos, sin], {}, 0
+        for i, block in enumerate(model.layers):
+            attn = block.self_attn
+            norms = [block.input_layernorm, block.post_attention_layernorm]
+            if attn.q_norm is not None:
+                norms += [attn.q_norm, attn.k_norm]
+            weights = [n.weight for n in norms]
+            cache = attn.cache
+            if cache is None or not all(_f32(w) for w in weights):
+                return None
+            # q/k norms per head, or over the whole projection (OLMoE: qk_norm_full)
+            D = args.head_dim
+            full = (args.n_heads * D, args.n_kv_heads * D) if args.qk_norm_full else (D, D)
+            if len(weights) == 4 and (weights[2].numel(), weights[3].numel()) != full:
+                return None
+            if not (_f32(cache.k) and _f32(cache.v)):
+                return None
+            row = [weights[0].data_ptr(), weights[1].data_ptr()]
+            row += [weights[2].data_ptr(), weights[3].data_ptr()] if len(weights) == 4 else [0, 0]
+            row += [cache.k.data_ptr(), cache.v.data_ptr()]
+            for name in _ATTENTION:
+                module = getattr(attn, name, None)
+                lin = _linear_words(module)
+                if lin is None:
+                    return None
+                row += lin
+                keep.append(module)
+            mlp = block.mlp
+            if isinstance(mlp, MoE):
+                # Resident experts: their words now; bound on demand: at each visit, so
+                # here only their formats are checked.
+                if not mlp.resident_experts and not all(
+                    _runs_on_kernels(getattr(e, name)) for e in mlp.experts for name in _MLP
+                ):
+                    return None
+                experts = [*mlp.experts] if mlp.resident_experts else []
+                experts += [mlp.shared_expert] if mlp.shared_expert else []
+                table = [_mlp_words(e) for e in experts]
+                if any(t is None for t in table):
+                    return None
+                moe[i] = (mlp, torch.tensor(table, dtype=torch.int64).view(-1, 3 * lin_words))
+                keep += experts
+                row += [0] * (3 * lin_words)  # kind 0: the experts run in decode_experts
+            else:
+                words = _mlp_words(mlp)
+                if words is None:
+                    return None
+                row += words
+                keep.append(mlp)
+                hidden = max(hidden, mlp.gate_proj.out_features)
+            assert len(row) == layer_words
+            rows.append(row)
+            keep += weights + [cache.k, cache.v]
+        S = model.max_seq_len
+        dim, H, KV, D = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
+        blocks = -(-S // attn_block)  # attention's per-block partials (decode.c)
+        scratch = torch.empty(
+            dim + 2 * H * D + 2 * KV * D + H * S + 2 * hidden + H * blocks * (D + 2)
+        )
+        eps_bits = struct.unpack("<I", struct.pack("<f", args.norm_eps))[0]
+        header = [len(rows), dim, H, KV, D, hidden, S, args.sliding_window or 0, eps_bits,
+                  cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(),
+                  int(args.qk_norm_full)]  # fmt: skip
+        assert len(header) == header_words
+        plan = torch.tensor(header + [w for row in rows for w in row], dtype=torch.int64)
+        return cls(plan, scratch, keep, moe, list(model.layers))
+
+    def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """x (1, 1, dim) float32 after the embedding -> the hidden state after every block.
+        Writes the token's keys and values into the caches at `pos`."""
+        x = x.contiguous().clone()
+        layers, n = self._layers, self._n_layers
+        layer = 0
+        while layer < n:
+            block = layers[layer]
+            if block._forward_pre_hooks:  # as Block.__call__ would run them
+                rope = self._cos[pos : pos + 1], self._sin[pos : pos + 1]
+                for hook in list(block._forward_pre_hooks.values()):
+                    hook(block, (x, pos, *rope))
+            last = layer + 1  # run on to the next block with hooks
+            while last < n and not layers[last]._forward_pre_hooks:
+                last += 1
+            layer = kernels.layers(
+                self._plan_ptr, self._words, self._scratch_n, x.data_ptr(), pos, layer, last
+            )
+            if layer < last:  # a mixture of experts
+                self._experts(layer, x)
+                layer += 1
+        return x
+
+    def _experts(self, layer: int, x: torch.Tensor) -> None:
+        """x += the MoE block of `layer` on its input, which decode_layers left in the
+        scratch: MoE.forward for one token."""
+        block, table = self._moe[layer]
+        xn = self.scratch[: self._dim].view(1, 1, self._dim)
+        for hook in list(block._forward_pre_hooks.values()):  # as block(xn) would run them
+            hook(block, (xn,))
+        ids, weights = block.route(xn)
+        shared_w = None  # (1, 1) float32: MoE.forward's sigmoid(shared_expert_gate(x))
+        if block.shared_expert is not None:
+            shared_w = torch.sigmoid(block.shared_expert_gate(xn.view(1, -1)))
+        if block.resident_experts:
+            self._run_experts(table, ids, weights, shared_w, xn, x, phase=3)
+            return
+        # Experts bound on demand in ascending order, as MoE.forward gets them: each call
+        # runs the next one (waiting for its read if need be) and those after it already
+        # in memory, so experts compute while later ones are still being read. The sum is
+        # kept between the calls: the same sum, in the same order, as one call.
+        chosen = sorted(zip(ids[0].tolist(), weights[0].tolist()))
+        rows, rows_np, order, w, w_np = self._bound_buffers(len(chosen) + len(table), table)
+        k, i = len(chosen), 0
+        while i < k:
+            j = i + 1
+            while j < k and block.ready(chosen[j][0]):
+                j += 1
+            with block.bound([e for e, _ in chosen[i:j]]) as modules:
+                for r, module in enumerate(modules):
+                    words = _mlp_words(module)
+                    if words is None:
+                        raise RuntimeError("an expert the fused decode step cannot run was bound")
+                    rows_np[r] = words
+                    w_np[0, r] = chosen[i + r][1]
+                rows_np[j - i : j - i + len(table)] = table.numpy()
+                phase = (i == 0) | (j == k) << 1
+                n = j - i + len(table)
+                self._run_experts(rows[:n], order[:, : j - i], w, shared_w, xn, x, phase=phase)
+            i = j
+
+    def _bound_buffers(self, n: int, table: torch.Tensor):
+        """Rows (n, table's width) int64 for bound experts' words, ids 0..n-1 (1, n),
+        weights (1, n) float32, and numpy views of the rows and weights: kept, not made
+        per call."""
+        if self._bufs is None or self._bufs[0].shape[0] < n:
+            rows = torch.zeros(n, table.shape[1], dtype=torch.int64)
+            w = torch.zeros(1, n)
+            order = torch.arange(n, dtype=torch.int64).view(1, n)
+            self._bufs = (rows, rows.numpy(), order, w, w.numpy())
+        return self._bufs
+
+    def _run_experts(self, table, ids, weights, shared_w, xn, x, *, phase) -> None:
+        kernels.experts(
+            table.data_ptr(), table.shape[0], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+            0 if shared_w is None else shared_w.data_ptr(), xn.data_ptr(), x.data_ptr(),
+            self._dim, self._moe_hidden,
+            self._experts_scratch.data_ptr(), self._experts_scratch.numel(), phase,
+        )  # fmt: skip

@@ -242,8 +242,8 @@ static void rows_task(void *ctx, int64_t t, int tid) {
 }
 
 /* Weight rows per task over N rows, in whole blocks: `per` tasks per thread. A GEMV takes
-   kernels.h's GEMV_TASKS_PER_THREAD; a GEMM 4 (a 1B lut2's 64-token prompt ran 18 % slower
-   with 2, benchmarks/ab_extension.py). */
+   kernels.h's GEMV_TASKS_PER_THREAD; a GEMM 4: its tasks are long, and more of them even
+   out a thread that falls behind. */
 enum { GEMM_TASKS_PER_THREAD = 4 };
 static int64_t task_rows(int64_t N, int nthreads, int per) {
     const int64_t blocks = (N + LUT_BLOCK - 1) / LUT_BLOCK;

@@ -42,7 +42,7 @@ from typing import ClassVar
 
 import torch
 
-from ..kernels_cpu import lut as lut_kernel
+from ..kernels_cpu import ops as lut_kernel
 from ..runtime.errors import InferError
 from .base import QuantLinear, register
 from .int4 import check_params, check_weight, fit_groups

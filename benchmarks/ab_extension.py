@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from bench_kernels import packed  # benchmarks/
 
-from infer.kernels_cpu import decode, lut, ops
+from infer.kernels_cpu import decode, ops
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (768, 2048), (2048, 768), (2048, 2048)]
 ROWS = [1, 2, 4, 5, 6, 8]
@@ -44,7 +44,7 @@ def load_other(path: Path):
 
 def use(module) -> None:
     """Route every binding (the matmuls, the LUT kernels, the fused decode step) to module."""
-    ops._C = decode._C = lut._C = module
+    ops._C = decode._C = module
 
 
 def alternate(builds: dict, run, rounds: int) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""LUT kernels (lut1..lut4, kernels_cpu/csrc/lut.c): decode GEMV time and GB/s per bit
+"""LUT kernels (lut1..lut4, kernels_cpu/csrc/lut*.c): decode GEMV time and GB/s per bit
 width, against the machine's read bandwidth, float32 torch and the int4 kernel; prefill
 GEMM against float32 torch; the error the int8 activation tables add.
 
@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from infer.kernels_cpu import lut, ops
+from infer.kernels_cpu import ops, reference
 from infer.quant.formats.base import FORMATS
 
 SHAPES = [(4096, 4096), (11008, 4096)]  # (N, K): a 7B model's attention and MLP-up
@@ -87,7 +87,7 @@ def bench_gemv(isas, threads_list, repeats, shapes):
         print(f"\nthreads {threads}: read bandwidth {bw:.1f} GB/s (streaming sum of 1 GB)")
         print(
             "| shape | format | MB | "
-            + " | ".join(f"{lut.kernel_isa(i)} ms (GB/s, % of bw)" for i in isas)
+            + " | ".join(f"{ops.lut_kernel_isa(i)} ms (GB/s, % of bw)" for i in isas)
             + " | float32 torch ms | int4 g64 kernel ms |"
         )
         print("|---|---|---|" + "---|" * len(isas) + "---|---|")
@@ -110,7 +110,7 @@ def bench_gemv(isas, threads_list, repeats, shapes):
                 size = nbytes(copies[0])
                 cells = []
                 for isa in isas:
-                    t = median_cycled(lut.lut_matmul, x, copies, repeats, isa=isa, threads=threads)
+                    t = median_cycled(ops.lut_matmul, x, copies, repeats, isa=isa, threads=threads)
                     gbs = size / t / 1e9
                     cells.append(f"{t * 1e3:.3f} ({gbs:.1f}, {100 * gbs / bw:.0f}%)")
                 print(
@@ -123,7 +123,7 @@ def bench_gemv(isas, threads_list, repeats, shapes):
 
 def bench_gemm(isa, threads_list, repeats, shapes, Ms):
     gen = torch.Generator().manual_seed(1)
-    print(f"\n## GEMM (prefill), {lut.kernel_isa(isa)}: ms, and speed-up over float32 torch")
+    print(f"\n## GEMM (prefill), {ops.lut_kernel_isa(isa)}: ms, and speed-up over float32 torch")
     print("(weights and tables stay in cache across calls: these are compute-bound)")
     print("| threads | shape | M | float32 torch | " + " | ".join(f"lut{b}" for b in BITS) + " |")
     print("|---|---|---|---|" + "---|" * len(BITS))
@@ -138,7 +138,7 @@ def bench_gemm(isa, threads_list, repeats, shapes, Ms):
                 cells = []
                 for b in BITS:
                     t = median_time(
-                        lambda x=x, w=layers[b], t=threads: lut.lut_matmul(
+                        lambda x=x, w=layers[b], t=threads: ops.lut_matmul(
                             x, *w, GROUP, isa=isa, threads=t
                         ),
                         repeats,
@@ -165,8 +165,8 @@ def bench_accuracy():
     print("|---|---|---|")
     for b in BITS:
         q = FORMATS[f"lut{b}"].from_float(w, group_size=GROUP)
-        exact = lut.matmul_exact(x, q.qweight, q.scales, q.mins, GROUP)
-        y = lut.lut_matmul(x, q.qweight, q.scales, q.mins, GROUP)
+        exact = reference.lut_matmul_exact(x, q.qweight, q.scales, q.mins, GROUP)
+        y = ops.lut_matmul(x, q.qweight, q.scales, q.mins, GROUP)
         fmt = ((exact - y_float).norm() / y_float.norm()).item()
         tab = ((y - exact).norm() / exact.norm()).item()
         print(f"| lut{b} | {fmt:.4f} | {tab:.4f} |")
@@ -185,7 +185,7 @@ def main():
         dict.fromkeys([ops.isa(), *(["avx2"] * ("avx2" in ops.supported_isas()))])
     )
     shapes = SHAPES[:1] if args.quick else SHAPES
-    print(f"paths: {', '.join(f'{i} -> lut {lut.kernel_isa(i)}' for i in isas)}")
+    print(f"paths: {', '.join(f'{i} -> lut {ops.lut_kernel_isa(i)}' for i in isas)}")
     bench_accuracy()
     bench_gemv(isas, args.threads, args.repeats, shapes)
     bench_gemm(isas[0], args.threads, max(2, args.repeats // 2), shapes, [7, 64, 256])

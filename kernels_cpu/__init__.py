@@ -1,4 +1,4 @@
-"""CPU kernels for the quantized formats (issue 4), in three layers:
+"""CPU kernels for the quantized formats, in three layers:
 
 reference.py  the torch definition of each kernel
 csrc/         C11: a scalar path and SIMD paths chosen at run time, a thread pool,

@@ -127,11 +127,9 @@ def kernel_threads():
 
     torch's OpenMP workers spin after each parallel op, and the pool's workers spin
     after each job (csrc/pool.c): with as many threads as cores, a torch op between two
-    kernel calls leaves a worker spinning on the core the other pool needs. On 2 cores
-    (`infer bench`, benchmarks/README.md) the default model's 128-token prefill went
-    from 960-970 to 1173-1190 tok/s and its decode from 211-223 to 238-239, a mixture of
-    experts' 64-token prefill from 53-70 to 77-81. torch_threads() hands the threads
-    back for one large op. Nested uses keep the outer one's counts."""
+    kernel calls leaves a worker spinning on the core the other pool needs, which slows
+    both prefill and decode. torch_threads() hands the threads back for one large op.
+    Nested uses keep the outer one's counts."""
     global _num_threads
     saved_kernels, saved_torch = _num_threads, torch.get_num_threads()
     _num_threads = get_num_threads()
@@ -268,6 +266,78 @@ def q6_matmul(x, qweight, *, isa=None, threads=None):
         _warn_missing()
         return reference.q6_matmul(x, qweight)
     return _launch(_C.q6_matmul, x, K, N, (qweight.data_ptr(),), 256, isa, threads)
+
+
+# ---------------------------------------------------------------------------------------
+# LUT ops (lut1..lut4, csrc/lut.c; reference.lut_matmul is their definition)
+# ---------------------------------------------------------------------------------------
+
+
+def lut_matmul(x, qweight, scales, mins, group_size: int, *, isa=None, threads=None):
+    """y (..., N) = x (..., K) W^T for W in lut1..lut4 (quant/lut.py): qweight uint8
+    (b, N, K/8) bit planes, scales and mins float16 (N, K/g), g a multiple of 8; x float32.
+    isa, threads: as q8_matmul. The activations go through int8 tables, so y is
+    reference.lut_matmul's, within reference.lut_table_error_bound of the exact x W^T."""
+    g = group_size
+    if not (qweight.dtype is torch.uint8 and qweight.dim() == 3 and 1 <= qweight.shape[0] <= 4
+            and qweight.is_cpu and qweight.is_contiguous()):  # fmt: skip
+        _fail("lut_matmul", "qweight", qweight, "uint8 (bits, N, K/8), bits 1..4")
+    bits, N, nb = qweight.shape
+    K = 8 * nb
+    if g <= 0 or g % 8 or K % g:
+        raise ValueError(f"lut_matmul: group size {g} does not fit K = {K}")
+    shape = (N, K // g)
+    for name, t in (("scales", scales), ("mins", mins)):
+        if not (t.dtype is torch.float16 and t.shape == shape and t.is_cpu
+                and t.is_contiguous()):  # fmt: skip
+            _fail("lut_matmul", name, t, f"float16 {shape}")
+    if not _x_ok(x, K):
+        _x_fail("lut_matmul", x, K)
+    if _C is None:
+        _warn_missing()
+        return reference.lut_matmul(x, qweight, scales, mins, g)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = torch.empty((*x.shape[:-1], N))
+    _C.lut_matmul(
+        x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
+        x.numel() // K, N, K, bits, g,
+        _default_isa() if isa is None else _isa_id(isa),
+        threads or _num_threads or torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def lut_tables(x: torch.Tensor, bits: int, group_size: int, *, isa: str | None = None):
+    """The C's tables for x (M, K), as reference.lut_build_tables returns them (tests)."""
+    M, K = x.shape
+    x = x.float().contiguous()
+    g = group_size
+    raw = torch.empty(M, _C.lut_tables_bytes(K), dtype=torch.int8)
+    c = torch.empty(3, M, K // g)
+    _C.lut_tables(
+        x.data_ptr(), raw.data_ptr(), c[0].data_ptr(), c[1].data_ptr(), c[2].data_ptr(),
+        M, K, bits, g, _default_isa() if isa is None else _isa_id(isa),
+    )  # fmt: skip
+    # per 64 elements 256 bytes: the table of element group j at 16 * (j % 16 // 2), plus
+    # 128 if j is odd
+    j = torch.arange(K // 4)
+    off = (j // 16) * 256 + (j % 2) * 128 + (j % 16 // 2) * 16
+    return raw[:, off.unsqueeze(1) + torch.arange(16)], c[0], c[1], c[2]
+
+
+def lut_kernel_isa(isa: str | None = None) -> str | None:
+    """The path lut_matmul runs for `isa` (default: the process's): its AVX-512 path needs
+    VNNI and VBMI (avx512vnni on Ice Lake, Zen 4 and later); avx2, avx2vnni and avx512
+    run its AVX2 path, neon and neondot its NEON path. None without the extension."""
+    if _C is None:
+        return None
+    return ISAS[_C.lut_isa(_default_isa() if isa is None else _isa_id(isa))]
+
+
+# ---------------------------------------------------------------------------------------
+# The machine
+# ---------------------------------------------------------------------------------------
 
 
 def read_bandwidth(nbytes: int = 1 << 30, *, isa=None, threads=None, repeats: int = 5) -> float:

@@ -2,9 +2,9 @@
 
 Each function dequantizes W exactly as its format defines it (quant/int8.py,
 quant/int4.py: one float32 product, then a separate sum; quant/int6.py: exact products)
-and computes y = x W^T in
-float32. Kept free of imports from quant/, which routes its forwards through this
-package.
+and computes y = x W^T in float32. The LUT kernel's reference (lut_matmul) is its
+int8-table arithmetic instead; lut_matmul_exact is the format's product. Kept free of
+imports from quant/, which routes its forwards through this package.
 """
 
 from __future__ import annotations
@@ -76,3 +76,113 @@ def q4_matmul(x, qweight, scales, mins, group_size: int) -> torch.Tensor:
 def q6_matmul(x, qweight) -> torch.Tensor:
     """x (..., K) float32 -> (..., N): x W^T with W int6."""
     return F.linear(x, dequantize_int6(qweight))
+
+
+# ---------------------------------------------------------------------------------------
+# lut1..lut4 (quant/lut.py): the T-MAC LUT GEMM (csrc/lut.c)
+#
+# The C builds, once per activation row, an int8 table for every 4 activations and looks
+# weight nibbles up in it; no weight is ever multiplied:
+#
+#     S_j[idx] = sum_i (2 bit_i(idx) - 1) x[4j + i]     (S_j[15 - idx] = -S_j[idx]: 8 of
+#                                                        16 computed, 8 mirrored)
+#     t_j = rint(S_j * 127 / amax_G)                    one scale per weight group G:
+#                                                       amax_G = max over G of sum_i |x[4j+i]|
+#     I[n, G] = sum_p 2^p sum_{j in G} t_j[nibble of plane p, row n, j]        (exact int)
+#     y[n] = sum_G s * (amax_G / 254 * I + (2^b - 1) / 2 * A_G) + m * A_G       A_G = sum x
+#
+# (with bits b_k in {0, 1} written as (s_k + 1) / 2, s_k = +-1: sum_k b_k x_k =
+# (sum_k s_k x_k + A) / 2, hence the A terms).
+#
+# Two references: `lut_matmul` is that arithmetic (tables equal to the C's bit for bit,
+# group integers exact, the final sum in float64 where the C sums in float32 with FMAs in
+# a fixed order: equal to float rounding); `lut_matmul_exact` is the x W^T the format
+# defines. The int8 tables err from it by at most half a table step per lookup
+# (`lut_table_error_bound`), typically ~1 % of |y| for random x.
+# ---------------------------------------------------------------------------------------
+
+# Groups whose amax (largest sum of 4 |x|) is below this get zero tables: keeps 127 / amax
+# finite (csrc/lut.h's AMAX_MIN).
+LUT_AMAX_MIN = 1e-30
+
+
+def dequantize_lut(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """(b, N, K/8) uint8 bit planes, (N, K/g) float16 scales and mins -> float32 (N, K):
+    w = q * s + m (quant/lut.py's definition: one product, then a separate sum)."""
+    bits, N, nb = qweight.shape
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bit = (qweight.unsqueeze(-1) >> shifts) & 1  # (b, N, K/8, 8): bit p of element 8t + i
+    planes = torch.arange(bits, dtype=torch.uint8).view(bits, 1, 1, 1)
+    q = (bit << planes).sum(0, dtype=torch.uint8).view(N, -1, group_size).float()
+    return (q * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)).view(N, 8 * nb)
+
+
+def lut_matmul_exact(x, qweight, scales, mins, group_size: int) -> torch.Tensor:
+    """x (..., K) -> (..., N): the exact x W^T the format defines."""
+    return F.linear(x, dequantize_lut(qweight, scales, mins, group_size))
+
+
+def lut_build_tables(x: torch.Tensor, bits: int, group_size: int):
+    """x (M, K) float32 -> tables (M, K/4, 16) int8 and c1, c2, asum (M, K/g) float32,
+    in the C's float operation order (so equal to it bit for bit)."""
+    M, K = x.shape
+    ng, tpg = K // group_size, group_size // 4
+    a0, a1, a2, a3 = x.float().reshape(M, K // 4, 4).unbind(-1)
+    amax = (((a0.abs() + a1.abs()) + a2.abs()) + a3.abs()).view(M, ng, tpg).amax(-1)
+    s4 = (((a0 + a1) + a2) + a3).view(M, ng, tpg)
+    asum = torch.zeros(M, ng)
+    for j in range(tpg):  # a sequential sum, as the C
+        asum = asum + s4[..., j]
+    inv = torch.where(amax >= LUT_AMAX_MIN, 127.0 / amax, torch.zeros(()))
+    c1 = (amax / 127.0) * 0.5
+    c2 = (0.5 * (2**bits - 1)) * asum
+    # entries idx = 0..7 (bit 3 clear: -a3); bit i of idx set -> +a_i
+    p01 = torch.stack([-a0 - a1, a0 - a1, -a0 + a1, a0 + a1], -1)  # idx & 3
+    a2, a3 = a2.unsqueeze(-1), a3.unsqueeze(-1)
+    e = torch.cat([(p01 - a2) - a3, (p01 + a2) - a3], -1)  # (M, K/4, 8)
+    r = torch.round(e * inv.repeat_interleave(tpg, 1).unsqueeze(-1)).clamp(-127, 127)
+    return torch.cat([r, -r.flip(-1)], -1).to(torch.int8), c1, c2, asum
+
+
+def _lut_nibbles(qweight: torch.Tensor) -> torch.Tensor:
+    """(b, N, K/8) -> (b, N, K/4) int64: the 4-bit index of elements 4j..4j+3 (byte j/2,
+    low nibble for even j)."""
+    b, N, nb = qweight.shape
+    return torch.stack([qweight & 15, qweight >> 4], -1).view(b, N, 2 * nb).long()
+
+
+def lut_group_integers(x, qweight, group_size: int) -> torch.Tensor:
+    """(M, N, K/g) int64: I = sum_p 2^p sum_{j in G} t_j[nibble] (exact)."""
+    bits, N, nb = qweight.shape
+    t = lut_build_tables(x.reshape(-1, 8 * nb), bits, group_size)[0].long()  # (M, K/4, 16)
+    nib = _lut_nibbles(qweight).permute(1, 2, 0)  # (N, K/4, b)
+    w = 2 ** torch.arange(bits)
+    out = []
+    for tm in t:  # one activation row at a time: (N, K/4, b) lookups
+        look = torch.gather(tm.unsqueeze(0).expand(N, -1, -1), 2, nib)
+        out.append((look * w).sum(-1).view(N, -1, group_size // 4).sum(-1))
+    return torch.stack(out)
+
+
+def lut_matmul(x, qweight, scales, mins, group_size: int) -> torch.Tensor:
+    """x (..., K) -> (..., N) float32: the kernel's int8-table arithmetic in torch."""
+    bits, N, nb = qweight.shape
+    x2 = x.reshape(-1, 8 * nb).float()
+    _, c1, c2, asum = lut_build_tables(x2, bits, group_size)
+    I = lut_group_integers(x2, qweight, group_size).double()  # (M, N, G)
+    u = c1.double().unsqueeze(1) * I + c2.double().unsqueeze(1)
+    y = (scales.double() * u + mins.double() * asum.double().unsqueeze(1)).sum(-1)
+    return y.float().view(*x.shape[:-1], N)
+
+
+def lut_table_error_bound(x, scales, bits: int, group_size: int) -> torch.Tensor:
+    """(..., N): the most the int8 tables can move y from the exact x W^T: half a table
+    step (amax_G / 254) per lookup, (2^b - 1) g / 4 lookups' worth per group, times
+    |s| / 2:  |y - x W^T| <= sum_G |s[n, G]| (2^b - 1) (g / 4) amax_G / 508."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    M, K = x2.shape
+    amax = x2.abs().view(M, K // 4, 4).sum(-1).view(M, K // group_size, -1).amax(-1)
+    step = amax.double() / 254 * (2**bits - 1) * (group_size / 4) / 2  # (M, G)
+    return (step @ scales.double().abs().T).view(*x.shape[:-1], scales.shape[0])

@@ -1,4 +1,4 @@
-"""LUT GEMM (kernels_cpu/csrc/lut.c) against its references (kernels_cpu/lut.py).
+"""LUT GEMM (kernels_cpu/csrc/lut*.c) against its references (kernels_cpu/reference.py).
 
 C equals the int8-table reference (tables bit for bit, results to float rounding) for
 1..4 bits, M in {1, 7}, awkward K and odd N; every path this CPU runs gives the same
@@ -9,10 +9,10 @@ within the tables' bound.
 import pytest
 import torch
 
-from infer.kernels_cpu import lut, ops
+from infer.kernels_cpu import ops, reference
 from infer.quant.formats.base import FORMATS
 
-pytestmark = pytest.mark.skipif(not lut.available(), reason="C extension not built")
+pytestmark = pytest.mark.skipif(not ops.available(), reason="C extension not built")
 
 ISAS = ops.supported_isas()
 # (K, group size): K = 64 * odd, 192, 576 (SmolLM2's width), a group of 32 with K % 64 = 32,
@@ -33,7 +33,7 @@ def activations(M: int, K: int, seed: int = 1) -> torch.Tensor:
 
 
 def run(lin, x, **kw):
-    return lut.lut_matmul(x, lin.qweight, lin.scales, lin.mins, lin.group_size, **kw)
+    return ops.lut_matmul(x, lin.qweight, lin.scales, lin.mins, lin.group_size, **kw)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
@@ -41,9 +41,9 @@ def run(lin, x, **kw):
 def test_tables_bit_exact(bits, K, g):
     x = activations(3, K)
     x[1, :g] *= 1e-33  # a group of ~0 (zero tables)
-    ref = lut.build_tables(x, bits, g)
+    ref = reference.lut_build_tables(x, bits, g)
     for isa in ISAS:
-        got = lut.tables(x, bits, g, isa=isa)
+        got = ops.lut_tables(x, bits, g, isa=isa)
         for r, c in zip(ref, got):
             assert torch.equal(r, c), isa
     t = ref[0].short()
@@ -58,7 +58,7 @@ def test_matches_reference_and_paths_agree(bits, K, g, M):
     N = 37  # odd: two SIMD blocks and a scalar tail
     lin = layer(bits, N, K, g)
     x = activations(M, K)
-    ref = lut.lut_matmul_reference(x, lin.qweight, lin.scales, lin.mins, g)
+    ref = reference.lut_matmul(x, lin.qweight, lin.scales, lin.mins, g)
     scalar = run(lin, x, isa="scalar", threads=1)
     # float32 FMAs in the C vs float64 in the reference: rounding of the running sum
     mag = (lin.scales.float().abs() * 1e3 + lin.mins.float().abs()).sum(-1) * x.abs().max()
@@ -73,10 +73,10 @@ def test_error_against_exact_within_bound(bits):
     K, g, N = 576, 64, 48
     lin = layer(bits, N, K, g, seed=bits)
     x = activations(7, K, seed=bits)
-    exact = lut.matmul_exact(x, lin.qweight, lin.scales, lin.mins, g)
+    exact = reference.lut_matmul_exact(x, lin.qweight, lin.scales, lin.mins, g)
     assert torch.allclose(exact, x @ lin.dequantize().T, rtol=1e-5, atol=1e-4)
     y = run(lin, x)
-    bound = lut.table_error_bound(x, lin.scales, bits, g).float()
+    bound = reference.lut_table_error_bound(x, lin.scales, bits, g).float()
     err = (y - exact).abs()
     assert (err <= bound + 1e-4 * exact.abs() + 1e-3).all()
     # the bound is a worst case; the typical error is far inside it
@@ -109,10 +109,10 @@ def test_forward_uses_kernel():
 def test_bad_arguments():
     lin = layer(2, 8, 64, 64)
     with pytest.raises(ValueError):
-        lut.lut_matmul(torch.randn(1, 64), lin.qweight, lin.scales, lin.mins, 32)
+        ops.lut_matmul(torch.randn(1, 64), lin.qweight, lin.scales, lin.mins, 32)
     with pytest.raises(ValueError):
-        lut.lut_matmul(torch.randn(1, 64), lin.qweight.transpose(1, 2), lin.scales, lin.mins, 64)
+        ops.lut_matmul(torch.randn(1, 64), lin.qweight.transpose(1, 2), lin.scales, lin.mins, 64)
     with pytest.raises(TypeError):
-        lut.lut_matmul(torch.randn(1, 64).double(), lin.qweight, lin.scales, lin.mins, 64)
+        ops.lut_matmul(torch.randn(1, 64).double(), lin.qweight, lin.scales, lin.mins, 64)
     with pytest.raises(ValueError):
-        lut.lut_matmul(torch.randn(1, 32), lin.qweight, lin.scales, lin.mins, 64)
+        ops.lut_matmul(torch.randn(1, 32), lin.qweight, lin.scales, lin.mins, 64)

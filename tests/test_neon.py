@@ -3,8 +3,8 @@
 Each harness in tests/native is cross-compiled for AArch64 (no Python in it) and run under
 qemu-aarch64, on a CPU with dotprod (max) and one without (cortex-a53), so both dispatch
 levels run:
-- lut_neon_check.c: the LUT-GEMV (kernels_cpu/csrc/lut.c) equals the scalar path bit for
-  bit; awkward shapes (M 1 and 7, K % 256 != 0, odd N, bits 1..4, g 8..128).
+- lut_neon_check.c: the LUT-GEMV (kernels_cpu/csrc/lut_neon.c through lut.c) equals the
+  scalar path bit for bit; awkward shapes (M 1 and 7, K % 256 != 0, odd N, bits 1..4, g 8..128).
 - q_neon_check.c: the int8 and int4 matmuls (neon.c through matmul.c) equal the scalar
   path up to float summation order and, in neondot's int4 GEMV, x's two digits; M 1, 3, 7,
   12, odd N, K = 32 x odd; 1 and 2 threads give the same bits.
@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "kernels_cpu" / "csrc"
 CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 SYSROOT = Path("/usr/aarch64-linux-gnu")  # Debian / Ubuntu's cross libc
-# harness -> the kernel files it links (lut_neon_check.c includes lut.c itself)
+# harness -> the kernel files it links
 HARNESSES = {
-    "lut_neon_check": ("pool", "cpu", "scalar", "neon"),
+    "lut_neon_check": ("pool", "cpu", "scalar", "neon", "lut", "lut_neon"),
     "q_neon_check": ("pool", "cpu", "scalar", "neon", "matmul", "igemm"),
 }
 

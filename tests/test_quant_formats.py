@@ -13,9 +13,8 @@ from gguf import GGMLQuantizationType as T
 from tiny import random_blocks
 
 from infer import InferError
-from infer.kernels_cpu import lut as lut_kernel
 from infer.kernels_cpu import ops
-from infer.kernels_cpu.reference import unpack_int6
+from infer.kernels_cpu.reference import lut_table_error_bound, unpack_int6
 from infer.quant.formats.base import FORMATS
 from infer.quant.formats.fit import GroupSizeError
 from infer.quant.formats.int4 import pack_nibbles, unpack_nibbles
@@ -216,9 +215,9 @@ def test_forward_is_matmul_with_dequantized(fmt, params):
     for shape in [(1, 1, 256), (1, 7, 256), (3, 256)]:
         x = torch.randn(shape)
         want = x @ q.dequantize().T + bias
-        if fmt.startswith("lut") and lut_kernel.available():
-            # the LUT kernel's int8 activation tables: within their bound (kernels_cpu/lut.py)
-            bound = lut_kernel.table_error_bound(x, q.scales, q.bits, q.group_size)
+        if fmt.startswith("lut") and ops.available():
+            # the LUT kernel's int8 activation tables: within their bound
+            bound = lut_table_error_bound(x, q.scales, q.bits, q.group_size)
             assert ((q(x) - want).abs() <= bound + 1e-4 * want.abs() + 1e-4).all()
         elif fmt == "int4" and ops.int4_gemv_fifteen_bits():
             # decode's x as the integer GEMM's two digits (15 bits a block): its bound

@@ -2,8 +2,8 @@
  * vpdpbusd in the int4 and int8 GEMVs. The same algorithms as avx512.c (see there).
  *
  * GEMV: one row at a time. int8: 8 weights widened per FMA; with AVX-VNNI x as three
- * int8 digits, 32 weights per load (1.2x the float path on one core: 21.5 GB/s against
- * 17.9). int4: x as two int8 digits, 64 weights (32 bytes) per load. int6: x as
+ * int8 digits, 32 weights per load (fewer instructions a weight than widening to float).
+ * int4: x as two int8 digits, 64 weights (32 bytes) per load. int6: x as
  * int8's digits, a block's quarter (32 weights) widened to bytes per dot product.
  * GEMM: 4 x 2 blocks of dot products (8 accumulators, 6 loads per 8 FMAs: 16 registers
  * do not hold the 4 x 4 block avx512.c uses). With AVX-VNNI, from 16 rows of x, the

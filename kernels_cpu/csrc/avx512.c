@@ -4,8 +4,8 @@
  * GEMV: one row at a time, as one sequential stream of weights. int8: 16 weights
  * widened to float per FMA (vpmovsxbd + vcvtdq2ps), each group's partial sums scaled
  * once; with VNNI, x as three int8 digits (kernels.h), 64 weights per load made unsigned
- * by one XOR, three vpdpbusd, one conversion and one FMA with the lanes' scales (1.25x
- * the float path's GB/s on one core at group 32: 29 against 23.5). int4: x as the integer
+ * by one XOR, three vpdpbusd, one conversion and one FMA with the lanes' scales (fewer
+ * instructions a weight than widening to float). int4: x as the integer
  * GEMM's two int8 digits, 128 weights (64 bytes) per load split into nibbles by one AND
  * and one shift, four integer dot products, one conversion and one FMA with the lanes'
  * scales.
@@ -13,8 +13,8 @@
  * GEMM: a tile of dequantized rows times x in 4 x 4 blocks of dot products (16
  * accumulators, 8 loads per 16 FMAs), then one reduction of 4 accumulators into 4
  * contiguous outputs. With VNNI, from 16 rows of x, the integer GEMM (igemm.c): 32 rows
- * of x's digits by 4 rows of codes, 16 vpdpbusd per 4 elements (near 300 GOP/s on one
- * core at M = 128, against the float tile's ~170 GFLOP/s).
+ * of x's digits by 4 rows of codes, 16 vpdpbusd per 4 elements (4 multiply-adds a lane
+ * per instruction, against the float tile's one).
  */
 #include <string.h>
 
@@ -88,10 +88,9 @@ TI float group_offset(const uint16_t *c, int64_t G, const float *xsum) {
 }
 
 /* ------------------------------------------------------------------------------------
- * GEMV rows are computed one at a time: this CPU's prefetchers follow one sequential
- * stream at full bandwidth but several interleaved row streams at half of it or less
- * (benchmarks/bench_kernels.py), so sharing x loads across rows costs more than it
- * saves. Independent accumulators (ACC of them, combined in a fixed order) hide the
+ * GEMV rows are computed one at a time: the hardware prefetchers follow one sequential
+ * stream at full bandwidth but several interleaved row streams at half of it or less, so
+ * sharing x loads across rows costs more than it saves. Independent accumulators (ACC of them, combined in a fixed order) hide the
  * latency of the FMA chains.
  * ---------------------------------------------------------------------------------- */
 
@@ -215,8 +214,8 @@ T void q4_gemv(const qmat *a, int64_t n0, int64_t n1) {
  * scales (the block's sx); at the buffer's end each block's sx * sum X (xprep4_xs).
  * X as the integer GEMM's (ig_xprep): X = round(x / sx), sx = amax / IG_XMAX, so
  * |X| <= IG_XMAX; D0 = X mod 256 in [-128, 127], D1 = (X - D0) / 256 in [-127, 127].
- * Rows of 2048, one core (Zen 4, from memory): 26-29 G weights/s with three digits
- * (23 bits), 29-33 with two; the 1B shape's Q4_0 decode on one thread 21.4 -> 24.7 tok/s.
+ * Two digits, not three: with three (23 bits) the GEMV is bound by the core rather than
+ * by memory.
  * ---------------------------------------------------------------------------------- */
 
 /* 2^k as a float, for -126 <= k <= 127 */
@@ -321,8 +320,8 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
         const __m512i *xc = (const __m512i *)(xd + c * CHUNK_BYTES);                            \
         const __m512i m4 = _mm512_set1_epi8(0x0f);                                              \
         PREFETCH_AT(q + 64 * c, pf);                                                            \
-        /* masked loads only at the tail: streaming from memory through masked loads runs */   \
-        /* ~4x slower on Zen 5 */                                                               \
+        /* masked loads only at the tail: streaming from memory through masked loads is */     \
+        /* several times slower */                                                              \
         __m512i w = bytes == 64 ? _mm512_loadu_si512(q + 64 * c)                                \
                                 : _mm512_maskz_loadu_epi8(((__mmask64)1 << bytes) - 1, q + 64 * c); \
         __m512i lo = _mm512_and_si512(w, m4);                                                   \

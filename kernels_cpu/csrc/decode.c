@@ -5,9 +5,8 @@
    grouped-query attention with an optional sliding window, o projection, residual, RMSNorm,
    SiLU(gate) * up, down projection, residual). kernels_cpu/decode.py builds the plan from
    the model's tensors and tests compare the two. Why it exists: at the default model's
-   size a token is ~200 small matmuls and ~1,200 torch element-wise ops, and the Python and
-   dispatch cost of those (~6 ms a token, measured with `infer bench --roofline`) was as
-   large as the matmuls themselves. Here the element-wise work is a few loops over vectors
+   size a token is ~200 small matmuls and ~1,200 torch element-wise ops, whose Python and
+   dispatch cost (`infer bench --roofline` shows it) rivals the matmuls themselves. Here the element-wise work is a few loops over vectors
    of `dim` floats, and the matmuls are the quantized kernels called directly.
 
    The plan is an int64 array (decode.py writes it, field order below): a header, then one

@@ -7,10 +7,8 @@
  * for the kernel (16 rows' digits per vector); W is read in its own row order, a byte
  * per code, so a panel's preparation is a sequential widening of nibbles (int4) or a
  * flip of sign bits (int8), nothing strided. llama.cpp's one int8 digit (Q8
- * activations) would be faster still and costs accuracy; issue 4 asks that the choice
- * be measured: with two digits `infer eval` (WikiText-2, 40 windows) gives the default
- * model's int8 copy KL 0.000971 as the float GEMM did, its int4 copy of the file's Q4_1
- * blocks 4.7e-8 (7e-12 before; llama.cpp's own Q4_1 run: 0.0026).
+ * activations) would be faster still and costs accuracy; two digits keep `infer eval`'s
+ * KL where the float GEMM has it (benchmarks/README.md).
  *
  * Steps: tiles of 32 rows of x become digits on the pool (the path's ig_xprep); then each
  * task widens one panel of IG_NR rows of W into its thread's scratch and runs the path's

@@ -10,7 +10,7 @@
  * __attribute__((target(...))) and chosen at run time with __builtin_cpu_supports, so
  * the build never uses -march=native and the same wheel runs on a CPU without AVX-512.
  *
- * Other kernel files (lut.c) join the same extension: setup.py compiles every
+ * Other kernel files (lut*.c, decode.c) join the same extension: setup.py compiles every
  * csrc/ .c file, they may use pool_run and the isa_* functions below, and the files that
  * define `PyMethodDef infer_lut_methods[]` or `infer_decode_methods[]` (NULL-terminated)
  * have those functions added to the module (module.c looks the tables up as weak symbols).
@@ -60,19 +60,13 @@ int cpu_has(const char *feature);
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512vnni")))
 #endif
 
-/* GEMV rows stream their weights once, in order. The hardware prefetcher alone left the
- * int8 GEMV at ~65 % of the read bandwidth here (Zen 5 guest); a software prefetch 4 KiB
- * ahead of each 64 bytes consumed brings it to ~85 % (benchmarks/bench_kernels.py, A/B
- * interleaved). A prefetch never faults, so running past a matrix's end is harmless.
- * On the AVX-512 paths it fetches into L2, not L1: fetched into L1, the weights evicted
- * the digits of x that every row reads again (Zen 4, 32 KB L1, one core: the int4 GEMV
- * 15-32 % faster into L2, int8 3-17 %; the 1B shape's Q4_0 decode 30.6-33.0 -> 37.6-37.9
- * tok/s). The AVX2 paths keep L1: on the same core forced onto them, L2 was 10-13 %
- * slower at rows of 2048 (14-20 % faster at 8192), and no AVX2-only CPU was at hand.
- * Into L2 the prefetch runs 8 KiB ahead: once the int4 GEMV took x as two digits (less
- * work a byte), 4 KiB left one core waiting on memory (Zen 4, one thread, from memory,
- * both distances in one process: int4 +2-15 %, int8 +6-15 % at rows of 2048 to 8192;
- * two threads 0-7 %). The AVX2 paths keep 4 KiB. */
+/* GEMV rows stream their weights once, in order, and the hardware prefetcher alone
+ * leaves the GEMV well short of the read bandwidth: the kernels prefetch ahead of each 64
+ * bytes they consume (a prefetch never faults, so running past a matrix's end is
+ * harmless). The AVX-512 paths fetch into L2, 8 KiB ahead: into L1 the weights evict the
+ * digits of x that every row reads again, and the digit GEMVs consume weights fast enough
+ * that 4 KiB leaves the core waiting on memory. The AVX2 paths fetch into L1, 4 KiB
+ * ahead: L2 helps them only on long rows. */
 #define PREFETCH_AHEAD 8192
 #define PREFETCH_AHEAD_L1 4096
 #define PREFETCH_AT(p, ahead) __builtin_prefetch((const char *)(p) + (ahead), 0, 2)
@@ -86,12 +80,8 @@ int cpu_has(const char *feature);
  * that, of 8192 (20 KB of two digits and lane scales) for int4's. A row's slices add up
  * in order, whatever the split of rows into tasks. Its weights are then read a slice of
  * a row at a time, rows apart: the prefetch runs SLICE_PREFETCH_ROWS rows ahead, at the
- * same slice. Zen 4, one core, 2048 x 8192 (a
- * down projection): int8 10.9 -> 18.7 G weights/s, int6 11.5 -> 18.5; two threads 21.4
- * -> 33.4 and 20.8 -> 33.5. With slices of 2048, or the prefetch one row ahead, rows of
- * 4096 and 8192 lost up to 40 %; int4 in slices of 4096 gained 0-16 % alone but decoded
- * the 1B shape's Q4_0 4-5 % slower, so its rows of 8192 stay whole. The AVX2 paths keep
- * rows whole (not measured: this host's AVX2 has no AVX-VNNI for the int8 GEMV). */
+ * same slice. Smaller slices, or a prefetch one row ahead, are slower; int4's rows of 8192
+ * stay whole, as slicing them slows decode. The AVX2 paths keep rows whole. */
 enum { XPREP8_SLICE_CHUNKS = 64, Q4_SLICE_CHUNKS = 64, SLICE_PREFETCH_ROWS = 4 };
 /* How far ahead a GEMV row of `row_bytes` prefetches its weights. */
 static inline int64_t prefetch_distance(int64_t row_bytes, int sliced) {
@@ -135,24 +125,22 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * widening nibbles to float (which is compute-bound, not bandwidth-bound, on one core).
  * The mins' (or -8 d's) term takes its group sums from the same digits, so y is exactly
  * x's digits times W. It is not llama.cpp's one int8 digit (Q8_0 activations), which
- * costs accuracy: with the Q4_1 blocks of the default model, llama.cpp's KL 0.0026, ours
- * below 1e-6 (README). With three digits (23 bits) the GEMV was bound by the core more
- * than by memory (Zen 4); two decode the 1B shape's Q4_0 16 % faster on one thread.
+ * costs accuracy (README compares the two). Two digits, not three: with three (23 bits)
+ * the GEMV is bound by the core rather than by memory.
  * Blocks with inf or NaN take the float GEMV.
  * Where vpdpbusd exists the int8 GEMV does the same with |X| <= 2^21 (22 significant
  * bits: sum_4 (q + 128) X must fit int32), the weights made unsigned by q ^ 0x80 and the
  * 128 * X that adds taken back per block of x: sum q X = sum (q + 128) X - 128 sum X.
  * 1 < M <= 4, or M <= 8 with K >= 768 (a prompt's tokens routed to one expert; a short
  * prompt) runs the GEMV once per row of x, task by task, so a task's weights come from
- * memory once and from cache for the other rows: the same arithmetic as decode. Against
- * the GEMM, int4 on 2 threads: M = 2 1.8-2.6x faster, M = 4 1.0-1.9x (576 x 576 ...
- * 768 x 2048); M = 5-8 with K >= 768 1.1-2.0x (768 ... 8192 wide), but with K = 576
- * 0.6-0.96x: a row's GEMV has work per output element besides its dot product.
+ * memory once and from cache for the other rows: the same arithmetic as decode. Past
+ * those bounds the GEMM is faster: a row's GEMV has work per output element besides its
+ * dot product, which only long rows repay.
  * Larger M (prefill) runs the GEMM: a tile of weight rows is dequantized once, exactly as
  * the format defines it, into float32 scratch and multiplied with all M rows. From 16
  * rows, paths with vpdpbusd (avx512vnni, avx2vnni) run the integer GEMM instead (below):
  * x as two int8 digits, 15 significant bits per block of 32 (bf16 keeps 8 per element,
- * llama.cpp's Q8 activations 8 per block), 1.5-1.8x the float GEMM's speed on prompts.
+ * llama.cpp's Q8 activations 8 per block), faster than the float GEMM on prompts.
  *
  * int6 (quant/int6.py, GGUF Q6_K's blocks): qw uint8 (N, K / 256 * 210), K % 256 == 0,
  *      w = d * sc * (q - 32), q 6 bits, sc an int8 per 16, d a float16 per 256; scales
@@ -313,9 +301,7 @@ const kernel_table *kernels_for(int isa); /* NULL when the path is not built in 
  * GEMV_MIN_BYTES_PER_THREAD of weights per thread a second thread costs more than it
  * saves. A GEMV's rows go in at least GEMV_TASKS_PER_THREAD tasks per thread, so that a
  * thread slowed by another process holds up part of the work, and no more, since each
- * task starts its weight streams cold: 2 rather than 4 decoded SmolLM2 (Q4_1) 4-7 %
- * faster, its int8 7-8 %, its lut2 6-13 %, a Qwen3-30B-A3B shape 4 %, a 1B 0-3 %
- * (benchmarks/ab_extension.py). */
+ * task starts its weight streams cold. */
 enum { GEMV_MIN_BYTES_PER_THREAD = 32 * 1024, GEMV_TASKS_PER_THREAD = 2 };
 
 /* Threads worth using for a GEMV over `bytes` of weights. */

@@ -11,21 +11,17 @@
  * every row of x passes over it. */
 enum { TILE_N = 16, TILE_K = 512 };
 /* GEMV: tasks of about this many weight bytes, and at least GEMV_TASKS_PER_THREAD per
- * thread (kernels.h). Each task is one sequential stream: with 64 KiB tasks the two
- * threads' streams broke every 64 KiB and two threads read at 80-85 % of the read
- * bandwidth; with 1 MiB, 93-100 % (benchmarks/bench_kernels.py, int8 and int4 on
- * 4096 x 4096 and 11008 x 4096). */
+ * thread (kernels.h). Each task is one sequential stream, long enough for the threads to
+ * read at the full bandwidth (streams broken every 64 KiB fall well short of it). */
 enum { GEMV_TASK_BYTES = 1024 * 1024 };
 /* A GEMM of at most SMALL_M rows, or WIDE_M rows of at least WIDE_K, runs one GEMV per row
- * over tasks of SMALL_TASK_BYTES of weights (gemv_rows; kernels.h has the measurements).
+ * over tasks of SMALL_TASK_BYTES of weights (gemv_rows; see kernels.h).
  * A row's GEMV has work per output element besides the K-long dot product, so it pays
  * for more rows when rows are long. */
 enum { SMALL_M = 4, WIDE_M = 8, WIDE_K = 768, SMALL_TASK_BYTES = 128 * 1024 };
 /* The GEMM of at least IGEMM_MIN_M rows takes the integer GEMM where the path has one
  * (igemm.c). Below, its fixed work (x's digits, each panel's widening, tiles of 16 rows)
- * costs more than it saves: against the float GEMM, int4 on 2 threads (avx512vnni,
- * benchmarks/ab_extension.py), M = 5-8 0.75-0.97x and M = 12 0.86-1.12x on 512- and
- * 576-wide rows, M = 16 1.04-1.44x, M = 128 1.47-1.81x (576 ... 8192 wide). */
+ * costs more than its faster dot products save, on narrow rows (512, 576) most. */
 enum { IGEMM_MIN_M = 16 };
 
 typedef struct {

@@ -43,7 +43,7 @@ from typing import ClassVar
 import torch
 
 from ... import InferError
-from ...kernels_cpu import lut as lut_kernel
+from ...kernels_cpu import ops
 from .base import KernelWeights, QuantLinear, register
 from .fit import check_params, check_weight, fit_groups
 
@@ -119,10 +119,10 @@ class LutLinear(QuantLinear):
         return KernelWeights(-self.bits, self.group_size, self.qweight, self.scales, self.mins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32: the LUT kernel (int8 activation tables; kernels_cpu/lut.py bounds its
+        # float32: the LUT kernel (int8 activation tables; kernels_cpu/reference.py bounds its
         # error); other dtypes, or no C extension: dequantize and matmul.
-        if x.dtype == torch.float32 and x.is_cpu and lut_kernel.available():
-            y = lut_kernel.lut_matmul(x, self.qweight, self.scales, self.mins, self.group_size)
+        if x.dtype == torch.float32 and x.is_cpu and ops.available():
+            y = ops.lut_matmul(x, self.qweight, self.scales, self.mins, self.group_size)
             return y if self.bias is None else y + self.bias
         return super().forward(x)
 

@@ -5,15 +5,17 @@
 
      aarch64-linux-gnu-gcc -O2 -std=c11 -ffp-contract=off -pthread -DINFER_NO_PYTHON \
          -Ikernels_cpu/csrc tests/native/lut_neon_check.c kernels_cpu/csrc/pool.c \
-         kernels_cpu/csrc/cpu.c kernels_cpu/csrc/scalar.c kernels_cpu/csrc/neon.c -lm -o lut_neon
+         kernels_cpu/csrc/cpu.c kernels_cpu/csrc/scalar.c kernels_cpu/csrc/neon.c \
+         kernels_cpu/csrc/lut.c kernels_cpu/csrc/lut_neon.c -lm -o lut_neon
      qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max ./lut_neon   (or -cpu cortex-a53)
 
-   lut.c is included, not linked, to reach its static dispatch (lut_isa). Prints
-   "dotprod=D cases=C" and exits 0 when every case matches, 1 otherwise. */
-#include "lut.c"
-
+   Prints "dotprod=D cases=C" and exits 0 when every case matches, 1 otherwise. */
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
+#include "lut.h"
 #include "random_inputs.h"
 
 /* x W^T in double from the dequantized weights, for a loose check of the scalar path */
@@ -46,9 +48,9 @@ static int check(int64_t M, int64_t N, int64_t K, int g, int bits, int dot) {
     int8_t *t0 = malloc((size_t)tb), *t1 = malloc((size_t)tb);
     float *f0 = malloc(sizeof(float) * 3 * ng), *f1 = malloc(sizeof(float) * 3 * ng);
     for (int64_t m = 0; m < M; m++) {
-        build_tables(x + m * K, K, g, bits, t0, f0, f0 + ng, f0 + 2 * ng);
+        lut_build_tables(x + m * K, K, g, bits, t0, f0, f0 + ng, f0 + 2 * ng);
         memset(t1, 0x55, (size_t)tb);
-        tables_row(x + m * K, K, g, bits, lut_isa(ISA_NEON), t1, f1, f1 + ng, f1 + 2 * ng);
+        lut_tables_row(x + m * K, K, g, bits, lut_isa(ISA_NEON), t1, f1, f1 + ng, f1 + 2 * ng);
         if (memcmp(t0, t1, (size_t)tb) || memcmp(f0, f1, sizeof(float) * 3 * ng)) {
             printf("TABLES differ: row %ld K=%ld g=%d bits=%d\n", (long)m, (long)K, g, bits);
             bad = 1;

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from bench_kernels import packed  # benchmarks/
 
-from infer.kernels_cpu import decode, ops
+from infer.kernels_cpu import ops
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (768, 2048), (2048, 768), (2048, 2048)]
 ROWS = [1, 2, 4, 5, 6, 8]
@@ -44,7 +44,7 @@ def load_other(path: Path):
 
 def use(module) -> None:
     """Route every binding (the matmuls, the LUT kernels, the fused decode step) to module."""
-    ops._C = decode._C = module
+    ops._C = module
 
 
 def alternate(builds: dict, run, rounds: int) -> dict[str, float]:
@@ -87,6 +87,7 @@ def bench_kernels(builds: dict, threads: int, shapes: list, rows: list[int]) -> 
 
 def bench_model(builds: dict, path: Path, tokens: list[int], decode_n: int, rounds: int) -> None:
     from infer.runtime.loader import load_model
+    from infer.runtime.session import Session
 
     lm = load_model(path, torch.float32, max_seq_len=max(tokens) + decode_n + 1)
     model, gen = lm.model, torch.Generator().manual_seed(0)
@@ -99,19 +100,20 @@ def bench_model(builds: dict, path: Path, tokens: list[int], decode_n: int, roun
         )
 
     print(f"{path.name}, medians, this / other (speed ratio):")
+    session = Session(model)
     with torch.inference_mode():
         for T in tokens:
             prompt = torch.randint(0, model.args.vocab_size, (1, T), generator=gen)
-            forward = lambda prompt=prompt: model(prompt, 0)
+            forward = lambda prompt=prompt: session.forward(prompt[0].tolist(), 0)
             alternate(builds, forward, rounds=1)  # warm
             report(f"{T:4d}-token prompt", T, alternate(builds, forward, rounds))
         if decode_n:  # one token at a time after the last prompt (the fused step)
             T = tokens[-1]
-            token = prompt[:, -1:]
+            token = prompt[0, -1:].tolist()
 
             def steps():
                 for pos in range(T, T + decode_n):
-                    model(token, pos)
+                    session.forward(token, pos)
 
             alternate(builds, steps, rounds=1)  # warm
             report(f"decode {decode_n} at {T}", decode_n, alternate(builds, steps, rounds))

@@ -70,7 +70,7 @@ def capture(model, windows: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         hooks.append(block.register_forward_pre_hook(keep("layer_in", i)))
     try:
         for w in windows:
-            model(w[None], 0)
+            model(w[None], 0, model.new_cache(w.shape[0]))
     finally:
         for h in hooks:
             h.remove()
@@ -287,9 +287,10 @@ def main() -> None:
 @torch.no_grad()
 def decode(model, tokens: torch.Tensor) -> float:
     """Teacher-forced decoding, one token per forward, windows of WINDOW; seconds."""
+    cache = model.new_cache(WINDOW)
     t0 = time.perf_counter()
     for t, tok in enumerate(tokens.tolist()):
-        model(torch.tensor([[tok]]), t % WINDOW)
+        model(torch.tensor([[tok]]), t % WINDOW, cache)
     return time.perf_counter() - t0
 
 

@@ -242,8 +242,8 @@ def child(path: Path, mode: str, budget: int, n_tokens: int, logits_out: Path) -
     }
     if mode == "resident":
         # The same decode block by block (no fused C step), as a streamed model runs.
-        model.fused_decode, fused_logits = None, logits
-        tokens2, logits, _ = decode(model, n_tokens)
+        fused_logits = logits
+        tokens2, logits, _ = decode(model, n_tokens, fused=False)
         out["fused_vs_blocks_max_diff"] = max(
             (a - b).abs().max().item() for a, b in zip(fused_logits, logits)
         )
@@ -273,15 +273,19 @@ def child(path: Path, mode: str, budget: int, n_tokens: int, logits_out: Path) -
 
 
 @torch.inference_mode()
-def decode(model, n_tokens: int):
+def decode(model, n_tokens: int, fused: bool = True):
     """Greedy: prefill PROMPT, then n_tokens - 1 single-token steps. Returns (tokens,
     logits of each step, seconds of each step; step 0 is the prefill)."""
-    model.cached_tokens.clear()
+    from infer.runtime.session import Session
+
+    session = Session(model)
+    if not fused:
+        session.fused = None
     tokens, logits, step_s = [], [], []
     pos, ids = 0, PROMPT
     for _ in range(n_tokens):
         t0 = time.perf_counter()
-        out = model(torch.tensor([ids]), pos)[0, -1]
+        out = session.forward(ids, pos)[-1]
         step_s.append(time.perf_counter() - t0)
         logits.append(out.clone())
         pos += len(ids)

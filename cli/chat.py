@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from infer import InferError
 from infer.runtime.generate import Sampler, generate
 from infer.runtime.loader import LoadedModel
+from infer.runtime.model.tokenizer import Tokenizer
+from infer.runtime.session import Session
 
 
 @dataclass
@@ -58,16 +60,9 @@ def stream_line(lm: LoadedModel) -> str | None:
     return "stream: " + describe(lm.stream, lm.plan)
 
 
-def _reused_prefix(cached: list[int], prompt: list[int]) -> int:
-    """How many prompt tokens prefill will take from the cache (as generate.prefill does)."""
-    n, limit = 0, min(len(cached), len(prompt) - 1)
-    while n < limit and cached[n] == prompt[n]:
-        n += 1
-    return n
-
-
 def stream_answer(
-    lm: LoadedModel,
+    session: Session,
+    tok: Tokenizer,
     prompt: list[int],
     sampler: Sampler,
     max_tokens: int,
@@ -79,15 +74,14 @@ def stream_answer(
     `max_tokens` < 0 means until the context is full. Ctrl-C ends the answer with
     finish_reason "interrupted"; what was generated so far is kept.
     """
-    model, tok = lm.model, lm.tokenizer
     if max_tokens < 0:
-        max_tokens = model.max_seq_len  # generate() stops when the context is full
-    answer = Answer(len(prompt), _reused_prefix(model.cached_tokens, prompt))
+        max_tokens = session.max_seq_len  # generate() stops when the context is full
+    answer = Answer(len(prompt), session.reused_prefix(prompt))
     if max_tokens == 0:
         return answer
     decoder = tok.stream_decoder()
     stop_ids = tok.stop_ids
-    tokens = generate(model, prompt, sampler, max_tokens, repeat_penalty=repeat_penalty)
+    tokens = generate(session, prompt, sampler, max_tokens, repeat_penalty=repeat_penalty)
     t0 = time.perf_counter()
     t_first = t_last = None
     try:
@@ -177,12 +171,12 @@ def chat_loop(lm: LoadedModel, settings: ChatSettings) -> None:
     except ImportError:  # not on Windows; input() still works without it
         pass
 
-    model, tok = lm.model, lm.tokenizer
+    session, tok = Session(lm.model), lm.tokenizer
     base = [{"role": "system", "content": settings.system}] if settings.system else []
     messages = list(base)
     # Room kept for the answer when old turns have to go.
-    limit = settings.max_tokens if settings.max_tokens > 0 else model.max_seq_len
-    reserve = min(limit, model.max_seq_len // 4)
+    limit = settings.max_tokens if settings.max_tokens > 0 else session.max_seq_len
+    reserve = min(limit, session.max_seq_len // 4)
     out = sys.stdout
 
     while True:
@@ -212,7 +206,7 @@ def chat_loop(lm: LoadedModel, settings: ChatSettings) -> None:
 
         messages.append({"role": "user", "content": text})
         before = len(messages)
-        ids = fit_context(tok, messages, model.max_seq_len - reserve)
+        ids = fit_context(tok, messages, session.max_seq_len - reserve)
         if len(messages) < before:
             print("(oldest messages dropped to fit the context)", file=sys.stderr)
 
@@ -222,8 +216,9 @@ def chat_loop(lm: LoadedModel, settings: ChatSettings) -> None:
 
         try:
             answer = stream_answer(
-                lm, ids, settings.sampler, settings.max_tokens, show, settings.repeat_penalty
-            )
+                session, tok, ids, settings.sampler, settings.max_tokens, show,
+                settings.repeat_penalty,
+            )  # fmt: skip
         except InferError as err:  # e.g. one message longer than the context
             messages.pop()
             print(f"error: {err}", file=sys.stderr)

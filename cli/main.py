@@ -174,6 +174,7 @@ def run(
 
     from infer.runtime.generate import make_sampler
     from infer.runtime.loader import load_model
+    from infer.runtime.session import Session
 
     from .chat import ChatSettings, chat_loop, stream_answer, stream_line
 
@@ -221,9 +222,11 @@ def run(
         sys.stdout.write(piece)
         sys.stdout.flush()
 
+    session = Session(lm.model)
     answer = stream_answer(
-        lm, ids, sampler, max_tokens, (lambda _: None) if json_out else show, repeat_penalty
-    )
+        session, tok, ids, sampler, max_tokens, (lambda _: None) if json_out else show,
+        repeat_penalty,
+    )  # fmt: skip
     if answer.finish_reason == "interrupted":
         if not json_out:
             print(flush=True)

@@ -5,17 +5,14 @@ reference (reference.py) runs, and one warning says so.
 Paths (csrc/kernels.h): "avx512vnni", "avx512", "avx2vnni", "avx2" (x86-64), "neondot",
 "neon" (AArch64) and the portable "scalar"; the best this CPU runs is chosen at run time,
 INFER_KERNEL_ISA=<path> forces one for the whole process, and every op takes isa= for
-one call (tests). Threads: set_num_threads(n); until it is called the kernels follow
-torch.get_num_threads(), so torch.set_num_threads (the CLI's --threads) sets both.
-kernel_threads() gives the cores to the kernels' pool for a stretch of work (a forward
-pass): torch's own ops run on the calling thread meanwhile (see there).
+one call (tests). Threads: every op takes threads= for one call; by default the count
+of the pass in progress (threads.py ThreadPolicy), else torch.get_num_threads().
 
     y = q4_matmul(x, qweight, scales, mins, group_size)     # x (..., K) float32
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import warnings
@@ -23,6 +20,7 @@ import warnings
 import torch
 
 from . import reference
+from .threads import kernel_threads
 
 try:
     from . import _C
@@ -37,9 +35,6 @@ ISAS = (
     else ("scalar", "avx2", "avx2vnni", "avx512", "avx512vnni", "neon", "neondot")
 )
 ENV_ISA = "INFER_KERNEL_ISA"
-
-_num_threads: int | None = None
-
 
 def available() -> bool:
     """Whether the C extension is built and loaded."""
@@ -107,51 +102,9 @@ def int4_gemv_fifteen_bits(isa: str | None = None) -> bool:
     return _C.isa_int4_digits(_default_isa() if isa is None else _isa_id(isa))
 
 
-def set_num_threads(n: int) -> None:
-    """Threads for the kernels (the CLI's --threads); each output row is computed by one
-    thread in a fixed order, so results do not depend on it."""
-    global _num_threads
-    if n < 1:
-        raise ValueError(f"threads must be at least 1, got {n}")
-    _num_threads = int(n)
-
-
 def get_num_threads() -> int:
-    return _num_threads or torch.get_num_threads()
-
-
-@contextlib.contextmanager
-def kernel_threads():
-    """While the block runs, the kernels' pool has the cores: the kernels keep
-    get_num_threads() threads, torch's ops run on the calling thread alone.
-
-    torch's OpenMP workers spin after each parallel op, and the pool's workers spin
-    after each job (csrc/pool.c): with as many threads as cores, a torch op between two
-    kernel calls leaves a worker spinning on the core the other pool needs, which slows
-    both prefill and decode. torch_threads() hands the threads back for one large op.
-    Nested uses keep the outer one's counts."""
-    global _num_threads
-    saved_kernels, saved_torch = _num_threads, torch.get_num_threads()
-    _num_threads = get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved_torch)
-        _num_threads = saved_kernels
-
-
-@contextlib.contextmanager
-def torch_threads():
-    """torch's ops in the block on the kernels' thread count: inside kernel_threads(),
-    for an op large enough to be worth the spinning workers it leaves (a long prompt's
-    attention); elsewhere it changes nothing."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(get_num_threads())
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
+    """The kernels' thread count now (threads.ThreadPolicy sets it for a pass)."""
+    return kernel_threads()
 
 
 @functools.cache
@@ -196,7 +149,7 @@ def _launch(fn, x, K: int, N: int, weights: tuple, g: int, isa, threads):
     fn(
         x.data_ptr(), *weights, y.data_ptr(), x.numel() // K, N, K, g,
         _default_isa() if isa is None else _isa_id(isa),
-        threads or _num_threads or torch.get_num_threads(),
+        threads or kernel_threads(),
     )  # fmt: skip
     return y
 
@@ -303,7 +256,7 @@ def lut_matmul(x, qweight, scales, mins, group_size: int, *, isa=None, threads=N
         x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), mins.data_ptr(), y.data_ptr(),
         x.numel() // K, N, K, bits, g,
         _default_isa() if isa is None else _isa_id(isa),
-        threads or _num_threads or torch.get_num_threads(),
+        threads or kernel_threads(),
     )  # fmt: skip
     return y
 

@@ -937,9 +937,6 @@ def _load(
     model = build_model(
         dataclasses.replace(ckpt, tensors={**ckpt.tensors, **placeholders}), dtype, max_seq_len
     )
-    # The fused decode step holds pointers to the weights (built again below, once the
-    # experts are bound on demand); streamed dense layers move between buffers.
-    model.fused_decode = None
     drop_cached(ckpt, flat + dense_units)
     reader = stream = None
     try:
@@ -971,8 +968,6 @@ def _load(
             plan=plan,
             stream=stream,
         )
-        if stream is None:  # dense parts resident: the fused step runs, experts bound per visit
-            model.prepare_fused_decode()
     except BaseException:
         if stream is not None:
             stream.close()

@@ -454,11 +454,9 @@ def load_streamed(
         for tg in targets[i]:
             tg.set(tg.unbound)
     if not streamed:
-        model.prepare_fused_decode()  # over the real tensors, now in place
         return model, None, plan
-    # The fused decode step holds data pointers to every layer's weights; streamed
-    # layers move between buffers, so decode runs block by block (through the hooks).
-    model.fused_decode = None
+    # Streamed layers hold placeholders at rest, so a session's fused decode step (which
+    # holds pointers to every layer's weights) is not planned: decode runs block by block.
     drop_cached(ckpt, [u for i in streamed for u in groups[i]])
     reader = UnitReader(
         ckpt.file,

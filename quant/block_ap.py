@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime.model.llama import Transformer
+from ..runtime.model.llama import NoCache, Transformer, full_sequences
 from .formats.base import QuantLinear
 from .gptq import block_hessians, grid_of, head_hessian, pack
-from .tune import Frozen, descend, full_sequences, swapped
+from .tune import Frozen, descend, swapped
 
 BATCH = 1  # windows per step (of 512 tokens from the CLI)
 # Adam's learning rates: for u (weights, in their group's steps) and for a, b (relative
@@ -117,7 +117,7 @@ def train_block(
     targets: list[torch.Tensor],
     trained: list[Trained],
     epochs: int,
-    rope: tuple[torch.Tensor, torch.Tensor],
+    rope: tuple,  # (cos, sin, cache): a block's arguments after x and pos
     progress: Callable[[int, int, float], None] | None = None,
 ) -> list[float]:
     """Train `trained` (layers of `block`) so block(inputs[j]) approaches targets[j];
@@ -130,11 +130,10 @@ def train_block(
     # Each epoch visits every window once, in its own order (seeded: reproducible).
     gen = torch.Generator().manual_seed(0)
     order = torch.cat([torch.randperm(n, generator=gen) for _ in range(epochs + 1)]).tolist()
-    cos, sin = rope
 
     def step_losses(step: int) -> Iterator[torch.Tensor]:
         for j in order[step * BATCH : (step + 1) * BATCH]:
-            yield F.mse_loss(block(inputs[j], 0, cos, sin), targets[j]) / BATCH
+            yield F.mse_loss(block(inputs[j], 0, *rope), targets[j]) / BATCH
 
     with torch.enable_grad():
         return descend(opt, steps, step_losses, progress)
@@ -161,7 +160,7 @@ def quantize_blocks(
     dtype = model.rope_cos.dtype
     T = windows.shape[1]
     with full_sequences(model, T):
-        rope = model.rope_cos[:T], model.rope_sin[:T]
+        rope = model.rope_cos[:T], model.rope_sin[:T], NoCache()  # a block's extra args
         xs = [model.embed_tokens(w[None]).to(dtype) for w in windows]  # each (1, T, dim)
         floats = xs  # the float model's hidden states
         for i, block in enumerate(model.layers):

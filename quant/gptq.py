@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from .. import InferError
+from ..runtime.model.llama import NoCache, full_sequences
 from .formats.base import QuantLinear
 from .formats.fit import REFINE, SHRINK, check_weight, fit_groups
 from .formats.int4 import Int4Linear, pack_nibbles
@@ -437,21 +438,17 @@ def layer_hessians(
     transforms them: after each yield the caller replaces that block's layers with
     quantized ones, and the block's outputs are recomputed through those for the next
     block (the paper's sequential scheme). An untied "lm_head" in `names` comes last,
-    on the final norm's outputs. The model's caches are set up for T and restored after.
+    on the final norm's outputs.
     """
     dtype = model.rope_cos.dtype
-    saved_len = model.max_seq_len
     T = windows.shape[1]
-    model.setup_caches(T, dtype)
-    try:
-        cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    with full_sequences(model, T):
+        rope = model.rope_cos[:T], model.rope_sin[:T], NoCache()  # a block's extra args
         xs = [model.embed_tokens(w[None]).to(dtype) for w in windows]  # each (1, T, dim)
         for i, layer in enumerate(model.layers):
-            H = block_hessians(layer, f"layers.{i}.", names, xs, (cos, sin))
+            H = block_hessians(layer, f"layers.{i}.", names, xs, rope)
             if H:
                 yield H
-            xs = [layer(x, 0, cos, sin) for x in xs]
+            xs = [layer(x, 0, *rope) for x in xs]
         if "lm_head" in names and isinstance(model.lm_head, nn.Linear):
             yield {"lm_head": head_hessian(model, xs)}
-    finally:
-        model.setup_caches(saved_len, dtype)

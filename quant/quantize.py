@@ -40,7 +40,6 @@ from .. import InferError
 from ..runtime.files.gguf import GGUFFile
 from ..runtime.files.gguf_blocks import from_gguf, importable
 from ..runtime.files.gguf_tensor import GGUFTensor
-from ..runtime.model.llama import Transformer
 from . import block_ap, gptq, tune
 from .formats.base import FORMATS, QuantEmbedding, QuantLinear, set_module
 from .formats.fit import GroupSizeError
@@ -257,8 +256,6 @@ def quantize_model(
         r = reports[name]
         r.max_abs_error, r.rel_rms_error = _errors(model.get_submodule(name), weight)
     floats.clear()
-    if isinstance(model, Transformer):
-        model.prepare_fused_decode()  # the step's plan points at the modules replaced here
     return [reports[name] for name, _, _ in jobs]
 
 
@@ -287,5 +284,3 @@ def dequantize_model(model: nn.Module) -> None:
             if m.bias is not None:
                 linear.bias = nn.Parameter(m.bias.float(), requires_grad=False)
             set_module(model, name, linear)
-    if isinstance(model, Transformer):
-        model.prepare_fused_decode()

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import InferError
-from ..runtime.model.llama import Transformer
+from ..runtime.model.llama import NoCache, Transformer, full_sequences
 from .formats.base import QuantLinear, set_module
 from .gptq import calibration_windows
 
@@ -88,33 +88,9 @@ def _coarsen(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat((logp.gather(-1, ids), rest), -1).clamp(min=_NEG)
 
 
-class _FullSequence(nn.Module):
-    """Stands in for a layer's KVCache during one pass over a whole window from position
-    0: attention sees the window's own keys and values and nothing is stored, so the
-    pass can be differentiated (a write into the shared cache buffer could not, twice)."""
-
-    def update(self, pos: int, k: torch.Tensor, v: torch.Tensor):
-        return k, v
-
-
-@contextlib.contextmanager
-def full_sequences(model: Transformer, T: int) -> Iterator[None]:
-    """Rope tables for T positions and pass-through caches; the model's restored after."""
-    dtype, saved_len = model.rope_cos.dtype, model.max_seq_len
-    model.setup_caches(T, dtype)
-    caches = [layer.self_attn.cache for layer in model.layers]
-    for layer in model.layers:
-        layer.self_attn.cache = _FullSequence()
-    try:
-        yield
-    finally:
-        for layer, cache in zip(model.layers, caches):
-            layer.self_attn.cache = cache
-        model.setup_caches(saved_len, dtype)
-
-
 def _window_logits(model: Transformer, window: torch.Tensor) -> torch.Tensor:
-    return model(window[None], 0, all_logits=True)[0]  # (T, vocab)
+    cache = [NoCache()] * len(model.layers)
+    return model(window[None], 0, cache, all_logits=True)[0]  # (T, vocab)
 
 
 def tuning_windows(
@@ -253,12 +229,8 @@ def descend(
 def _differentiable(model: Transformer, names: set[str]) -> Iterator[dict[str, _Tuned]]:
     """Swap each QuantLinear for a _Tuned (`names`) or a Frozen one; on exit put back
     the tuned layers packed, and the others as they were."""
-    try:
-        with swapped(model, lambda n, q: _Tuned(q) if n in names else Frozen(q)) as layers:
-            model.prepare_fused_decode()  # float stand-ins: no fused step, torch's threads
-            yield {n: m for n, m in layers.items() if isinstance(m, _Tuned)}
-    finally:
-        model.prepare_fused_decode()
+    with swapped(model, lambda n, q: _Tuned(q) if n in names else Frozen(q)) as layers:
+        yield {n: m for n, m in layers.items() if isinstance(m, _Tuned)}
 
 
 def tune_scales(
@@ -291,8 +263,6 @@ def tune_scales(
             # KL(ref || model) per position, averaged over the batch's positions
             yield (ref.exp() * (ref - logp)).sum(-1).mean() / BATCH
 
-    # Exits in reverse: the caches come back before the layers are packed and the
-    # fused decode step is rebuilt over both.
     with torch.enable_grad(), _differentiable(model, names) as tuned, full_sequences(model, T):
         params = [p for m in tuned.values() for p in m.parameters()]
         return descend(torch.optim.Adam(params, lr=lr), steps, step_losses, progress)

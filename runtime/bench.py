@@ -35,6 +35,7 @@ from .files import hugepages
 from .generate import generate, make_sampler
 from .loader import load_model
 from .model.llama import Transformer
+from .session import Session
 
 # Real text, so the prompt is made of real token ids (cycled to the length asked for).
 BENCH_TEXT = (
@@ -72,7 +73,7 @@ class Breakdown:
     linear_weight_bytes: int  # bytes of the linear layers' weights, read once per token
     linear_gb_s: float  # linear_weight_bytes / linear time: the matmuls' own bandwidth
     linear_ms_by_name: dict[str, float]  # q_proj ... lm_head, summed over layers
-    # With the fused decode step (kernels_cpu/decode.py) the blocks run in one C call:
+    # With the fused decode step (runtime/model/fused_decode.py) the blocks run in one C call:
     # their matmuls are not hooked, and their whole time (matmuls included) is this.
     fused_blocks_ms_per_token: float = 0.0
 
@@ -293,10 +294,11 @@ class LinearTimer:
             h.remove()
 
 
-def decode_breakdown(model: Transformer, prompt: list[int], n_gen: int) -> Breakdown:
+def decode_breakdown(session: Session, prompt: list[int], n_gen: int) -> Breakdown:
     """Decode n_gen tokens with LinearTimer hooks; split each token's time."""
+    model = session.model
     timer = LinearTimer(model)
-    fused, fused_s = model.fused_decode, [0.0]
+    fused, fused_s = session.fused, [0.0]
     if fused is not None:
 
         def timed(x, pos):
@@ -305,10 +307,10 @@ def decode_breakdown(model: Transformer, prompt: list[int], n_gen: int) -> Break
             fused_s[0] += time.perf_counter() - t
             return out
 
-        model.fused_decode = timed
+        session.fused = timed
     try:
-        model.cached_tokens.clear()
-        tokens = generate(model, prompt, make_sampler(temperature=0), max_tokens=n_gen + 1)
+        session.reset()
+        tokens = generate(session, prompt, make_sampler(temperature=0), max_tokens=n_gen + 1)
         next(tokens)  # prefill and the first token: not decode
         timer.reset()
         fused_s[0] = 0.0
@@ -318,7 +320,7 @@ def decode_breakdown(model: Transformer, prompt: list[int], n_gen: int) -> Break
         total = time.perf_counter() - t0
     finally:
         timer.remove()
-        model.fused_decode = fused
+        session.fused = fused
     linear = sum(timer.seconds.values())
     hooked = linear_modules(model)
     if fused is not None:  # the blocks' linears ran inside the fused step, unhooked
@@ -391,13 +393,13 @@ def bench_prompt(tokenizer, n: int) -> list[int]:
     return list(itertools.islice(itertools.cycle(ids), n))
 
 
-def _timed_run(model: Transformer, prompt: list[int], n_gen: int, snapshot=None):
+def _timed_run(session: Session, prompt: list[int], n_gen: int, snapshot=None):
     """One cold-cache greedy run: (seconds to the first token, seconds for n_gen more,
     and what `snapshot()` counted over those n_gen if given, else None)."""
-    model.cached_tokens.clear()  # recompute the whole prompt
+    session.reset()  # recompute the whole prompt
     greedy = make_sampler(temperature=0)
     # n_gen + 1 tokens: the first comes from prefill, each later one costs one forward.
-    tokens = generate(model, prompt, greedy, max_tokens=n_gen + 1)
+    tokens = generate(session, prompt, greedy, max_tokens=n_gen + 1)
     t0 = time.perf_counter()
     next(tokens)
     t1 = time.perf_counter()
@@ -451,11 +453,12 @@ def run_bench(
             f"of {model.max_seq_len}"
         )
     prompt = bench_prompt(lm.tokenizer, n_prompt)
-    _timed_run(model, prompt, min(n_gen, 4))  # warm-up: allocator, caches, lazy init
+    session = Session(model)
+    _timed_run(session, prompt, min(n_gen, 4))  # warm-up: allocator, caches, lazy init
     if lm.stream is not None:
         lm.stream.reset_stats()  # streaming figures of the timed runs only
     snapshot = lm.experts.snapshot if lm.experts is not None else None
-    runs = [_timed_run(model, prompt, n_gen, snapshot) for _ in range(repeats)]
+    runs = [_timed_run(session, prompt, n_gen, snapshot) for _ in range(repeats)]
     offload = None if lm.plan is None else report(lm.plan, lm.stream, lm.info.checkpoint.file)
     experts = None
     if lm.experts is not None:
@@ -472,7 +475,7 @@ def run_bench(
     huge = hugepages.mapped_bytes()
     ceiling = breakdown = None
     if roofline:
-        breakdown = decode_breakdown(model, prompt, n_gen)
+        breakdown = decode_breakdown(session, prompt, n_gen)
         ceiling = measure_roofline(decode_tok_s, bytes_per_token, threads, bandwidth_bytes)
     info = lm.info
     return BenchResult(

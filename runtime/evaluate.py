@@ -33,8 +33,8 @@ import torch
 
 from .. import InferError
 from .loader import LoadedModel
-from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
+from .session import Session
 
 Progress = Callable[[int, int], None]  # (windows done, windows in all)
 
@@ -107,20 +107,16 @@ def make_windows(
     return windows
 
 
-@torch.inference_mode()
-def window_logits(model: Transformer, window: list[int]) -> torch.Tensor:
+def window_logits(session: Session, window: list[int]) -> torch.Tensor:
     """Logits (ctx - 1 - ctx/2, vocab) at positions [ctx/2, ctx - 1) of a fresh window.
 
     The first half only fills the KV cache (no lm_head on it); the last token is
     never fed, since nothing after it is scored.
     """
     first = len(window) // 2
-    tokens = torch.tensor([window[:-1]])  # (1, ctx - 1)
-    model.cached_tokens = []
-    model(tokens[:, :first], 0)
-    logits = model(tokens[:, first:], first, all_logits=True)[0]
-    model.cached_tokens = list(window[:-1])
-    return logits
+    session.reset()
+    session.forward(window[:first], 0)
+    return session.forward(window[first:-1], first, all_logits=True)
 
 
 # ---------------------------------------------------------------------------- scoring
@@ -241,13 +237,15 @@ def evaluate(
     windows = make_windows(tokens, ctx, tok.bos_id if tok.add_bos else None, chunks)
     first = ctx // 2
 
+    session = Session(lm.model, ctx)
+    ref_session = Session(ref.model, ctx) if ref is not None else None
     per_window = []
     seconds = ref_seconds = 0.0
     for i, window in enumerate(windows):
         t0 = time.perf_counter()
-        logits = window_logits(lm.model, window)
+        logits = window_logits(session, window)
         t1 = time.perf_counter()
-        ref_logits = window_logits(ref.model, window) if ref is not None else None
+        ref_logits = window_logits(ref_session, window) if ref is not None else None
         t2 = time.perf_counter()
         targets = torch.tensor(window[first + 1 :])
         per_window.append(_token_stats(logits, targets, ref_logits))

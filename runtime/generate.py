@@ -9,8 +9,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .. import InferError
-from .model.llama import Transformer
+from .session import Session
 
 Sampler = Callable[[torch.Tensor], int]
 
@@ -63,36 +62,8 @@ def apply_repeat_penalty(logits: torch.Tensor, recent: list[int], penalty: float
 
 
 @torch.inference_mode()
-def prefill(model: Transformer, prompt: list[int], chunk: int = 512) -> torch.Tensor:
-    """Bring the KV cache to hold `prompt`; return the logits (vocab,) after its last token.
-
-    The cache keeps the longest common prefix with what it already holds (a chat
-    turn re-sends the whole conversation; only the new part is computed).
-    """
-    if not prompt:
-        raise InferError("empty prompt")
-    if len(prompt) > model.max_seq_len:
-        raise InferError(
-            f"prompt is {len(prompt)} tokens, longer than the context of "
-            f"{model.max_seq_len} (raise --ctx)"
-        )
-    cached = model.cached_tokens
-    n = 0
-    limit = min(len(cached), len(prompt) - 1)  # recompute at least one token for its logits
-    while n < limit and cached[n] == prompt[n]:
-        n += 1
-    del cached[n:]
-    logits = None
-    for start in range(n, len(prompt), chunk):
-        piece = prompt[start : start + chunk]
-        logits = model(torch.tensor([piece]), start)
-        cached.extend(piece)
-    return logits[0, -1]
-
-
-@torch.inference_mode()
 def generate(
-    model: Transformer,
+    session: Session,
     prompt: list[int],
     sampler: Sampler,
     max_tokens: int,
@@ -100,23 +71,22 @@ def generate(
     repeat_last_n: int = 64,
     prefill_chunk: int = 512,
 ) -> Iterator[int]:
-    """Yield up to `max_tokens` sampled token ids following `prompt`.
+    """Yield up to `max_tokens` sampled token ids following `prompt` in `session`.
 
     Stops early only when the context is full; the caller stops at end-of-turn
-    tokens by closing the generator. The KV cache always matches
-    `model.cached_tokens`, so a stopped or interrupted answer can be continued.
+    tokens by closing the generator. The KV cache always matches `session.tokens`,
+    so a stopped or interrupted answer can be continued.
     """
-    logits = prefill(model, prompt, prefill_chunk)
+    logits = session.prefill(prompt, prefill_chunk)
     history = list(prompt)
-    max_tokens = min(max_tokens, model.max_seq_len - len(prompt) + 1)
+    max_tokens = min(max_tokens, session.max_seq_len - len(prompt) + 1)
     for i in range(max_tokens):
-        with model.threads():  # the sampler's ops must not leave torch's workers spinning
+        # the sampler's ops must not leave torch's workers spinning
+        with session.threads.forward():
             logits = apply_repeat_penalty(logits, history[-repeat_last_n:], repeat_penalty)
             token = sampler(logits)
         yield token
         history.append(token)
         if i + 1 == max_tokens:
             break
-        pos = len(model.cached_tokens)
-        logits = model(torch.tensor([[token]]), pos)[0, -1]
-        model.cached_tokens.append(token)
+        logits = session.step(token)

@@ -263,7 +263,7 @@ def load_weights(
         model.lm_head.weight = model.embed_tokens.weight
     if arena:
         arena.close()
-    model.setup_caches(min(max_seq_len or args.max_seq_len, args.max_seq_len), dtype)
+    model.setup_rope(min(max_seq_len or args.max_seq_len, args.max_seq_len), dtype)
     return model.eval().requires_grad_(False)
 
 

@@ -14,6 +14,7 @@ from infer.runtime.bench import BENCH_TEXT, bench_prompt, run_bench, weight_byte
 from infer.runtime.files.gguf import GGUFFile
 from infer.runtime.model.config import ModelArgs
 from infer.runtime.model.llama import Transformer
+from infer.runtime.session import Session
 
 CONFIG = {
     "model_type": "llama",
@@ -31,7 +32,7 @@ def _toy(tied: bool, dtype=torch.float32) -> Transformer:
     model = Transformer(args).to(dtype)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
-    model.setup_caches(32, dtype)  # KV caches and rope tables are not weights
+    model.setup_rope(32, dtype)  # rope tables are not weights
     return model
 
 
@@ -206,7 +207,8 @@ def test_decode_breakdown_splits_linear_time_and_removes_its_hooks():
     from infer.runtime.bench import decode_breakdown
 
     model = _toy(tied=False)
-    b = decode_breakdown(model, prompt=[1, 2, 3], n_gen=5)
+    session = Session(model)
+    b = decode_breakdown(session, prompt=[1, 2, 3], n_gen=5)
     assert b.n_tokens == 5
     names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert set(b.linear_ms_by_name) == names | {"lm_head"}
@@ -216,7 +218,7 @@ def test_decode_breakdown_splits_linear_time_and_removes_its_hooks():
     matrices = sum(p.numel() for n, p in model.named_parameters() if "proj" in n or "lm_head" in n)
     assert b.linear_weight_bytes == matrices * 4
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
-    assert model.cached_tokens[:3] == [1, 2, 3] and len(model.cached_tokens) == 3 + 5
+    assert session.tokens[:3] == [1, 2, 3] and len(session.tokens) == 3 + 5
 
 
 def test_run_bench_roofline(tiny_smollm):

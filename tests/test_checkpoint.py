@@ -78,9 +78,8 @@ def swap(model, name, cls, **params):
 
 
 def logits(model):
-    model.cached_tokens.clear()
     with torch.inference_mode():
-        return model(torch.tensor([PROMPT]), 0, all_logits=True)
+        return model(torch.tensor([PROMPT]), 0, model.new_cache(), all_logits=True)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +131,7 @@ def test_round_trip_untied_with_rope_factors(tmp_path):
     swap(model, "layers.1.mlp.down_proj", RowInt8, bits=8)
     model.embed_tokens = QuantEmbedding(RowInt8.from_float(model.embed_tokens.weight, bits=8))
     model.args.rope_freq_factors = [1.0 + i / 8 for i in range(model.args.head_dim // 2)]
-    model.setup_caches(64, torch.float32)  # as a Llama 3.1 GGUF load would set them
+    model.setup_rope(64, torch.float32)  # as a Llama 3.1 GGUF load would set them
     save_checkpoint(model, info.config, load_tokenizer(info), tmp_path / "ck", source=SOURCE)
     ckpt = read_checkpoint(tmp_path / "ck")
     assert set(ckpt.quant) == {"embed_tokens.table", "layers.1.mlp.down_proj"}

@@ -5,6 +5,7 @@ import torch
 
 from infer.runtime.generate import generate, make_sampler
 from infer.runtime.loader import load_model
+from infer.runtime.session import Session
 
 QUESTION = [{"role": "user", "content": "Why is the sky blue?"}]
 # Greedy, float32, 40 tokens. Identical to transformers' own GGUF loader's greedy output.
@@ -24,7 +25,8 @@ def test_golden_greedy_answer(smollm2):
     tok = smollm2.tokenizer
     ids = tok.encode_chat(QUESTION)
     out = []
-    for t in generate(smollm2.model, ids, make_sampler(temperature=0), max_tokens=40):
+    session = Session(smollm2.model)
+    for t in generate(session, ids, make_sampler(temperature=0), max_tokens=40):
         if t in tok.stop_ids:
             break
         out.append(t)
@@ -40,9 +42,8 @@ def test_logits_match_transformers_gguf_loader(smollm2, smollm2_gguf):
     dequantized = load_model(smollm2_gguf, torch.float32, max_seq_len=512, dequantize=True)
     with torch.inference_mode():
         expected = ref(ids).logits
-        smollm2.model.cached_tokens.clear()
-        got = smollm2.model(ids, 0, all_logits=True)
-        got_float = dequantized.model(ids, 0, all_logits=True)
+        got = smollm2.model(ids, 0, smollm2.model.new_cache(), all_logits=True)
+        got_float = dequantized.model(ids, 0, dequantized.model.new_cache(), all_logits=True)
     # The model, in float32 throughout, to float32's summation order.
     torch.testing.assert_close(got_float, expected, atol=1e-3, rtol=0)
     # On the kernels, whose prompt GEMM keeps 15 bits of the activations per block of 32
@@ -63,8 +64,7 @@ def test_runs_its_blocks_on_the_kernels(smollm2, smollm2_gguf):
     ref = load_model(smollm2_gguf, torch.float32, max_seq_len=512, dequantize=True).model
     ids = torch.tensor([smollm2.tokenizer.encode_chat(QUESTION)])
     with torch.inference_mode():
-        model.cached_tokens.clear()
-        got = model(ids, 0, all_logits=True)[0].log_softmax(-1)
-        expected = ref(ids, 0, all_logits=True)[0].log_softmax(-1)
+        got = model(ids, 0, model.new_cache(), all_logits=True)[0].log_softmax(-1)
+        expected = ref(ids, 0, ref.new_cache(), all_logits=True)[0].log_softmax(-1)
     kl = (expected.exp() * (expected - got)).sum(-1)
     assert kl.max() < 1e-5

@@ -61,9 +61,10 @@ def _direct_window_logprobs(lm, ctx: int, bos: int | None = None, chunks: int | 
         window = tokens[i * ctx : (i + 1) * ctx]
         if bos is not None:
             window[0] = bos
-        lm.model.cached_tokens = []
         with torch.inference_mode():
-            logits = lm.model(torch.tensor([window]), 0, all_logits=True)[0]  # (ctx, vocab)
+            logits = lm.model(torch.tensor([window]), 0, lm.model.new_cache(), all_logits=True)[
+                0
+            ]  # (ctx, vocab)
         logp = torch.log_softmax(logits.double(), dim=-1)[first:-1]  # predicts first+1..ctx-1
         full.append(logp)
         gathered.append(logp.gather(1, torch.tensor(window[first + 1 :])[:, None])[:, 0])

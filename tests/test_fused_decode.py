@@ -1,4 +1,4 @@
-"""The fused decode step (kernels_cpu/decode.py, csrc/decode.c) against its definition,
+"""The fused decode step (runtime/model/fused_decode.py, csrc/decode.c) against its definition,
 Block.forward, on every architecture variant and every quantized format it runs."""
 
 import pytest
@@ -11,6 +11,7 @@ from infer.quant.quantize import dequantize_model, quantize_model
 from infer.runtime.loader import load_model
 from infer.runtime.model.fused_decode import FusedDecode
 from infer.runtime.model.moe import MoE
+from infer.runtime.session import Session
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]  # 12 tokens: past a window of 8
 NEXT = [41, 7, 233, 18, 90]
@@ -26,17 +27,20 @@ def hf_dirs(tmp_path_factory):
     return root
 
 
-def decode_logits(model, fused: bool) -> torch.Tensor:
+def decode_logits(model, fused: bool, threads: int | None = None) -> torch.Tensor:
     """Prefill PROMPT, then decode NEXT one token at a time; the decode steps' logits."""
-    saved = model.fused_decode
-    model.fused_decode = saved if fused else None
-    try:
-        with torch.inference_mode():
-            model(torch.tensor([PROMPT]), 0)
-            out = [model(torch.tensor([[t]]), len(PROMPT) + i)[0, -1] for i, t in enumerate(NEXT)]
-    finally:
-        model.fused_decode = saved
+    session = Session(model, threads=threads)
+    if fused:
+        assert session.fused is not None
+    else:
+        session.fused = None  # Block.forward, the definition
+    session.forward(PROMPT, 0)
+    out = [session.forward([t], len(PROMPT) + i)[-1] for i, t in enumerate(NEXT)]
     return torch.stack(out)
+
+
+def fused_step(model):
+    return Session(model).fused
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -48,9 +52,9 @@ def decode_logits(model, fused: bool) -> torch.Tensor:
 )  # fmt: skip
 def test_fused_equals_blocks(hf_dirs, arch, recipe, overrides):
     model = load_model(hf_dirs / arch, max_seq_len=64).model
-    assert model.fused_decode is None  # float linears: the blocks run
+    assert fused_step(model) is None  # float linears: the blocks run
     quantize_model(model, get_recipe(recipe, n_layers=model.args.n_layers, **overrides))
-    assert model.fused_decode is not None
+    assert fused_step(model) is not None
     ref = decode_logits(model, fused=False)
     got = decode_logits(model, fused=True)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
@@ -65,7 +69,7 @@ def test_fused_runs_int6(tmp_path):
     quantize_model(model, get_recipe("int6"))
     linears = [m for n, m in model.named_modules() if n.endswith("proj")]
     assert linears and all(type(m) is Int6Linear for m in linears)
-    assert model.fused_decode is not None
+    assert fused_step(model) is not None
     ref = decode_logits(model, fused=False)
     got = decode_logits(model, fused=True)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
@@ -81,7 +85,7 @@ def test_fused_runs_mixtures_of_experts(hf_dirs, arch, recipe, overrides):
     (and a shared expert) in one C call, equal to Block.forward to rounding."""
     model = load_model(hf_dirs / arch, max_seq_len=64).model
     quantize_model(model, get_recipe(recipe, n_layers=model.args.n_layers, **overrides))
-    step = model.fused_decode
+    step = fused_step(model)
     assert step is not None and step._moe
     assert sorted(step._moe) == [
         i for i in range(model.args.n_layers) if model.args.is_moe_layer(i)
@@ -115,7 +119,7 @@ def test_fused_moe_runs_the_blocks_pre_hooks(hf_dirs):
 def test_bad_experts_are_refused(hf_dirs):
     model = load_model(hf_dirs / "mixtral", max_seq_len=64).model
     quantize_model(model, get_recipe("int8"))
-    step = model.fused_decode
+    step = fused_step(model)
     block, table = next(iter(step._moe.values()))
     x = torch.zeros(1, 1, model.args.dim)
     weights = torch.ones(1, 2)
@@ -139,17 +143,14 @@ def test_fused_attention_long_context_odd_head_dim(tmp_path, monkeypatch, isa, w
     quantize_model(model, get_recipe("int8", n_layers=model.args.n_layers))
     monkeypatch.setattr(ops, "_default_isa", lambda: ops.ISAS.index(isa))
     T = 600
-    prompt = torch.randint(3, 320, (1, T), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(3, 320, (T,), generator=torch.Generator().manual_seed(1)).tolist()
     out = {}
     for fused in (False, True):
-        saved = model.fused_decode
-        model.fused_decode = saved if fused else None
-        with torch.inference_mode():
-            model(prompt, 0)
-            out[fused] = torch.stack(
-                [model(torch.tensor([[t]]), T + i)[0, -1] for i, t in enumerate(NEXT)]
-            )
-        model.fused_decode = saved
+        session = Session(model)
+        if not fused:
+            session.fused = None
+        session.forward(prompt, 0)
+        out[fused] = torch.stack([session.forward([t], T + i)[-1] for i, t in enumerate(NEXT)])
     ref = out[False]
     torch.testing.assert_close(out[True], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
@@ -160,28 +161,24 @@ def test_threads_do_not_change_results(hf_dirs, arch, recipe):
     quantize_model(model, get_recipe(recipe, n_layers=model.args.n_layers))
     results = []
     for n in (1, 2, 3):
-        ops.set_num_threads(n)
-        try:
-            results.append(decode_logits(model, fused=True))
-        finally:
-            ops._num_threads = None
+        results.append(decode_logits(model, fused=True, threads=n))
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
 def test_not_used_where_it_cannot_run(hf_dirs):
     model = load_model(hf_dirs / "llama", max_seq_len=64, dtype=torch.bfloat16).model
     quantize_model(model, get_recipe("int8"))
-    assert model.fused_decode is None  # bfloat16 activations: the kernels take float32
+    assert fused_step(model) is None  # bfloat16 activations: the kernels take float32
     model = load_model(hf_dirs / "llama", max_seq_len=64).model
     quantize_model(model, get_recipe("int8"))
-    assert model.fused_decode is not None
-    dequantize_model(model)  # float again: the plan must go with the quantized modules
-    assert model.fused_decode is None
+    assert fused_step(model) is not None
+    dequantize_model(model)  # float again: no plan over float modules
+    assert fused_step(model) is None
     # Only the embeddings and output quantized: the blocks' linears are float.
     model = load_model(hf_dirs / "llama", max_seq_len=64).model
     quantize_model(model, lambda name: None if name.startswith("layers.") else {
         "format": "int8", "group_size": 32})  # fmt: skip
-    assert FusedDecode.prepare(model) is None
+    assert FusedDecode.prepare(model, model.new_cache()) is None
 
 
 def test_bad_position_is_refused(hf_dirs):
@@ -189,4 +186,4 @@ def test_bad_position_is_refused(hf_dirs):
     quantize_model(model, get_recipe("int8"))
     x = torch.zeros(1, 1, model.args.dim)
     with pytest.raises(ValueError, match="bad plan, position"):
-        model.fused_decode(x, 16)
+        fused_step(model)(x, 16)

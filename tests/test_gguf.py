@@ -450,8 +450,8 @@ def test_quantized_blocks_run_on_the_kernels(tmp_path, arch, embed, output):
 
     ids = torch.tensor([[3, 17, 5, 22, 9, 31, 4, 11, 26, 8]])
     with torch.inference_mode():
-        expected = ref(ids, 0, all_logits=True)[0]
-        prompt = lm(ids, 0, all_logits=True)[0]
+        expected = ref(ids, 0, ref.new_cache(), all_logits=True)[0]
+        prompt = lm(ids, 0, lm.new_cache(), all_logits=True)[0]
         steps = torch.cat([lm(ids[:, i : i + 1], i)[0] for i in range(ids.shape[1])])
     scale = expected.abs().max()
     torch.testing.assert_close(prompt, expected, atol=1e-4 * scale, rtol=0)

@@ -172,9 +172,8 @@ def test_layer_hessians_and_gptq_beat_rounding_on_a_model(tiny_dirs):
 
 
 def logits(model, tokens) -> torch.Tensor:
-    model.cached_tokens.clear()
     with torch.inference_mode():
-        return model(tokens, 0, all_logits=True).log_softmax(-1)
+        return model(tokens, 0, model.new_cache(), all_logits=True).log_softmax(-1)
 
 
 @pytest.mark.parametrize("arch", ["llama", "smollm2"])

@@ -431,6 +431,7 @@ def test_default_model_greedy_tokens_equal_reference(smollm2_float, smollm2_gguf
     from infer.quant.quantize import dequantize_model, quantize_model
     from infer.runtime.files.gguf import GGUFFile
     from infer.runtime.generate import generate, make_sampler
+    from infer.runtime.session import Session
 
     model = copy.deepcopy(smollm2_float.model)
     # As `infer quantize --to int4 / int8`: Q4_1 and Q8_0 blocks import losslessly;
@@ -444,15 +445,12 @@ def test_default_model_greedy_tokens_equal_reference(smollm2_float, smollm2_gguf
     quantize_model(model, get_recipe(to), gguf=GGUFFile(smollm2_gguf))
     prompt = smollm2_float.tokenizer.encode_chat(QUESTION)
 
-    def greedy(n=10):
-        model.cached_tokens.clear()
-        return list(generate(model, prompt, make_sampler(temperature=0), max_tokens=n))
+    def greedy(n=10, threads=None):
+        session = Session(model, threads=threads)
+        return list(generate(session, prompt, make_sampler(temperature=0), max_tokens=n))
 
-    monkeypatch.setattr(ops, "_num_threads", None)  # restored after the test
-    ops.set_num_threads(1)
-    one = greedy()
-    ops.set_num_threads(2)
-    two = greedy()
+    one = greedy(threads=1)
+    two = greedy(threads=2)
     # The reference path: each QuantLinear's forward is F.linear on its dequantized
     # weight, which is what a float model holding those weights computes.
     dequantize_model(model)

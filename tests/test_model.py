@@ -4,8 +4,8 @@ import pytest
 import torch
 from tiny import ARCHS, make_hf_model
 
-from infer.runtime.generate import prefill
 from infer.runtime.loader import inspect_model, load_weights
+from infer.runtime.session import Session
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
 
@@ -23,8 +23,7 @@ def test_prompt_logits_match(pair):
     ref, ours = pair
     ids = torch.tensor([PROMPT])
     expected = ref(ids).logits
-    ours.cached_tokens.clear()
-    got = ours(ids, 0, all_logits=True)
+    got = ours(ids, 0, ours.new_cache(), all_logits=True)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -32,8 +31,9 @@ def test_prompt_logits_match(pair):
 def test_token_by_token_equals_full_forward(pair):
     ref, ours = pair
     expected = ref(torch.tensor([PROMPT])).logits[0]
+    cache = ours.new_cache()
     for pos, token in enumerate(PROMPT):
-        got = ours(torch.tensor([[token]]), pos)[0, -1]
+        got = ours(torch.tensor([[token]]), pos, cache)[0, -1]
         torch.testing.assert_close(got, expected[pos], atol=1e-4, rtol=1e-4)
 
 
@@ -41,13 +41,14 @@ def test_token_by_token_equals_full_forward(pair):
 def test_chunked_prefill_and_prefix_reuse(pair):
     ref, ours = pair
     expected = ref(torch.tensor([PROMPT])).logits[0, -1]
-    ours.cached_tokens.clear()
-    torch.testing.assert_close(prefill(ours, PROMPT, chunk=5), expected, atol=1e-4, rtol=1e-4)
+    session = Session(ours)
+    torch.testing.assert_close(session.prefill(PROMPT, chunk=5), expected, atol=1e-4, rtol=1e-4)
     # A second call sharing a prefix recomputes only the tail.
     other = PROMPT[:7] + [42, 43]
     expected = ref(torch.tensor([other])).logits[0, -1]
-    torch.testing.assert_close(prefill(ours, other, chunk=4), expected, atol=1e-4, rtol=1e-4)
-    assert ours.cached_tokens == other
+    assert session.reused_prefix(other) == 7
+    torch.testing.assert_close(session.prefill(other, chunk=4), expected, atol=1e-4, rtol=1e-4)
+    assert session.tokens == other
 
 
 def test_bfloat16_close_to_float32(tmp_path):
@@ -56,6 +57,6 @@ def test_bfloat16_close_to_float32(tmp_path):
     f32 = load_weights(info, torch.float32, 64)
     bf16 = load_weights(info, torch.bfloat16, 64)
     with torch.inference_mode():
-        a = f32(torch.tensor([PROMPT]), 0, all_logits=True)
-        b = bf16(torch.tensor([PROMPT]), 0, all_logits=True).float()
+        a = f32(torch.tensor([PROMPT]), 0, f32.new_cache(), all_logits=True)
+        b = bf16(torch.tensor([PROMPT]), 0, bf16.new_cache(), all_logits=True).float()
     assert (a - b).abs().max() < 0.1 * a.abs().max()

@@ -20,11 +20,11 @@ from infer.quant.quantize import quantize_model
 from infer.runtime.files.checkpoint import read_checkpoint
 from infer.runtime.files.gguf import GGUFFile
 from infer.runtime.files.gguf_tensor import dequantize
-from infer.runtime.generate import prefill
 from infer.runtime.loader import inspect_model, load_model, load_weights
 from infer.runtime.model.config import ModelArgs
 from infer.runtime.model.llama import Transformer
 from infer.runtime.model.moe import MoE
+from infer.runtime.session import Session
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
 
@@ -50,14 +50,14 @@ def pair(request, tmp_path_factory):
 def test_prompt_and_token_by_token_match_transformers(pair):
     ref, ours = pair
     expected = ref(torch.tensor([PROMPT])).logits
-    ours.cached_tokens.clear()
-    got = ours(torch.tensor([PROMPT]), 0, all_logits=True)
+    got = ours(torch.tensor([PROMPT]), 0, ours.new_cache(), all_logits=True)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    session = Session(ours)
     for pos, token in enumerate(PROMPT):  # decode: one token, its k experts only
-        got = ours(torch.tensor([[token]]), pos)[0, -1]
+        got = session.forward([token], pos)[-1]
         torch.testing.assert_close(got, expected[0, pos], atol=1e-4, rtol=1e-4)
-    ours.cached_tokens.clear()
-    got = prefill(ours, PROMPT, chunk=5)
+    session.reset()
+    got = session.prefill(PROMPT, chunk=5)
     torch.testing.assert_close(got, expected[0, -1], atol=1e-4, rtol=1e-4)
 
 
@@ -99,9 +99,11 @@ def test_sanitize_maps_transformers_in_memory_names(pair):
     with torch.device("meta"):
         model = Transformer(ours.args)
     model.load_state_dict(Transformer.sanitize(sd, ours.args), strict=True, assign=True)
-    model.setup_caches(64, torch.float32)
-    expected = ours(torch.tensor([PROMPT]), 0, all_logits=True)
-    torch.testing.assert_close(model(torch.tensor([PROMPT]), 0, all_logits=True), expected)
+    model.setup_rope(64, torch.float32)
+    expected = ours(torch.tensor([PROMPT]), 0, ours.new_cache(), all_logits=True)
+    torch.testing.assert_close(
+        model(torch.tensor([PROMPT]), 0, model.new_cache(), all_logits=True), expected
+    )
 
 
 @torch.inference_mode()
@@ -111,11 +113,11 @@ def test_bfloat16_close_to_float32(pair):
         bf16 = Transformer(ours.args)
     state = {k: v.bfloat16() for k, v in ours.state_dict().items()}
     bf16.load_state_dict(state, strict=True, assign=True)
-    bf16.setup_caches(64, torch.bfloat16)
-    a = ours(torch.tensor([PROMPT]), 0, all_logits=True)
-    b = bf16(torch.tensor([PROMPT]), 0, all_logits=True).float()
+    bf16.setup_rope(64, torch.bfloat16)
+    a = ours(torch.tensor([PROMPT]), 0, ours.new_cache(), all_logits=True)
+    b = bf16(torch.tensor([PROMPT]), 0, bf16.new_cache(), all_logits=True).float()
     assert (a - b).abs().max() < 0.05 * a.abs().max()
-    assert bf16(torch.tensor([[PROMPT[-1]]]), len(PROMPT) - 1).dtype == torch.bfloat16
+    assert Session(bf16).forward([PROMPT[-1]], 0).dtype == torch.bfloat16
 
 
 def test_n_params_counts_every_expert(pair):
@@ -395,7 +397,7 @@ def test_gguf_float_matches_transformers(hf_models, tmp_path, arch, stacked, ext
     assert [args.is_moe_layer(i) for i in range(args.n_layers)] == sparse
     model = load_weights(info, torch.float32, 64)
     expected = ref(torch.tensor([PROMPT])).logits
-    got = model(torch.tensor([PROMPT]), 0, all_logits=True)
+    got = model(torch.tensor([PROMPT]), 0, model.new_cache(), all_logits=True)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -458,8 +460,8 @@ def test_gguf_quantized_experts_import_bit_exact(hf_models, tmp_path, qtype, rec
     assert isinstance(native.layers[1].mlp.gate, torch.nn.Linear)
     ref = load_weights(inspect_model(path), torch.float32, 64, dequantize=True)
     ids = torch.tensor([[3, 9, 14, 2, 27, 5]])
-    expected = ref(ids, 0, all_logits=True)
-    got = native(ids, 0, all_logits=True)
+    expected = ref(ids, 0, ref.new_cache(), all_logits=True)
+    got = native(ids, 0, native.new_cache(), all_logits=True)
     torch.testing.assert_close(got, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
 
 
@@ -492,13 +494,15 @@ def test_gguf_k_quant_experts_run_on_the_kernels(tmp_path, qtype):
         assert isinstance(native.layers[i].mlp.gate, torch.nn.Linear)  # the router stays float
     ref_model = load_weights(inspect_model(path), torch.float32, 64, dequantize=True)
     ids = torch.tensor([PROMPT])
-    expected = ref_model(ids, 0, all_logits=True)
+    expected = ref_model(ids, 0, ref_model.new_cache(), all_logits=True)
     scale = expected.abs().max().item()
     tol = 1e-3
-    torch.testing.assert_close(native(ids, 0, all_logits=True), expected, atol=tol * scale, rtol=0)
-    native.cached_tokens.clear()
+    torch.testing.assert_close(
+        native(ids, 0, native.new_cache(), all_logits=True), expected, atol=tol * scale, rtol=0
+    )
+    session = Session(native)
     for pos, token in enumerate(PROMPT):
-        got = native(torch.tensor([[token]]), pos)[0, -1]
+        got = session.forward([token], pos)[-1]
         torch.testing.assert_close(got, expected[0, pos], atol=tol * scale, rtol=0)
 
 
@@ -560,7 +564,7 @@ def test_quantize_writes_one_unit_per_expert(qwen2_moe_dir, tmp_path, to, tolera
             assert rel < tolerance, (name, rel)
     with torch.inference_mode():
         expected = ref(torch.tensor([PROMPT])).logits
-        got = loaded.model(torch.tensor([PROMPT]), 0, all_logits=True)
+        got = loaded.model(torch.tensor([PROMPT]), 0, loaded.model.new_cache(), all_logits=True)
     err = (got - expected).abs().max() / expected.abs().max()
     assert err < tolerance, err
     if to == "int4":

@@ -32,6 +32,7 @@ from infer.offload.stream import layer_costs, overheads
 from infer.offload.trace import Trace, TraceRecorder, replay
 from infer.runtime.files.checkpoint import read_checkpoint
 from infer.runtime.loader import load_model
+from infer.runtime.session import Session
 
 INFER = [sys.executable, "-c", "from infer.cli.main import main; main()"]
 TOKENS = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140, 8, 8, 300, 41, 12, 190, 77, 6]
@@ -80,23 +81,22 @@ def wide_moe(tmp_path_factory):
     )
 
 
-def run_tokens(model, tokens=TOKENS, prompt_len=6):
-    """Logits of a prompt in one forward, then one token at a time."""
-    model.cached_tokens.clear()
-    with torch.no_grad():
-        out = [model(torch.tensor([tokens[:prompt_len]]), 0, all_logits=True)[0]]
-        for pos in range(prompt_len, len(tokens)):
-            out.append(model(torch.tensor([[tokens[pos]]]), pos)[0])
+def run_tokens(model, tokens=TOKENS, prompt_len=6, fused=True, session=None):
+    """Logits of a prompt in one forward, then one token at a time. fused=False decodes
+    block by block, as a model whose dense layers stream does (the fused C step agrees
+    with that to rounding)."""
+    session = session or Session(model)
+    if not fused:
+        session.fused = None
+    out = [session.forward(tokens[:prompt_len], 0, all_logits=True)]
+    for pos in range(prompt_len, len(tokens)):
+        out.append(session.forward([tokens[pos]], pos))
     return torch.cat(out)
 
 
 def resident_logits(path, fused=True):
-    """The resident model's logits; fused=False decodes block by block, as a model whose
-    dense layers stream does (the fused C step agrees with that to rounding)."""
-    model = load_model(path, max_seq_len=64).model
-    if not fused:
-        model.fused_decode = None
-    return run_tokens(model)
+    """The resident model's logits (see run_tokens)."""
+    return run_tokens(load_model(path, max_seq_len=64).model, fused=fused)
 
 
 def fixed_costs(ckpt, process=0):
@@ -173,7 +173,7 @@ def test_every_cache_size_equals_resident(moe):
     for slots in range(17):
         model, off = load_expert_cached(ckpt, torch.float32, 64, slots, refine=2, workers=2)
         try:
-            assert model.fused_decode is not None  # experts bound per visit (MoE.bound)
+            assert Session(model).fused is not None  # experts bound per visit (MoE.bound)
             got = run_tokens(model)
         finally:
             off.close()
@@ -190,7 +190,8 @@ def test_experts_in_memory_run_in_one_call(moe, monkeypatch, pattern):
     expected = resident_logits(moe)
     ckpt = read_checkpoint(moe)
     model, off = load_expert_cached(ckpt, torch.float32, 64, 16, workers=2)
-    step, sizes = model.fused_decode, []
+    session = Session(model)
+    step, sizes = session.fused, []
     run = step._run_experts
 
     def counted(table, ids, *args, **kwargs):
@@ -204,7 +205,7 @@ def test_experts_in_memory_run_in_one_call(moe, monkeypatch, pattern):
                  "alternate": lambda e: asked.append(e) or len(asked) % 2 == 0}[pattern]  # fmt: skip
         monkeypatch.setattr(block, "ready", ready)
     try:
-        assert torch.equal(run_tokens(model), expected)
+        assert torch.equal(run_tokens(model, session=session), expected)
     finally:
         off.close()
     visits = 2 * (len(TOKENS) - 6)  # 2 MoE layers, one token a step; k = 2
@@ -281,7 +282,7 @@ def test_shared_expert_and_dense_layer_equal_resident(tmp_path):
     for slots in (0, 5, 16):
         model, off = load_expert_cached(ckpt, torch.float32, 64, slots, workers=2)
         try:
-            assert model.fused_decode is not None
+            assert Session(model).fused is not None
             assert torch.equal(run_tokens(model), expected), slots
         finally:
             off.close()
@@ -304,7 +305,7 @@ def test_naive_and_streamed_dense_equal_resident(moe):
     model, off = load_moe_budgeted(ckpt, torch.float32, 64, budget, process_bytes=10**8)
     try:
         assert off.plan.dense.streamed and off.stream is not None
-        assert model.fused_decode is None
+        assert Session(model).fused is None
         got = run_tokens(model)
         assert torch.equal(got, resident_logits(moe, fused=False))
         torch.testing.assert_close(
@@ -330,7 +331,7 @@ def test_float_experts_beside_quantized_attention(moe, tmp_path):
     expected = resident_logits(dest)
     model, off = load_expert_cached(read_checkpoint(dest), torch.float32, 64, 5)
     try:
-        assert model.fused_decode is None
+        assert Session(model).fused is None
         assert torch.equal(run_tokens(model), expected)
     finally:
         off.close()
@@ -393,13 +394,14 @@ def test_corrupt_expert_is_an_error_and_threads_stop(moe, tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     model, off = load_expert_cached(read_checkpoint(bad), torch.float32, 64, 4)
     threads = off.reader._threads
+    cache = model.new_cache()
     with pytest.raises(InferError, match="'layers.1.mlp.experts.3' is corrupt"), torch.no_grad():
         for t in range(40):  # until expert 3 of layer 1 is routed to
-            model(torch.tensor([[t * 7 % 300]]), t % 60)
+            model(torch.tensor([[t * 7 % 300]]), t % 60, cache)
     off.close()
     assert not any(t.is_alive() for t in threads)
     with pytest.raises(InferError, match="closed"):
-        model(torch.tensor([[1]]), 0)
+        model(torch.tensor([[1]]), 0, cache)
 
 
 # -- the footprint ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import quantize_model
 from infer.runtime.files.checkpoint import build_model, read_checkpoint, save_checkpoint
 from infer.runtime.loader import inspect_model, load_model, load_tokenizer, load_weights
+from infer.runtime.session import Session
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200]
 SOURCE = {"path": "/src", "sha256": {}, "format": "safetensors"}
@@ -79,19 +80,18 @@ def min_budget(ckpt, dtype=torch.float32, ctx=64):
     return minimum_bytes(costs, overheads(ckpt, ckpt.args, dtype, ctx, 0)), costs
 
 
-def run(model, steps=3):
-    """Prefill logits of PROMPT, then greedy decode logits one token at a time."""
-    model.cached_tokens.clear()
-    out = []
-    with torch.inference_mode():
-        logits = model(torch.tensor([PROMPT]), 0, all_logits=True)
-        out.append(logits)
-        pos = len(PROMPT)
-        for _ in range(steps):
-            token = int(logits[0, -1].argmax())
-            logits = model(torch.tensor([[token]]), pos)
-            out.append(logits)
-            pos += 1
+def run(model, steps=3, fused=True):
+    """Prefill logits of PROMPT, then greedy decode logits one token at a time.
+    fused=False: decode block by block, as a streamed model does."""
+    session = Session(model)
+    if not fused:
+        session.fused = None
+    out = [session.forward(PROMPT, 0, all_logits=True)]
+    pos = len(PROMPT)
+    for _ in range(steps):
+        token = int(out[-1][-1].argmax())
+        out.append(session.forward([token], pos))
+        pos += 1
     return out
 
 
@@ -101,11 +101,8 @@ def drop_cache(path):
     os.close(fd)
 
 
-def resident(ckpt, dtype=torch.float32, fused=False):
-    model = build_model(ckpt, dtype, 64)
-    if not fused:
-        model.fused_decode = None  # decode block by block, as a streamed model does
-    return model
+def resident(ckpt, dtype=torch.float32):
+    return build_model(ckpt, dtype, 64)
 
 
 def stop_threads(stream):
@@ -201,14 +198,14 @@ def test_streamed_equals_resident_one_layer_window(ckpts, kind):
     budget, _ = min_budget(ckpt)
     model, stream, plan = load_streamed(ckpt, torch.float32, 64, budget, process_bytes=0)
     assert plan.pinned == () and plan.slots == 2 and plan.window == 1
-    assert model.fused_decode is None
+    assert Session(model).fused is None
     try:
-        expected = run(resident(ckpt))
+        expected = run(resident(ckpt), fused=False)
         for _ in range(2):  # twice: the window wraps round to the first layer again
             got = run(model)
             assert all(torch.equal(a, b) for a, b in zip(expected, got))
         # The fused C decode step (resident only) agrees to rounding.
-        fused = run(resident(ckpt, fused=True))
+        fused = run(resident(ckpt))
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fused, got))
         s = stream.snapshot()
         assert s.passes == 8 and s.bytes_read >= 8 * plan.streamed_bytes
@@ -227,7 +224,7 @@ def test_streamed_equals_resident_in_bfloat16(ckpts, kind):
     model, stream, plan = load_streamed(ckpt, torch.bfloat16, 64, budget, process_bytes=0)
     assert plan.convert_bytes > 0 and plan.streamed
     try:
-        expected = run(resident(ckpt, torch.bfloat16))
+        expected = run(resident(ckpt, torch.bfloat16), fused=False)
         assert all(torch.equal(a, b) for a, b in zip(expected, run(model)))
         assert model.layers[1].input_layernorm.weight.is_meta
     finally:
@@ -246,7 +243,7 @@ def test_moe_layers_stream_with_their_experts(tmp_path, recipe):
     model, stream, plan = load_streamed(ckpt, torch.float32, 64, budget, process_bytes=0)
     assert len(plan.streamed) >= 3
     try:
-        expected = run(resident(ckpt))
+        expected = run(resident(ckpt), fused=False)
         for _ in range(2):
             assert all(torch.equal(a, b) for a, b in zip(expected, run(model)))
     finally:
@@ -256,7 +253,7 @@ def test_moe_layers_stream_with_their_experts(tmp_path, recipe):
 def test_pinned_prefix_and_naive_mode_equal_resident(ckpts):
     ckpt = read_checkpoint(ckpts["int8"])
     base, costs = min_budget(ckpt)
-    expected = run(resident(ckpt))
+    expected = run(resident(ckpt), fused=False)
     budget = base + costs[0].resident_bytes  # one pinned layer (a third slot is larger)
     model, stream, plan = load_streamed(ckpt, torch.float32, 64, budget, process_bytes=0)
     assert plan.pinned == ("layers.0",) and len(plan.streamed) == 3
@@ -283,8 +280,8 @@ def test_budget_for_everything_is_a_resident_load(ckpts):
     ckpt = read_checkpoint(ckpts["int8"])
     model, stream, plan = load_streamed(ckpt, torch.float32, 64, 10**12, process_bytes=0)
     assert stream is None and plan.streamed == ()
-    assert model.fused_decode is not None  # rebuilt over the real tensors
-    expected = run(resident(ckpt, fused=True))
+    assert Session(model).fused is not None  # over the real tensors
+    expected = run(resident(ckpt))
     assert all(torch.equal(a, b) for a, b in zip(expected, run(model)))
 
 
@@ -295,7 +292,7 @@ def test_interrupted_pass_resyncs(ckpts):
     ckpt = read_checkpoint(ckpts["int8"])
     budget, _ = min_budget(ckpt)
     model, stream, _ = load_streamed(ckpt, torch.float32, 64, budget, process_bytes=0)
-    expected = run(resident(ckpt))
+    expected = run(resident(ckpt), fused=False)
     calls = []
 
     def interrupt(module, args):
@@ -306,7 +303,7 @@ def test_interrupted_pass_resyncs(ckpts):
     handle = model.layers[2].mlp.register_forward_pre_hook(interrupt)  # mid-layer
     try:
         with pytest.raises(KeyboardInterrupt), torch.inference_mode():
-            model(torch.tensor([PROMPT]), 0)
+            model(torch.tensor([PROMPT]), 0, model.new_cache())
         handle.remove()
         # The next pass starts the window again at the first layer.
         assert all(torch.equal(a, b) for a, b in zip(expected, run(model)))
@@ -326,11 +323,11 @@ def test_ctrl_c_while_waiting_for_a_read(ckpts, monkeypatch):
     timer.start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt), torch.inference_mode():
-        model(torch.tensor([PROMPT]), 0)
+        model(torch.tensor([PROMPT]), 0, model.new_cache())
     assert time.monotonic() - t0 < 2
     stop_threads(stream)  # reads in flight finish, the workers exit
     with pytest.raises(InferError, match="closed"), torch.inference_mode():
-        model(torch.tensor([PROMPT]), 0)
+        model(torch.tensor([PROMPT]), 0, model.new_cache())
 
 
 def test_corrupt_unit_is_an_error_not_a_hang(hf, tmp_path):

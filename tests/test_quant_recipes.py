@@ -126,9 +126,8 @@ def tiny_dirs(tmp_path_factory):
 
 
 def logits(model) -> torch.Tensor:
-    model.cached_tokens.clear()
     with torch.inference_mode():
-        return model(torch.tensor([PROMPT]), 0, all_logits=True)
+        return model(torch.tensor([PROMPT]), 0, model.new_cache(), all_logits=True)
 
 
 @pytest.mark.parametrize("arch", ["smollm2", "llama"])

@@ -537,7 +537,7 @@ def build_model(
         raise InferError(f"{ckpt.file}: missing tensors {missing[:3]}")
     if tie_float:
         model.lm_head.weight = model.embed_tokens.weight
-    model.setup_caches(min(max_seq_len or args.max_seq_len, args.max_seq_len), dtype)
+    model.setup_rope(min(max_seq_len or args.max_seq_len, args.max_seq_len), dtype)
     return model.eval().requires_grad_(False)
 
 

@@ -1,14 +1,13 @@
 """The fused decode step: the blocks of a model for one token in C calls.
 
 At small models a token's ~200 matmuls are cheap and the ~1,200 torch element-wise ops
-and Python calls around them are not (`infer bench --roofline` measured ~6 ms of such
-overhead a token on the default model, as long as its matmuls). csrc/decode.c runs a
-whole Block for one token with the element-wise work in plain loops and the quantized
-matmuls called directly. Its definition is runtime/llama.py's Block.forward (tests
-compare them on every architecture variant).
+and Python calls around them are not: on the default model they cost as long as the
+matmuls. csrc/decode.c runs a whole Block for one token with the element-wise work in
+plain loops and the quantized matmuls called directly. Its definition is llama.py's
+Block.forward (tests compare them on every architecture variant).
 
-    step = FusedDecode.prepare(model)   # None when the model is not one it runs
-    x = step(x, pos)                    # x (1, 1, dim) float32 -> after the last block
+    step = FusedDecode.prepare(model, cache)  # None when the model is not one it runs
+    x = step(x, pos)                          # x (1, 1, dim) float32 -> after the last block
 
 A dense model's blocks run in one C call. In a mixture-of-experts layer the C stops
 after attention; the block's router (MoE.route, in torch, so the experts chosen are the
@@ -24,14 +23,12 @@ one does, bit for bit.
 Forward pre-hooks on a block or an MoE block (a routing recorder's, an expert cache's
 predictions) run where their __call__ would run them: the C stops before such a block.
 They observe; an input a hook returns in place of the block's is not used.
-On a Qwen3-30B-A3B-shaped model the per-expert Python and torch attention took a third
-of a token's time (30.3 -> 20.3 ms a token fused; benchmarks/README.md).
 
 It runs models whose compute dtype is float32 and whose every block linear (each
 expert's included) is a quantized format with a C kernel (int8, int6, int4, lut1-4); routers
-stay float, in torch. The plan holds data pointers into the model's tensors and KV
-caches, so it is built again (Transformer.setup_caches does) whenever those change, and a
-model whose dense layers are swapped in and out (offload/stream.py) must not use it.
+stay float, in torch. The plan holds data pointers into the model's tensors and one
+sequence's KV cache, so a session builds it again whenever those change; a layer whose
+weights are not in place (streamed from disk: a placeholder) makes prepare return None.
 """
 
 from __future__ import annotations
@@ -93,11 +90,10 @@ def _mlp_words(mlp: nn.Module) -> list[int] | None:
 
 
 class FusedDecode:
-    def __init__(
-        self, plan: torch.Tensor, scratch: torch.Tensor, keep: list, moe: dict, layers: list
-    ):
+    def __init__(self, plan, scratch, keep: list, moe: dict, layers: list, cache: list):
         self.plan, self.scratch = plan, scratch
         self._layers, self._cos, self._sin = layers, keep[0], keep[1]
+        self._cache = cache  # the sequence's KVCache per layer, for the blocks' hooks
         self._keep = keep  # tensors and modules whose data pointers the plan holds
         self._plan_ptr, self._words = plan.data_ptr(), plan.numel()
         self._scratch_ptr, self._scratch_n = scratch.data_ptr(), scratch.numel()
@@ -114,9 +110,10 @@ class FusedDecode:
         self._experts_scratch = torch.empty(per * (2 * self._moe_hidden + self._dim) + self._dim)
 
     @classmethod
-    def prepare(cls, model: nn.Module) -> FusedDecode | None:
-        """The fused step for `model` (a runtime.llama.Transformer), or None if it has
-        parts the C does not run (float or unknown-format linears, other dtypes)."""
+    def prepare(cls, model: nn.Module, cache: list) -> FusedDecode | None:
+        """The fused step for `model` (a llama.Transformer) writing into `cache` (its
+        new_cache()), or None if it has parts the C does not run (float or
+        unknown-format linears, other dtypes, weights not in place)."""
         if not kernels.available() or not hasattr(model, "rope_cos"):
             return None
         args = model.args
@@ -131,19 +128,19 @@ class FusedDecode:
             if attn.q_norm is not None:
                 norms += [attn.q_norm, attn.k_norm]
             weights = [n.weight for n in norms]
-            cache = attn.cache
-            if cache is None or not all(_f32(w) for w in weights):
+            layer_cache = cache[i]
+            if not all(_f32(w) for w in weights):
                 return None
             # q/k norms per head, or over the whole projection (OLMoE: qk_norm_full)
             D = args.head_dim
             full = (args.n_heads * D, args.n_kv_heads * D) if args.qk_norm_full else (D, D)
             if len(weights) == 4 and (weights[2].numel(), weights[3].numel()) != full:
                 return None
-            if not (_f32(cache.k) and _f32(cache.v)):
+            if not (_f32(layer_cache.k) and _f32(layer_cache.v)):
                 return None
             row = [weights[0].data_ptr(), weights[1].data_ptr()]
             row += [weights[2].data_ptr(), weights[3].data_ptr()] if len(weights) == 4 else [0, 0]
-            row += [cache.k.data_ptr(), cache.v.data_ptr()]
+            row += [layer_cache.k.data_ptr(), layer_cache.v.data_ptr()]
             for name in _ATTENTION:
                 module = getattr(attn, name, None)
                 lin = _linear_words(module)
@@ -176,8 +173,8 @@ class FusedDecode:
                 hidden = max(hidden, mlp.gate_proj.out_features)
             assert len(row) == layer_words
             rows.append(row)
-            keep += weights + [cache.k, cache.v]
-        S = model.max_seq_len
+            keep += weights + [layer_cache.k, layer_cache.v]
+        S = cache[0].k.shape[2]
         dim, H, KV, D = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
         blocks = -(-S // attn_block)  # attention's per-block partials (decode.c)
         scratch = torch.empty(
@@ -189,7 +186,7 @@ class FusedDecode:
                   int(args.qk_norm_full)]  # fmt: skip
         assert len(header) == header_words
         plan = torch.tensor(header + [w for row in rows for w in row], dtype=torch.int64)
-        return cls(plan, scratch, keep, moe, list(model.layers))
+        return cls(plan, scratch, keep, moe, list(model.layers), cache)
 
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """x (1, 1, dim) float32 after the embedding -> the hidden state after every block.
@@ -202,7 +199,7 @@ class FusedDecode:
             if block._forward_pre_hooks:  # as Block.__call__ would run them
                 rope = self._cos[pos : pos + 1], self._sin[pos : pos + 1]
                 for hook in list(block._forward_pre_hooks.values()):
-                    hook(block, (x, pos, *rope))
+                    hook(block, (x, pos, *rope, self._cache[layer]))
             last = layer + 1  # run on to the next block with hooks
             while last < n and not layers[last]._forward_pre_hooks:
                 last += 1

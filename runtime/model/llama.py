@@ -5,19 +5,22 @@ loads without a table (the `model.` prefix is dropped in `sanitize`). Variants a
 ModelArgs fields: qkv bias (Qwen2), q/k RMSNorm (Qwen3), GQA, tied embeddings,
 rope scaling, sliding window.
 
-Batch size is 1: this runtime serves one conversation. Shapes below use
-T = tokens in this call, S = positions visible to attention.
+The model holds weights and rope tables only: a conversation's keys and values are a
+cache (a list of KVCache, one per layer) passed to each forward call, so several
+conversations can share one model (runtime/session.py). Batch size is 1 per call.
+Shapes below use T = tokens in this call, S = positions visible to attention.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels_cpu import ops
+from ...kernels_cpu import ops, threads
 from ...quant.formats.base import QuantLinear
 from .config import ModelArgs, rope_inv_freq
 from .moe import MoE
@@ -55,7 +58,30 @@ class KVCache(nn.Module):
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-# T * S * heads * head_dim from which attention runs on every thread (ops.torch_threads)
+class NoCache:
+    """Stands in for a layer's KVCache in a pass over a whole sequence from position 0
+    (calibration, training): attention sees this call's keys and values and nothing is
+    kept, so the pass can be differentiated."""
+
+    def update(self, pos: int, k: torch.Tensor, v: torch.Tensor):
+        return k, v
+
+
+@contextlib.contextmanager
+def full_sequences(model: Transformer, T: int) -> Iterator[None]:
+    """Rope tables that cover passes over whole windows of T tokens (grown for the
+    passes if need be; such passes keep no cache: llama.NoCache)."""
+    dtype, saved_len = model.rope_cos.dtype, model.max_seq_len
+    if T > saved_len:
+        model.setup_rope(T, dtype)
+    try:
+        yield
+    finally:
+        if T > saved_len:
+            model.setup_rope(saved_len, dtype)
+
+
+# T * S * heads * head_dim from which attention runs on every thread (threads.wide)
 LARGE_ATTENTION = 1 << 26
 # The names of the modules that are matrix multiplications (MoE routers aside)
 _LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
@@ -85,9 +111,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(k_dim * args.head_dim, args.norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.cache: KVCache | None = None
 
-    def forward(self, x, pos: int, cos, sin) -> torch.Tensor:
+    def forward(self, x, pos: int, cos, sin, cache: KVCache) -> torch.Tensor:
         T = x.shape[1]
         # (1, T, H * D) -> (1, H, T, D)
         q = self.q_proj(x).view(1, T, self.n_heads, self.head_dim)
@@ -99,7 +124,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        k, v = self.cache.update(pos, k, v.transpose(1, 2))  # (1, n_kv, S, D)
+        k, v = cache.update(pos, k, v.transpose(1, 2))  # (1, n_kv, S, D)
 
         # GQA without copying K/V: fold each kv head's group of query heads into
         # the query length, (1, n_kv, n_rep * T, D), and attend to (1, n_kv, S, D).
@@ -110,7 +135,7 @@ class Attention(nn.Module):
             mask = mask.repeat(n_rep, 1)  # (n_rep * T, S), rows in q's folded order
         # A long prompt's attention, torch's one large op, gets every thread back.
         large = T * k.shape[2] * self.n_heads * self.head_dim >= LARGE_ATTENTION
-        with ops.torch_threads() if large else contextlib.nullcontext():
+        with threads.wide() if large else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.view(1, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(1, T, -1)
         return self.o_proj(out)
@@ -148,8 +173,8 @@ class Block(nn.Module):
         # A sparse mixture of experts (moe.py), each expert an MLP, or one dense MLP.
         self.mlp = MoE(args, MLP) if args.is_moe_layer(layer) else MLP(args)
 
-    def forward(self, x, pos: int, cos, sin) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), pos, cos, sin)
+    def forward(self, x, pos: int, cos, sin, cache: KVCache) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), pos, cos, sin, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -164,15 +189,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.max_seq_len = 0
-        # Token ids whose keys and values the caches hold, in order (see generate.py).
-        self.cached_tokens: list[int] = []
-        # Every block for one token in one C call (kernels_cpu/decode.py), when the model
-        # is one it runs; built by setup_caches, over the current weights and caches.
-        self.fused_decode = None
-        # The context a forward pass runs in: ops.kernel_threads when the kernels' pool
-        # does the matmuls (torch's threads step aside), else a no-op. Set with the step.
-        self.threads = contextlib.nullcontext
+        self.max_seq_len = 0  # positions the rope tables cover (setup_rope)
 
     @staticmethod
     def sanitize(state_dict: dict, args: ModelArgs) -> dict:
@@ -207,47 +224,48 @@ class Transformer(nn.Module):
         # Buffers computed at setup, never loaded.
         return {k: v for k, v in sd.items() if "rotary_emb" not in k}
 
-    def setup_caches(self, max_seq_len: int, dtype: torch.dtype) -> None:
-        """Allocate the KV caches and rope tables for `max_seq_len` positions."""
-        args = self.args
+    def setup_rope(self, max_seq_len: int, dtype: torch.dtype) -> None:
+        """Rope tables for `max_seq_len` positions in the compute dtype; a cache covers at
+        most that many."""
         self.max_seq_len = max_seq_len
-        self.cached_tokens = []
-        for layer in self.layers:
-            layer.self_attn.cache = KVCache(args.n_kv_heads, max_seq_len, args.head_dim, dtype)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), rope_inv_freq(args))
+        angles = torch.outer(
+            torch.arange(max_seq_len, dtype=torch.float64), rope_inv_freq(self.args)
+        )
         angles = torch.cat((angles, angles), dim=-1)  # (max_seq_len, head_dim)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
-        self.prepare_fused_decode()
 
-    def prepare_fused_decode(self) -> None:
-        """(Re)build the fused decode step and choose `threads`; call after swapping
-        modules or weights."""
-        from .fused_decode import FusedDecode
+    def new_cache(self, max_seq_len: int | None = None) -> list[KVCache]:
+        """An empty KV cache for one sequence of up to `max_seq_len` positions (default and
+        at most the rope tables'), in the compute dtype."""
+        n = min(max_seq_len or self.max_seq_len, self.max_seq_len)
+        a = self.args
+        return [KVCache(a.n_kv_heads, n, a.head_dim, self.rope_cos.dtype) for _ in self.layers]
 
-        self.fused_decode = FusedDecode.prepare(self)
-        self.threads = ops.kernel_threads if self._matmuls_on_kernels() else contextlib.nullcontext
-
-    def _matmuls_on_kernels(self) -> bool:
+    def runs_on_kernels(self) -> bool:
         """Whether the C kernels run every matmul but the routers': every projection and
-        the output layer is a QuantLinear (a float one, or a stand-in quant/tune.py
-        trains, runs on torch's threads). MoE routers and shared-expert gates (`gate`,
-        `shared_expert_gate`) stay float in every recipe, and are small."""
+        the output layer is a quantized format (a float one, or a stand-in quant/tune.py
+        trains, runs on torch's threads). MoE routers and shared-expert gates stay float
+        in every recipe, and are small."""
         linears = [m for name, m in self.named_modules() if name.rpartition(".")[2] in _LINEARS]
         return ops.available() and all(isinstance(m, QuantLinear) for m in linears)
 
-    def forward(self, tokens: torch.Tensor, pos: int, all_logits: bool = False) -> torch.Tensor:
-        """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab)."""
+    def forward(
+        self, tokens: torch.Tensor, pos: int, cache: list[KVCache], all_logits: bool = False,
+        blocks=None,
+    ) -> torch.Tensor:  # fmt: skip
+        """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab); writes
+        their keys and values into `cache`. `blocks`, when given, runs every block on
+        (x, pos) in place of the loop below, which is its definition (the fused step)."""
         T = tokens.shape[1]
         cos, sin = self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]
-        with self.threads():
-            # .to(): a quantized embedding table dequantizes rows in float32.
-            x = self.embed_tokens(tokens).to(cos.dtype)
-            if T == 1 and self.fused_decode is not None:
-                x = self.fused_decode(x, pos)  # Block.forward is its definition
-            else:
-                for layer in self.layers:
-                    x = layer(x, pos, cos, sin)
-            if not all_logits:
-                x = x[:, -1:]  # generation needs only the last position's logits
-            return self.lm_head(self.norm(x))
+        # .to(): a quantized embedding table dequantizes rows in float32.
+        x = self.embed_tokens(tokens).to(cos.dtype)
+        if blocks is not None:
+            x = blocks(x, pos)
+        else:
+            for layer, layer_cache in zip(self.layers, cache):
+                x = layer(x, pos, cos, sin, layer_cache)
+        if not all_logits:
+            x = x[:, -1:]  # generation needs only the last position's logits
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,86 @@
+"""A session: one conversation's run state over a loaded model.
+
+The model is weights; a Session holds what one sequence adds: its KV cache, the tokens
+the cache holds (so the next prompt reuses the longest common prefix), the fused decode
+plan over both, and the thread policy its forward passes run under. Several sessions
+can share one model, each with its own cache.
+
+    session = Session(model)               # context up to the model's rope tables
+    logits = session.prefill(prompt_ids)   # (vocab,) after the last prompt token
+    logits = session.step(token)           # one token on: the fused step where it runs
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import InferError
+from ..kernels_cpu.threads import ThreadPolicy
+from .model.fused_decode import FusedDecode
+from .model.llama import Transformer
+
+
+class Session:
+    def __init__(
+        self, model: Transformer, max_seq_len: int | None = None, threads: int | None = None
+    ):
+        """`max_seq_len`: the cache's positions (default and at most the model's);
+        `threads`: the kernels' threads (default torch.get_num_threads() at each pass)."""
+        self.model = model
+        self.cache = model.new_cache(max_seq_len)
+        self.max_seq_len = self.cache[0].k.shape[2] if self.cache else model.max_seq_len
+        self.tokens: list[int] = []  # ids whose keys and values the cache holds, in order
+        self._threads = threads
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Plan the fused step and the thread policy again over the model's current
+        weights: after swapping its modules (quantizing, tuning) or its weights."""
+        self.fused = FusedDecode.prepare(self.model, self.cache)
+        self.threads = ThreadPolicy(self._threads, kernels=self.model.runs_on_kernels())
+
+    def reset(self) -> None:
+        """Forget the sequence: the next prefill computes every token."""
+        self.tokens.clear()
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], pos: int, all_logits: bool = False) -> torch.Tensor:
+        """Logits (T or 1, vocab) of `tokens` at positions [pos, pos + T); their keys and
+        values go into the cache, and `self.tokens` becomes what the cache holds."""
+        ids = torch.tensor([tokens])
+        blocks = self.fused if len(tokens) == 1 else None
+        with self.threads.forward():
+            logits = self.model(ids, pos, self.cache, all_logits, blocks=blocks)
+        del self.tokens[pos:]
+        self.tokens.extend(tokens)
+        return logits[0]
+
+    def prefill(self, prompt: list[int], chunk: int = 512) -> torch.Tensor:
+        """Bring the cache to hold `prompt`; return the logits (vocab,) after its last token.
+
+        The cache keeps the longest common prefix with what it already holds (a chat
+        turn re-sends the whole conversation; only the new part is computed)."""
+        if not prompt:
+            raise InferError("empty prompt")
+        if len(prompt) > self.max_seq_len:
+            raise InferError(
+                f"prompt is {len(prompt)} tokens, longer than the context of "
+                f"{self.max_seq_len} (raise --ctx)"
+            )
+        n = self.reused_prefix(prompt)
+        logits = None
+        for start in range(n, len(prompt), chunk):
+            logits = self.forward(prompt[start : start + chunk], start)
+        return logits[-1]
+
+    def reused_prefix(self, prompt: list[int]) -> int:
+        """How many of `prompt`'s first tokens the cache already holds (at least one token
+        is always computed again, for its logits)."""
+        n, limit = 0, min(len(self.tokens), len(prompt) - 1)
+        while n < limit and self.tokens[n] == prompt[n]:
+            n += 1
+        return n
+
+    def step(self, token: int) -> torch.Tensor:
+        """Logits (vocab,) after appending `token` to the sequence."""
+        return self.forward([token], len(self.tokens))[-1]

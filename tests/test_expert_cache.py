@@ -26,6 +26,7 @@ from infer.offload.expert_cache import (
     make_policy,
 )
 from infer.offload.trace import Trace, TraceRecorder, replay, visit
+from infer.runtime.session import Session
 
 
 def make_cache(policy, slots, expert_bytes=10, **kw):
@@ -414,10 +415,10 @@ def int8_checkpoint(arch: str, root):
 
 def run_tokens(model, tokens, prompt_len):
     """Logits of a prompt in one forward, then one token at a time."""
-    with torch.no_grad():
-        out = [model(torch.tensor([tokens[:prompt_len]]), 0, all_logits=True)[0]]
-        for pos in range(prompt_len, len(tokens)):
-            out.append(model(torch.tensor([[tokens[pos]]]), pos)[0])
+    session = Session(model)
+    out = [session.forward(tokens[:prompt_len], 0, all_logits=True)]
+    for pos in range(prompt_len, len(tokens)):
+        out.append(session.forward([tokens[pos]], pos))
     return torch.cat(out)
 
 

@@ -13,6 +13,7 @@ from infer.quant.formats.base import FORMATS, QuantLinear
 from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import quantize_model
 from infer.runtime.loader import inspect_model, load_model, load_weights
+from infer.runtime.session import Session
 
 
 @pytest.mark.parametrize(("fmt", "params"), SPECS)
@@ -45,7 +46,9 @@ def test_untrained_layer_is_the_quantized_layer(fmt, params):
 
 def log_probs(model, windows):
     with torch.no_grad():
-        return torch.cat([model(w[None], 0, all_logits=True)[0] for w in windows]).log_softmax(-1)
+        return torch.cat(
+            [model(w[None], 0, model.new_cache(), all_logits=True)[0] for w in windows]
+        ).log_softmax(-1)
 
 
 def kl_to(model, ref_logp, windows):
@@ -88,13 +91,16 @@ def test_tuning_lowers_the_kl_and_moves_only_scales(tiny_dirs, arch):  # noqa: F
         t = m.tensors()
         assert torch.equal(t["qweight"], frozen[n]["qweight"]), n
         assert torch.equal(t["scales"], frozen[n]["scales"]) == (n not in names), n
-    # The model runs as before: its caches, fused decode step and kernels are back.
-    assert model.max_seq_len == 64 and isinstance(model.layers[0].self_attn.cache.k, torch.Tensor)
-    with torch.no_grad():
-        full = model(windows[:1], 0, all_logits=True)
-        model(windows[:1, :63], 0)
-        step = model(windows[:1, 63:], 63)
-    torch.testing.assert_close(step[0, -1], full[0, -1], rtol=1e-4, atol=1e-4)
+    # The model runs as before: its rope tables, fused decode step and kernels are back.
+    assert model.max_seq_len == 64
+    session = Session(model)
+    assert session.fused is not None
+    window = windows[0].tolist()
+    full = session.forward(window, 0, all_logits=True)
+    session.reset()
+    session.forward(window[:63], 0)
+    step = session.forward(window[63:], 63)
+    torch.testing.assert_close(step[-1], full[-1], rtol=1e-4, atol=1e-4)
 
 
 def test_quantize_model_with_tuning(tiny_dirs):  # noqa: F811

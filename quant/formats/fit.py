@@ -57,7 +57,7 @@ def check_weight(fmt: str, weight: torch.Tensor, group_size: int) -> torch.Tenso
 # ---------------------------------------------------------------------------------------
 
 # Range shrink factors tried per group by the clipping search (1.0 = no clipping), and
-# rounds of refitting after it. Finer factors gain little error for their time.
+# rounds of refitting after it. More factors reduce the error little for their time.
 SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 REFINE = 2
 # Rows fitted at once: bounds the temporaries to a few tens of MB for any tensor.

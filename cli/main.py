@@ -499,7 +499,7 @@ def _fail(err: BaseException, exit_code: int, debug: bool) -> None:
 
 def main() -> None:
     # torch's OpenMP workers otherwise spin after every op and take the cores our
-    # kernels' thread pool needs: with 2 threads, int4 decode fell from 80 to 6 tok/s.
+    # kernels' thread pool needs, slowing decoding many times over.
     # Set before torch is imported (commands import it lazily); the user's value wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     debug = _debug_requested(sys.argv[1:])

@@ -87,7 +87,7 @@ ExpertPolicyOpt = Annotated[
         "--expert-policy",
         help="Eviction policy of the expert cache, for a mixture-of-experts model whose "
         "experts do not all fit (--max-memory): least recently used, least frequently "
-        "used, or lowest decayed router score. Default: lfu (the best measured).",
+        "used, or lowest decayed router score. Default: lfu (the best of the three).",
         show_default=False,
     ),
 ]
@@ -98,7 +98,7 @@ ExpertPredictionOpt = Annotated[
         help="Which experts a mixture-of-experts model under --max-memory reads before "
         "they are asked for: all (the next two layers' routers applied early, and each "
         "layer's router on entering it), entry (only the latter: the most precise), next "
-        "(only the next layer's), none. Default: all (the fastest measured from disk).",
+        "(only the next layer's), none. Default: all (the fastest from disk).",
         show_default=False,
     ),
 ]

@@ -33,7 +33,8 @@ To = Annotated[
     typer.Option(
         "--to",
         help="int8, int6 (Q6_K's layout), int4, lut2, lut3, lut4, or a recipe: mixed "
-        "(int8 attention, int4 MLP), q4_k_m (like llama.cpp's Q4_K_M), lut3_m, lut2_m (like Q3_K_M, Q2_K).",
+        "(int8 attention, int4 MLP), q4_k_m (like llama.cpp's Q4_K_M), lut3_m, lut2_m "
+        "(like Q3_K_M, Q2_K).",
         show_default=False,
     ),
 ]
@@ -77,8 +78,8 @@ TrainBlocks = Annotated[
         min=0,
         help="With --calibrate: after GPTQ, train each transformer block's weights and "
         "scales for this many passes over the text so it reproduces the original block "
-        "(Block-AP; helps most at 2-3 bits; 4 passes over 16384 tokens of the default "
-        "model take 10 minutes). 0: off.",
+        "(Block-AP; helps most at 2-3 bits; slow: minutes even for a small model). "
+        "0: off.",
     ),
 ]
 CalibTokens = Annotated[
@@ -128,8 +129,8 @@ def quantize(
     if calibrate is None and RECIPES[to][0]["format"] in LOW_BIT:
         # As llama-quantize asks for an importance matrix for its 2-bit types.
         print(
-            f"warning: {to} rounded without --calibrate loses much of the model (lut2_m on "
-            "the default model: KL 3.4; by GPTQ with --calibrate FILE: 0.84)",
+            f"warning: {to} rounded without --calibrate loses much of the model; "
+            "--calibrate FILE quantizes by GPTQ, far more accurately",
             file=sys.stderr,
         )
     with status(f"loading {resolved.name}"):

@@ -119,8 +119,8 @@ def _warn_missing() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Ops. Decode calls them ~200 times a token, so the checks are one expression each and
-# the messages are built only on failure.
+# Ops. Decode calls them once per linear layer per token, so the checks are one
+# expression each and the messages are built only on failure.
 # ---------------------------------------------------------------------------------------
 
 

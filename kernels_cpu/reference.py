@@ -98,7 +98,7 @@ def q6_matmul(x, qweight) -> torch.Tensor:
 # group integers exact, the final sum in float64 where the C sums in float32 with FMAs in
 # a fixed order: equal to float rounding); `lut_matmul_exact` is the x W^T the format
 # defines. The int8 tables err from it by at most half a table step per lookup
-# (`lut_table_error_bound`), typically ~1 % of |y| for random x.
+# (`lut_table_error_bound`).
 # ---------------------------------------------------------------------------------------
 
 # Groups whose amax (largest sum of 4 |x|) is below this get zero tables: keeps 127 / amax

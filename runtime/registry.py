@@ -52,7 +52,7 @@ HF_FILES = [
 MARKER = "source.json"
 # A TCP connect to the hub before asking it anything: huggingface_hub's own client
 # has no connect timeout (a dropped route hangs), and its per-file downloads retry
-# with backoff for ~23 s. DNS failure is immediate; a blackholed route costs this.
+# with backoff for many seconds. DNS failure is immediate; a blackholed route costs this.
 HUB_CONNECT_TIMEOUT = 2.0  # seconds
 CHUNK = 1 << 20  # bytes per copy step when extracting a wheel member
 

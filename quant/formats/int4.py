@@ -5,9 +5,10 @@ Format (what `dequantize` computes; `params` = {"group_size": g, "symmetric": bo
     symmetric=True  (Q4_0 when g = 32):  w[n, k] = (q[n, k] - 8) * d[n, k // g]
     symmetric=False (Q4_1 when g = 32):  w[n, k] =  q[n, k] * d[n, k // g] + m[n, k // g]
 
-with q in 0..15 and d, m float16 (d may be negative, as in ggml's Q4_0), evaluated in float32 as written: one product, then a
-separate sum (no FMA), the operation order ggml uses, so imported GGUF blocks dequantize
-bit for bit as gguf does. g is 32, 64 or 128; K must be a multiple of g.
+with q in 0..15 and d, m float16 (d may be negative, as in ggml's Q4_0), evaluated in
+float32 as written: one product, then a separate sum (no FMA), the operation order ggml
+uses, so imported GGUF blocks dequantize bit for bit as gguf does. g is 32, 64 or 128;
+K must be a multiple of g.
 
 Packed tensors (N = out_features, K = in_features):
 

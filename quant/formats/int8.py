@@ -32,10 +32,9 @@ from .base import KernelWeights, QuantLinear, register
 from .fit import check_params, check_weight, fit_groups
 
 # Activation dtypes for which torch's int8 weight-only matmul (per-channel scales only) is
-# correct and faster than dequantize + matmul at M = 1. Measured on one core, 1536x576
-# layer: bfloat16 25 us (dense bfloat16 matmul 63 us, dequantize + matmul ~270 us);
-# float32 600 us and float16 680 us (scalar fallbacks, slower than dequantize + matmul's
-# ~180 us): float32 takes our C kernels instead, float16 the reference path.
+# correct and faster than dequantize + matmul at M = 1. For float32 and float16 it is a
+# scalar fallback, slower than dequantize + matmul: float32 takes our C kernels instead,
+# float16 the reference path.
 _INT8PACK_DTYPES = (torch.bfloat16,)
 
 

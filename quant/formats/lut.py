@@ -30,10 +30,9 @@ every row and plane. Then for the elements of one group of row n
 so a row costs b table lookups per 4 elements and no multiplications by weights.
 
 Group size 64 by default. The f16 scale and min cost 32 / g bits per weight (1.0 at
-g = 32, 0.5 at 64, 0.25 at 128). On the default model's weights (layers 0, 15, 29;
-relative RMS error) lut2 at g = 32 (3.0 bpw) errs 0.31 against lut3 at g = 64 (3.5 bpw)
-0.17 and lut2 at g = 64 (2.5 bpw) 0.34: a bit buys more than smaller groups, so take
-the largest group that still divides common widths (128 does not divide SmolLM2's 576).
+g = 32, 0.5 at 64, 0.25 at 128). A bit more per weight buys more accuracy than
+smaller groups, so take the largest group that still divides common widths (128 does
+not divide SmolLM2's 576).
 """
 
 from __future__ import annotations

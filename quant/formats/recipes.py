@@ -48,8 +48,7 @@ def _outside_blocks(name: str) -> dict:
     """The output layer (and an embedding table tied to it) as llama.cpp's Q6_K output:
     int6, or int8 g32 where its rows are not a multiple of 256. An untied embedding table:
     int8 g32. One large matrix read every token, where int6's 6.56 bits a weight beat
-    int8's 8.5: a lut2 copy of the 1B shape 583 -> 520 MB read a token, 32.7-36.2 ->
-    37.5-39.3 tok/s (benchmarks/README.md)."""
+    int8's 8.5: fewer bytes read, faster decoding."""
     return INT6 if name == "lm_head" else INT8
 
 
@@ -96,7 +95,7 @@ def _q4_k_m(main: dict, n_layers: int | None) -> Recipe:
       Q4_K (4.5 bpw: 32-element sub-blocks, 6-bit scale and min)  -> int4 g32 asymmetric
          (the same sub-block structure with float16 scale and min: 5.0 bpw)
       Q6_K for attn_v and ffn_down where use_more_bits(layer)      -> int8 g32 (int6 there
-         read fewer bytes but decoded no faster: benchmarks/README.md)
+         reads fewer bytes but decodes no faster)
       Q6_K for output.weight (and a tied token_embd)               -> int6 (else int8 g32)
       token_embd (untied; Q4_K there)                              -> int8 g32, as in
          every recipe here
@@ -122,11 +121,9 @@ def _lut_m(main: dict, n_layers: int | None) -> Recipe:
         (Q3_K in Q2_K, Q4_K in Q3_K_M; llama_tensor_get_type in src/llama-quant.cpp),
         and k                                   -> one bit more (lut3 / lut4)
       every weight of the first and last layer  -> lut4
-    Why k and the edge layers, on the default model: quantized alone to lut2 (on the
-    calibration text), k costs more KL per weight than anything but v, and the first and
-    last layer 3-6x a typical middle one. With GPTQ the edge layers took the KL on WikiText
-    (10 windows) of lut2 with v/o/down promoted from 1.10 to 0.85 for 0.11 bpw, and k
-    then 0.85 to 0.84 (lut3: 0.19 to 0.16) for 0.03 bpw. Full figures in the README."""
+    Why k and the edge layers: quantized alone, k costs more KL per weight than anything
+    but v, and the first and last layer several times a typical middle one; promoting
+    them buys the most accuracy per added bit."""
     bits = FORMATS[main["format"]].bits
     more = {**main, "format": f"lut{bits + 1}"}
     edge = {**main, "format": "lut4"}

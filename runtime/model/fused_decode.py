@@ -1,10 +1,9 @@
 """The fused decode step: the blocks of a model for one token in C calls.
 
-At small models a token's ~200 matmuls are cheap and the ~1,200 torch element-wise ops
-and Python calls around them are not: on the default model they cost as long as the
-matmuls. csrc/decode.c runs a whole Block for one token with the element-wise work in
-plain loops and the quantized matmuls called directly. Its definition is llama.py's
-Block.forward (tests compare them on every architecture variant).
+In small models a token's matmuls are cheap and the many torch element-wise ops and
+Python calls around them are not. csrc/decode.c runs a whole Block for one token with
+the element-wise work in plain loops and the quantized matmuls called directly. Its
+definition is llama.py's Block.forward (tests compare them on every architecture variant).
 
     step = FusedDecode.prepare(model, cache)  # None when the model is not one it runs
     x = step(x, pos)                          # x (1, 1, dim) float32 -> after the last block
@@ -14,21 +13,19 @@ after attention; the block's router (MoE.route, in torch, so the experts chosen 
 model's own) picks the experts, and one more C call runs them (decode_experts: all the
 chosen experts' gate and up GEMVs as one pool job, then their down GEMVs as another)
 and adds their weighted outputs, in MoE.forward's order, before the next layer's call.
-Experts held by an expert cache (offload/experts.py; MoE.resident_experts False) are
-bound through MoE.bound, which gets them from the cache in the order MoE.forward would:
-each call runs the next expert (waiting for its read if need be) with those after it
-already in memory (MoE.ready), so experts compute while later ones are still being
-read. The sum is kept between the calls: the cached model computes what the resident
-one does, bit for bit.
+Experts held by an expert cache (MoE.resident_experts False) are bound through
+MoE.bound in that same order, so the cached model computes what the resident one does,
+bit for bit (see `_experts`).
 Forward pre-hooks on a block or an MoE block (a routing recorder's, an expert cache's
 predictions) run where their __call__ would run them: the C stops before such a block.
 They observe; an input a hook returns in place of the block's is not used.
 
 It runs models whose compute dtype is float32 and whose every block linear (each
-expert's included) is a quantized format with a C kernel (int8, int6, int4, lut1-4); routers
-stay float, in torch. The plan holds data pointers into the model's tensors and one
-sequence's KV cache, so a session builds it again whenever those change; a layer whose
-weights are not in place (streamed from disk: a placeholder) makes prepare return None.
+expert's included) is a quantized format with a C kernel (int8, int6, int4, lut1-4);
+routers stay float, in torch. The plan holds data pointers into the model's tensors and
+one sequence's KV cache, so a session builds it again whenever those change; a layer
+whose weights are not in place (streamed from disk: a placeholder) makes prepare return
+None.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        # from_pretrained skips the random init, which on the meta device costs ~1 s
+        # from_pretrained skips the random init, slow even on the meta device
         # (nn.init.normal_ imports torch._dynamo); the checkpoint assigns the weight.
         # Zeros, not empty: free on the meta device, defined when built on a real one.
         self.embed_tokens = nn.Embedding.from_pretrained(torch.zeros(args.vocab_size, args.dim))

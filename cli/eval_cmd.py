@@ -117,7 +117,7 @@ def eval_model(
 
 
 def _about(name: str, lm) -> dict:
-    return {"name": name, "quantization": lm.info.quantization}
+    return {"name": name, "quantization": lm.source.quantization}
 
 
 @contextmanager

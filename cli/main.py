@@ -302,11 +302,11 @@ def list_models(json_out: Json = False, debug: Debug = False) -> None:
 @app.command()
 def info(model: ModelArg = None, json_out: Json = False, debug: Debug = False) -> None:
     """Describe a model from its metadata, without loading its weights."""
-    from infer.runtime.loader import inspect_model
+    from infer.runtime.files.sources import open_source
     from infer.runtime.registry import resolve
 
     resolved = resolve(model, download=False)
-    mi = inspect_model(resolved.path)
+    mi = open_source(resolved.path)
     a = mi.args
     data = {
         "name": resolved.name,

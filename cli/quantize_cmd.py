@@ -1,7 +1,7 @@
 """`infer quantize SRC -o DST --to FORMAT`: any model `infer run` accepts -> our format.
 
 Registered by main.py. The work is three library calls: load the source as float
-(`load_weights`), swap its layers for quantized ones (`quant.quantize_model`, which
+(`runtime.files.build`), swap its layers for quantized ones (`quant.quantize_model`, which
 imports GGUF Q8_0/Q4_0/Q4_1 blocks losslessly where the format matches), and write
 the checkpoint atomically (`runtime.checkpoint.save_checkpoint`). With --calibrate the
 text is tokenized here and quantize_model quantizes by GPTQ on it (quant/gptq.py), or
@@ -120,11 +120,12 @@ def quantize(
 
     from infer.quant.formats.recipes import RECIPES, get_recipe
     from infer.quant.quantize import dequantize_model, quantize_model
+    from infer.runtime.files.build import build
     from infer.runtime.files.checkpoint import describe_source, save_checkpoint
-    from infer.runtime.loader import inspect_model, load_tokenizer, load_weights
+    from infer.runtime.files.sources import GGUFSource, open_source
 
     set_threads(threads)
-    info = inspect_model(resolved.path)
+    info = open_source(resolved.path)
     recipe = get_recipe(to, n_layers=info.args.n_layers, group_size=group_size, symmetric=symmetric)
     if calibrate is None and RECIPES[to][0]["format"] in LOW_BIT:
         # As llama-quantize asks for an importance matrix for its 2-bit types.
@@ -134,9 +135,9 @@ def quantize(
             file=sys.stderr,
         )
     with status(f"loading {resolved.name}"):
-        model = load_weights(info, torch.float32, max_seq_len=1, dequantize=True)
+        model = build(info, torch.float32, max_seq_len=1, dequantize=True)
         dequantize_model(model)  # a no-op unless SRC is itself quantized
-        tokenizer = load_tokenizer(info)
+        tokenizer = info.tokenizer()
 
     calibration = training = tuning = None
     if calibrate is not None:
@@ -170,8 +171,9 @@ def quantize(
                 tuning_step(done, total, loss)
 
             tuning.progress = step
+        gguf = info.gguf if isinstance(info, GGUFSource) else None  # blocks it may import
         reports = quantize_model(
-            model, recipe, gguf=info.gguf, progress=advance, calibration=calibration,
+            model, recipe, gguf=gguf, progress=advance, calibration=calibration,
             training=training, tuning=tuning,
         )  # fmt: skip
     seconds = time.perf_counter() - t0

@@ -69,7 +69,9 @@ from torch import nn
 from .. import InferError
 from ..kernels_cpu import ops as kernel_ops
 from ..quant.formats.int8 import Int8Linear
-from ..runtime.files.checkpoint import Checkpoint, build_model, unit_views
+from ..runtime.files.build import build
+from ..runtime.files.checkpoint import Checkpoint, unit_views
+from ..runtime.files.sources import CheckpointSource
 from ..runtime.model.llama import RMSNorm, Transformer
 from ..runtime.model.moe import MoE
 from .budget import Overheads, Plan, format_size, minimum_bytes, plan_memory
@@ -934,9 +936,8 @@ def _load(
     placeholders = {n: placeholder_tensor(ckpt, n, dtype) for n in names}
     # Resident units: faulted in exactly (no read-around into experts' pages) and checked.
     map_resident(ckpt, [u for u in ckpt.ranges if u not in set(flat + dense_units)])
-    model = build_model(
-        dataclasses.replace(ckpt, tensors={**ckpt.tensors, **placeholders}), dtype, max_seq_len
-    )
+    with_placeholders = dataclasses.replace(ckpt, tensors={**ckpt.tensors, **placeholders})
+    model = build(CheckpointSource(with_placeholders), dtype, max_seq_len)
     drop_cached(ckpt, flat + dense_units)
     reader = stream = None
     try:

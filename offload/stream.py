@@ -34,12 +34,9 @@ import torch
 from torch import nn
 
 from .. import InferError
-from ..runtime.files.checkpoint import (
-    GLOBALS,
-    Checkpoint,
-    build_model,
-    unit_views,
-)
+from ..runtime.files.build import build
+from ..runtime.files.checkpoint import GLOBALS, Checkpoint, unit_views
+from ..runtime.files.sources import CheckpointSource
 from ..runtime.model.config import ModelArgs
 from ..runtime.model.llama import Transformer
 from .budget import LayerCost, Overheads, Plan, minimum_bytes, plan_memory
@@ -165,7 +162,7 @@ class TensorSlot:
 
 
 def _held_dtype(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype build_model gives stored tensor `name`: a quantized module's packed
+    """The dtype build gives stored tensor `name`: a quantized module's packed
     buffers as stored, float weights and biases in the compute dtype."""
     t = ckpt.tensors[name]
     owner, _, suffix = name.rpartition(".")
@@ -175,14 +172,14 @@ def _held_dtype(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch.dtype:
 
 def placeholder_tensor(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch.Tensor:
     """One element expanded to the tensor's shape, in the dtype the model will hold:
-    build_model assigns it as it is, without reading the file."""
+    build assigns it as it is, without reading the file."""
     shape = ckpt.tensors[name].shape
     return torch.zeros((), dtype=_held_dtype(ckpt, name, dtype)).expand(shape)
 
 
 def tensor_slots(model: Transformer, ckpt: Checkpoint, units, placeholders) -> list[TensorSlot]:
     """The module attribute holding each of `units`' tensors, checked to be the very
-    placeholder build_model was given (a format that transformed it cannot stream)."""
+    placeholder build was given (a format that transformed it cannot stream)."""
     targets = []
     for unit in units:
         for name in ckpt.units[unit]:
@@ -437,9 +434,8 @@ def load_streamed(
 
     layer_names = [n for g in groups for u in g for n in ckpt.units[u]]
     placeholders = {n: placeholder_tensor(ckpt, n, dtype) for n in layer_names}
-    model = build_model(
-        dataclasses.replace(ckpt, tensors={**ckpt.tensors, **placeholders}), dtype, max_seq_len
-    )
+    with_placeholders = dataclasses.replace(ckpt, tensors={**ckpt.tensors, **placeholders})
+    model = build(CheckpointSource(with_placeholders), dtype, max_seq_len)
     targets = {i: tensor_slots(model, ckpt, g, placeholders) for i, g in enumerate(groups)}
     pinned = [int(u.split(".")[1]) for u in plan.pinned]
     # Resident units are read and checked now, as load_model checks a resident model;

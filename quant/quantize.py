@@ -2,8 +2,8 @@
 
 Every nn.Linear, and each nn.Embedding, whose recipe spec is not None is replaced: a
 Linear by the format's QuantLinear, an Embedding by a QuantEmbedding over one. A tied
-pair (the output layer's weight is the embedding's, as after `load_weights` with tied
-embeddings) is quantized once, under the Linear's name ("lm_head"): the QuantLinear is
+pair (the output layer's weight is the embedding's, as `runtime.files.build` ties
+them) is quantized once, under the Linear's name ("lm_head"): the QuantLinear is
 the output layer and the QuantEmbedding looks rows up in the same buffers.
 
 With the model's GGUF file at hand, a tensor stored as Q8_0 / Q4_0 / Q4_1 whose recipe

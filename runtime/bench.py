@@ -459,7 +459,7 @@ def run_bench(
         lm.stream.reset_stats()  # streaming figures of the timed runs only
     snapshot = lm.experts.snapshot if lm.experts is not None else None
     runs = [_timed_run(session, prompt, n_gen, snapshot) for _ in range(repeats)]
-    offload = None if lm.plan is None else report(lm.plan, lm.stream, lm.info.checkpoint.file)
+    offload = None if lm.plan is None else report(lm.plan, lm.stream, lm.source.checkpoint.file)
     experts = None
     if lm.experts is not None:
         decode = sum((r[2] for r in runs[1:]), runs[0][2])
@@ -477,7 +477,7 @@ def run_bench(
     if roofline:
         breakdown = decode_breakdown(session, prompt, n_gen)
         ceiling = measure_roofline(decode_tok_s, bytes_per_token, threads, bandwidth_bytes)
-    info = lm.info
+    info = lm.source
     return BenchResult(
         model=name or Path(path).name,
         path=str(info.path),

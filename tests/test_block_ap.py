@@ -14,7 +14,9 @@ from infer.quant import block_ap
 from infer.quant.formats.base import FORMATS, QuantLinear
 from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import quantize_model
-from infer.runtime.loader import inspect_model, load_model, load_weights
+from infer.runtime.files.build import build
+from infer.runtime.files.sources import open_source
+from infer.runtime.loader import load_model
 from infer.runtime.session import Session
 
 
@@ -54,17 +56,17 @@ def test_gradients_reach_weights_and_scales():
 def test_block_training_beats_rounding(tiny_dirs, arch):  # noqa: F811
     """On the calibration windows, Block-AP's model is nearer the float model than
     plain rounding's; every block layer is trained, the model still decodes."""
-    info = inspect_model(tiny_dirs[arch])
+    info = open_source(tiny_dirs[arch])
     gen = torch.Generator().manual_seed(0)
     windows = torch.randint(0, 300, (4, 64), generator=gen)
     recipe = get_recipe("lut2", group_size=32)
 
-    model = load_weights(info, torch.float32, max_seq_len=64)
+    model = build(info, torch.float32, max_seq_len=64)
     ref = log_probs(model, windows)
     quantize_model(model, recipe)
     rounded = kl_to(model, ref, windows)
 
-    model = load_weights(info, torch.float32, max_seq_len=64)
+    model = build(info, torch.float32, max_seq_len=64)
     steps = []
     training = block_ap.BlockTraining(4, progress=lambda *a: steps.append(a))
     reports = quantize_model(model, recipe, calibration=windows, training=training)
@@ -99,10 +101,10 @@ def test_block_training_of_an_moe(tmp_path):
     """Experts train inside their block; an untied output layer, outside the blocks,
     takes GPTQ."""
     make_hf_model("qwen3_moe", tmp_path)
-    info = inspect_model(tmp_path)
+    info = open_source(tmp_path)
     gen = torch.Generator().manual_seed(1)
     windows = torch.randint(0, 300, (2, 32), generator=gen)
-    model = load_weights(info, torch.float32, max_seq_len=32)
+    model = build(info, torch.float32, max_seq_len=32)
     ref = log_probs(model, windows)
     untrained = {n: m.weight.clone() for n, m in model.named_modules() if n.endswith("proj")}
     reports = quantize_model(
@@ -127,7 +129,7 @@ def test_nothing_to_train_when_every_layer_is_imported(smollm2_gguf):
     reports = quantize_model(
         lm.model,
         get_recipe("int4"),
-        gguf=lm.info.gguf,
+        gguf=lm.source.gguf,
         calibration=torch.zeros(1, 8, dtype=torch.long),
         training=training,
     )

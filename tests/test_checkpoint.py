@@ -13,15 +13,16 @@ from tiny import make_hf_model
 from infer import InferError
 from infer.quant.formats.base import FORMATS, QuantEmbedding, QuantLinear
 from infer.runtime.files import checkpoint
+from infer.runtime.files.build import build
 from infer.runtime.files.checkpoint import (
     ALIGN,
-    build_model,
     is_checkpoint,
     read_checkpoint,
     save_checkpoint,
     verify,
 )
-from infer.runtime.loader import inspect_model, load_model, load_tokenizer, load_weights
+from infer.runtime.files.sources import CheckpointSource, open_source
+from infer.runtime.loader import load_model
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
 SOURCE = {"path": "/src/model", "sha256": {"model.safetensors": "0" * 64}, "format": "safetensors"}
@@ -88,8 +89,8 @@ def qwen2(tmp_path_factory):
     embedding; layer 1 float. Returns (model, its checkpoint, the HF source dir)."""
     src = tmp_path_factory.mktemp("qwen2-src")
     make_hf_model("qwen2", src)
-    info = inspect_model(src)
-    model = load_weights(info, torch.float32, 64)
+    info = open_source(src)
+    model = build(info, torch.float32, 64)
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         swap(model, f"layers.0.self_attn.{name}", RowInt8, bits=8)
     for name in ("gate_proj", "up_proj", "down_proj"):
@@ -97,14 +98,14 @@ def qwen2(tmp_path_factory):
     model.lm_head = RowInt8.from_float(model.embed_tokens.weight, bits=8)
     model.embed_tokens = QuantEmbedding(model.lm_head)
     dest = tmp_path_factory.mktemp("out") / "qwen2-q8"
-    save_checkpoint(model, info.config, load_tokenizer(info), dest, source=SOURCE)
+    save_checkpoint(model, info.config, info.tokenizer(), dest, source=SOURCE)
     return model, dest, src
 
 
 def test_round_trip_tied_quantized(qwen2):
     model, dest, _ = qwen2
     ckpt = read_checkpoint(dest)
-    loaded = build_model(ckpt, torch.float32, 64)
+    loaded = build(CheckpointSource(ckpt), torch.float32, 64)
     assert isinstance(loaded.lm_head, RowInt8) and loaded.embed_tokens.table is loaded.lm_head
     assert isinstance(loaded.layers[0].mlp.up_proj, RowInt8B)
     assert torch.equal(
@@ -118,7 +119,7 @@ def test_round_trip_tied_quantized(qwen2):
     weights += list(loaded.parameters())
     assert weights and all(ckpt.is_mapped(t) for t in weights)
     # bfloat16: float tensors converted, quantized buffers still mapped.
-    bf16 = build_model(ckpt, torch.bfloat16, 64)
+    bf16 = build(CheckpointSource(ckpt), torch.bfloat16, 64)
     assert bf16.layers[1].mlp.up_proj.weight.dtype == torch.bfloat16
     assert ckpt.is_mapped(bf16.layers[0].mlp.up_proj.qweight)
 
@@ -126,29 +127,29 @@ def test_round_trip_tied_quantized(qwen2):
 def test_round_trip_untied_with_rope_factors(tmp_path):
     src = tmp_path / "src"
     make_hf_model("llama", src)
-    info = inspect_model(src)
-    model = load_weights(info, torch.float32, 64)
+    info = open_source(src)
+    model = build(info, torch.float32, 64)
     swap(model, "layers.1.mlp.down_proj", RowInt8, bits=8)
     model.embed_tokens = QuantEmbedding(RowInt8.from_float(model.embed_tokens.weight, bits=8))
     model.args.rope_freq_factors = [1.0 + i / 8 for i in range(model.args.head_dim // 2)]
     model.setup_rope(64, torch.float32)  # as a Llama 3.1 GGUF load would set them
-    save_checkpoint(model, info.config, load_tokenizer(info), tmp_path / "ck", source=SOURCE)
+    save_checkpoint(model, info.config, info.tokenizer(), tmp_path / "ck", source=SOURCE)
     ckpt = read_checkpoint(tmp_path / "ck")
     assert set(ckpt.quant) == {"embed_tokens.table", "layers.1.mlp.down_proj"}
-    loaded = build_model(ckpt, torch.float32, 64)
+    loaded = build(CheckpointSource(ckpt), torch.float32, 64)
     assert loaded.args.rope_freq_factors == model.args.rope_freq_factors
     assert loaded.lm_head.weight is not loaded.embed_tokens.table
     assert torch.equal(logits(loaded), logits(model))
 
 
 def test_round_trip_tied_float(qwen2, tmp_path):
-    info = inspect_model(qwen2[2])
-    model = load_weights(info, torch.float32, 64)
-    save_checkpoint(model, info.config, load_tokenizer(info), tmp_path / "ck", source=SOURCE)
+    info = open_source(qwen2[2])
+    model = build(info, torch.float32, 64)
+    save_checkpoint(model, info.config, info.tokenizer(), tmp_path / "ck", source=SOURCE)
     ckpt = read_checkpoint(tmp_path / "ck")
     assert ckpt.quant == {} and ckpt.quantization == "F32"
     assert "embed_tokens.weight" in ckpt.tensors and "lm_head.weight" not in ckpt.tensors
-    loaded = build_model(ckpt, torch.float32, 64)
+    loaded = build(CheckpointSource(ckpt), torch.float32, 64)
     assert loaded.lm_head.weight is loaded.embed_tokens.weight
     assert torch.equal(logits(loaded), logits(model))
 
@@ -210,8 +211,8 @@ def test_units_of_names():
 def test_load_model_end_to_end(qwen2):
     model, dest, _ = qwen2
     lm = load_model(dest, torch.float32, max_seq_len=64)
-    assert lm.info.format == "infer"
-    assert lm.info.quantization == "mixed: _test_rowint8, _test_rowint8b"
+    assert lm.source.format == "infer"
+    assert lm.source.quantization == "mixed: _test_rowint8, _test_rowint8b"
     assert torch.equal(logits(lm.model), logits(model))
     assert lm.tokenizer.decode(lm.tokenizer.encode("hi there", add_special=False)) == "hi there"
 

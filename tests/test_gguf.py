@@ -424,11 +424,12 @@ def test_quantized_blocks_run_on_the_kernels(tmp_path, arch, embed, output):
 
     from infer.quant.formats.int4 import Int4Linear
     from infer.quant.formats.int8 import Int8Linear
-    from infer.runtime.loader import inspect_model, load_weights
+    from infer.runtime.files.build import build
+    from infer.runtime.files.sources import open_source
 
     path, _ = tiny_model(tmp_path / "m.gguf", arch, arch == "llama", embed=embed, output=output)
-    lm = load_weights(inspect_model(path), torch.float32, 64)
-    ref = load_weights(inspect_model(path), torch.float32, 64, dequantize=True)
+    lm = build(open_source(path), torch.float32, 64)
+    ref = build(open_source(path), torch.float32, 64, dequantize=True)
     kinds = [type(layer.self_attn.q_proj) for layer in lm.layers]
     assert kinds == [nn.Linear, Int8Linear, Int4Linear]
     assert all(type(m) is nn.Linear for m in ref.modules() if "Linear" in type(m).__name__)
@@ -460,7 +461,7 @@ def test_quantized_blocks_run_on_the_kernels(tmp_path, arch, embed, output):
     torch.testing.assert_close(steps, expected, atol=1e-4 * scale, rtol=0)
 
     # In bfloat16 the kernels do not apply (they take float32): everything converts.
-    bf16 = load_weights(inspect_model(path), torch.bfloat16, 64)
+    bf16 = build(open_source(path), torch.bfloat16, 64)
     assert not any("Quant" in type(m).__name__ for m in bf16.modules())
 
 

@@ -14,7 +14,9 @@ from infer.quant import gptq
 from infer.quant.formats.base import FORMATS
 from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import _quantize, quantize_model
-from infer.runtime.loader import inspect_model, load_model, load_weights
+from infer.runtime.files.build import build
+from infer.runtime.files.sources import open_source
+from infer.runtime.loader import load_model
 
 BLOCK = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
@@ -125,7 +127,7 @@ def test_calibration_windows():
 def test_layer_hessians_and_gptq_beat_rounding_on_a_model(tiny_dirs):
     """H is 2 X^T X / T of each layer's inputs (q/k/v share one), and GPTQ's output
     error on those inputs is below round-to-nearest's for every layer."""
-    model = load_weights(inspect_model(tiny_dirs["llama"]), torch.float32, max_seq_len=64)
+    model = build(open_source(tiny_dirs["llama"]), torch.float32, max_seq_len=64)
     windows = torch.randint(0, 300, (4, 96), generator=torch.Generator().manual_seed(0))
     names = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     inputs = {}
@@ -178,15 +180,15 @@ def logits(model, tokens) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch", ["llama", "smollm2"])
 def test_quantize_model_with_calibration(tiny_dirs, arch):
-    info = inspect_model(tiny_dirs[arch])
+    info = open_source(tiny_dirs[arch])
     gen = torch.Generator().manual_seed(0)
     calibration = torch.randint(0, 300, (8, 128), generator=gen)
     held_out = torch.randint(0, 300, (1, 64), generator=gen)
-    model = load_weights(info, torch.float32, max_seq_len=64)
+    model = build(info, torch.float32, max_seq_len=64)
     ref = logits(model, held_out)
     kl = {}
     for cal in (None, calibration):
-        model = load_weights(info, torch.float32, max_seq_len=64)
+        model = build(info, torch.float32, max_seq_len=64)
         calls = []
         reports = quantize_model(
             model,
@@ -226,7 +228,7 @@ def test_calibration_still_imports_gguf_blocks(smollm2_gguf):
     reports = quantize_model(
         lm.model,
         get_recipe("int4"),
-        gguf=lm.info.gguf,
+        gguf=lm.source.gguf,
         calibration=torch.zeros(1, 8, dtype=torch.long),
     )
     assert all(r.imported and r.rel_rms_error == 0 for r in reports)

@@ -83,10 +83,11 @@ def test_a_gguf_models_copied_weights_lie_in_one_map(tmp_path):
     from test_gguf import tiny_model
 
     from infer.quant.formats.base import QuantLinear
-    from infer.runtime.loader import inspect_model, load_weights
+    from infer.runtime.files.build import build
+    from infer.runtime.files.sources import open_source
 
     path, _ = tiny_model(tmp_path / "m.gguf", "llama", True, embed=T.Q8_0, output=None)
-    lm = load_weights(inspect_model(path), torch.float32, 64)
+    lm = build(open_source(path), torch.float32, 64)
     buffers = [b for m in lm.modules() if isinstance(m, QuantLinear) for b in m.buffers()]
     assert buffers and not any(b.untyped_storage().resizable() for b in buffers)
     assert len({b.untyped_storage().data_ptr() for b in buffers}) == 1

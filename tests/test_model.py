@@ -4,7 +4,8 @@ import pytest
 import torch
 from tiny import ARCHS, make_hf_model
 
-from infer.runtime.loader import inspect_model, load_weights
+from infer.runtime.files.build import build
+from infer.runtime.files.sources import open_source
 from infer.runtime.session import Session
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
@@ -14,7 +15,7 @@ PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     ref = make_hf_model(request.param, path)
-    ours = load_weights(inspect_model(path), torch.float32, max_seq_len=64)
+    ours = build(open_source(path), torch.float32, max_seq_len=64)
     return ref, ours
 
 
@@ -53,9 +54,9 @@ def test_chunked_prefill_and_prefix_reuse(pair):
 
 def test_bfloat16_close_to_float32(tmp_path):
     make_hf_model("qwen3", tmp_path)
-    info = inspect_model(tmp_path)
-    f32 = load_weights(info, torch.float32, 64)
-    bf16 = load_weights(info, torch.bfloat16, 64)
+    info = open_source(tmp_path)
+    f32 = build(info, torch.float32, 64)
+    bf16 = build(info, torch.bfloat16, 64)
     with torch.inference_mode():
         a = f32(torch.tensor([PROMPT]), 0, f32.new_cache(), all_logits=True)
         b = bf16(torch.tensor([PROMPT]), 0, bf16.new_cache(), all_logits=True).float()

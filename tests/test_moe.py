@@ -17,10 +17,12 @@ from infer import InferError
 from infer.quant.formats.base import QuantLinear
 from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import quantize_model
+from infer.runtime.files.build import build
 from infer.runtime.files.checkpoint import read_checkpoint
 from infer.runtime.files.gguf import GGUFFile
 from infer.runtime.files.gguf_tensor import dequantize
-from infer.runtime.loader import inspect_model, load_model, load_weights
+from infer.runtime.files.sources import open_source
+from infer.runtime.loader import load_model
 from infer.runtime.model.config import ModelArgs
 from infer.runtime.model.llama import Transformer
 from infer.runtime.model.moe import MoE
@@ -37,7 +39,7 @@ def moe_blocks(model: Transformer) -> dict[int, MoE]:
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     ref = make_hf_model(request.param, path)
-    ours = load_weights(inspect_model(path), torch.float32, max_seq_len=64)
+    ours = build(open_source(path), torch.float32, max_seq_len=64)
     return ref, ours
 
 
@@ -136,7 +138,7 @@ def test_active_params_count_top_k_experts(pair):
 
 def test_info_lists_experts(tmp_path):
     make_hf_model("qwen2_moe", tmp_path)  # with a shared expert
-    a = inspect_model(tmp_path).args
+    a = open_source(tmp_path).args
     cmd = [sys.executable, "-m", "infer.cli.main", "info", str(tmp_path)]
     r = subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
@@ -157,7 +159,7 @@ def test_info_lists_experts(tmp_path):
 @torch.inference_mode()
 def test_experts_are_looked_up_once_each_through_expert(tmp_path):
     make_hf_model("qwen2_moe", tmp_path)
-    model = load_weights(inspect_model(tmp_path), torch.float32, 64)
+    model = build(open_source(tmp_path), torch.float32, 64)
     block = model.layers[0].mlp
     torch.manual_seed(3)
     for T_ in (1, 6):
@@ -388,14 +390,14 @@ def hf_models(tmp_path_factory):
 def test_gguf_float_matches_transformers(hf_models, tmp_path, arch, stacked, extra_kv):
     ref = hf_models[arch]
     path = write_moe_gguf(ref, tmp_path / "m.gguf", stacked=stacked, extra_kv=extra_kv)
-    info = inspect_model(path)
+    info = open_source(path)
     cfg, args = info.config, info.args
     assert cfg["model_type"] == ref.config.model_type
     assert (args.n_experts, args.n_experts_per_tok) == (8, ref.config.num_experts_per_tok)
     assert args.norm_topk_prob == bool(getattr(ref.config, "norm_topk_prob", True))
     sparse = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in ref.model.layers]
     assert [args.is_moe_layer(i) for i in range(args.n_layers)] == sparse
-    model = load_weights(info, torch.float32, 64)
+    model = build(info, torch.float32, 64)
     expected = ref(torch.tensor([PROMPT])).logits
     got = model(torch.tensor([PROMPT]), 0, model.new_cache(), all_logits=True)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -437,7 +439,7 @@ def test_gguf_quantized_experts_import_bit_exact(hf_models, tmp_path, qtype, rec
             assert bytes(f._map[t.offset : t.offset + t.nbytes]) == t.data.tobytes()
             assert np.array_equal(dequantize(t).numpy(), whole[e])
 
-    model = load_weights(inspect_model(path), torch.float32, 64, dequantize=True)
+    model = build(open_source(path), torch.float32, 64, dequantize=True)
     name, overrides = recipe
     reports = {r.name: r for r in quantize_model(model, get_recipe(name, **overrides), gguf=f)}
     for e in range(8):
@@ -451,14 +453,14 @@ def test_gguf_quantized_experts_import_bit_exact(hf_models, tmp_path, qtype, rec
 
     # Loaded to run, the file's experts are those same modules, and the model computes
     # what the dequantized one does.
-    native = load_weights(inspect_model(path), torch.float32, 64)
+    native = build(open_source(path), torch.float32, 64)
     for e in range(8):
         module = f"layers.1.mlp.experts.{e}.up_proj"
         q = native.get_submodule(module)
         assert type(q) is type(model.get_submodule(module))
         assert torch.equal(q.dequantize(), model.get_submodule(module).dequantize())
     assert isinstance(native.layers[1].mlp.gate, torch.nn.Linear)
-    ref = load_weights(inspect_model(path), torch.float32, 64, dequantize=True)
+    ref = build(open_source(path), torch.float32, 64, dequantize=True)
     ids = torch.tensor([[3, 9, 14, 2, 27, 5]])
     expected = ref(ids, 0, ref.new_cache(), all_logits=True)
     got = native(ids, 0, native.new_cache(), all_logits=True)
@@ -477,7 +479,7 @@ def test_gguf_k_quant_experts_run_on_the_kernels(tmp_path, qtype):
     ref = make_hf_model("olmoe", tmp_path / "hf", hidden_size=256, intermediate_size=256)
     path = write_moe_gguf(ref, tmp_path / "k.gguf", qtype=qtype)
     f = GGUFFile(path)
-    native = load_weights(inspect_model(path), torch.float32, 64)
+    native = build(open_source(path), torch.float32, 64)
     kind = Int4Linear if qtype == T.Q4_K else Int6Linear
     for i in range(2):
         for e in range(8):
@@ -492,7 +494,7 @@ def test_gguf_k_quant_experts_run_on_the_kernels(tmp_path, qtype):
                 else:  # the blocks as they are
                     assert err.max() == 0, module
         assert isinstance(native.layers[i].mlp.gate, torch.nn.Linear)  # the router stays float
-    ref_model = load_weights(inspect_model(path), torch.float32, 64, dequantize=True)
+    ref_model = build(open_source(path), torch.float32, 64, dequantize=True)
     ids = torch.tensor([PROMPT])
     expected = ref_model(ids, 0, ref_model.new_cache(), all_logits=True)
     scale = expected.abs().max().item()
@@ -556,7 +558,7 @@ def test_quantize_writes_one_unit_per_expert(qwen2_moe_dir, tmp_path, to, tolera
     loaded = load_model(out, max_seq_len=64)
     # Each expert's weights are its own, as close to the float ones as the format allows
     # (a misplaced expert would be off by ~140%).
-    float_model = load_weights(inspect_model(path), torch.float32, 64)
+    float_model = build(open_source(path), torch.float32, 64)
     for name, q in loaded.model.named_modules():
         if ".experts." in name and isinstance(q, QuantLinear):
             w = float_model.get_submodule(name).weight
@@ -576,7 +578,7 @@ def test_quantize_writes_one_unit_per_expert(qwen2_moe_dir, tmp_path, to, tolera
 @torch.no_grad()
 def test_gptq_rounds_experts_the_calibration_never_reaches(tmp_path):
     make_hf_model("mixtral", tmp_path)
-    model = load_weights(inspect_model(tmp_path), torch.float32, 64)
+    model = build(open_source(tmp_path), torch.float32, 64)
     block = model.layers[0].mlp
     # A router that never picks expert 7: the same logits, minus 1e4 for expert 7.
     never_7 = torch.nn.Linear(model.args.dim, 8)

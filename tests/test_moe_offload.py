@@ -320,14 +320,15 @@ def test_float_experts_beside_quantized_attention(moe, tmp_path):
     """Offloaded experts the C cannot run (float) keep the whole model block by block,
     even where its attention could run fused."""
     from infer.quant.quantize import quantize_model
+    from infer.runtime.files.build import build
     from infer.runtime.files.checkpoint import save_checkpoint
-    from infer.runtime.loader import inspect_model, load_tokenizer, load_weights
+    from infer.runtime.files.sources import open_source
 
-    info = inspect_model(moe.parent / "hf")
-    model = load_weights(info, torch.float32, 64)
+    info = open_source(moe.parent / "hf")
+    model = build(info, torch.float32, 64)
     quantize_model(model, lambda name: {"format": "int8"} if ".self_attn." in name else None)
     source = {"path": "/src", "sha256": {}, "format": "safetensors"}
-    dest = save_checkpoint(model, info.config, load_tokenizer(info), tmp_path / "m", source=source)
+    dest = save_checkpoint(model, info.config, info.tokenizer(), tmp_path / "m", source=source)
     expected = resident_logits(dest)
     model, off = load_expert_cached(read_checkpoint(dest), torch.float32, 64, 5)
     try:
@@ -341,13 +342,14 @@ def test_float_experts_beside_quantized_attention(moe, tmp_path):
 def test_float_experts_equal_resident(moe, tmp_path, stored):
     """Float experts are parameters (quantized ones buffers); bfloat16 ones are converted
     to the compute dtype as they are read."""
+    from infer.runtime.files.build import build
     from infer.runtime.files.checkpoint import save_checkpoint
-    from infer.runtime.loader import inspect_model, load_tokenizer, load_weights
+    from infer.runtime.files.sources import open_source
 
-    info = inspect_model(moe.parent / "hf")
-    model = load_weights(info, torch.float32, 64).to(stored)
+    info = open_source(moe.parent / "hf")
+    model = build(info, torch.float32, 64).to(stored)
     source = {"path": "/src", "sha256": {}, "format": "safetensors"}
-    dest = save_checkpoint(model, info.config, load_tokenizer(info), tmp_path / "f", source=source)
+    dest = save_checkpoint(model, info.config, info.tokenizer(), tmp_path / "f", source=source)
     expected = resident_logits(dest)
     model, off = load_expert_cached(read_checkpoint(dest), torch.float32, 64, 5)
     try:

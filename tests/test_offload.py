@@ -21,8 +21,10 @@ from infer.offload.reader import UnitReader, alloc_buffer
 from infer.offload.stream import layer_costs, layer_units, load_streamed, overheads
 from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import quantize_model
-from infer.runtime.files.checkpoint import build_model, read_checkpoint, save_checkpoint
-from infer.runtime.loader import inspect_model, load_model, load_tokenizer, load_weights
+from infer.runtime.files.build import build
+from infer.runtime.files.checkpoint import read_checkpoint, save_checkpoint
+from infer.runtime.files.sources import CheckpointSource, open_source
+from infer.runtime.loader import load_model
 from infer.runtime.session import Session
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200]
@@ -48,13 +50,13 @@ def make_hf(path, n_layers=4, **overrides):
 
 def convert(src, dest, recipe=None, dtype=torch.float32):
     """Our checkpoint of HF dir `src`: float (stored as `dtype`) or quantized by `recipe`."""
-    info = inspect_model(src)
-    model = load_weights(info, torch.float32, 64)
+    info = open_source(src)
+    model = build(info, torch.float32, 64)
     if recipe:
         quantize_model(model, get_recipe(recipe, n_layers=info.args.n_layers))
     else:
         model.to(dtype)
-    save_checkpoint(model, info.config, load_tokenizer(info), dest, source=SOURCE)
+    save_checkpoint(model, info.config, info.tokenizer(), dest, source=SOURCE)
     return dest
 
 
@@ -102,7 +104,7 @@ def drop_cache(path):
 
 
 def resident(ckpt, dtype=torch.float32):
-    return build_model(ckpt, dtype, 64)
+    return build(CheckpointSource(ckpt), dtype, 64)
 
 
 def stop_threads(stream):

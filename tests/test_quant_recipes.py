@@ -9,7 +9,9 @@ from infer import InferError
 from infer.quant.formats.base import QuantEmbedding, QuantLinear
 from infer.quant.formats.recipes import RECIPES, get_recipe, use_more_bits
 from infer.quant.quantize import dequantize_model, quantize_model
-from infer.runtime.loader import inspect_model, load_model, load_weights
+from infer.runtime.files.build import build
+from infer.runtime.files.sources import open_source
+from infer.runtime.loader import load_model
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
 BLOCK = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -133,8 +135,8 @@ def logits(model) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ["smollm2", "llama"])
 @pytest.mark.parametrize(("recipe", "tol"), [("int8", 0.02), ("int4", 0.15), ("q4_k_m", 0.15)])
 def test_quantize_model_end_to_end(tiny_dirs, arch, recipe, tol):
-    info = inspect_model(tiny_dirs[arch])
-    model = load_weights(info, torch.float32, max_seq_len=64)
+    info = open_source(tiny_dirs[arch])
+    model = build(info, torch.float32, max_seq_len=64)
     ref = logits(model)
     calls = []
     reports = quantize_model(
@@ -182,7 +184,7 @@ def test_the_output_layer_falls_back_where_int6_does_not_fit(K, fmt, params):
 
 
 def test_quantize_keeps_what_the_recipe_skips(tiny_dirs):
-    model = load_weights(inspect_model(tiny_dirs["smollm2"]), torch.float32, max_seq_len=64)
+    model = build(open_source(tiny_dirs["smollm2"]), torch.float32, max_seq_len=64)
     ref = logits(model)
     only_mlp = lambda name: {"format": "lut4"} if ".mlp.gate" in name else None
     reports = quantize_model(model, only_mlp)
@@ -200,12 +202,12 @@ def test_quantize_imports_gguf_blocks(smollm2_gguf):
     bounded against the reference in test_kernels_q.py."""
     lm = load_model(smollm2_gguf, max_seq_len=32, dequantize=True)
     ref = logits(lm.model)
-    reports = quantize_model(lm.model, get_recipe("int4"), gguf=lm.info.gguf)
+    reports = quantize_model(lm.model, get_recipe("int4"), gguf=lm.source.gguf)
     assert len(reports) == 7 * 30 + 1
     assert all(r.imported and r.rel_rms_error == 0 and r.max_abs_error == 0 for r in reports)
     assert {(r.format, r.params["group_size"]) for r in reports} == {("int4", 32), ("int8", 32)}
     assert sum(r.bytes_after for r in reports) == sum(
-        t.nbytes for t in lm.info.gguf.tensors.values() if len(t.shape) == 2
+        t.nbytes for t in lm.source.gguf.tensors.values() if len(t.shape) == 2
     )
     torch.testing.assert_close(logits(lm.model), ref, atol=3e-2, rtol=1e-4)
     dequantize_model(lm.model)

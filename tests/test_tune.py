@@ -12,7 +12,9 @@ from infer.quant import tune
 from infer.quant.formats.base import FORMATS, QuantLinear
 from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import quantize_model
-from infer.runtime.loader import inspect_model, load_model, load_weights
+from infer.runtime.files.build import build
+from infer.runtime.files.sources import open_source
+from infer.runtime.loader import load_model
 from infer.runtime.session import Session
 
 
@@ -70,10 +72,10 @@ def test_coarsened_kl_is_at_most_the_full_kl():
 
 @pytest.mark.parametrize("arch", ["llama", "smollm2"])
 def test_tuning_lowers_the_kl_and_moves_only_scales(tiny_dirs, arch):  # noqa: F811
-    info = inspect_model(tiny_dirs[arch])
+    info = open_source(tiny_dirs[arch])
     gen = torch.Generator().manual_seed(0)
     windows = torch.randint(0, 300, (8, 64), generator=gen)
-    model = load_weights(info, torch.float32, max_seq_len=64)
+    model = build(info, torch.float32, max_seq_len=64)
     ref = log_probs(model, windows)  # the full distributions, not the coarsened ones
     targets = tune.teacher_targets(model, windows)
     assert targets.ids.shape == (8, 64, tune.TOP_K) and targets.logp.shape == (8, 64, 65)
@@ -104,10 +106,10 @@ def test_tuning_lowers_the_kl_and_moves_only_scales(tiny_dirs, arch):  # noqa: F
 
 
 def test_quantize_model_with_tuning(tiny_dirs):  # noqa: F811
-    info = inspect_model(tiny_dirs["smollm2"])
+    info = open_source(tiny_dirs["smollm2"])
     gen = torch.Generator().manual_seed(0)
     calibration = torch.randint(0, 300, (4, 64), generator=gen)
-    model = load_weights(info, torch.float32, max_seq_len=64)
+    model = build(info, torch.float32, max_seq_len=64)
     steps = []
     tuning = tune.Tuning(calibration, 3, progress=lambda *a: steps.append(a))
     reports = quantize_model(
@@ -131,7 +133,7 @@ def test_nothing_to_tune_when_every_layer_is_imported(smollm2_gguf):
         torch.zeros(1, 8, dtype=torch.long), 2, progress=lambda *a: calls.append(a)
     )
     reports = quantize_model(
-        lm.model, get_recipe("int4"), gguf=lm.info.gguf, calibration=tuning.windows, tuning=tuning
+        lm.model, get_recipe("int4"), gguf=lm.source.gguf, calibration=tuning.windows, tuning=tuning
     )
     assert all(r.imported and not r.tuned for r in reports)
     assert calls == []

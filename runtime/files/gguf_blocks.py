@@ -16,7 +16,7 @@ and d (and m) one entry of `scales` (and `mins`): import splits the blocks into 
 columns and changes no bit, and the result's `dequantize()` equals
 `infer.runtime.gguf_file.dequantize` (and so gguf-py's) exactly, as the tests check.
 
-This is how a GGUF file's such tensors load to run (runtime/loader.py), and how
+This is how a GGUF file's such tensors load to run (sources.GGUFSource), and how
 `infer quantize` carries them into a checkpoint whose recipe asks for their format.
 
 Loading to run, two more kinds of tensor go onto the kernels, close to but not bit for
@@ -107,7 +107,7 @@ def from_gguf(
     """The Q8_0 / Q6_K / Q4_0 / Q4_1 tensor `t` (rows already un-permuted) as int8 / int6 /
     int4. Q6_K's blocks stay where they are (the file's map); the others' codes and scales
     are copied apart by `place` (a contiguous copy: torch's by default, or into the
-    loader's huge-page arena)."""
+    build's huge-page arena)."""
     if t.ggml_type not in GGUF_SPECS:
         supported = ", ".join(k.name for k in GGUF_SPECS)
         raise InferError(

@@ -7,8 +7,8 @@ faster on two (benchmarks/README.md, "Huge pages for the weights").
 
 Weights mapped from a file need little here: on Linux 6.x the page cache of a file read
 in order comes in large folios, mapped 2 MiB at a time (`advise` asks for them before the
-first read). What needs it is what the loader copies into memory torch allocates: GGUF's
-Q8_0 / Q4_0 / Q4_1 blocks split into codes and scales for the kernels. The loader writes
+first read). What needs it is what a build copies into memory torch allocates: GGUF's
+Q8_0 / Q4_0 / Q4_1 blocks split into codes and scales for the kernels. build.py writes
 those straight into an `Arena`: one anonymous map that asks for transparent huge pages
 (MADV_HUGEPAGE; the kernel's default "madvise" mode grants them only where asked). Where
 the kernel has none, they go to torch's memory. (Float weights converted at load stay

@@ -193,15 +193,13 @@ class Transformer(nn.Module):
 
     @staticmethod
     def sanitize(state_dict: dict, args: ModelArgs) -> dict:
-        """Map a checkpoint's names onto ours: the one place for every exception."""
+        """Map a checkpoint's names onto ours: the one place for every naming exception
+        (a tied output layer is the build's: runtime/files/build.py)."""
         sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
         # Llama 3.1 GGUF files carry rope scaling as per-frequency factors.
         rope_freqs = sd.pop("rope_freqs.weight", None)
         if rope_freqs is not None:
             args.rope_freq_factors = rope_freqs.float().tolist()
-        # (A quantized table, loaded apart, is absent: the loader ties it.)
-        if "embed_tokens.weight" in sd and (args.tie_embeddings or "lm_head.weight" not in sd):
-            sd["lm_head.weight"] = sd["embed_tokens.weight"]
         # MoE blocks: Mixtral's names; transformers 5's stacked experts, gate_up_proj
         # (E, 2 * moe_hidden, dim) gate rows then up rows and down_proj (E, dim, moe_hidden),
         # split into one view per expert.

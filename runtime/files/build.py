@@ -1,0 +1,80 @@
+"""Build a Transformer from a source (sources.py): the one way every model is made.
+
+The model is built on the meta device and the source's tensors are assigned into it, so
+weights exist once: mapped straight from the file where the dtype already matches,
+converted (or dequantized, for GGUF blocks) exactly once otherwise. Weights copied for
+the kernels (a GGUF file's blocks) go into one huge-page arena (hugepages.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ... import InferError
+from ...quant.formats.base import QuantEmbedding, QuantLinear
+from ..model.llama import Transformer
+from . import hugepages
+from .sources import Source
+
+
+def build(
+    source: Source, dtype: torch.dtype, max_seq_len: int | None = None, *, dequantize=False
+) -> Transformer:
+    """`source`'s model in `dtype`, ready to run over `max_seq_len` positions (default:
+    the model's context). `dequantize`: see Source.weights."""
+    args = source.args
+    arena = hugepages.Arena.of(source.placed_bytes(dtype, dequantize))
+    weights = source.weights(dtype, arena.place if arena else torch.Tensor.contiguous, dequantize)
+    if arena:
+        arena.close()
+    with torch.device("meta"):
+        model = Transformer(args)
+    floats = {k: v for k, v in weights.items() if not isinstance(v, QuantLinear)}
+    modules = {k: v for k, v in weights.items() if isinstance(v, QuantLinear)}
+    # Tied embeddings: the output layer is the table (a file may hold a copy beside it).
+    tied = args.tie_embeddings or not {"lm_head", "lm_head.weight"} & weights.keys()
+    if tied:
+        floats.pop("lm_head.weight", None)
+        modules.pop("lm_head", None)
+    table = modules.pop("embed_tokens", None)
+    if table is not None:
+        model.embed_tokens = QuantEmbedding(table)
+        if tied:
+            model.lm_head = table
+    elif tied and "embed_tokens.weight" in floats:
+        floats["lm_head.weight"] = floats["embed_tokens.weight"]
+    for name, module in modules.items():
+        _place(model, name, module, source.path)
+    try:
+        result = model.load_state_dict(floats, strict=False, assign=True)
+    except RuntimeError as e:
+        lines = str(e).strip().splitlines()
+        detail = lines[1].strip() if len(lines) > 1 else lines[0]
+        raise InferError(f"{source.path}: weights do not match the config: {detail}") from None
+    missing = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if result.unexpected_keys or missing:
+        detail = (
+            f"no place for {result.unexpected_keys[0]!r}"
+            if result.unexpected_keys
+            else f"missing {missing[0]!r}"
+        )
+        raise InferError(f"{source.path}: weights do not match the config: {detail}")
+    if tied and table is None:  # one parameter, as the file stores one table
+        model.lm_head.weight = model.embed_tokens.weight
+    model.setup_rope(min(max_seq_len or args.max_seq_len, args.max_seq_len), dtype)
+    return model.eval().requires_grad_(False)
+
+
+def _place(model: Transformer, name: str, module: QuantLinear, path: Path) -> None:
+    """Put a QuantLinear where the model's nn.Linear `name` is."""
+    parent_name, _, child = name.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name)
+    except AttributeError:
+        parent = None
+    if not isinstance(getattr(parent, child, None), nn.Linear):
+        raise InferError(f"{path}: quantized module '{name}' is not a linear layer of this model")
+    setattr(parent, child, module)

@@ -182,14 +182,8 @@ def disk_bandwidth(path: Path, n_reads: int = 96) -> dict:
 
 def child(path: Path, run: str, n_tokens: int, warmup: int, logits_out: Path) -> dict:
     """Load as `run` says, decode, time it, count, measure the peak footprint."""
-    from infer.offload.experts import (
-        DEFAULT_WORKERS,
-        budget_inputs,
-        in_flight_buffers,
-        load_expert_cached,
-        load_moe_budgeted,
-        prediction_options,
-    )
+    from infer.offload.expert_plan import DEFAULT_WORKERS, budget_inputs, in_flight_buffers
+    from infer.offload.experts import load_expert_cached, load_moe_budgeted, prediction_options
     from infer.offload.footprint import PeakSampler
     from infer.offload.stream import process_rss
     from infer.runtime.bench import peak_rss_bytes

@@ -1,1 +1,1 @@
-"""Flash/SSD offloading (see issue 5)."""
+"""Running models larger than memory: layers and experts read from disk as they run."""

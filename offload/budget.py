@@ -15,8 +15,7 @@ The budget is the whole process's footprint (RSS plus the page cache it holds):
 Pinning a layer saves reading it every token. A slot lets the reader run one layer
 further ahead, which is what keeps the disk busy while compute varies and, above all,
 while the pinned layers and the output layer compute (the reader can fill only the free
-slots then). Measured on a 7B int4 model at a 1/3 budget: 3 pinned + 4 slots decoded at
-0.66 tok/s, 4 + 3 at 0.56-0.61, 5 + 2 at 0.43-0.50 (benchmarks/README.md). So the plan
+slots then); a wider window beat more pinned layers (benchmarks/README.md). So the plan
 takes the window first, `max_slots` buffers (or as many as fit, at least two), then pins
 as many layers as fit beside them (the first k, a contiguous set). Below the minimum
 working set (the fewest pins with two slots) the budget is refused, naming that minimum.

@@ -182,7 +182,8 @@ class LFUPolicy(Policy):
 class ScorePolicy(Policy):
     name = "score"
 
-    # 0.03: the best of 0.01-0.5 on the trained MoE at 50% cached (benchmarks/README.md)
+    # alpha: one visit's weight against the decayed past (chosen on the trained MoE,
+    # benchmarks/README.md)
     def __init__(self, alpha: float = 0.03):
         super().__init__()
         self.alpha = alpha

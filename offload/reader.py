@@ -11,9 +11,8 @@ size, mtime) is checked before and after every read, so a model replaced, trunca
 rewritten or deleted under a running stream fails with a clear error instead of feeding
 the model other bytes. Each unit's crc32 is checked the first time it is read (a byte
 flipped at rest, a bad copy); checking every read as well ("always") costs a core's
-worth of crc32 at disk speed (zlib: ~4 GB/s on an idle core, far less on a busy one):
-on a 7B int4 model streaming 3.3 GB a token it cost 35-45 % of decode speed on this
-2-core machine (benchmarks/README.md, "Offloading").
+worth of crc32 at disk speed, a large share of decode time on a machine with few cores
+(benchmarks/README.md, "Offloading").
 
 Two worker threads by default: while one checks a unit's crc32 the other is already
 reading, so checking costs no disk time. Errors reach the waiter as InferError; waits

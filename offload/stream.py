@@ -1,15 +1,15 @@
 """Stream transformer layers from disk during the forward pass (TPI-LLM's sliding window).
 
-`load_streamed` builds the model from our checkpoint (runtime/checkpoint.py) with every
-layer's tensors left out, so the file map never faults their pages in; the plan
-(budget.py) then pins the first layers, bound to the map as a normal load would, and
-the rest stream: `LayerStream` owns `slots` page-aligned read buffers and hooks on the
-blocks. Layer i's pre-hook waits for its unit and binds each module's parameter or
-buffer to a view of the buffer; its post-hook unbinds it (to meta tensors: a stray use
-fails loudly) and hands the buffer to the reader for the layer `slots` places further
-on, wrapping round to the first streamed layer for the next token. So while layer i
-computes, the next `slots - 1` streamed layers are being read. llama.py is untouched:
-a block does not know whether it streams.
+`load_streamed` builds the model from our checkpoint (runtime/files/checkpoint.py) with
+every layer's tensors left out (`build_unbound`), so the file map never faults their
+pages in, and attaches the plan (budget.py) to it (`attach_stream`): the first layers
+pinned, bound to the map as a normal load would, and the rest streamed: `LayerStream`
+owns `slots` page-aligned read buffers and hooks on the blocks. Layer i's pre-hook waits
+for its unit and binds each module's parameter or buffer to a view of the buffer; its
+post-hook unbinds it (to meta tensors: a stray use fails loudly) and hands the buffer to
+the reader for the layer `slots` places further on, wrapping round to the first streamed
+layer for the next token. So while layer i computes, the next `slots - 1` streamed
+layers are being read. llama.py is untouched: a block does not know whether it streams.
 
 A forward pass interrupted half way (Ctrl-C, an error) leaves the window mid-cycle; the
 next pass notices at the model's pre-hook, lets reads in flight finish, and restarts
@@ -21,33 +21,34 @@ when it is needed, into one buffer, and nothing is kept.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import mmap
-import os
 import time
 import weakref
-import zlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .. import InferError
-from ..runtime.files.build import build
 from ..runtime.files.checkpoint import GLOBALS, Checkpoint, unit_views
-from ..runtime.files.sources import CheckpointSource
 from ..runtime.model.config import ModelArgs
 from ..runtime.model.llama import Transformer
+from .binding import (
+    TensorSlot,
+    build_unbound,
+    drop_cached,
+    held_dtype,
+    map_resident,
+    tensor_slots,
+)
 from .budget import LayerCost, Overheads, Plan, minimum_bytes, plan_memory
 from .reader import Ticket, UnitReader, alloc_buffer, round_up
 
 PREFILL_CHUNK = 512  # generate.prefill's chunk: the most tokens one forward sees
 # RSS the process gains after the baseline besides the model: the C kernels and quant
-# modules imported, torch's and the kernels' thread pools started by the first passes.
-# Measured 16 MB on a tiny model (2 threads); twice that is kept.
+# modules imported, torch's and the kernels' thread pools started by the first passes,
+# with a margin of two.
 RUNTIME_BYTES = 32 * 2**20
-WILLNEED_CHUNK = 2 * 2**20
 
 
 # ------------------------------------------------------------------------------------------
@@ -76,7 +77,7 @@ def converted_bytes(ckpt: Checkpoint, units: list[str], dtype: torch.dtype) -> i
     n = 0
     for unit in units:
         for name in ckpt.units[unit]:
-            held = _held_dtype(ckpt, name, dtype)
+            held = held_dtype(ckpt, name, dtype)
             if held != ckpt.tensors[name].dtype:
                 n += ckpt.tensors[name].numel() * held.itemsize
     return n
@@ -142,62 +143,6 @@ def process_rss() -> int:
 # ------------------------------------------------------------------------------------------
 # Binding a layer's tensors to buffers
 # ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TensorSlot:
-    """Where one stored tensor lives in the model."""
-
-    name: str
-    module: nn.Module
-    attr: str
-    is_param: bool
-    dtype: torch.dtype  # as the model holds it (the compute dtype for floats)
-    unbound: torch.Tensor  # a meta tensor of the right shape: what is there when not bound
-
-    def set(self, t: torch.Tensor) -> None:
-        setattr(
-            self.module, self.attr, nn.Parameter(t, requires_grad=False) if self.is_param else t
-        )
-
-
-def _held_dtype(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype build gives stored tensor `name`: a quantized module's packed
-    buffers as stored, float weights and biases in the compute dtype."""
-    t = ckpt.tensors[name]
-    owner, _, suffix = name.rpartition(".")
-    packed = owner in ckpt.quant and suffix != "bias"
-    return dtype if t.is_floating_point() and not packed else t.dtype
-
-
-def placeholder_tensor(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """One element expanded to the tensor's shape, in the dtype the model will hold:
-    build assigns it as it is, without reading the file."""
-    shape = ckpt.tensors[name].shape
-    return torch.zeros((), dtype=_held_dtype(ckpt, name, dtype)).expand(shape)
-
-
-def tensor_slots(model: Transformer, ckpt: Checkpoint, units, placeholders) -> list[TensorSlot]:
-    """The module attribute holding each of `units`' tensors, checked to be the very
-    placeholder build was given (a format that transformed it cannot stream)."""
-    targets = []
-    for unit in units:
-        for name in ckpt.units[unit]:
-            owner, _, attr = name.rpartition(".")
-            module = model.get_submodule(owner)
-            held = module._parameters.get(attr)
-            is_param = held is not None
-            if held is None:
-                held = module._buffers.get(attr)
-            ph = placeholders[name]
-            if held is None or held.data_ptr() != ph.data_ptr() or held.shape != ph.shape:
-                raise InferError(
-                    f"{ckpt.file}: '{name}' is transformed when the model is built, so "
-                    "its layer cannot be streamed"
-                )
-            meta = torch.empty(ph.shape, dtype=ph.dtype, device="meta")
-            targets.append(TensorSlot(name, module, attr, is_param, ph.dtype, meta))
-    return targets
 
 
 class _Binding:
@@ -432,10 +377,35 @@ def load_streamed(
             streamed_bytes=sum(c.read_bytes for c in costs),
         )
 
-    layer_names = [n for g in groups for u in g for n in ckpt.units[u]]
-    placeholders = {n: placeholder_tensor(ckpt, n, dtype) for n in layer_names}
-    with_placeholders = dataclasses.replace(ckpt, tensors={**ckpt.tensors, **placeholders})
-    model = build(CheckpointSource(with_placeholders), dtype, max_seq_len)
+    model, placeholders = build_unbound(ckpt, dtype, max_seq_len, [u for g in groups for u in g])
+    stream = attach_stream(
+        model,
+        ckpt,
+        plan,
+        placeholders,
+        prefetch=prefetch,
+        check=check,
+        direct=direct,
+        workers=workers,
+    )
+    return model, stream, plan
+
+
+def attach_stream(
+    model: Transformer,
+    ckpt: Checkpoint,
+    plan: Plan,
+    placeholders: dict[str, torch.Tensor],
+    *,
+    prefetch: bool = True,
+    check: str | None = "first",
+    direct: bool = True,
+    workers: int = 2,
+) -> LayerStream | None:
+    """Bind `model`'s layers (built by build_unbound with `placeholders` for them) as
+    `plan` says: pinned ones to the file map, the rest to a LayerStream (None when every
+    layer is pinned). The keyword arguments are load_streamed's."""
+    groups = layer_units(ckpt, ckpt.args.n_layers)
     targets = {i: tensor_slots(model, ckpt, g, placeholders) for i, g in enumerate(groups)}
     pinned = [int(u.split(".")[1]) for u in plan.pinned]
     # Resident units are read and checked now, as load_model checks a resident model;
@@ -450,7 +420,7 @@ def load_streamed(
         for tg in targets[i]:
             tg.set(tg.unbound)
     if not streamed:
-        return model, None, plan
+        return None
     # Streamed layers hold placeholders at rest, so a session's fused decode step (which
     # holds pointers to every layer's weights) is not planned: decode runs block by block.
     drop_cached(ckpt, [u for i in streamed for u in groups[i]])
@@ -463,53 +433,10 @@ def load_streamed(
         direct=direct,
     )
     try:
-        stream = LayerStream(model, ckpt, plan, groups, targets, reader, prefetch=prefetch)
+        return LayerStream(model, ckpt, plan, groups, targets, reader, prefetch=prefetch)
     except BaseException:
         reader.close()
         raise
-    return model, stream, plan
-
-
-def map_resident(ckpt: Checkpoint, units: list[str]) -> None:
-    """Fault in exactly `units`' pages of the file map and check their crc32.
-
-    The kernel reads around a faulting page (read_ahead_kb: 8 MB here), which would pull
-    streamed layers' pages into the page cache, into the footprint: the map is marked
-    MADV_RANDOM (no read-around) and the resident ranges MADV_WILLNEED (read now).
-    """
-    storage = max(ckpt.tensors.values(), key=lambda t: t.nbytes).untyped_storage()
-    whole = torch.empty(0, dtype=torch.uint8).set_(storage)  # the file, as mapped
-    if hasattr(mmap, "MADV_RANDOM"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        base = storage.data_ptr()
-        libc.madvise(base, storage.nbytes(), mmap.MADV_RANDOM)
-        for unit in units:  # the kernel reads at most read_ahead_kb per call: 2 MiB calls
-            b, e = ckpt.ranges[unit]
-            for off in range(b, e, WILLNEED_CHUNK):
-                libc.madvise(base + off, min(WILLNEED_CHUNK, e - off), mmap.MADV_WILLNEED)
-    for unit in units:
-        b, e = ckpt.ranges[unit]
-        crc = zlib.crc32(whole[b:e].numpy())
-        if crc != ckpt.crc32[unit]:
-            raise InferError(
-                f"{ckpt.file}: unit '{unit}' is corrupt (crc32 {crc:08x}, expected "
-                f"{ckpt.crc32[unit]:08x}); convert the model again"
-            )
-
-
-def drop_cached(ckpt: Checkpoint, units: list[str]) -> None:
-    """Drop pages of streamed units a previous run left in the page cache: they are not
-    this process's, but they would count in a measured footprint."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    fd = os.open(ckpt.file, os.O_RDONLY)
-    try:
-        for unit in units:
-            b, e = ckpt.ranges[unit]
-            os.posix_fadvise(fd, b, e - b, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @dataclass

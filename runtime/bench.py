@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .. import InferError
-from ..offload.experts import ExpertReport
+from ..offload.expert_stats import ExpertReport
 from ..offload.stream import StreamReport, report
 from ..quant.formats.base import QuantEmbedding, QuantLinear
 from .files import hugepages

@@ -16,14 +16,10 @@ import torch
 from .. import InferError
 from ..offload.budget import Plan
 from ..offload.expert_cache import DEFAULT_POLICY
-from ..offload.experts import (
-    ExpertOffload,
-    RoutingRecorder,
-    load_moe_budgeted,
-    new_recorder,
-    prediction_options,
-    stores_experts_apart,
-)
+from ..offload.expert_plan import stores_experts_apart
+from ..offload.expert_store import ExpertStore
+from ..offload.experts import load_moe_budgeted, prediction_options
+from ..offload.routing import RoutingRecorder, new_recorder
 from ..offload.stream import (
     LayerStream,
     layer_costs,
@@ -54,8 +50,8 @@ class LoadedModel:
     stream: LayerStream | None = None
     auto_budget: bool = False  # the budget was chosen because the model does not fit
     # A mixture-of-experts model under a budget: its experts served from an expert cache
-    # (offload/experts.py; its plan covers the dense parts too, `plan` is then None).
-    experts: ExpertOffload | None = None
+    # (offload/expert_store.py; its plan covers the dense parts too, `plan` is then None).
+    experts: ExpertStore | None = None
     # What the MoE blocks routed, when asked for (--trace): save with .trace().save(path).
     routing: TraceRecorder | None = None
 

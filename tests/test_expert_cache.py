@@ -534,7 +534,7 @@ def test_start_cancels_wrong_predictions_not_yet_begun():
 
 
 def test_read_queue_runs_urgent_reads_first_and_cancels():
-    from infer.offload.experts import ReadQueue
+    from infer.offload.expert_io import ReadQueue
 
     gate, order = threading.Event(), []
     q = ReadQueue(1)

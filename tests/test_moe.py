@@ -25,7 +25,7 @@ from infer.runtime.files.sources import open_source
 from infer.runtime.loader import load_model
 from infer.runtime.model.config import ModelArgs
 from infer.runtime.model.llama import Transformer
-from infer.runtime.model.moe import MoE
+from infer.runtime.model.moe import MoE, ResidentExperts
 from infer.runtime.session import Session
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
@@ -152,33 +152,47 @@ def test_info_lists_experts(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# The interface an expert cache drives: route, expert(e), run_expert
+# The provider an expert cache replaces: routed, then run once per used expert
 # ---------------------------------------------------------------------------------------
 
 
+class Recording(ResidentExperts):
+    """Resident experts that note what the block asks of them."""
+
+    def __init__(self, modules):
+        super().__init__(modules)
+        self.routed_ids, self.ran = [], []
+
+    def routed(self, x, probs, ids, weights) -> None:
+        assert not self.ran  # told before any expert runs
+        self.routed_ids.append(ids)
+
+    def run(self, e, x):
+        self.ran.append(e)
+        return super().run(e, x)
+
+
 @torch.inference_mode()
-def test_experts_are_looked_up_once_each_through_expert(tmp_path):
+def test_experts_are_run_once_each_through_the_provider(tmp_path):
     make_hf_model("qwen2_moe", tmp_path)
     model = build(open_source(tmp_path), torch.float32, 64)
     block = model.layers[0].mlp
+    assert isinstance(block.provider, ResidentExperts) and block.provider.resident
     torch.manual_seed(3)
     for T_ in (1, 6):
         x = torch.randn(1, T_, block.gate.in_features)
         expected = block(x)
         ids, _ = block.route(x)
-        looked_up = []
-
-        def expert(e, block=block, looked_up=looked_up):
-            looked_up.append(e)
-            return block.experts[e]
-
-        block.expert = expert  # what a cache does: its own lookup, e.g. loading from disk
+        resident, block.provider = block.provider, Recording(block.experts)
         try:
             got = block(x)
+            rec = block.provider
         finally:
-            del block.expert
-        assert looked_up == sorted(set(ids.flatten().tolist()))  # used ones, once, ascending
+            block.provider = resident
+        assert len(rec.routed_ids) == 1 and torch.equal(rec.routed_ids[0], ids)
+        assert rec.ran == sorted(set(ids.flatten().tolist()))  # used ones, once, ascending
         assert torch.equal(got, expected)
+    assert all(k.startswith(("gate.", "experts.", "shared_expert")) for k in block.state_dict())
 
 
 # ---------------------------------------------------------------------------------------

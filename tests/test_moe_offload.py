@@ -1,5 +1,6 @@
-"""A mixture-of-experts model under a memory budget (offload/experts.py): the plan, outputs
-equal to the resident run at every cache size, the footprint, traces, the CLI."""
+"""A mixture-of-experts model under a memory budget (offload/experts.py, expert_plan.py,
+expert_store.py): the plan, outputs equal to the resident run at every cache size, the
+footprint, traces, the CLI."""
 
 from __future__ import annotations
 
@@ -16,17 +17,15 @@ from tiny import COMMON, MOE_ARCHS, write_tokenizer
 from infer import InferError
 from infer.offload.budget import Overheads
 from infer.offload.expert_cache import CacheStats
-from infer.offload.experts import (
+from infer.offload.expert_plan import (
     ExpertCosts,
     budget_inputs,
     expert_costs,
     in_flight_buffers,
-    load_expert_cached,
-    load_moe_budgeted,
     minimum_budget,
     plan_experts,
-    prediction_options,
 )
+from infer.offload.experts import load_expert_cached, load_moe_budgeted, prediction_options
 from infer.offload.footprint import footprint
 from infer.offload.stream import layer_costs, overheads
 from infer.offload.trace import Trace, TraceRecorder, replay
@@ -173,7 +172,7 @@ def test_every_cache_size_equals_resident(moe):
     for slots in range(17):
         model, off = load_expert_cached(ckpt, torch.float32, 64, slots, refine=2, workers=2)
         try:
-            assert Session(model).fused is not None  # experts bound per visit (MoE.bound)
+            assert Session(model).fused is not None  # experts bound per visit (CachedExperts.bound)
             got = run_tokens(model)
         finally:
             off.close()
@@ -186,7 +185,7 @@ def test_every_cache_size_equals_resident(moe):
 @pytest.mark.parametrize("pattern", ["never", "always", "alternate"])
 def test_experts_in_memory_run_in_one_call(moe, monkeypatch, pattern):
     """The fused step runs a visit's next expert together with those after it that are
-    already in memory (MoE.ready), in one C call: the same sum, bit for bit."""
+    already in memory (its provider's ready), in one C call: the same sum, bit for bit."""
     expected = resident_logits(moe)
     ckpt = read_checkpoint(moe)
     model, off = load_expert_cached(ckpt, torch.float32, 64, 16, workers=2)
@@ -203,7 +202,7 @@ def test_experts_in_memory_run_in_one_call(moe, monkeypatch, pattern):
     for block in off.blocks:
         ready = {"never": lambda e: False, "always": lambda e: True,
                  "alternate": lambda e: asked.append(e) or len(asked) % 2 == 0}[pattern]  # fmt: skip
-        monkeypatch.setattr(block, "ready", ready)
+        monkeypatch.setattr(block.provider, "ready", ready)
     try:
         assert torch.equal(run_tokens(model, session=session), expected)
     finally:
@@ -237,7 +236,7 @@ def test_route_takes_the_visits_router_output(moe, monkeypatch):
 def test_predictions_rank_as_the_router_does(moe):
     """guess() takes the router's logits' top k, and router_input drops the norm's
     1 / rms: neither changes which experts the router's softmax ranks first."""
-    from infer.offload.experts import ExpertOffload, guess, guess_router
+    from infer.offload.routing import guess, guess_router, router_input
 
     model = load_model(moe, max_seq_len=64).model
     torch.manual_seed(1)
@@ -251,11 +250,11 @@ def test_predictions_rank_as_the_router_does(moe):
         assert copy is not None and copy.qweight.dtype == torch.int8
         assert torch.equal(copy(x).topk(2).indices, want[:, :2])
         want = block.probs(layer.post_attention_layernorm(x)).topk(4, dim=-1).indices
-        assert torch.equal(guess(block, ExpertOffload.router_input(layer, x), 4), want)
+        assert torch.equal(guess(block, router_input(layer, x), 4), want)
 
 
 def test_budget_counts_the_routers_int8_copies(moe):
-    from infer.offload.experts import guess_router_bytes
+    from infer.offload.expert_plan import guess_router_bytes
 
     ckpt = read_checkpoint(moe)
     args = ckpt.args

@@ -13,9 +13,11 @@ after attention; the block's router (MoE.route, in torch, so the experts chosen 
 model's own) picks the experts, and one more C call runs them (decode_experts: all the
 chosen experts' gate and up GEMVs as one pool job, then their down GEMVs as another)
 and adds their weighted outputs, in MoE.forward's order, before the next layer's call.
-Experts held by an expert cache (MoE.resident_experts False) are bound through
-MoE.bound in that same order, so the cached model computes what the resident one does,
-bit for bit (see `_experts`).
+Experts whose provider is not resident (an expert cache, offload/) are bound through
+the provider's `bound` in the order MoE.forward gets them: each call runs the next
+expert (waiting for its read if need be) with those after it already in memory (its
+`ready`), so experts compute while later ones are still being read. The sum is kept
+between the calls: the cached model computes what the resident one does, bit for bit.
 Forward pre-hooks on a block or an MoE block (a routing recorder's, an expert cache's
 predictions) run where their __call__ would run them: the C stops before such a block.
 They observe; an input a hook returns in place of the block's is not used.
@@ -149,11 +151,12 @@ class FusedDecode:
             if isinstance(mlp, MoE):
                 # Resident experts: their words now; bound on demand: at each visit, so
                 # here only their formats are checked.
-                if not mlp.resident_experts and not all(
+                resident = mlp.provider.resident
+                if not resident and not all(
                     _runs_on_kernels(getattr(e, name)) for e in mlp.experts for name in _MLP
                 ):
                     return None
-                experts = [*mlp.experts] if mlp.resident_experts else []
+                experts = [*mlp.experts] if resident else []
                 experts += [mlp.shared_expert] if mlp.shared_expert else []
                 table = [_mlp_words(e) for e in experts]
                 if any(t is None for t in table):
@@ -215,11 +218,12 @@ class FusedDecode:
         xn = self.scratch[: self._dim].view(1, 1, self._dim)
         for hook in list(block._forward_pre_hooks.values()):  # as block(xn) would run them
             hook(block, (xn,))
-        ids, weights = block.route(xn)
+        ids, weights = block.select(xn)
         shared_w = None  # (1, 1) float32: MoE.forward's sigmoid(shared_expert_gate(x))
         if block.shared_expert is not None:
             shared_w = torch.sigmoid(block.shared_expert_gate(xn.view(1, -1)))
-        if block.resident_experts:
+        provider = block.provider
+        if provider.resident:
             self._run_experts(table, ids, weights, shared_w, xn, x, phase=3)
             return
         # Experts bound on demand in ascending order, as MoE.forward gets them: each call
@@ -231,9 +235,9 @@ class FusedDecode:
         k, i = len(chosen), 0
         while i < k:
             j = i + 1
-            while j < k and block.ready(chosen[j][0]):
+            while j < k and provider.ready(chosen[j][0]):
                 j += 1
-            with block.bound([e for e, _ in chosen[i:j]]) as modules:
+            with provider.bound([e for e, _ in chosen[i:j]]) as modules:
                 for r, module in enumerate(modules):
                     words = _mlp_words(module)
                     if words is None:

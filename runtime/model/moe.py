@@ -16,23 +16,9 @@ definition (top k of the logits, softmax over those k). The weights are then cas
 compute dtype, as the Qwen and OLMoE code does (Mixtral's keeps them in float32: the same
 in float32, one rounding apart in bfloat16).
 
-The pieces are separate so an expert cache (offload/) can drive them:
-
-    route(x) -> (ids, weights)   the router alone: (N, k) expert ids and weights for the N
-                                 tokens of x; callable on any hidden state, e.g. layer l+1's
-                                 router on layer l's input to predict the experts it will want
-    probs(x) -> (N, n_experts)   the router's softmax over all experts, which route() takes
-                                 the top k of (for score-based cache policies)
-    expert(e) -> module          the one place an expert is looked up: override it (or swap
-                                 `experts[e]`) to fetch experts on demand
-    run_expert(e, x) -> y        expert e on the tokens x routed to it, (n, dim) -> (n, dim)
-    bound(ids) -> context        the modules of experts `ids` (ascending), ready to run
-                                 while the context lasts: how the fused decode step
-                                 (kernels_cpu/decode.py) gets a token's experts when
-                                 `resident_experts` is False (an expert cache holds them)
-    ready(e) -> bool             whether bound([e]) would not wait for a read (always, for
-                                 resident experts): the fused step runs the experts that
-                                 are ready together, in one call
+The block runs its experts through `provider` (the `Experts` interface): by default
+`ResidentExperts`, its own `experts` modules; an expert cache (offload/) assigns one that
+reads experts from disk as they are routed to.
 
 forward() runs only the experts the router chose. Decoding (one token) calls each of its
 k experts once; a prompt groups tokens by expert, runs each used expert once on its
@@ -44,12 +30,59 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs
+
+
+class Experts(Protocol):
+    """Where an MoE block's experts come from; `e` is an expert id of the block."""
+
+    # Every expert stays in memory: the fused decode step may hold pointers to them.
+    resident: bool
+
+    def routed(
+        self, x: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> None:
+        """The router chose `ids` (N, k) with `weights` for the tokens x (N, dim), from
+        `probs` (N, n_experts); called before any of them runs."""
+
+    def run(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e` on x (n, dim), the tokens routed to it."""
+
+    def bound(self, ids: list[int]) -> AbstractContextManager[list[nn.Module]]:
+        """The modules of experts `ids` (ascending), ready to run while the context lasts."""
+
+    def ready(self, e: int) -> bool:
+        """Whether bound([e]) would not wait for a read."""
+
+
+class ResidentExperts:
+    """Experts held in memory: the block's own modules."""
+
+    resident = True
+
+    def __init__(self, modules: nn.ModuleList):
+        self.modules = modules
+
+    def routed(self, x, probs, ids, weights) -> None:
+        pass
+
+    def run(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.modules[e](x)
+
+    @contextlib.contextmanager
+    def bound(self, ids: list[int]) -> Iterator[list[nn.Module]]:
+        yield [self.modules[e] for e in ids]
+
+    def ready(self, e: int) -> bool:
+        return True
 
 
 class MoE(nn.Module):
@@ -66,8 +99,7 @@ class MoE(nn.Module):
             self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
-        # False when an expert cache binds experts' weights only while they run (offload/)
-        self.resident_experts = True
+        self.provider: Experts = ResidentExperts(self.experts)
 
     def probs(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., dim) -> (N, n_experts) float32: the router's softmax for each of the
@@ -77,40 +109,33 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (..., dim) -> (ids, weights), both (N, top_k): int64 expert ids by falling
-        weight, weights in x's dtype."""
-        weights, ids = self.probs(x).topk(self.top_k, dim=-1)
+        weight, weights in x's dtype. The router alone: callable on any hidden state."""
+        return self._top(self.probs(x), x.dtype)
+
+    def _top(self, probs: torch.Tensor, dtype: torch.dtype):
+        weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+        return ids, weights.to(dtype)
 
-    def expert(self, e: int) -> nn.Module:
-        """Expert `e`'s module: the lookup an expert cache overrides."""
-        return self.experts[e]
-
-    def run_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `e` on x (n, dim), the tokens routed to it."""
-        return self.expert(e)(x)
-
-    @contextlib.contextmanager
-    def bound(self, ids: list[int]):
-        """The modules of experts `ids` (ascending, as forward runs them), ready to run
-        until the context ends."""
-        yield [self.expert(e) for e in ids]
-
-    def ready(self, e: int) -> bool:
-        """Whether expert `e` is in memory: bound([e]) would not wait for it."""
-        return True
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """route(x) for tokens about to run: the provider hears of the choice first."""
+        x = x.reshape(-1, x.shape[-1])
+        probs = self.probs(x)
+        ids, weights = self._top(probs, x.dtype)
+        self.provider.routed(x, probs, ids, weights)
+        return ids, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (1, T, dim) -> (1, T, dim)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, dim)
-        ids, weights = self.route(x)
+        ids, weights = self.select(x)
         if x.shape[0] == 1:
             # Decode: the token's k experts, in ascending id order (see the module doc).
             out = torch.zeros_like(x)
             for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())):
-                out += self.run_expert(e, x) * w
+                out += self.provider.run(e, x) * w
         else:
             out = self._grouped(x, ids, weights)
         if self.shared_expert is not None:
@@ -130,7 +155,7 @@ class MoE(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 rows = tokens[start : start + n]
-                y = self.run_expert(e, x[rows]) * slot_weights[start : start + n]
+                y = self.provider.run(e, x[rows]) * slot_weights[start : start + n]
                 out.index_add_(0, rows, y)
             start += n
         return out

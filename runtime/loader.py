@@ -123,7 +123,7 @@ def load_model(
             _say_auto_budget(source, plan)
     else:
         if ckpt is not None:
-            # crc32 of every unit (~5 GB/s from the page cache): the first forward pass
+            # crc32 of every unit: the first forward pass
             # faults these pages in anyway, and a corrupt byte fails here, naming its unit.
             verify(ckpt)
         model = build(source, dtype, ctx, dequantize=dequantize)

@@ -41,10 +41,9 @@ own unit, "layers.N.mlp.experts.E" (its gate, up and down projections), written 
 unit "layers.N" that keeps the layer's attention, norms, router and any shared expert:
 one aligned read fetches one expert. Nothing else in the format changes.
 
-Integrity: `verify` checks units against their crc32 (~5 GB/s from the page cache here).
-`loader.load_model` verifies every unit: a resident model faults in every page on its
-first forward pass anyway, so this only moves the read earlier and adds ~0.2 ms per MB,
-and a flipped byte fails the load naming its unit. Streaming (offload/) should instead
+Integrity: `verify` checks units against their crc32. `loader.load_model` verifies every
+unit: a resident model faults in every page on its first forward pass anyway, so this
+only moves the read earlier, and a flipped byte fails the load naming its unit. Streaming (offload/) should instead
 check each unit as it reads it: one read, one crc32.
 """
 

@@ -13,7 +13,7 @@ u64 count, then the elements (arrays may nest). GGUF lists dims innermost first,
 torch shapes are the reversed dims.
 
 We parse the header ourselves rather than with gguf.GGUFReader, which builds a numpy
-view per field and takes ~2 s to open the default model (ours: a few tens of ms). The
+view per field and so takes seconds to open a file with a large vocabulary. The
 `gguf` package is used only for its type constants and, for K-quants and other types
 dequantized nowhere else here, `gguf.quants.dequantize`.
 """

@@ -1,9 +1,8 @@
 """Weights that were copied at load, moved into memory backed by 2 MiB pages.
 
-Decode reads every weight once a token. Held in 4 KiB pages, the 1B shape's 700 MB are
-175,000 pages a token, each a TLB miss and a page walk. In 2 MiB pages the 1B's Q4_0 and
-the default model decoded 20-25 % faster on one core of a Zen 4 host, and as fast or
-faster on two (benchmarks/README.md, "Huge pages for the weights").
+Decode reads every weight once a token. Held in 4 KiB pages, a 1B model's weights are
+hundreds of thousands of pages a token, each a TLB miss and a page walk; 2 MiB pages
+remove most of them.
 
 Weights mapped from a file need little here: on Linux 6.x the page cache of a file read
 in order comes in large folios, mapped 2 MiB at a time (`advise` asks for them before the
@@ -12,8 +11,7 @@ Q8_0 / Q4_0 / Q4_1 blocks split into codes and scales for the kernels. build.py 
 those straight into an `Arena`: one anonymous map that asks for transparent huge pages
 (MADV_HUGEPAGE; the kernel's default "madvise" mode grants them only where asked). Where
 the kernel has none, they go to torch's memory. (Float weights converted at load stay
-there: the 1B's 4.9 GB in float32 decoded no faster in huge pages, and loaded 1.7 s
-slower.)
+there: large float models gain nothing from huge pages and would load slower.)
 """
 
 from __future__ import annotations

@@ -123,8 +123,8 @@ def load_model(
             _say_auto_budget(source, plan)
     else:
         if ckpt is not None:
-            # crc32 of every unit: the first forward pass
-            # faults these pages in anyway, and a corrupt byte fails here, naming its unit.
+            # crc32 of every unit: the first forward pass faults these pages in anyway,
+            # and a corrupt byte fails here, naming its unit.
             verify(ckpt)
         model = build(source, dtype, ctx, dequantize=dequantize)
     if recorder is not None and not experts:  # resident experts: hooks that only record

@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from infer import InferError
-from infer.runtime.generate import Sampler, generate
-from infer.runtime.loader import LoadedModel
-from infer.runtime.model.tokenizer import Tokenizer
-from infer.runtime.session import Session
+from .. import InferError
+from ..runtime.generate import Sampler, generate
+from ..runtime.loader import LoadedModel
+from ..runtime.model.tokenizer import Tokenizer
+from ..runtime.session import Session
 
 
 @dataclass
@@ -55,7 +55,7 @@ def stream_line(lm: LoadedModel) -> str | None:
         return "experts: " + lm.experts.describe()
     if lm.stream is None:
         return None
-    from infer.offload.stream import describe
+    from ..offload.stream import describe
 
     return "stream: " + describe(lm.stream, lm.plan)
 

@@ -11,7 +11,7 @@ import os
 import sys
 from contextlib import nullcontext
 
-from infer.cli.options import DType
+from .options import DType
 
 
 def is_tty() -> bool:

@@ -15,9 +15,10 @@ from typing import Annotated
 
 import typer
 
-from infer import InferError
-from infer.cli.common import is_tty, print_json, print_table, set_threads, status, torch_dtype
-from infer.cli.options import (
+from .. import InferError
+from ..offload.budget import parse_size
+from .common import is_tty, print_json, print_table, set_threads, status, torch_dtype
+from .options import (
     Debug,
     DType,
     DTypeOpt,
@@ -26,7 +27,6 @@ from infer.cli.options import (
     RequiredModelArg,
     Threads,
 )
-from infer.offload.budget import parse_size
 
 TextFile = Annotated[
     Path,
@@ -80,14 +80,14 @@ def eval_model(
     except UnicodeDecodeError as e:
         raise InferError(f"{text}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
-    from infer.runtime.registry import resolve
+    from ..runtime.registry import resolve
 
     # Both names before torch is imported: a wrong one fails at once.
     resolved = resolve(model)
     resolved_ref = resolve(ref) if ref is not None else None
 
-    from infer.runtime.evaluate import evaluate
-    from infer.runtime.loader import load_model
+    from ..runtime.evaluate import evaluate
+    from ..runtime.loader import load_model
 
     n_threads = set_threads(threads)
     compute_dtype = torch_dtype(dtype)

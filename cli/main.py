@@ -18,8 +18,9 @@ from typing import Annotated
 
 import typer
 
-from infer import InferError, __version__
-from infer.cli.common import (
+from .. import InferError, __version__
+from ..offload.budget import parse_size
+from .common import (
     human_bytes,
     human_count,
     is_tty,
@@ -29,8 +30,8 @@ from infer.cli.common import (
     status,
     torch_dtype,
 )
-from infer.cli.eval_cmd import eval_model
-from infer.cli.options import (
+from .eval_cmd import eval_model
+from .options import (
     Ctx,
     Debug,
     DType,
@@ -52,8 +53,7 @@ from infer.cli.options import (
     TraceOut,
     Verbose,
 )
-from infer.cli.quantize_cmd import quantize
-from infer.offload.budget import parse_size
+from .quantize_cmd import quantize
 
 app = typer.Typer(
     name="infer",
@@ -104,7 +104,7 @@ def _root(
 def _prompt_in_place_of_model(model: str | None) -> None:
     """With no prompt, MODEL may be a prompt given alone: say so rather than "empty
     prompt" (it is never taken as one: MODEL is always a model)."""
-    from infer.runtime.registry import DEFAULT_MODEL, names_a_model
+    from ..runtime.registry import DEFAULT_MODEL, names_a_model
 
     if model is None or names_a_model(model):
         return
@@ -168,14 +168,13 @@ def run(
 
     budget = parse_size(max_memory) if max_memory is not None else None
 
-    from infer.runtime.registry import resolve
+    from ..runtime.registry import resolve
 
     resolved = resolve(model)  # before importing torch: a wrong name fails at once
 
-    from infer.runtime.generate import make_sampler
-    from infer.runtime.loader import load_model
-    from infer.runtime.session import Session
-
+    from ..runtime.generate import make_sampler
+    from ..runtime.loader import load_model
+    from ..runtime.session import Session
     from .chat import ChatSettings, chat_loop, stream_answer, stream_line
 
     n_threads = set_threads(threads)
@@ -265,7 +264,7 @@ def pull(
     debug: Debug = False,
 ) -> None:
     """Download a model into the cache (progress on stderr); print its path."""
-    from infer.runtime.registry import pull as pull_model
+    from ..runtime.registry import pull as pull_model
 
     print(pull_model(model, force=force, progress=True).path)
 
@@ -273,7 +272,7 @@ def pull(
 @app.command(name="list")
 def list_models(json_out: Json = False, debug: Debug = False) -> None:
     """List the models on disk."""
-    from infer.runtime.registry import list_cached
+    from ..runtime.registry import list_cached
 
     models = list_cached()
     if json_out:
@@ -302,8 +301,8 @@ def list_models(json_out: Json = False, debug: Debug = False) -> None:
 @app.command()
 def info(model: ModelArg = None, json_out: Json = False, debug: Debug = False) -> None:
     """Describe a model from its metadata, without loading its weights."""
-    from infer.runtime.files.sources import open_source
-    from infer.runtime.registry import resolve
+    from ..runtime.files.sources import open_source
+    from ..runtime.registry import resolve
 
     resolved = resolve(model, download=False)
     mi = open_source(resolved.path)
@@ -419,11 +418,11 @@ def bench(
         return
     budget = parse_size(max_memory) if max_memory is not None else None
 
-    from infer.runtime.registry import resolve
+    from ..runtime.registry import resolve
 
     resolved = resolve(model)
 
-    from infer.runtime.bench import run_bench
+    from ..runtime.bench import run_bench
 
     set_threads(threads)
     with status(f"benchmarking {resolved.name}"):
@@ -447,7 +446,7 @@ def bench(
 
 
 def _replay(path: Path, json_out: bool) -> None:
-    from infer.offload.trace import Trace, compare
+    from ..offload.trace import Trace, compare
 
     trace = Trace.load(path)
     rows = compare(trace)

@@ -18,9 +18,9 @@ from typing import Annotated
 
 import typer
 
-from infer import InferError
-from infer.cli.common import human_bytes, is_tty, print_json, print_table, set_threads, status
-from infer.cli.options import Debug, Json, RequiredModelArg, Threads
+from .. import InferError
+from .common import human_bytes, is_tty, print_json, print_table, set_threads, status
+from .options import Debug, Json, RequiredModelArg, Threads
 
 CALIB_CTX = 512  # tokens per calibration window (as `infer eval`'s default context)
 LOW_BIT = {"lut2", "lut3"}  # formats that need calibration text to stay usable
@@ -112,17 +112,17 @@ def quantize(
         if value and calibrate is None:
             raise InferError(f"{flag} trains on calibration text: give it with --calibrate FILE")
 
-    from infer.runtime.registry import resolve
+    from ..runtime.registry import resolve
 
     resolved = resolve(src)
 
     import torch
 
-    from infer.quant.formats.recipes import RECIPES, get_recipe
-    from infer.quant.quantize import dequantize_model, quantize_model
-    from infer.runtime.files.build import build
-    from infer.runtime.files.checkpoint import describe_source, save_checkpoint
-    from infer.runtime.files.sources import GGUFSource, open_source
+    from ..quant.formats.recipes import RECIPES, get_recipe
+    from ..quant.quantize import dequantize_model, quantize_model
+    from ..runtime.files.build import build
+    from ..runtime.files.checkpoint import describe_source, save_checkpoint
+    from ..runtime.files.sources import GGUFSource, open_source
 
     set_threads(threads)
     info = open_source(resolved.path)
@@ -141,9 +141,9 @@ def quantize(
 
     calibration = training = tuning = None
     if calibrate is not None:
-        from infer.quant.block_ap import BlockTraining
-        from infer.quant.gptq import calibration_windows
-        from infer.quant.tune import BATCH, WINDOW, Tuning, tuning_windows
+        from ..quant.block_ap import BlockTraining
+        from ..quant.gptq import calibration_windows
+        from ..quant.tune import BATCH, WINDOW, Tuning, tuning_windows
 
         with status(f"tokenizing {calibrate}"):
             tokens = tokenizer.encode(

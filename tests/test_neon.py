@@ -24,7 +24,7 @@ CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 SYSROOT = Path("/usr/aarch64-linux-gnu")  # Debian / Ubuntu's cross libc
 # harness -> the kernel files it links
 HARNESSES = {
-    "lut_neon_check": ("pool", "cpu", "scalar", "neon", "lut", "lut_neon"),
+    "lut_neon_check": ("pool", "cpu", "scalar", "neon", "lut", "lut_scalar", "lut_neon"),
     "q_neon_check": ("pool", "cpu", "scalar", "neon", "matmul", "igemm"),
 }
 

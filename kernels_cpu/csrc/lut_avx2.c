@@ -7,7 +7,7 @@
    and float order as the scalar path, so the same bits. */
 #include <string.h>
 
-#include "lut.h"
+#include "lut_common.h"
 
 #ifdef INFER_X86
 

@@ -12,7 +12,7 @@
    transpose, 3 of index, 4 table loads shared by the planes, 2 vpermi2b, 2 vpdpbusd),
    plus ~1.5 per group of epilogue: few enough that one core streams the packed weights
    near its memory bandwidth (benchmarks/bench_lut.py). */
-#include "lut.h"
+#include "lut_common.h"
 
 #ifdef INFER_X86
 

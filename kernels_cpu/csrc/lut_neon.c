@@ -9,7 +9,7 @@
    order as the scalar path, so the same bits. */
 #include <string.h>
 
-#include "lut.h"
+#include "lut_common.h"
 
 #if defined(__aarch64__)
 #include <arm_neon.h>

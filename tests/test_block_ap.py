@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_gptq import SPECS, infer, tiny_dirs  # noqa: F401  (tiny_dirs: a fixture)
 from test_tune import kl_to, log_probs
-from tiny import make_hf_model
+from tiny import assert_runs_fused, make_hf_model
 
 from infer.quant import block_ap
 from infer.quant.formats.base import FORMATS, QuantLinear
@@ -17,7 +17,6 @@ from infer.quant.quantize import quantize_model
 from infer.runtime.files.build import build
 from infer.runtime.files.sources import open_source
 from infer.runtime.loader import load_model
-from infer.runtime.session import Session
 
 
 @pytest.mark.parametrize(("fmt", "params"), SPECS)
@@ -85,16 +84,9 @@ def test_block_training_beats_rounding(tiny_dirs, arch):  # noqa: F811
     # The model runs as before: its rope tables, fused decode step and kernels are back.
     assert model.max_seq_len == 64
     assert all(isinstance(m, QuantLinear) for n, m in model.named_modules() if n.endswith("proj"))
-    session = Session(model)
-    assert session.fused is not None
-    window = windows[0].tolist()
-    full = session.forward(window, 0, all_logits=True)
-    session.reset()
-    session.forward(window[:63], 0)
-    step = session.forward(window[63:], 63)
     # Not to 1e-4: the fused step's attention differs from torch's in the last bits, and
     # the LUT kernel's int8 activation tables can round such a difference up by a step.
-    torch.testing.assert_close(step[-1], full[-1], rtol=1e-3, atol=1e-3)
+    assert_runs_fused(model, windows[0].tolist(), tol=1e-3)
 
 
 def test_block_training_of_an_moe(tmp_path):

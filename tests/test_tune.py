@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from test_gptq import SPECS, infer, tiny_dirs  # noqa: F401  (tiny_dirs: a fixture)
+from tiny import assert_runs_fused
 
 from infer.quant import tune
 from infer.quant.formats.base import FORMATS, QuantLinear
@@ -15,7 +16,6 @@ from infer.quant.quantize import quantize_model
 from infer.runtime.files.build import build
 from infer.runtime.files.sources import open_source
 from infer.runtime.loader import load_model
-from infer.runtime.session import Session
 
 
 @pytest.mark.parametrize(("fmt", "params"), SPECS)
@@ -95,14 +95,7 @@ def test_tuning_lowers_the_kl_and_moves_only_scales(tiny_dirs, arch):  # noqa: F
         assert torch.equal(t["scales"], frozen[n]["scales"]) == (n not in names), n
     # The model runs as before: its rope tables, fused decode step and kernels are back.
     assert model.max_seq_len == 64
-    session = Session(model)
-    assert session.fused is not None
-    window = windows[0].tolist()
-    full = session.forward(window, 0, all_logits=True)
-    session.reset()
-    session.forward(window[:63], 0)
-    step = session.forward(window[63:], 63)
-    torch.testing.assert_close(step[-1], full[-1], rtol=1e-4, atol=1e-4)
+    assert_runs_fused(model, windows[0].tolist(), tol=1e-4)
 
 
 def test_quantize_model_with_tuning(tiny_dirs):  # noqa: F811

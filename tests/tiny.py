@@ -147,3 +147,17 @@ def random_blocks(qtype: T, N: int, K: int, seed: int = 0) -> np.ndarray:
         d = rng.uniform(1e-3, 2e-2, (N, K // block)).astype(np.float16)
         data[..., a : a + 2] = d.view(np.uint8).reshape(N, K // block, 2)
     return data.reshape(N, -1)
+
+
+def assert_runs_fused(model, window: list[int], tol: float) -> None:
+    """A session over `model` plans the fused decode step, and the window's last token
+    decoded after the others gives the logits a forward over the whole window gives."""
+    from infer.runtime.session import Session
+
+    session = Session(model)
+    assert session.fused is not None
+    full = session.forward(window, 0, all_logits=True)
+    session.reset()
+    session.forward(window[:-1], 0)
+    step = session.forward(window[-1:], len(window) - 1)
+    torch.testing.assert_close(step[-1], full[-1], rtol=tol, atol=tol)

@@ -1,4 +1,10 @@
-"""Shared fixtures: the real default model file, fetched once per machine."""
+"""Shared fixtures: the real default model file, fetched once per machine.
+
+Tiers: tests marked `slow` (pyproject.toml) train models (MoE, Block-AP, tuning), run
+GPTQ on whole models, or start several `infer` subprocesses. `pytest -m "not slow"` is
+the fast tier (about two minutes on two cores) and keeps a quick test of every layer;
+plain `pytest` (what CI runs) runs everything.
+"""
 
 import os
 import signal

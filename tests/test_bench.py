@@ -12,6 +12,7 @@ import torch
 from infer import InferError
 from infer.runtime.bench import BENCH_TEXT, bench_prompt, run_bench, weight_bytes_per_token
 from infer.runtime.files.gguf import GGUFFile
+from infer.runtime.files.hugepages import HUGE_PAGE
 from infer.runtime.model.config import ModelArgs
 from infer.runtime.model.llama import Transformer
 from infer.runtime.session import Session
@@ -173,8 +174,12 @@ def test_bench_cli_json(smollm2_gguf):
     assert data["prefill_tok_s"] > 1 and data["decode_tok_s"] > 0.5
     assert data["decode_gb_s"] > 0
     assert data["peak_rss_bytes"] > data["weight_bytes_per_token"]
-    # What the kernel granted (runtime/hugepages.py): a count, not a promise.
-    assert data["huge_page_bytes"] is None or data["huge_page_bytes"] >= 0
+    # What the kernel granted (runtime/files/hugepages.py): a count, not a promise, in
+    # whole huge pages; None where /proc/self/smaps_rollup is missing (not Linux).
+    if sys.platform.startswith("linux"):
+        assert data["huge_page_bytes"] % HUGE_PAGE == 0
+    else:
+        assert data["huge_page_bytes"] is None
 
 
 # ------------------------------------------------------------------ --roofline, breakdown

@@ -108,7 +108,7 @@ def test_block_training_of_an_moe(tmp_path):
     by_name = {r.name: r for r in reports}
     assert set(untrained) == {n for n, r in by_name.items() if r.trained}
     assert any(".experts." in n for n in untrained)
-    assert not info.args.tie_embeddings and by_name["lm_head"].rel_output_error is not None
+    assert not info.args.tie_embeddings and 0 < by_name["lm_head"].rel_output_error < 1
     assert kl_to(model, ref, windows) < 0.1
 
 

@@ -31,7 +31,7 @@ def decode_logits(model, fused: bool, threads: int | None = None) -> torch.Tenso
     """Prefill PROMPT, then decode NEXT one token at a time; the decode steps' logits."""
     session = Session(model, threads=threads)
     if fused:
-        assert session.fused is not None
+        assert isinstance(session.fused, FusedDecode)
     else:
         session.fused = None  # Block.forward, the definition
     session.forward(PROMPT, 0)
@@ -54,7 +54,7 @@ def test_fused_equals_blocks(hf_dirs, arch, recipe, overrides):
     model = load_model(hf_dirs / arch, max_seq_len=64).model
     assert fused_step(model) is None  # float linears: the blocks run
     quantize_model(model, get_recipe(recipe, n_layers=model.args.n_layers, **overrides))
-    assert fused_step(model) is not None
+    assert isinstance(fused_step(model), FusedDecode)
     ref = decode_logits(model, fused=False)
     got = decode_logits(model, fused=True)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
@@ -69,7 +69,7 @@ def test_fused_runs_int6(tmp_path):
     quantize_model(model, get_recipe("int6"))
     linears = [m for n, m in model.named_modules() if n.endswith("proj")]
     assert linears and all(type(m) is Int6Linear for m in linears)
-    assert fused_step(model) is not None
+    assert isinstance(fused_step(model), FusedDecode)
     ref = decode_logits(model, fused=False)
     got = decode_logits(model, fused=True)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
@@ -86,7 +86,7 @@ def test_fused_runs_mixtures_of_experts(hf_dirs, arch, recipe, overrides):
     model = load_model(hf_dirs / arch, max_seq_len=64).model
     quantize_model(model, get_recipe(recipe, n_layers=model.args.n_layers, **overrides))
     step = fused_step(model)
-    assert step is not None and step._moe
+    assert isinstance(step, FusedDecode)
     assert sorted(step._moe) == [
         i for i in range(model.args.n_layers) if model.args.is_moe_layer(i)
     ]
@@ -171,7 +171,7 @@ def test_not_used_where_it_cannot_run(hf_dirs):
     assert fused_step(model) is None  # bfloat16 activations: the kernels take float32
     model = load_model(hf_dirs / "llama", max_seq_len=64).model
     quantize_model(model, get_recipe("int8"))
-    assert fused_step(model) is not None
+    assert isinstance(fused_step(model), FusedDecode)
     dequantize_model(model)  # float again: no plan over float modules
     assert fused_step(model) is None
     # Only the embeddings and output quantized: the blocks' linears are float.

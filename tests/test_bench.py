@@ -132,6 +132,7 @@ def test_bench_names_the_kernel_path():
     assert r.stdout == "scalar (prompts: float32)\n", r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
 def test_peak_rss_is_the_processs_own_not_its_parents():
     # exec carries the parent's peak into ru_maxrss; the child must report its own

@@ -51,6 +51,7 @@ def test_gradients_reach_weights_and_scales():
     assert t.u.grad.abs().sum() > 0 and t.a.grad.abs().sum() > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "smollm2"])
 def test_block_training_beats_rounding(tiny_dirs, arch):  # noqa: F811
     """On the calibration windows, Block-AP's model is nearer the float model than
@@ -89,6 +90,7 @@ def test_block_training_beats_rounding(tiny_dirs, arch):  # noqa: F811
     assert_runs_fused(model, windows[0].tolist(), tol=1e-3)
 
 
+@pytest.mark.slow
 def test_block_training_of_an_moe(tmp_path):
     """Experts train inside their block; an untied output layer, outside the blocks,
     takes GPTQ."""
@@ -129,6 +131,7 @@ def test_nothing_to_train_when_every_layer_is_imported(smollm2_gguf):
     assert calls == []
 
 
+@pytest.mark.slow
 def test_cli_train_blocks(tiny_dirs, tmp_path):  # noqa: F811
     text = tmp_path / "calib.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 40)  # 1760 bytes

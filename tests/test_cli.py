@@ -146,8 +146,9 @@ def bad_models(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
         ("unknown", ["unknown model 'smollm2-135'", "did you mean smollm2-135m"]),
         ("missing", ["no such file", "no.gguf"]),
         ("truncated", ["truncated"]),
-        ("corrupt", ["model.safetensors"]),
-        ("gpt2", ["unsupported architecture", "gpt2"]),
+        # each loads torch in the child: one such case in the fast tier
+        pytest.param("corrupt", ["model.safetensors"], marks=pytest.mark.slow),
+        pytest.param("gpt2", ["unsupported architecture", "gpt2"], marks=pytest.mark.slow),
     ],
 )
 def test_bad_model_is_one_line_exit_2(bad_models, case, words):
@@ -168,11 +169,13 @@ def test_a_prompt_alone_is_not_taken_for_a_model():
         assert_one_line_error(infer("run", model), 2, "empty prompt")
 
 
+@pytest.mark.slow
 def test_prompt_longer_than_ctx(smollm2_gguf):
     r = infer("run", smollm2_gguf, "word " * 100, "--ctx", "16")
     assert_one_line_error(r, 2, "longer than the context of 16", "--ctx")
 
 
+@pytest.mark.slow
 def test_debug_shows_traceback(bad_models):
     r = infer("run", bad_models["truncated"], "Hi", "--debug")
     assert r.returncode == 2
@@ -214,6 +217,7 @@ def test_one_shot_and_json_agree(smollm2_gguf, home_env):
     assert t["decode_tok_s"] > 0
 
 
+@pytest.mark.slow
 def test_no_chat_prompt_plus_stdin_and_max_tokens(smollm2_gguf):
     from infer.runtime.files.gguf import GGUFFile
     from infer.runtime.model.tokenizer import Tokenizer
@@ -232,6 +236,7 @@ def test_no_chat_prompt_plus_stdin_and_max_tokens(smollm2_gguf):
     assert data["text"].strip().startswith("7")
 
 
+@pytest.mark.slow
 def test_max_tokens_minus_one_fills_the_context(smollm2_gguf):
     r = infer(
         "run", smollm2_gguf, "Counting: 1, 2, 3,", "--no-chat", "-n", "-1", "--ctx", "40",
@@ -244,6 +249,7 @@ def test_max_tokens_minus_one_fills_the_context(smollm2_gguf):
     assert data["prompt_tokens"] + data["tokens_generated"] == 40 + 1
 
 
+@pytest.mark.slow
 def test_info(smollm2_gguf):
     r = infer("info", smollm2_gguf, "--json")
     assert r.returncode == 0, r.stderr
@@ -259,6 +265,7 @@ def test_info(smollm2_gguf):
     assert "Q4_1" in r.stdout and "layers" in r.stdout
 
 
+@pytest.mark.slow
 def test_list_and_pull_from_cache(home, home_env, tmp_path):
     r = infer("list", env=home_env)
     assert r.returncode == 0, r.stderr
@@ -310,6 +317,7 @@ class Terminal:
         return mark
 
 
+@pytest.mark.slow
 def test_interactive_chat(smollm2_gguf):
     term = Terminal("run", smollm2_gguf, *GREEDY, "-n", "300", "--verbose")
     try:

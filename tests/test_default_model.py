@@ -33,6 +33,7 @@ def test_golden_greedy_answer(smollm2):
     assert tok.decode(out) == GOLDEN
 
 
+@pytest.mark.slow
 def test_logits_match_transformers_gguf_loader(smollm2, smollm2_gguf):
     transformers = pytest.importorskip("transformers")
     ref = transformers.AutoModelForCausalLM.from_pretrained(
@@ -52,6 +53,7 @@ def test_logits_match_transformers_gguf_loader(smollm2, smollm2_gguf):
     torch.testing.assert_close(got, expected, atol=3e-2, rtol=0)
 
 
+@pytest.mark.slow
 def test_runs_its_blocks_on_the_kernels(smollm2, smollm2_gguf):
     """Q4_1 layers on the int4 kernels, the tied Q8_0 table on int8, as llama.cpp runs the
     file; the dequantized float model (`infer eval --ref`) is the same to ~1e-7 in KL."""

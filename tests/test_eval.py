@@ -122,6 +122,7 @@ def test_chunks_limit_the_windows_and_progress_counts_them(tiny):
     assert r.model.ppl == pytest.approx(ppl, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_bos_replaces_each_windows_first_token(tiny):
     lm = tiny["a"]
     tok = copy.copy(lm.tokenizer)
@@ -152,6 +153,7 @@ def test_kl_against_itself_is_zero(tiny):
     assert r.ref.ppl == r.model.ppl
 
 
+@pytest.mark.slow
 def test_kl_against_another_model_matches_torch(tiny):
     a, b = tiny["a"], tiny["b"]
     r = evaluate(a, TEXT, ctx=CTX, chunks=10, ref=b)

@@ -96,6 +96,7 @@ def test_gptq_beats_rounding_on_correlated_inputs(fmt, params):
     assert gptq.output_error(w, got, hessian(X)) == pytest.approx(err(got).item(), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_calibrated_int6_takes_its_own_search(tmp_path):
     # int6 (the output layer of the recipes below 8 bits) has no GPTQ grid: with
     # calibration it is quantized as without it
@@ -130,6 +131,7 @@ def test_calibration_windows():
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_layer_hessians_and_gptq_beat_rounding_on_a_model(tiny_dirs):
     """H is 2 X^T X / T of each layer's inputs (q/k/v share one), and GPTQ's output
     error on those inputs is below round-to-nearest's for every layer."""
@@ -184,6 +186,7 @@ def logits(model, tokens) -> torch.Tensor:
         return model(tokens, 0, model.new_cache(), all_logits=True).log_softmax(-1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "smollm2"])
 def test_quantize_model_with_calibration(tiny_dirs, arch):
     info = open_source(tiny_dirs[arch])
@@ -227,6 +230,7 @@ def test_quantize_model_with_calibration(tiny_dirs, arch):
     assert kl["gptq"] < kl["rtn"], kl
 
 
+@pytest.mark.slow
 def test_calibration_still_imports_gguf_blocks(smollm2_gguf):
     """int4 g32 asymmetric is the default model's Q4_1: every tensor is imported as it
     is, none needs a Hessian, so no calibration pass even runs."""
@@ -256,6 +260,7 @@ def infer(*args):
     )
 
 
+@pytest.mark.slow
 def test_cli_calibrate(tiny_dirs, tmp_path):
     text = tmp_path / "calib.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 40)  # 1760 bytes

@@ -421,6 +421,7 @@ def smollm2_float(smollm2_gguf, one_torch_thread):
     return load_model(smollm2_gguf, torch.float32, max_seq_len=64)
 
 
+@pytest.mark.slow
 @needs_c
 @pytest.mark.parametrize("to", ["int4", "int8"])
 def test_default_model_greedy_tokens_equal_reference(smollm2_float, smollm2_gguf, to, monkeypatch):

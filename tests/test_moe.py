@@ -136,6 +136,7 @@ def test_active_params_count_top_k_experts(pair):
     assert a.n_active_params == a.n_params - a.n_moe_layers * unused * expert
 
 
+@pytest.mark.slow
 def test_info_lists_experts(tmp_path):
     make_hf_model("qwen2_moe", tmp_path)  # with a shared expert
     a = open_source(tmp_path).args
@@ -543,6 +544,7 @@ def qwen2_moe_dir(tmp_path_factory):
     return path, make_hf_model("qwen2_moe", path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("to", "tolerance"), [("int8", 0.02), ("int4", 0.2)])
 def test_quantize_writes_one_unit_per_expert(qwen2_moe_dir, tmp_path, to, tolerance):
     path, ref = qwen2_moe_dir
@@ -589,6 +591,7 @@ def test_quantize_writes_one_unit_per_expert(qwen2_moe_dir, tmp_path, to, tolera
         assert json.loads(r.stdout)["tokens_generated"] == 4
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_gptq_rounds_experts_the_calibration_never_reaches(tmp_path):
     make_hf_model("mixtral", tmp_path)

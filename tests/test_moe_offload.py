@@ -166,6 +166,7 @@ def test_budget_sets_the_slots(moe):
 # -- outputs equal the resident run ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_cache_size_equals_resident(moe):
     expected = resident_logits(moe)
     ckpt = read_checkpoint(moe)
@@ -272,6 +273,7 @@ def test_budget_counts_the_routers_int8_copies(moe):
         off.close()
 
 
+@pytest.mark.slow
 def test_shared_expert_and_dense_layer_equal_resident(tmp_path):
     """Qwen2-MoE: a shared expert beside the cached ones, and a dense layer between MoE
     layers; the fused step binds experts one at a time around them."""
@@ -358,6 +360,7 @@ def test_float_experts_equal_resident(moe, tmp_path, stored):
         off.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ahead", [1, 2])
 def test_live_run_replays_to_the_same_counters(wide_moe, tmp_path, ahead):
     ckpt = read_checkpoint(wide_moe)
@@ -414,6 +417,7 @@ def drop_cache(path):
     os.close(fd)
 
 
+@pytest.mark.slow
 def test_footprint_stays_under_the_budget(wide_moe):
     ckpt = read_checkpoint(wide_moe)
     drop_cache(ckpt.file)
@@ -466,6 +470,7 @@ def infer(*args):
     return subprocess.run([*INFER, *args], capture_output=True, text=True, env=env, check=False)
 
 
+@pytest.mark.slow
 def test_cli_budget_policy_trace_and_replay(wide_moe, tmp_path):
     model = str(wide_moe)
     common = ["--no-chat", "-n", "8", "--temperature", "0", "--ctx", "64", "--json"]
@@ -523,6 +528,7 @@ def test_cli_budget_policy_trace_and_replay(wide_moe, tmp_path):
     assert text.returncode == 0 and "expert hit rate" in text.stdout
 
 
+@pytest.mark.slow
 def test_trace_of_a_resident_model_and_not_of_a_dense_one(moe, tmp_path):
     from tiny import make_hf_model
 

@@ -28,6 +28,8 @@ HARNESSES = {
     "q_neon_check": ("pool", "cpu", "scalar", "neon", "matmul", "igemm"),
 }
 
+pytestmark = pytest.mark.slow  # a cross compile and an emulated CPU per case
+
 
 @pytest.fixture(scope="module", params=list(HARNESSES))
 def binary(request, tmp_path_factory) -> Path:

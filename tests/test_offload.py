@@ -504,6 +504,7 @@ def infer(*args):
     return subprocess.run([*INFER, *args], capture_output=True, text=True, env=env, check=False)
 
 
+@pytest.mark.slow
 def test_cli_max_memory_end_to_end(wide):
     common = ["--no-chat", "-n", "6", "--temperature", "0", "--ctx", "64", "--json"]
     too_small = infer("run", str(wide), "hello", *common, "--max-memory", "50MB")

@@ -194,6 +194,7 @@ def test_quantize_keeps_what_the_recipe_skips(tiny_dirs):
     assert ((logits(model) - ref).norm() / ref.norm()) < 0.15
 
 
+@pytest.mark.slow
 def test_quantize_imports_gguf_blocks(smollm2_gguf):
     """The default model is Q4_1 with a Q8_0 table: int4 g32 asymmetric imports every
     tensor losslessly, so the dequantized model's logits are exactly the float model's.

@@ -26,6 +26,7 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to", ["int8", "int4", "mixed"])
 def test_quantize_then_run(tiny_dir, tmp_path, to):
     out = tmp_path / to
@@ -45,6 +46,7 @@ def test_quantize_then_run(tiny_dir, tmp_path, to):
     assert json.loads(r.stdout)["tokens_generated"] == 4
 
 
+@pytest.mark.slow
 def test_refuses_to_overwrite_without_force(tiny_dir, tmp_path):
     out = tmp_path / "q"
     assert infer("quantize", tiny_dir, "-o", out, "--to", "int8").returncode == 0
@@ -53,6 +55,7 @@ def test_refuses_to_overwrite_without_force(tiny_dir, tmp_path):
     assert infer("quantize", tiny_dir, "-o", out, "--to", "int4", "--force").returncode == 0
 
 
+@pytest.mark.slow
 def test_requantizes_a_quantized_checkpoint(tiny_dir, tmp_path):
     assert infer("quantize", tiny_dir, "-o", tmp_path / "a", "--to", "int8").returncode == 0
     r = infer("quantize", tmp_path / "a", "-o", tmp_path / "b", "--to", "int4", "--json")
@@ -66,6 +69,7 @@ def test_unknown_format_is_one_line(tiny_dir, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_low_bit_without_calibration_warns(tmp_path):
     src = tmp_path / "src"
     make_hf_model("llama", src, intermediate_size=128)  # widths a multiple of lut's 64

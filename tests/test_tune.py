@@ -70,6 +70,7 @@ def test_coarsened_kl_is_at_most_the_full_kl():
     assert (coarse <= full + 1e-5).all() and (coarse > 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "smollm2"])
 def test_tuning_lowers_the_kl_and_moves_only_scales(tiny_dirs, arch):  # noqa: F811
     info = open_source(tiny_dirs[arch])
@@ -98,6 +99,7 @@ def test_tuning_lowers_the_kl_and_moves_only_scales(tiny_dirs, arch):  # noqa: F
     assert_runs_fused(model, windows[0].tolist(), tol=1e-4)
 
 
+@pytest.mark.slow
 def test_quantize_model_with_tuning(tiny_dirs):  # noqa: F811
     info = open_source(tiny_dirs["smollm2"])
     gen = torch.Generator().manual_seed(0)
@@ -132,6 +134,7 @@ def test_nothing_to_tune_when_every_layer_is_imported(smollm2_gguf):
     assert calls == []
 
 
+@pytest.mark.slow
 def test_cli_tune(tiny_dirs, tmp_path):  # noqa: F811
     text = tmp_path / "calib.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 40)  # 1760 bytes

@@ -208,9 +208,9 @@ def test_units_in_file_order(tmp_path):
         "qwen3_moe", tmp_path / "src", num_hidden_layers=11, num_experts=11,
         num_experts_per_tok=1, hidden_size=32, head_dim=8, moe_intermediate_size=32,
     )  # fmt: skip
-    info = inspect_model(tmp_path / "src")
-    model = load_weights(info, torch.float32, 16)
-    save_checkpoint(model, info.config, load_tokenizer(info), tmp_path / "ck", source=SOURCE)
+    info = open_source(tmp_path / "src")
+    model = build(info, torch.float32, 16)
+    save_checkpoint(model, info.config, info.tokenizer(), tmp_path / "ck", source=SOURCE)
     ckpt = read_checkpoint(tmp_path / "ck")
     want = ["globals"]
     for i in range(11):

@@ -124,7 +124,7 @@ def test_bad_experts_are_refused(hf_dirs, monkeypatch):
     x = torch.zeros(1, 1, model.args.dim)
     weights = torch.ones(1, 2)
     for ids in ([[0, block.n_experts]], [[-1, 0]]):  # an expert the layer does not have
-        monkeypatch.setattr(block, "route", lambda xn, ids=ids: (torch.tensor(ids), weights))
+        monkeypatch.setattr(block, "select", lambda xn, ids=ids: (torch.tensor(ids), weights))
         with pytest.raises(ValueError, match="decode_experts: bad table"):
             step(x, 0)
 

@@ -3,7 +3,7 @@
     python benchmarks/moe_routing.py [--model /tmp/moe-shakespeare] [--tokens 8192]
         [--trace /tmp/moe-shakespeare-trace.npz] [--live CHECKPOINT --live-tokens 512]
 
-The model is benchmarks/train_moe.py's, run by infer's own runtime (runtime/moe.py) over
+The model is benchmarks/train_moe.py's, run by infer's own runtime (runtime/model/moe.py) over
 the held-out tenth of tinyshakespeare, in consecutive windows of the trained length (128).
 Hooks capture, for each MoE layer l, the router's probabilities and the hidden states
 from which layer l+1's experts are predicted with layer l+1's router (Fate):

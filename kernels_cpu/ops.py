@@ -155,7 +155,7 @@ def _launch(fn, x, K: int, N: int, weights: tuple, g: int, isa, threads):
 
 
 def q8_matmul(x, qweight, scales, group_size: int, *, isa: str | None = None, threads=None):
-    """y (..., N) = x (..., K) W^T for int8 W (quant/int8.py): qweight int8 (N, K); scales
+    """y (..., N) = x (..., K) W^T for int8 W (quant/formats/int8.py): qweight int8 (N, K); scales
     float16 (N, K/g) for group_size g in 32/64/128, float32 (N, 1) for 0 (per channel).
     x float32. isa: a path by name (default: the best, or INFER_KERNEL_ISA); threads:
     default get_num_threads()."""
@@ -179,7 +179,7 @@ def q8_matmul(x, qweight, scales, group_size: int, *, isa: str | None = None, th
 
 
 def q4_matmul(x, qweight, scales, mins, group_size: int, *, isa=None, threads=None):
-    """y (..., N) = x (..., K) W^T for int4 W (quant/int4.py): qweight uint8 (N, K/2);
+    """y (..., N) = x (..., K) W^T for int4 W (quant/formats/int4.py): qweight uint8 (N, K/2);
     scales and mins float16 (N, K/g), g in 32/64/128; mins None when symmetric.
     x float32. isa, threads: as q8_matmul."""
     g = group_size
@@ -206,7 +206,7 @@ def q4_matmul(x, qweight, scales, mins, group_size: int, *, isa=None, threads=No
 
 
 def q6_matmul(x, qweight, *, isa=None, threads=None):
-    """y (..., N) = x (..., K) W^T for int6 W (quant/int6.py): qweight uint8
+    """y (..., N) = x (..., K) W^T for int6 W (quant/formats/int6.py): qweight uint8
     (N, K/256*210), GGUF Q6_K's blocks. x float32. isa, threads: as q8_matmul."""
     if not (qweight.dtype is torch.uint8 and qweight.dim() == 2 and qweight.is_cpu
             and qweight.is_contiguous() and qweight.shape[1] % 210 == 0
@@ -227,7 +227,7 @@ def q6_matmul(x, qweight, *, isa=None, threads=None):
 
 
 def lut_matmul(x, qweight, scales, mins, group_size: int, *, isa=None, threads=None):
-    """y (..., N) = x (..., K) W^T for W in lut1..lut4 (quant/lut.py): qweight uint8
+    """y (..., N) = x (..., K) W^T for W in lut1..lut4 (quant/formats/lut.py): qweight uint8
     (b, N, K/8) bit planes, scales and mins float16 (N, K/g), g a multiple of 8; x float32.
     isa, threads: as q8_matmul. The activations go through int8 tables, so y is
     reference.lut_matmul's, within reference.lut_table_error_bound of the exact x W^T."""

@@ -1,7 +1,7 @@
 """The kernels' definitions in plain torch: what the C computes, up to summation order.
 
-Each function dequantizes W exactly as its format defines it (quant/int8.py,
-quant/int4.py: one float32 product, then a separate sum; quant/int6.py: exact products)
+Each function dequantizes W exactly as its format defines it (quant/formats/int8.py,
+quant/formats/int4.py: one float32 product, then a separate sum; quant/formats/int6.py: exact products)
 and computes y = x W^T in float32. The LUT kernel's reference (lut_matmul) is its
 int8-table arithmetic instead; lut_matmul_exact is the format's product. Kept free of
 imports from quant/, which routes its forwards through this package.
@@ -79,7 +79,7 @@ def q6_matmul(x, qweight) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------
-# lut1..lut4 (quant/lut.py): the T-MAC LUT GEMM (csrc/lut.c)
+# lut1..lut4 (quant/formats/lut.py): the T-MAC LUT GEMM (csrc/lut.c)
 #
 # The C builds, once per activation row, an int8 table for every 4 activations and looks
 # weight nibbles up in it; no weight is ever multiplied:
@@ -110,7 +110,7 @@ def dequantize_lut(
     qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """(b, N, K/8) uint8 bit planes, (N, K/g) float16 scales and mins -> float32 (N, K):
-    w = q * s + m (quant/lut.py's definition: one product, then a separate sum)."""
+    w = q * s + m (quant/formats/lut.py's definition: one product, then a separate sum)."""
     bits, N, nb = qweight.shape
     shifts = torch.arange(8, dtype=torch.uint8)
     bit = (qweight.unsqueeze(-1) >> shifts) & 1  # (b, N, K/8, 8): bit p of element 8t + i

@@ -1,7 +1,7 @@
 """A background reader: whole units of a checkpoint file into caller-owned buffers.
 
 A request is (unit, buffer); the answer is a `Ticket` to wait on. Units are the
-checkpoint's contiguous, page-aligned byte ranges (runtime/checkpoint.py), so one unit is
+checkpoint's contiguous, page-aligned byte ranges (runtime/files/checkpoint.py), so one unit is
 one read: "layers.N" for the layer stream, "layers.N.mlp.experts.E" for an expert cache.
 
 Reads bypass the page cache, so the process's footprint is what it allocates: O_DIRECT

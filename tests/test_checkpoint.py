@@ -285,7 +285,7 @@ def test_overwrite_needs_force(qwen2, tmp_path):
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
 def test_written_weights_leave_the_page_cache(qwen2, tmp_path, monkeypatch):
     """Pages just written are small folios; let go, the first load reads them back in
-    huge ones (runtime/hugepages.py)."""
+    huge ones (runtime/files/hugepages.py)."""
     model, _, _ = qwen2
     dropped, fadvise = [], os.posix_fadvise
 

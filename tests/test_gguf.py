@@ -1,4 +1,4 @@
-"""runtime/gguf_file.py against gguf-py: tiny files written with gguf.GGUFWriter, and the
+"""runtime/files/gguf.py against gguf-py: tiny files written with gguf.GGUFWriter, and the
 real default model read by both our reader and gguf.GGUFReader."""
 
 import struct

@@ -1,4 +1,4 @@
-"""runtime/hugepages.py: weights copied at load are written into one map of huge pages
+"""runtime/files/hugepages.py: weights copied at load are written into one map of huge pages
 (an arena), values intact; without huge pages they stay in torch's memory."""
 
 import mmap

@@ -1,4 +1,4 @@
-"""Mixture-of-experts architectures (runtime/moe.py) against transformers, from Hugging Face
+"""Mixture-of-experts architectures (runtime/model/moe.py) against transformers, from Hugging Face
 safetensors, GGUF (stacked expert tensors) and our own format (one unit per expert)."""
 
 import json

@@ -1,6 +1,6 @@
 /* One decoded token through every block of a dense Llama-family model, in one call.
 
-   The reference is runtime/llama.py: Block.forward for T = 1 (RMSNorm, q/k/v projections
+   The reference is runtime/model/llama.py: Block.forward for T = 1 (RMSNorm, q/k/v projections
    with optional bias, optional per-head q/k RMSNorm, rotate-half rope, KV cache write,
    grouped-query attention with an optional sliding window, o projection, residual, RMSNorm,
    SiLU(gate) * up, down projection, residual). kernels_cpu/decode.py builds the plan from
@@ -25,7 +25,7 @@
    A mixture-of-experts layer has kind 0 in its gate, up and down words: decode_layers
    stops there after the attention half, with the MoE input ffn_norm(x) in the scratch's
    first `dim` floats, and returns the layer's index. The caller routes that input
-   (runtime/moe.py's MoE.route, in torch: the routing is the model's own), and
+   (runtime/model/moe.py's MoE.route, in torch: the routing is the model's own), and
    decode_experts adds the chosen experts' weighted outputs (and a shared expert's) to x,
    as MoE.forward does for one token; then decode_layers goes on from the next layer.
    Experts are a table of (gate, up, down) LIN triples, one row per expert, the shared

@@ -106,9 +106,9 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
 /* ------------------------------------------------------------------------------------
  * Quantized matmul y (M, N) = x (M, K) W^T, float32 activations and results
  *
- * int8 (quant/int8.py): qw int8 (N, K); g = 0: scales float32 (N, 1), K any;
+ * int8 (quant/formats/int8.py): qw int8 (N, K); g = 0: scales float32 (N, 1), K any;
  *      g = 32/64/128: scales float16 (N, K/g); w = q * d.
- * int4 (quant/int4.py): qw uint8 (N, K/2), each 32-element run is 16 bytes, byte i =
+ * int4 (quant/formats/int4.py): qw uint8 (N, K/2), each 32-element run is 16 bytes, byte i =
  *      element i (low nibble) and element 16 + i (high nibble); scales (and mins when
  *      asymmetric) float16 (N, K/g), g = 32/64/128;
  *      symmetric w = (q - 8) * d, asymmetric w = q * d + m.
@@ -142,7 +142,7 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * x as two int8 digits, 15 significant bits per block of 32 (bf16 keeps 8 per element,
  * llama.cpp's Q8 activations 8 per block), faster than the float GEMM on prompts.
  *
- * int6 (quant/int6.py, GGUF Q6_K's blocks): qw uint8 (N, K / 256 * 210), K % 256 == 0,
+ * int6 (quant/formats/int6.py, GGUF Q6_K's blocks): qw uint8 (N, K / 256 * 210), K % 256 == 0,
  *      w = d * sc * (q - 32), q 6 bits, sc an int8 per 16, d a float16 per 256; scales
  *      and mins unused, g = 256. The GEMV runs on x as the int8 GEMV's digits (kernels.h
  *      XPREP8; |X| <= 2^21, 22 significant bits; 4 * 63 * 2^21 < 2^31) where the path

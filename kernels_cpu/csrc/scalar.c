@@ -93,7 +93,7 @@ static void q4_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
 
 /* ---------------------------------------------------------------------------------- */
 
-/* An int6 block's codes minus 32, in element order (quant/int6.py's layout): per half h
+/* An int6 block's codes minus 32, in element order (quant/formats/int6.py's layout): per half h
  * and quarter j, 32 elements from one run of ql and of qh. */
 static void q6_codes(const uint8_t *blk, int8_t q[Q6_BLOCK]) {
     for (int h = 0; h < 2; h++)

@@ -36,7 +36,7 @@ quantized (the embedding wraps it), as "embed_tokens.weight" when float. A quant
 embedding that is not tied is the module "embed_tokens.table" (QuantEmbedding.table).
 
 Units are name prefixes: a tensor belongs to the unit its name starts with (`unit_of`),
-"globals" if none. A mixture-of-experts layer (runtime/moe.py) stores each expert as its
+"globals" if none. A mixture-of-experts layer (runtime/model/moe.py) stores each expert as its
 own unit, "layers.N.mlp.experts.E" (its gate, up and down projections), written after the
 unit "layers.N" that keeps the layer's attention, norms, router and any shared expert:
 one aligned read fetches one expert. Nothing else in the format changes.
@@ -316,7 +316,7 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: d
         os.fsync(f.fileno())
         # The pages just written sit in the page cache in small folios, which a map cannot
         # take 2 MiB at a time; let them go, so the first load reads the file back in
-        # huge ones (runtime/hugepages.py): one read from disk, faster decode after it.
+        # huge ones (runtime/files/hugepages.py): one read from disk, faster decode after it.
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 

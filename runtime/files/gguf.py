@@ -214,7 +214,7 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    # Mixture of experts (runtime/moe.py)
+    # Mixture of experts (runtime/model/moe.py)
     "ffn_gate_inp": "mlp.gate",  # the router
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
@@ -272,7 +272,7 @@ class GGUFFile:
         # zero-copy tensors need no warning and an accidental in-place op copies a page
         # instead of faulting. Pages are read from disk only when touched.
         self._map = np.memmap(self.path, dtype=np.uint8, mode="c")
-        # Pages read from now on come in 2 MiB folios, mapped whole (runtime/hugepages.py).
+        # Pages read from now on come in 2 MiB folios, mapped whole (runtime/files/hugepages.py).
         hugepages.advise(self._map)
         r = _HeaderReader(memoryview(self._map), self.path)
 

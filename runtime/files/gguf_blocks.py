@@ -9,12 +9,12 @@ ggml_half = IEEE float16):
 
 where in the 4-bit types q_i is the low nibble of qs[i] and q_(16+i) its high nibble.
 Q6_K's 256-element blocks (210 bytes, w = d * sc * (q - 32)) are int6's layout as they
-are (quant/int6.py): import copies each row's blocks.
+are (quant/formats/int6.py): import copies each row's blocks.
 A row of K elements is K/32 consecutive blocks. Our int8 (group 32) and int4 (group 32)
 layouts were chosen so that each block's `qs` is one 32-element run of `qweight` as is,
 and d (and m) one entry of `scales` (and `mins`): import splits the blocks into those
 columns and changes no bit, and the result's `dequantize()` equals
-`infer.runtime.gguf_file.dequantize` (and so gguf-py's) exactly, as the tests check.
+`gguf_tensor.dequantize` (and so gguf-py's) exactly, as the tests check.
 
 This is how a GGUF file's such tensors load to run (sources.GGUFSource), and how
 `infer quantize` carries them into a checkpoint whose recipe asks for their format.

@@ -1,7 +1,7 @@
 """ModelArgs: the architecture numbers of a Llama-family checkpoint, dense or mixture-of-experts.
 
 Every number comes from the checkpoint (config.json, or GGUF metadata turned into
-a config.json-style dict by `gguf_file.GGUFFile.config`); nothing is guessed from
+a config.json-style dict by `files.gguf.GGUFFile.config`); nothing is guessed from
 a file or model name.
 """
 
@@ -50,7 +50,7 @@ class ModelArgs:
     sliding_window: int | None = None  # Mistral v0.1
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
-    # Mixture of experts (runtime/moe.py); n_experts = 0 is a dense model.
+    # Mixture of experts (runtime/model/moe.py); n_experts = 0 is a dense model.
     n_experts: int = 0
     n_experts_per_tok: int = 0  # top-k
     moe_hidden_dim: int = 0  # intermediate size of each routed expert

@@ -11,12 +11,34 @@ import os
 import sys
 from contextlib import nullcontext
 
+from .. import InferError
 from .options import DType
 
 
 def is_tty() -> bool:
     """Rich output (tables, spinners, colour) only when both streams are terminals."""
     return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def utf8_text(data: bytes, what: str) -> str:
+    """`data` as UTF-8 text, or an InferError naming `what` and the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InferError(f"{what}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def utf8_arg(value: str | None, what: str) -> str | None:
+    """A command-line argument checked to be UTF-8 text. Python decodes argv with
+    surrogate escapes, so bytes that are not UTF-8 arrive as lone surrogates; give
+    back the bytes to name the first bad one."""
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return utf8_text(os.fsencode(value), what)
+    return value
 
 
 def set_threads(threads: int | None) -> int:

@@ -29,6 +29,8 @@ from .common import (
     set_threads,
     status,
     torch_dtype,
+    utf8_arg,
+    utf8_text,
 )
 from .eval_cmd import eval_model
 from .options import (
@@ -154,9 +156,11 @@ def run(
     The prompt is PROMPT, or stdin when it is piped, or PROMPT, a blank line and
     stdin when both are given. Only the answer goes to stdout.
     """
+    prompt, system = utf8_arg(prompt, "PROMPT"), utf8_arg(system, "--system")
     interactive = prompt is None and sys.stdin.isatty()
     if not interactive:
-        piped = None if sys.stdin.isatty() else sys.stdin.read().rstrip()
+        piped = None if sys.stdin.isatty() else utf8_text(sys.stdin.buffer.read(), "stdin")
+        piped = piped and piped.replace("\r\n", "\n").rstrip()  # as text mode read it
         prompt = "\n\n".join(p for p in (prompt, piped) if p)
         if not prompt.strip():
             _prompt_in_place_of_model(model)

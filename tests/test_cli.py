@@ -26,13 +26,15 @@ def _env(**extra) -> dict:
 
 
 def infer(*args, stdin: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `infer ARGS` with stdin a pipe (never the test runner's terminal)."""
+    """Run `infer ARGS` with stdin a pipe (never the test runner's terminal).
+    Lone surrogates in ARGS or stdin ("\udce9") go as the bytes they escape (0xe9)."""
     return subprocess.run(
         [sys.executable, "-m", "infer.cli.main", *map(str, args)],
         check=False,
         input=stdin,
         capture_output=True,
         text=True,
+        errors="surrogateescape",
         env=env or _env(),
         timeout=300,
     )
@@ -158,6 +160,16 @@ def test_bad_model_is_one_line_exit_2(bad_models, case, words):
 
 def test_empty_prompt_is_an_error(smollm2_gguf):
     assert_one_line_error(infer("run", smollm2_gguf, stdin="  \n"), 2, "empty prompt")
+
+
+def test_prompt_that_is_not_utf8_is_an_error(smollm2_gguf):
+    # 0xe9 is "é" in Latin-1; in UTF-8 it starts a sequence that "\n" or "!" breaks.
+    r = infer("run", smollm2_gguf, stdin="caf\udce9\n")
+    assert_one_line_error(r, 2, "stdin: not UTF-8 text", "at byte 3")
+    r = infer("run", smollm2_gguf, "caf\udce9!")
+    assert_one_line_error(r, 2, "PROMPT: not UTF-8 text", "at byte 3")
+    r = infer("run", smollm2_gguf, "Hi", "--system", "\udcff")
+    assert_one_line_error(r, 2, "--system: not UTF-8 text", "at byte 0")
 
 
 def test_a_prompt_alone_is_not_taken_for_a_model():

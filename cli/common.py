@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 from .. import InferError
 from .options import DType
@@ -39,6 +39,19 @@ def utf8_arg(value: str | None, what: str) -> str | None:
     except UnicodeEncodeError:
         return utf8_text(os.fsencode(value), what)
     return value
+
+
+@contextmanager
+def quiet_broken_pipe():
+    """A reader that leaves early (`infer run ... | head -n 1`) ends the command quietly
+    with status 141, as a process killed by SIGPIPE would (SIGPIPE itself stays ignored:
+    it would also kill a download whose connection drops)."""
+    try:
+        yield
+    except BrokenPipeError:
+        # stdout to /dev/null, or the flush at exit fails again and says so on stderr.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None
 
 
 def set_threads(threads: int | None) -> int:

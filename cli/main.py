@@ -26,6 +26,7 @@ from .common import (
     is_tty,
     print_json,
     print_table,
+    quiet_broken_pipe,
     set_threads,
     status,
     torch_dtype,
@@ -117,6 +118,7 @@ def _prompt_in_place_of_model(model: str | None) -> None:
 
 
 @app.command()
+@quiet_broken_pipe()
 def run(
     model: ModelArg = None,
     prompt: Annotated[

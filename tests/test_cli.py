@@ -229,6 +229,20 @@ def test_one_shot_and_json_agree(smollm2_gguf, home_env):
     assert t["decode_tok_s"] > 0
 
 
+def test_reader_that_leaves_early_ends_it_quietly(smollm2_gguf):
+    # As `infer run ... | head -n 1`: the pipe closes while the answer still streams.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer.cli.main", "run", smollm2_gguf, "1\n2\n3\n4\n",
+         "--no-chat", "-n", "200", *GREEDY],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+    )  # fmt: skip
+    proc.stdout.readline()
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) in (0, 141), stderr
+    assert stderr == ""
+
+
 @pytest.mark.slow
 def test_no_chat_prompt_plus_stdin_and_max_tokens(smollm2_gguf):
     from infer.runtime.files.gguf import GGUFFile

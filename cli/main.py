@@ -256,6 +256,8 @@ def run(
         )
     else:
         print("" if answer.text.endswith("\n") else "\n", end="", flush=True)
+    if note := answer.context_note():
+        print(note, file=sys.stderr)
     _save_trace(lm, trace)
     if verbose:
         print(answer.stats_line(), file=sys.stderr)

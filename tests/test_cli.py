@@ -273,6 +273,14 @@ def test_max_tokens_minus_one_fills_the_context(smollm2_gguf):
     assert data["finish_reason"] == "length"
     # The last token is sampled, never fed back, so it needs no place in the context.
     assert data["prompt_tokens"] + data["tokens_generated"] == 40 + 1
+    assert r.stderr == "note: the context of 40 tokens is full (raise --ctx)\n"
+
+
+def test_a_full_context_is_said_on_stderr(smollm2_gguf):
+    r = infer("run", smollm2_gguf, "Counting: 1, 2, 3,", "--no-chat", "-n", "100", "--ctx", "24")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and r.stdout.endswith("\n")  # the answer, as ever
+    assert r.stderr == "note: the context of 24 tokens is full (raise --ctx)\n"
 
 
 @pytest.mark.slow

@@ -194,6 +194,12 @@ def run(
             record_routing=trace is not None,
             expert_prediction=expert_prediction and expert_prediction.value,
         )
+    if ctx is not None and ctx > lm.model.max_seq_len:  # the loader clamped it
+        print(
+            f"warning: --ctx {ctx} is more than the {lm.model.max_seq_len} tokens "
+            f"{resolved.name} was trained on; using {lm.model.max_seq_len}",
+            file=sys.stderr,
+        )
     if verbose:
         print(
             f"loaded {resolved.name} in {lm.load_seconds:.2f} s "

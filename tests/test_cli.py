@@ -283,6 +283,16 @@ def test_a_full_context_is_said_on_stderr(smollm2_gguf):
     assert r.stderr == "note: the context of 24 tokens is full (raise --ctx)\n"
 
 
+def test_ctx_beyond_the_trained_context_warns(smollm2_gguf):
+    r = infer("run", smollm2_gguf, "Hi", "-n", "4", "--ctx", "100000", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens_generated"] > 0
+    assert r.stderr == (
+        f"warning: --ctx 100000 is more than the 8192 tokens {smollm2_gguf.stem} "
+        "was trained on; using 8192\n"
+    )
+
+
 @pytest.mark.slow
 def test_info(smollm2_gguf):
     r = infer("info", smollm2_gguf, "--json")

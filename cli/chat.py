@@ -29,6 +29,20 @@ class Answer:
     ttft_s: float = 0.0  # prefill + first sample
     decode_s: float = 0.0  # first token to last token
     n_decoded: int = 0  # forward passes in decode_s
+    context: int = 0  # the session's positions; a "length" answer may have filled them
+
+    @property
+    def context_full(self) -> bool:
+        # The last token is sampled, never fed back: a full context holds context + 1.
+        return self.finish_reason == "length" and (
+            self.prompt_tokens + len(self.tokens) > self.context
+        )
+
+    def context_note(self) -> str | None:
+        """One line for stderr when the answer stopped because the context is full."""
+        if not self.context_full:
+            return None
+        return f"note: the context of {self.context} tokens is full (raise --ctx)"
 
     @property
     def prefill_tok_s(self) -> float:
@@ -76,7 +90,7 @@ def stream_answer(
     """
     if max_tokens < 0:
         max_tokens = session.max_seq_len  # generate() stops when the context is full
-    answer = Answer(len(prompt), session.reused_prefix(prompt))
+    answer = Answer(len(prompt), session.reused_prefix(prompt), context=session.max_seq_len)
     if max_tokens == 0:
         return answer
     decoder = tok.stream_decoder()
@@ -230,6 +244,8 @@ def chat_loop(lm: LoadedModel, settings: ChatSettings) -> None:
         print("" if answer.text.endswith("\n") else "\n", end="", file=out, flush=True)
         if answer.finish_reason == "interrupted":
             print("(stopped)", file=sys.stderr)
+        if note := answer.context_note():
+            print(note, file=sys.stderr)
         if settings.verbose:
             print(answer.stats_line(), file=sys.stderr)
             if line := stream_line(lm):

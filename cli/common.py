@@ -9,14 +9,49 @@ from __future__ import annotations
 import json
 import os
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
+from .. import InferError
 from .options import DType
 
 
 def is_tty() -> bool:
     """Rich output (tables, spinners, colour) only when both streams are terminals."""
     return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def utf8_text(data: bytes, what: str) -> str:
+    """`data` as UTF-8 text, or an InferError naming `what` and the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InferError(f"{what}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def utf8_arg(value: str | None, what: str) -> str | None:
+    """A command-line argument checked to be UTF-8 text. Python decodes argv with
+    surrogate escapes, so bytes that are not UTF-8 arrive as lone surrogates; give
+    back the bytes to name the first bad one."""
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return utf8_text(os.fsencode(value), what)
+    return value
+
+
+@contextmanager
+def quiet_broken_pipe():
+    """A reader that leaves early (`infer run ... | head -n 1`) ends the command quietly
+    with status 141, as a process killed by SIGPIPE would (SIGPIPE itself stays ignored:
+    it would also kill a download whose connection drops)."""
+    try:
+        yield
+    except BrokenPipeError:
+        # stdout to /dev/null, or the flush at exit fails again and says so on stderr.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None
 
 
 def set_threads(threads: int | None) -> int:

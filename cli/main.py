@@ -26,9 +26,12 @@ from .common import (
     is_tty,
     print_json,
     print_table,
+    quiet_broken_pipe,
     set_threads,
     status,
     torch_dtype,
+    utf8_arg,
+    utf8_text,
 )
 from .eval_cmd import eval_model
 from .options import (
@@ -115,6 +118,7 @@ def _prompt_in_place_of_model(model: str | None) -> None:
 
 
 @app.command()
+@quiet_broken_pipe()
 def run(
     model: ModelArg = None,
     prompt: Annotated[
@@ -154,9 +158,11 @@ def run(
     The prompt is PROMPT, or stdin when it is piped, or PROMPT, a blank line and
     stdin when both are given. Only the answer goes to stdout.
     """
+    prompt, system = utf8_arg(prompt, "PROMPT"), utf8_arg(system, "--system")
     interactive = prompt is None and sys.stdin.isatty()
     if not interactive:
-        piped = None if sys.stdin.isatty() else sys.stdin.read().rstrip()
+        piped = None if sys.stdin.isatty() else utf8_text(sys.stdin.buffer.read(), "stdin")
+        piped = piped and piped.replace("\r\n", "\n").rstrip()  # as text mode read it
         prompt = "\n\n".join(p for p in (prompt, piped) if p)
         if not prompt.strip():
             _prompt_in_place_of_model(model)
@@ -187,6 +193,12 @@ def run(
             expert_policy=expert_policy and expert_policy.value,
             record_routing=trace is not None,
             expert_prediction=expert_prediction and expert_prediction.value,
+        )
+    if ctx is not None and ctx > lm.model.max_seq_len:  # the loader clamped it
+        print(
+            f"warning: --ctx {ctx} is more than the {lm.model.max_seq_len} tokens "
+            f"{resolved.name} was trained on; using {lm.model.max_seq_len}",
+            file=sys.stderr,
         )
     if verbose:
         print(
@@ -250,6 +262,8 @@ def run(
         )
     else:
         print("" if answer.text.endswith("\n") else "\n", end="", flush=True)
+    if note := answer.context_note():
+        print(note, file=sys.stderr)
     _save_trace(lm, trace)
     if verbose:
         print(answer.stats_line(), file=sys.stderr)

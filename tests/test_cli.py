@@ -26,13 +26,15 @@ def _env(**extra) -> dict:
 
 
 def infer(*args, stdin: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `infer ARGS` with stdin a pipe (never the test runner's terminal)."""
+    """Run `infer ARGS` with stdin a pipe (never the test runner's terminal).
+    Lone surrogates in ARGS or stdin ("\udce9") go as the bytes they escape (0xe9)."""
     return subprocess.run(
         [sys.executable, "-m", "infer.cli.main", *map(str, args)],
         check=False,
         input=stdin,
         capture_output=True,
         text=True,
+        errors="surrogateescape",
         env=env or _env(),
         timeout=300,
     )
@@ -160,6 +162,16 @@ def test_empty_prompt_is_an_error(smollm2_gguf):
     assert_one_line_error(infer("run", smollm2_gguf, stdin="  \n"), 2, "empty prompt")
 
 
+def test_prompt_that_is_not_utf8_is_an_error(smollm2_gguf):
+    # 0xe9 is "é" in Latin-1; in UTF-8 it starts a sequence that "\n" or "!" breaks.
+    r = infer("run", smollm2_gguf, stdin="caf\udce9\n")
+    assert_one_line_error(r, 2, "stdin: not UTF-8 text", "at byte 3")
+    r = infer("run", smollm2_gguf, "caf\udce9!")
+    assert_one_line_error(r, 2, "PROMPT: not UTF-8 text", "at byte 3")
+    r = infer("run", smollm2_gguf, "Hi", "--system", "\udcff")
+    assert_one_line_error(r, 2, "--system: not UTF-8 text", "at byte 0")
+
+
 def test_a_prompt_alone_is_not_taken_for_a_model():
     r = infer("run", "What is the capital of France?")
     assert_one_line_error(r, 2, "MODEL comes before PROMPT")
@@ -217,6 +229,20 @@ def test_one_shot_and_json_agree(smollm2_gguf, home_env):
     assert t["decode_tok_s"] > 0
 
 
+def test_reader_that_leaves_early_ends_it_quietly(smollm2_gguf):
+    # As `infer run ... | head -n 1`: the pipe closes while the answer still streams.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer.cli.main", "run", smollm2_gguf, "1\n2\n3\n4\n",
+         "--no-chat", "-n", "200", *GREEDY],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+    )  # fmt: skip
+    proc.stdout.readline()
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) in (0, 141), stderr
+    assert stderr == ""
+
+
 @pytest.mark.slow
 def test_no_chat_prompt_plus_stdin_and_max_tokens(smollm2_gguf):
     from infer.runtime.files.gguf import GGUFFile
@@ -247,6 +273,24 @@ def test_max_tokens_minus_one_fills_the_context(smollm2_gguf):
     assert data["finish_reason"] == "length"
     # The last token is sampled, never fed back, so it needs no place in the context.
     assert data["prompt_tokens"] + data["tokens_generated"] == 40 + 1
+    assert r.stderr == "note: the context of 40 tokens is full (raise --ctx)\n"
+
+
+def test_a_full_context_is_said_on_stderr(smollm2_gguf):
+    r = infer("run", smollm2_gguf, "Counting: 1, 2, 3,", "--no-chat", "-n", "100", "--ctx", "24")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and r.stdout.endswith("\n")  # the answer, as ever
+    assert r.stderr == "note: the context of 24 tokens is full (raise --ctx)\n"
+
+
+def test_ctx_beyond_the_trained_context_warns(smollm2_gguf):
+    r = infer("run", smollm2_gguf, "Hi", "-n", "4", "--ctx", "100000", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens_generated"] > 0
+    assert r.stderr == (
+        f"warning: --ctx 100000 is more than the 8192 tokens {smollm2_gguf.stem} "
+        "was trained on; using 8192\n"
+    )
 
 
 @pytest.mark.slow

@@ -3,8 +3,9 @@
 Commands parse options, call one library function, and print. torch and the
 runtime are imported inside the commands so that `infer --help` stays instant.
 Errors: `main()` turns an InferError into `error: <message>` on one line with its
-exit code, anything else into one line and exit 1; --debug (or INFER_DEBUG=1)
-adds the traceback.
+exit code, a usage error (a bad option or argument) into one line and exit 2 unless
+stderr is a terminal, anything else into one line and exit 1; --debug (or
+INFER_DEBUG=1) adds the traceback.
 """
 
 from __future__ import annotations
@@ -501,15 +502,28 @@ def main() -> None:
     # kernels' thread pool needs, slowing decoding many times over.
     # Set before torch is imported (commands import it lazily); the user's value wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    debug = _debug_requested(sys.argv[1:])
+    argv = sys.argv[1:]
+    debug = _debug_requested(argv)
+    # On a terminal, Typer reports usage errors itself (usage, hint, a box), as it shows
+    # the help for a bare `infer`. Elsewhere they reach us, to read as one line.
+    standalone = sys.stderr.isatty() or not argv
     try:
-        app(prog_name="infer")
+        code = app(prog_name="infer", standalone_mode=standalone)
+    except typer.TyperException as err:  # click's errors; usage errors exit 2
+        message = " ".join(err.format_message().split())
+        print(f"error: {message[:1].lower()}{message[1:]}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except typer.Abort:
+        print("error: aborted", file=sys.stderr)
+        sys.exit(1)
     except InferError as err:
         _fail(err, err.exit_code, debug)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as err:  # noqa: BLE001  (anything unexpected: one line, exit 1)
         _fail(err, 1, debug)
+    # Not standalone, the app returns instead of exiting: the code of an Exit (--help).
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,11 @@ Threads = Annotated[
 Ctx = Annotated[
     int | None,
     typer.Option(
-        "--ctx", min=1, help="Context length in tokens. Default: min(model context, 4096)."
+        "--ctx",
+        "-c",
+        "--ctx-size",  # llama.cpp's spelling
+        min=1,
+        help="Context length in tokens. Default: min(model context, 4096).",
     ),
 ]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Compute dtype.")]
@@ -136,6 +140,7 @@ Temperature = Annotated[
     float,
     typer.Option(
         "--temperature",
+        "--temp",  # llama.cpp's spelling
         min=0.0,
         help="Sampling temperature; 0 is greedy and deterministic.",
         rich_help_panel=_SAMPLING,
@@ -179,6 +184,9 @@ RepeatPenalty = Annotated[
 Seed = Annotated[
     int | None,
     typer.Option(
-        "--seed", help="Random seed, for reproducible sampling.", rich_help_panel=_SAMPLING
+        "--seed",
+        "-s",  # as llama.cpp
+        help="Random seed, for reproducible sampling.",
+        rich_help_panel=_SAMPLING,
     ),
 ]

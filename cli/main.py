@@ -33,6 +33,7 @@ from .common import (
 )
 from .eval_cmd import eval_model
 from .options import (
+    FLAG,
     Ctx,
     Debug,
     DType,
@@ -40,6 +41,7 @@ from .options import (
     ExpertPolicyOpt,
     ExpertPredictionOpt,
     Json,
+    JsonList,
     MaxMemory,
     MaxTokens,
     MinP,
@@ -95,7 +97,9 @@ def _version(value: bool) -> None:
 def _root(
     version: Annotated[
         bool | None,
-        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+        typer.Option(
+            "--version", metavar=FLAG, callback=_version, is_eager=True, help="Print the version."
+        ),
     ] = None,
     debug: Debug = False,
 ) -> None:
@@ -137,7 +141,10 @@ def run(
         str | None, typer.Option("--system", help="System message for the chat template.")
     ] = None,
     no_chat: Annotated[
-        bool, typer.Option("--no-chat", help="Complete the prompt as raw text, no chat template.")
+        bool,
+        typer.Option(
+            "--no-chat", metavar=FLAG, help="Complete the prompt as raw text, no chat template."
+        ),
     ] = False,
     threads: Threads = None,
     ctx: Ctx = None,
@@ -261,7 +268,9 @@ def run(
 @app.command()
 def pull(
     model: RequiredModelArg,
-    force: Annotated[bool, typer.Option("--force", help="Fetch again even if cached.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", metavar=FLAG, help="Fetch again even if cached.")
+    ] = False,
     debug: Debug = False,
 ) -> None:
     """Download a model into the cache (progress on stderr); print its path."""
@@ -271,7 +280,7 @@ def pull(
 
 
 @app.command(name="list")
-def list_models(json_out: Json = False, debug: Debug = False) -> None:
+def list_models(json_out: JsonList = False, debug: Debug = False) -> None:
     """List the models on disk."""
     from ..runtime.registry import list_cached
 
@@ -386,6 +395,7 @@ def bench(
         bool,
         typer.Option(
             "--roofline",
+            metavar=FLAG,
             help="Also measure memory read bandwidth, the decode ceiling it sets "
             "(bandwidth / weight bytes per token), and split decode time into linear "
             "layers vs the rest.",

@@ -406,7 +406,7 @@ def test_llama_cpp_short_forms_run(smollm2_gguf):
 
 
 def test_no_option_name_is_used_twice():
-    # Click does not complain when two options of a command share a name: the last wins.
+    # Typer (its vendored click) does not warn when two options of a command share a name.
     from typer.main import get_command
 
     from infer.cli.main import app

@@ -38,7 +38,14 @@ TextFile = Annotated[
     ),
 ]
 WindowCtx = Annotated[
-    int, typer.Option("--ctx", "-c", min=4, help="Tokens per window; the second half is scored.")
+    int,
+    typer.Option(
+        "--ctx",
+        "-c",
+        "--ctx-size",  # llama-perplexity's spelling
+        min=4,
+        help="Tokens per window; the second half is scored.",
+    ),
 ]
 Chunks = Annotated[
     int | None,

@@ -3,8 +3,9 @@
 Commands parse options, call one library function, and print. torch and the
 runtime are imported inside the commands so that `infer --help` stays instant.
 Errors: `main()` turns an InferError into `error: <message>` on one line with its
-exit code, anything else into one line and exit 1; --debug (or INFER_DEBUG=1)
-adds the traceback.
+exit code, a usage error (a bad option or argument) into one line and exit 2 unless
+stderr is a terminal, anything else into one line and exit 1; --debug (or
+INFER_DEBUG=1) adds the traceback.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .common import (
 )
 from .eval_cmd import eval_model
 from .options import (
+    FLAG,
     Ctx,
     Debug,
     DType,
@@ -42,6 +44,7 @@ from .options import (
     ExpertPolicyOpt,
     ExpertPredictionOpt,
     Json,
+    JsonList,
     MaxMemory,
     MaxTokens,
     MinP,
@@ -97,7 +100,9 @@ def _version(value: bool) -> None:
 def _root(
     version: Annotated[
         bool | None,
-        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+        typer.Option(
+            "--version", metavar=FLAG, callback=_version, is_eager=True, help="Print the version."
+        ),
     ] = None,
     debug: Debug = False,
 ) -> None:
@@ -140,7 +145,10 @@ def run(
         str | None, typer.Option("--system", help="System message for the chat template.")
     ] = None,
     no_chat: Annotated[
-        bool, typer.Option("--no-chat", help="Complete the prompt as raw text, no chat template.")
+        bool,
+        typer.Option(
+            "--no-chat", metavar=FLAG, help="Complete the prompt as raw text, no chat template."
+        ),
     ] = False,
     threads: Threads = None,
     ctx: Ctx = None,
@@ -274,7 +282,9 @@ def run(
 @app.command()
 def pull(
     model: RequiredModelArg,
-    force: Annotated[bool, typer.Option("--force", help="Fetch again even if cached.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", metavar=FLAG, help="Fetch again even if cached.")
+    ] = False,
     debug: Debug = False,
 ) -> None:
     """Download a model into the cache (progress on stderr); print its path."""
@@ -284,7 +294,7 @@ def pull(
 
 
 @app.command(name="list")
-def list_models(json_out: Json = False, debug: Debug = False) -> None:
+def list_models(json_out: JsonList = False, debug: Debug = False) -> None:
     """List the models on disk."""
     from ..runtime.registry import list_cached
 
@@ -399,6 +409,7 @@ def bench(
         bool,
         typer.Option(
             "--roofline",
+            metavar=FLAG,
             help="Also measure memory read bandwidth, the decode ceiling it sets "
             "(bandwidth / weight bytes per token), and split decode time into linear "
             "layers vs the rest.",
@@ -515,15 +526,28 @@ def main() -> None:
     # kernels' thread pool needs, slowing decoding many times over.
     # Set before torch is imported (commands import it lazily); the user's value wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    debug = _debug_requested(sys.argv[1:])
+    argv = sys.argv[1:]
+    debug = _debug_requested(argv)
+    # On a terminal, Typer reports usage errors itself (usage, hint, a box), as it shows
+    # the help for a bare `infer`. Elsewhere they reach us, to read as one line.
+    standalone = sys.stderr.isatty() or not argv
     try:
-        app(prog_name="infer")
+        code = app(prog_name="infer", standalone_mode=standalone)
+    except typer.TyperException as err:  # click's errors; usage errors exit 2
+        message = " ".join(err.format_message().split())
+        print(f"error: {message[:1].lower()}{message[1:]}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except typer.Abort:
+        print("error: aborted", file=sys.stderr)
+        sys.exit(1)
     except InferError as err:
         _fail(err, err.exit_code, debug)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as err:  # noqa: BLE001  (anything unexpected: one line, exit 1)
         _fail(err, 1, debug)
+    # Not standalone, the app returns instead of exiting: the code of an Exit (--help).
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ class ExpertPrediction(str, Enum):
 
 
 _SAMPLING = "Sampling"
+# The metavar of a boolean flag: none. Typer's default, `<bool>`, reads as if it took a value.
+FLAG = ""
 
 ModelArg = Annotated[
     str | None,
@@ -65,7 +67,11 @@ Threads = Annotated[
 Ctx = Annotated[
     int | None,
     typer.Option(
-        "--ctx", min=1, help="Context length in tokens. Default: min(model context, 4096)."
+        "--ctx",
+        "-c",
+        "--ctx-size",  # llama.cpp's spelling
+        min=1,
+        help="Context length in tokens. Default: min(model context, 4096).",
     ),
 ]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Compute dtype.")]
@@ -113,15 +119,25 @@ TraceOut = Annotated[
     ),
 ]
 Json = Annotated[
-    bool, typer.Option("--json", help="Print one JSON object instead of text or a table.")
+    bool,
+    typer.Option("--json", metavar=FLAG, help="Print one JSON object instead of text or a table."),
+]
+JsonList = Annotated[
+    bool,
+    typer.Option(
+        "--json", metavar=FLAG, help="Print a JSON array, one object per model, instead of a table."
+    ),
 ]
 Verbose = Annotated[
-    bool, typer.Option("--verbose", "-v", help="Print timing statistics on stderr.")
+    bool, typer.Option("--verbose", "-v", metavar=FLAG, help="Print timing statistics on stderr.")
 ]
 # main() reads --debug (and INFER_DEBUG=1) itself, so that errors raised before or
 # outside a command still get their traceback; the option is declared so it parses.
 Debug = Annotated[
-    bool, typer.Option("--debug", help="Show the full traceback on errors (or INFER_DEBUG=1).")
+    bool,
+    typer.Option(
+        "--debug", metavar=FLAG, help="Show the full traceback on errors (or INFER_DEBUG=1)."
+    ),
 ]
 
 # --- sampling --------------------------------------------------------------------------
@@ -136,6 +152,7 @@ Temperature = Annotated[
     float,
     typer.Option(
         "--temperature",
+        "--temp",  # llama.cpp's spelling
         min=0.0,
         help="Sampling temperature; 0 is greedy and deterministic.",
         rich_help_panel=_SAMPLING,
@@ -179,6 +196,9 @@ RepeatPenalty = Annotated[
 Seed = Annotated[
     int | None,
     typer.Option(
-        "--seed", help="Random seed, for reproducible sampling.", rich_help_panel=_SAMPLING
+        "--seed",
+        "-s",  # as llama.cpp
+        help="Random seed, for reproducible sampling.",
+        rich_help_panel=_SAMPLING,
     ),
 ]

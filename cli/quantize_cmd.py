@@ -20,7 +20,7 @@ import typer
 
 from .. import InferError
 from .common import human_bytes, is_tty, print_json, print_table, set_threads, status
-from .options import Debug, Json, RequiredModelArg, Threads
+from .options import FLAG, Debug, Json, RequiredModelArg, Threads
 
 CALIB_CTX = 512  # tokens per calibration window (as `infer eval`'s default context)
 LOW_BIT = {"lut2", "lut3"}  # formats that need calibration text to stay usable
@@ -45,11 +45,14 @@ Symmetric = Annotated[
     bool | None,
     typer.Option(
         "--symmetric/--asymmetric",
+        metavar=FLAG,
         help="int4: scale only (Q4_0-like) or scale and min (Q4_1-like; default).",
         show_default=False,
     ),
 ]
-Force = Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")]
+Force = Annotated[
+    bool, typer.Option("--force", metavar=FLAG, help="Replace the --output directory if it exists.")
+]
 Calibrate = Annotated[
     Path | None,
     typer.Option(

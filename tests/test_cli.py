@@ -389,3 +389,91 @@ def test_interactive_chat(smollm2_gguf):
         if term.proc.poll() is None:
             term.proc.kill()
         os.close(term.master)
+
+
+# ---------------------------------------------------------------------- usage and help
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["run", "-n", "-5"], ["--max-tokens", "-1"]),
+        (["run", "--temperature", "-1"], ["--temperature"]),
+        (["run", "--top-p", "2"], ["--top-p"]),
+        (["run", "-t", "0"], ["--threads"]),
+        (["run", "--dtype", "float16"], ["--dtype", "float16"]),
+        (["run", "--frobnicate"], ["no such option", "--frobnicate"]),
+        (["frobnicate"], ["no such command", "frobnicate"]),
+        (["eval"], ["missing argument", "MODEL"]),
+    ],
+)
+def test_usage_error_is_one_line_exit_2(args, words):
+    assert_one_line_error(infer(*args), 2, *words)
+
+
+def test_usage_error_on_a_terminal_keeps_the_usage_line():
+    term = Terminal("run", "--top-p", "2")
+    try:
+        out = term.read_until("--top-p", 0, timeout=30)
+        assert term.proc.wait(timeout=30) == 2
+        assert "Usage: infer run" in out
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+        os.close(term.master)
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["run", "--temp", "-1"], "--temperature"),
+        (["run", "-c", "0"], "--ctx"),
+        (["run", "--ctx-size", "0"], "--ctx"),
+        (["run", "-s", "x"], "--seed"),
+        (["eval", "m", "-f", "t.txt", "--ctx-size", "2"], "--ctx"),
+    ],
+)
+def test_llama_cpp_short_forms_are_aliases(args, option):
+    # The error names the option the short form stands for.
+    assert_one_line_error(infer(*args), 2, f"'{option}'")
+
+
+@pytest.mark.slow
+def test_llama_cpp_short_forms_run(smollm2_gguf):
+    prompt = (smollm2_gguf, QUESTION, "-n", "8", "--json")
+    short = infer("run", *prompt, "--temp", "0.9", "-s", "7", "-c", "64")
+    long = infer("run", *prompt, "--temperature", "0.9", "--seed", "7", "--ctx", "64")
+    assert short.returncode == 0, short.stderr
+    assert json.loads(short.stdout)["text"] == json.loads(long.stdout)["text"]
+    r = infer("run", smollm2_gguf, "word " * 100, "--ctx-size", "16")
+    assert_one_line_error(r, 2, "longer than the context of 16")
+
+
+def test_no_option_name_is_used_twice():
+    # Typer (its vendored click) does not warn when two options of a command share a name.
+    from typer.main import get_command
+
+    from infer.cli.main import app
+
+    for name, command in get_command(app).commands.items():
+        names = ["-h", "--help"]
+        for param in command.params:
+            names += [*param.opts, *param.secondary_opts]
+        assert len(names) == len(set(names)), name
+
+
+def test_help_text():
+    wide = _env(COLUMNS="250")  # one line per option, so each option's text can be read
+    for command in ("run", "bench", "list", "info", "pull", "eval", "quantize"):
+        r = infer(command, "--help", env=wide)
+        assert r.returncode == 0, r.stderr
+        # Flags take no value, so show none; Typer's own --help cannot be told.
+        assert all("--help" in line for line in r.stdout.splitlines() if "<bool>" in line)
+    force = next(
+        line for line in infer("quantize", "-h", env=wide).stdout.splitlines() if "--force" in line
+    )
+    assert "--output" in force and "DST" not in force
+    json_line = next(
+        line for line in infer("list", "-h", env=wide).stdout.splitlines() if "--json" in line
+    )
+    assert "array" in json_line

@@ -130,8 +130,14 @@ def find_entry(name: str) -> ModelEntry | None:
 
 
 def _unknown(model: str) -> InferError:
-    names = [k for e in load_registry().values() for k in (e.name, *e.aliases)]
-    near = difflib.get_close_matches(model.lower(), names, n=4, cutoff=0.6)
+    # Each name or alias maps to its model; one suggestion per model, its closest name.
+    owner = {k.lower(): (k, e.name) for e in load_registry().values() for k in (e.name, *e.aliases)}
+    near = difflib.get_close_matches(model.lower(), list(owner), n=len(owner), cutoff=0.6)
+    best: dict[str, str] = {}
+    for key in near:  # closest first
+        name, model_name = owner[key]
+        best.setdefault(model_name, name)
+    near = list(best.values())[:4]
     hint = f"; did you mean {', '.join(near)}?" if near else ""
     return InferError(f"unknown model '{model}'{hint} (see `infer list`)")
 

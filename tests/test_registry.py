@@ -113,6 +113,16 @@ def test_miss_lists_near_matches(home):
     assert "\n" not in msg and err.value.exit_code == 2
 
 
+def test_near_matches_name_each_model_once(home):
+    # "smollm2", "smollm2:135m" and "smollm2-135m" are one model: suggested once.
+    with pytest.raises(InferError) as err:
+        resolve("smollm2:13m")
+    suggested = str(err.value).split("did you mean ")[1].split("?")[0].split(", ")
+    owners = [find_entry(name).name for name in suggested]
+    assert len(owners) == len(set(owners)) and "smollm2-135m" in owners
+    assert suggested[0] == "smollm2:135m"  # the closest of that model's names
+
+
 def test_no_fuzzy_resolution(home):
     (home / "smollm2-135m").mkdir(parents=True)
     (home / "smollm2-135m" / "m.gguf").write_bytes(gguf_bytes())

@@ -254,12 +254,44 @@ def _cached(entry: ModelEntry, sources: list[dict]) -> ResolvedModel | None:
     return None
 
 
-def _cached_gguf(folder: Path) -> Path | None:
+def read_marker(folder: Path) -> dict:
+    """The folder's source.json ({} when there is none); an InferError saying what is
+    wrong with it when it is damaged (not JSON, not an object, no file name)."""
     marker = folder / MARKER
-    if marker.is_file():
-        named = folder / json.loads(marker.read_text())["file"]
-        if named.is_file():
-            return named
+    try:
+        text = marker.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except OSError as err:
+        raise InferError(f"{marker} cannot be read ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise InferError(f"{marker} is not text") from None
+    if not text.strip():
+        raise InferError(f"{marker} is empty")
+    try:
+        data = json.loads(text)
+    except ValueError as err:  # truncated, or not JSON at all
+        raise InferError(f"{marker} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise InferError(f"{marker} is not a JSON object")
+    if not isinstance(data.get("file"), str) or not data["file"]:
+        raise InferError(f"{marker} names no file")
+    return data
+
+
+def _cached_gguf(folder: Path) -> Path | None:
+    try:
+        named = read_marker(folder).get("file")
+    except InferError:
+        named = None  # a damaged marker: the .gguf beside it is still found below
+    if named is not None:
+        # A bare file name in this folder, never a path: the marker is data on disk.
+        if named in (".", "..") or Path(named).name != named:
+            raise InferError(
+                f"{folder / MARKER} names a file outside its folder ({named!r}); delete it"
+            )
+        if (folder / named).is_file():
+            return folder / named
     # Partial copies are dot-files (".x.gguf.123.part"), so never picked here.
     found = sorted(p for p in folder.glob("*.gguf") if not p.name.startswith("."))
     return found[0] if found else None

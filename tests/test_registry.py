@@ -217,6 +217,48 @@ def test_list_cached_reports_sizes(home, tmp_path):
     assert (st.size, st.format, st.quantization) == (len(config) + 4, "safetensors", "bf16")
 
 
+DAMAGED_MARKERS = [
+    b"",
+    b"  \n",
+    b'{"source": "pypi", "fi',
+    b"{}",
+    b"[]",
+    b'{"file": 3}',
+    b"\xff\xfe",
+]
+
+
+@pytest.mark.parametrize("marker", DAMAGED_MARKERS)
+def test_damaged_marker_still_finds_the_model(home, marker):
+    folder = home / "smollm2-135m"
+    folder.mkdir(parents=True)
+    model = folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model.write_bytes(gguf_bytes())
+    (folder / "source.json").write_bytes(marker)
+    assert resolve("smollm2", download=False).path == model
+    assert [(c.name, c.path) for c in list_cached()] == [("smollm2-135m", model)]
+    with pytest.raises(InferError) as err:  # and what is wrong is said in one line
+        registry.read_marker(folder)
+    assert str(err.value).startswith(str(folder / "source.json"))
+    assert "\n" not in str(err.value) and err.value.exit_code == 2
+
+
+@pytest.mark.parametrize("named", ["../other/x.gguf", "..", "sub/x.gguf", "/tmp/x.gguf"])
+def test_marker_naming_a_file_outside_its_folder_is_refused(home, named):
+    folder = home / "smollm2-135m"
+    folder.mkdir(parents=True)
+    (folder / "x.gguf").write_bytes(gguf_bytes())
+    (home / "other").mkdir()
+    (home / "other" / "x.gguf").write_bytes(gguf_bytes())  # there, yet never followed
+    (folder / "source.json").write_text(json.dumps({"source": "pypi", "file": named}))
+    for call in (lambda: resolve("smollm2", download=False), list_cached):
+        with pytest.raises(InferError) as err:
+            call()
+        msg = str(err.value)
+        assert "source.json names a file outside its folder" in msg and repr(named) in msg
+        assert "\n" not in msg and err.value.exit_code == 2
+
+
 # -------------------------------------------------------------------------------- PyPI
 
 

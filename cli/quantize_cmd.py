@@ -11,8 +11,11 @@ scales end to end on that text (quant/tune.py).
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -192,7 +195,7 @@ def quantize(
             "kl_last_steps": sum(tail) / len(tail),
         }
 
-    with status(f"writing {output}"):
+    with status(f"writing {output}"), _sigterm_unwinds():
         save_checkpoint(
             model,
             info.config,
@@ -261,6 +264,31 @@ def quantize(
         f"{len(reports)} tensors: {human_bytes(before)} as float32 -> {human_bytes(after)} "
         f"(source file {human_bytes(info.file_bytes)}); wrote {output}"
     )
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main thread is, so cleanup runs as for Ctrl-C."""
+
+
+@contextmanager
+def _sigterm_unwinds():
+    """While writing: SIGTERM (`kill`, a service stop) unwinds the stack instead of ending
+    the process at once, so save_checkpoint removes its temp folder; then exit 143 as a
+    killed process would. Before the write nothing is on disk: the default is fine."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def terminated(signum, frame):
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    except _Terminated:
+        raise InferError("terminated", exit_code=143) from None
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _trained(r) -> list[str]:

@@ -1,8 +1,10 @@
 """`infer quantize` end to end: a tiny model -> our format -> `infer run` and `infer info`."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from tiny import make_hf_model
@@ -79,3 +81,22 @@ def test_low_bit_without_calibration_warns(tmp_path):
     json.loads(r.stdout)  # stdout stays clean
     r = infer("quantize", src, "-o", tmp_path / "i4", "--to", "int4", "--group-size", "32")
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_while_writing_leaves_no_temp_folder(tmp_path):
+    src = tmp_path / "src"
+    # Big enough (~50 MB of int8) that the write lasts well past the poll below.
+    make_hf_model("llama", src, hidden_size=512, intermediate_size=2048, num_hidden_layers=12)
+    out = tmp_path / "q"
+    cmd = [sys.executable, "-m", "infer.cli.main", "quantize", src, "-o", out, "--to", "int8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tmp = tmp_path / f".q.tmp-{proc.pid}"
+    deadline = time.monotonic() + 100
+    while not tmp.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr  # not 0: the signal came mid-write
+    assert stderr.splitlines() == ["error: terminated"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

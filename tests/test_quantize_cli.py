@@ -100,3 +100,20 @@ def test_sigterm_while_writing_leaves_no_temp_folder(tmp_path):
     assert proc.returncode == 143, stderr  # not 0: the signal came mid-write
     assert stderr.splitlines() == ["error: terminated"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.slow
+def test_summary_by_default_table_with_verbose(tiny_dir, tmp_path):
+    r = infer("quantize", tiny_dir, "-o", tmp_path / "a", "--to", "int8")
+    assert r.returncode == 0, r.stderr
+    summary = r.stdout.splitlines()
+    assert len(summary) == 4, r.stdout
+    assert summary[0] == "int8: 16 tensors quantized"  # 2 layers of 7, embeddings, lm_head
+    assert "-> " in summary[1] and "bits per weight" in summary[1]
+    assert summary[2].startswith("relative RMS error: mean ") and "worst" in summary[2]
+    assert summary[3] == f"wrote {tmp_path / 'a'}"
+    r = infer("quantize", tiny_dir, "-o", tmp_path / "b", "--to", "int8", "-v")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:2] == ["tensor", "format"] and len(lines) == 1 + 16 + 4
+    assert lines[-4:-1] == summary[:3]  # the same summary below the table

@@ -11,8 +11,12 @@ scales end to end on that text (quant/tune.py).
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -85,6 +89,12 @@ TrainBlocks = Annotated[
         "0: off.",
     ),
 ]
+Verbose = Annotated[
+    bool,
+    typer.Option(
+        "--verbose", "-v", metavar=FLAG, help="Also print each tensor's format and error."
+    ),
+]
 CalibTokens = Annotated[
     int,
     typer.Option(
@@ -105,10 +115,11 @@ def quantize(
     train_blocks: TrainBlocks = 0,
     tune: Tune = 0,
     threads: Threads = None,
+    verbose: Verbose = False,
     json_out: Json = False,
     debug: Debug = False,
 ) -> None:
-    """Quantize a model into infer's own format and report the error per tensor."""
+    """Quantize a model into infer's own format and report its error (-v: per tensor)."""
     if output.exists() and not force:
         raise InferError(f"{output} exists (use --force to replace it)")
     for flag, value in (("--train-blocks", train_blocks), ("--tune", tune)):
@@ -192,7 +203,7 @@ def quantize(
             "kl_last_steps": sum(tail) / len(tail),
         }
 
-    with status(f"writing {output}"):
+    with status(f"writing {output}"), _sigterm_unwinds():
         save_checkpoint(
             model,
             info.config,
@@ -228,6 +239,48 @@ def quantize(
             }
         )
         return
+    if verbose:
+        _print_tensors(reports)
+    if calibration is not None:
+        method = "GPTQ" if training is None else f"Block-AP, {train_blocks} epochs,"
+        print(
+            f"{method} on {calibration.numel()} tokens of {calibrate} "
+            f"({calibration.shape[0]} windows); quantized in {seconds:.0f} s"
+        )
+    if tune_summary is not None:
+        print(
+            f"tuned scales for {tune_summary['steps']} steps ({tune_summary['tokens']} tokens): "
+            f"KL to the original on the calibration text {tune_summary['kl_first_step']:.4g} "
+            f"-> {tune_summary['kl_last_steps']:.4g}"
+        )
+    _print_summary(to, reports, info.file_bytes, output)
+
+
+def _print_summary(to: str, reports, file_bytes: int, output: Path) -> None:
+    """Four lines: formats, sizes, the error, where it went."""
+    formats = Counter(r.format for r in reports)
+    counts = ", ".join(f"{n} {f}" for f, n in formats.most_common())
+    kinds = to if set(formats) == {to} else f"{to} ({counts})"
+    imported = sum(r.imported for r in reports)
+    before = sum(r.bytes_before for r in reports)
+    after = sum(r.bytes_after for r in reports)
+    weights = sum(out * in_ for out, in_ in (r.shape for r in reports))
+    print(
+        f"{kinds}: {len(reports)} tensors quantized"
+        + (f" ({imported} imported as they are)" if imported else "")
+    )
+    print(
+        f"size: {human_bytes(before)} as float32 -> {human_bytes(after)}, "
+        f"{8 * after / weights:.2f} bits per weight (source file {human_bytes(file_bytes)})"
+    )
+    worst = max(reports, key=lambda r: r.rel_rms_error)
+    mean = sum(r.rel_rms_error for r in reports) / len(reports)
+    print(f"relative RMS error: mean {mean:.4f}, worst {worst.rel_rms_error:.4f} ({worst.name})")
+    print(f"wrote {output}")
+
+
+def _print_tensors(reports) -> None:
+    """One row per tensor: its format, its error, whether it was imported or trained."""
     headers = ["tensor", "format", "max abs err", "rel rms err", ""]
     rows = [
         [
@@ -245,22 +298,31 @@ def quantize(
         for row, r in zip(rows, reports):
             row.insert(4, "" if r.rel_output_error is None else f"{r.rel_output_error:.4f}")
     print_table(headers, rows)
-    if calibration is not None:
-        method = "GPTQ" if training is None else f"Block-AP, {train_blocks} epochs,"
-        print(
-            f"{method} on {calibration.numel()} tokens of {calibrate} "
-            f"({calibration.shape[0]} windows); quantized in {seconds:.0f} s"
-        )
-    if tune_summary is not None:
-        print(
-            f"tuned scales for {tune_summary['steps']} steps ({tune_summary['tokens']} tokens): "
-            f"KL to the original on the calibration text {tune_summary['kl_first_step']:.4g} "
-            f"-> {tune_summary['kl_last_steps']:.4g}"
-        )
-    print(
-        f"{len(reports)} tensors: {human_bytes(before)} as float32 -> {human_bytes(after)} "
-        f"(source file {human_bytes(info.file_bytes)}); wrote {output}"
-    )
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main thread is, so cleanup runs as for Ctrl-C."""
+
+
+@contextmanager
+def _sigterm_unwinds():
+    """While writing: SIGTERM (`kill`, a service stop) unwinds the stack instead of ending
+    the process at once, so save_checkpoint removes its temp folder; then exit 143 as a
+    killed process would. Before the write nothing is on disk: the default is fine."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def terminated(signum, frame):
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    except _Terminated:
+        raise InferError("terminated", exit_code=143) from None
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _trained(r) -> list[str]:

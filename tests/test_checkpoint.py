@@ -4,6 +4,7 @@ import itertools
 import json
 import os
 import struct
+import subprocess
 import zlib
 
 import pytest
@@ -266,6 +267,21 @@ def test_interrupted_write_leaves_nothing(qwen2, tmp_path, monkeypatch, error):
     with pytest.raises(type(error)):
         _save_small(model, tmp_path / "old", force=True)
     assert is_checkpoint(tmp_path / "old") and _leftovers(tmp_path) == []
+
+
+def test_stale_temp_folders_of_dead_processes_are_removed(qwen2, tmp_path):
+    model, _, _ = qwen2
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: its pid names no process (999999 may, where pid_max is 2**22)
+    dead = tmp_path / f".ck.tmp-{child.pid}"
+    live = tmp_path / f".ck.tmp-{os.getppid()}"  # our parent: alive, and not us
+    other = tmp_path / ".other.tmp-999999"  # another checkpoint's: not ours to judge
+    for path in (dead, live, other):
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"partial")
+    _save_small(model, tmp_path / "ck")
+    assert not dead.exists() and live.exists() and other.exists()
+    assert is_checkpoint(tmp_path / "ck")
 
 
 def test_overwrite_needs_force(qwen2, tmp_path):

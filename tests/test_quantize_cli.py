@@ -1,8 +1,10 @@
 """`infer quantize` end to end: a tiny model -> our format -> `infer run` and `infer info`."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from tiny import make_hf_model
@@ -79,3 +81,39 @@ def test_low_bit_without_calibration_warns(tmp_path):
     json.loads(r.stdout)  # stdout stays clean
     r = infer("quantize", src, "-o", tmp_path / "i4", "--to", "int4", "--group-size", "32")
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_while_writing_leaves_no_temp_folder(tmp_path):
+    src = tmp_path / "src"
+    # Big enough (~50 MB of int8) that the write lasts well past the poll below.
+    make_hf_model("llama", src, hidden_size=512, intermediate_size=2048, num_hidden_layers=12)
+    out = tmp_path / "q"
+    cmd = [sys.executable, "-m", "infer.cli.main", "quantize", src, "-o", out, "--to", "int8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tmp = tmp_path / f".q.tmp-{proc.pid}"
+    deadline = time.monotonic() + 100
+    while not tmp.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr  # not 0: the signal came mid-write
+    assert stderr.splitlines() == ["error: terminated"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.slow
+def test_summary_by_default_table_with_verbose(tiny_dir, tmp_path):
+    r = infer("quantize", tiny_dir, "-o", tmp_path / "a", "--to", "int8")
+    assert r.returncode == 0, r.stderr
+    summary = r.stdout.splitlines()
+    assert len(summary) == 4, r.stdout
+    assert summary[0] == "int8: 16 tensors quantized"  # 2 layers of 7, embeddings, lm_head
+    assert "-> " in summary[1] and "bits per weight" in summary[1]
+    assert summary[2].startswith("relative RMS error: mean ") and "worst" in summary[2]
+    assert summary[3] == f"wrote {tmp_path / 'a'}"
+    r = infer("quantize", tiny_dir, "-o", tmp_path / "b", "--to", "int8", "-v")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:2] == ["tensor", "format"] and len(lines) == 1 + 16 + 4
+    assert lines[-4:-1] == summary[:3]  # the same summary below the table

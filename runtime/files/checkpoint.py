@@ -159,6 +159,7 @@ def save_checkpoint(
 
     Everything is written into ".<name>.tmp-<pid>" beside `dest`, fsynced, then renamed
     into place, so `dest` is either absent, the old checkpoint, or the complete new one.
+    Such folders left beside `dest` by processes no longer alive are removed first.
     """
     dest = Path(dest)
     if dest.exists() or dest.is_symlink():
@@ -176,6 +177,7 @@ def save_checkpoint(
         "source": json.dumps(source),
     }
     dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(dest)
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run with our pid
     try:
@@ -191,6 +193,31 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def _remove_stale_tmp(dest: Path) -> None:
+    """Remove ".<name>.tmp-<pid>" folders beside `dest` whose process is gone: what a run
+    killed by SIGKILL (or the OOM killer) leaves, with no chance to clean up. A live
+    process's folder is kept: it may be writing it now."""
+    prefix = f".{dest.name}.tmp-"
+    for path in dest.parent.iterdir():
+        pid = path.name.removeprefix(prefix)
+        if pid == path.name or not re.fullmatch(r"[1-9][0-9]*", pid):
+            continue
+        if not path.is_symlink() and path.is_dir() and not _pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only checks the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    except OverflowError:
+        return False  # no such pid can exist
+    return True
 
 
 def describe_source(path: Path, fmt: str) -> dict:

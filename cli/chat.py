@@ -7,13 +7,14 @@ into finish_reason "interrupted". Printing is the caller's (a callback).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import InferError
-from ..runtime.generate import Sampler, generate
+from ..runtime.generate import Sampler, generate, make_sampler
 from ..runtime.loader import LoadedModel
 from ..runtime.model.tokenizer import Tokenizer
 from ..runtime.session import Session
@@ -139,13 +140,55 @@ HELP = """\
 """
 
 
+# /set parameter NAME VALUE: ollama's name -> (ChatSettings field, parse, valid, range),
+# the ranges those of `infer run`'s options.
+PARAMETERS = {
+    "temperature": ("temperature", float, lambda v: 0 <= v < math.inf, ">= 0"),
+    "top_k": ("top_k", int, lambda v: v >= 0, ">= 0 (0: all)"),
+    "top_p": ("top_p", float, lambda v: 0 <= v <= 1, "from 0 to 1"),
+    "min_p": ("min_p", float, lambda v: 0 <= v <= 1, "from 0 to 1"),
+    "seed": ("seed", int, lambda v: True, "an integer"),
+    "num_predict": ("max_tokens", int, lambda v: v >= -1, ">= -1 (-1: until the context is full)"),
+    "repeat_penalty": ("repeat_penalty", float, lambda v: 0 <= v < math.inf, ">= 0 (1: off)"),
+}
+
+
 @dataclass
 class ChatSettings:
-    sampler: Sampler
-    max_tokens: int
+    """What the chat's commands may change; `sampler` follows the sampling fields."""
+
+    max_tokens: int = 512
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
     repeat_penalty: float = 1.0
     system: str | None = None
     verbose: bool = False
+    sampler: Sampler = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.sampler = make_sampler(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
+
+    def set_parameter(self, name: str, value: str) -> None:
+        """Set ollama's parameter `name`; ValueError (one line) if name or value is bad."""
+        if name not in PARAMETERS:
+            raise ValueError(f"unknown parameter {name}; /show parameters lists them")
+        attr, parse, valid, allowed = PARAMETERS[name]
+        try:
+            v = parse(value)
+        except ValueError:
+            v = None
+        if v is None or not valid(v):
+            raise ValueError(f"{name} must be {allowed}, not {value}")
+        setattr(self, attr, v)
+        self.__post_init__()  # a new sampler for the new value
+
+    def parameters(self) -> list[list[str]]:
+        seed = "random" if self.seed is None else str(self.seed)
+        values = {**{n: str(getattr(self, a)) for n, (a, *_) in PARAMETERS.items()}, "seed": seed}
+        return [[n, values[n]] for n in PARAMETERS]
 
 
 def _read_message() -> str | None:

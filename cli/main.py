@@ -218,18 +218,21 @@ def run(
             print(f"memory: {lm.plan.describe()}", file=sys.stderr)
         if lm.experts is not None:
             print(f"memory: {lm.experts.plan.describe()}", file=sys.stderr)
-    sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
-
     if interactive:
         if is_tty():
             print(f"{resolved.name}: /help for commands, Ctrl-D to quit", file=sys.stderr)
-        settings = ChatSettings(sampler, max_tokens, repeat_penalty, system, verbose)
+        settings = ChatSettings(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=min_p, seed=seed, repeat_penalty=repeat_penalty, system=system,
+            verbose=verbose,
+        )  # fmt: skip
         try:
             chat_loop(lm, settings)
         finally:
             _save_trace(lm, trace)
         return
 
+    sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
     tok = lm.tokenizer
     if no_chat:
         ids = tok.encode(prompt)

@@ -495,3 +495,80 @@ def test_info_verify(home, home_env, smollm2_gguf, tmp_path):
     assert_one_line_error(
         infer("info", "smollm2", "--verify", env=env), 2, "sha256 mismatch", "0" * 64
     )
+
+
+# ------------------------------------------------------------------------ chat commands
+
+
+class Chat(Terminal):
+    """`infer run` chatting on a pseudo-terminal, one line at a time."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read_until(">>> ", 0)
+
+    def say(self, line: str) -> str:
+        """What the chat prints for `line`, up to its next prompt."""
+        mark = self.send(line + "\n")
+        self.read_until("\n", mark)  # the echo of the line typed (readline may shorten it)
+        return self.read_until(">>> ", self.out.index("\n", mark) + 1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        os.close(self.master)
+
+
+def _prompt_tokens(out: str) -> int:
+    return int(re.search(r"prompt (\d+) tok", out).group(1))
+
+
+def test_chat_commands_send_nothing_to_the_model(smollm2_gguf):
+    chat = Chat("run", smollm2_gguf, *GREEDY, "-n", "2", "--verbose")
+    try:
+        assert "/set parameter" in chat.say("/help")
+        info = chat.say("/show info")
+        assert "llama" in info and "Q4_1" in info and "context length" in info
+        # An unknown command, even with words after it, never reaches the model.
+        out = chat.say("/frobnicate the model")
+        assert "unknown command /frobnicate; /help lists them" in out
+        assert "prompt" not in out
+        out = chat.say("/set parameter temperature hot")
+        assert "temperature must be" in out and "prompt" not in out
+        assert "unknown parameter" in chat.say("/set parameter warmth 1")
+        out = chat.say("/set parameter top_k 7")
+        assert "prompt" not in out
+        assert re.search(r"top_k +7", chat.say("/show parameters"))
+        assert re.search(r"temperature +0\.0", chat.say("/show parameters"))
+        assert "usage: /show" in chat.say("/show everything")
+        assert "(no system message)" in chat.say("/show system")
+        # Two slashes: a message.
+        assert "prompt" in chat.say("//frobnicate")
+        chat.send("/exit\n")
+        assert chat.proc.wait(timeout=30) == 0
+    finally:
+        chat.close()
+
+
+def test_chat_set_system_parameter_and_clear(smollm2_gguf):
+    chat = Chat("run", smollm2_gguf, *GREEDY, "-n", "2", "--verbose")
+    try:
+        first = _prompt_tokens(chat.say("Hi"))
+        assert _prompt_tokens(chat.say("Hi")) > first  # the conversation goes on
+        assert "cleared" in chat.say("/clear")
+        assert _prompt_tokens(chat.say("Hi")) == first
+        # A new system message reaches the template, and the conversation restarts.
+        system = "You answer in one word, like a pirate. " * 5
+        assert "cleared" in chat.say("/set system " + system)
+        assert system.strip() in chat.say("/show system")
+        assert _prompt_tokens(chat.say("Hi")) > first
+        assert "cleared" in chat.say("/reset")
+        system_first = _prompt_tokens(chat.say("Hi"))
+        assert system_first > first
+        # num_predict is -n: the next answer has one token.
+        chat.say("/set parameter num_predict 1")
+        assert "generated 1 tok" in chat.say("Tell me a story.")
+        chat.send("\x04")  # Ctrl-D
+        assert chat.proc.wait(timeout=30) == 0
+    finally:
+        chat.close()

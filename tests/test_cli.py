@@ -360,11 +360,21 @@ class Terminal:
         os.write(self.master, text.encode())
         return mark
 
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        os.close(self.master)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 @pytest.mark.slow
 def test_interactive_chat(smollm2_gguf):
-    term = Terminal("run", smollm2_gguf, *GREEDY, "-n", "300", "--verbose")
-    try:
+    with Terminal("run", smollm2_gguf, *GREEDY, "-n", "300", "--verbose") as term:
         term.read_until(">>> ", 0)
         mark = term.send("Write a long story about a dragon.\n")
         term.read_until("\n", mark)  # the echo of the line typed
@@ -385,10 +395,6 @@ def test_interactive_chat(smollm2_gguf):
         assert "cleared" in term.read_until(">>> ", mark)
         term.send("\x04")  # Ctrl-D
         assert term.proc.wait(timeout=30) == 0
-    finally:
-        if term.proc.poll() is None:
-            term.proc.kill()
-        os.close(term.master)
 
 
 # ---------------------------------------------------------------------- usage and help
@@ -412,15 +418,10 @@ def test_usage_error_is_one_line_exit_2(args, words):
 
 
 def test_usage_error_on_a_terminal_keeps_the_usage_line():
-    term = Terminal("run", "--top-p", "2")
-    try:
+    with Terminal("run", "--top-p", "2") as term:
         out = term.read_until("--top-p", 0, timeout=30)
         assert term.proc.wait(timeout=30) == 2
         assert "Usage: infer run" in out
-    finally:
-        if term.proc.poll() is None:
-            term.proc.kill()
-        os.close(term.master)
 
 
 @pytest.mark.parametrize(
@@ -513,19 +514,13 @@ class Chat(Terminal):
         self.read_until("\n", mark)  # the echo of the line typed (readline may shorten it)
         return self.read_until(">>> ", self.out.index("\n", mark) + 1)
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        os.close(self.master)
-
 
 def _prompt_tokens(out: str) -> int:
     return int(re.search(r"prompt (\d+) tok", out).group(1))
 
 
 def test_chat_commands_send_nothing_to_the_model(smollm2_gguf):
-    chat = Chat("run", smollm2_gguf, *GREEDY, "-n", "2", "--verbose")
-    try:
+    with Chat("run", smollm2_gguf, *GREEDY, "-n", "2", "--verbose") as chat:
         assert "/set parameter" in chat.say("/help")
         info = chat.say("/show info")
         assert "llama" in info and "Q4_1" in info and "context length" in info
@@ -546,13 +541,10 @@ def test_chat_commands_send_nothing_to_the_model(smollm2_gguf):
         assert "prompt" in chat.say("//frobnicate")
         chat.send("/exit\n")
         assert chat.proc.wait(timeout=30) == 0
-    finally:
-        chat.close()
 
 
 def test_chat_set_system_parameter_and_clear(smollm2_gguf):
-    chat = Chat("run", smollm2_gguf, *GREEDY, "-n", "2", "--verbose")
-    try:
+    with Chat("run", smollm2_gguf, *GREEDY, "-n", "2", "--verbose") as chat:
         first = _prompt_tokens(chat.say("Hi"))
         assert _prompt_tokens(chat.say("Hi")) > first  # the conversation goes on
         assert "cleared" in chat.say("/clear")
@@ -570,5 +562,3 @@ def test_chat_set_system_parameter_and_clear(smollm2_gguf):
         assert "generated 1 tok" in chat.say("Tell me a story.")
         chat.send("\x04")  # Ctrl-D
         assert chat.proc.wait(timeout=30) == 0
-    finally:
-        chat.close()

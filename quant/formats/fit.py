@@ -28,6 +28,16 @@ def check_params(fmt: str, params: dict, defaults: dict) -> dict:
     return {**defaults, **params}
 
 
+def check_group_size(fmt: str, group_size: int, allowed: tuple[int, ...], note: str = "") -> int:
+    """`group_size` if it is one of `allowed`, else a one-line error listing them."""
+    if group_size not in allowed:
+        raise InferError(
+            f"{fmt}: group_size {group_size} not supported "
+            f"(choose {', '.join(map(str, allowed))}{note})"
+        )
+    return group_size
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """Whether `t` holds no NaN or infinity: its min and max in one pass (a NaN anywhere
     makes both NaN), far faster on the CPU than torch.isfinite(t).all(), which was a

@@ -34,7 +34,7 @@ import torch
 from ... import InferError
 from ...kernels_cpu import ops as kernels
 from .base import KernelWeights, QuantLinear, register
-from .fit import check_params, check_weight, fit_groups
+from .fit import check_group_size, check_params, check_weight, fit_groups
 
 # ---------------------------------------------------------------------------------------
 # Nibble packing
@@ -77,13 +77,8 @@ class Int4Linear(QuantLinear):
     @classmethod
     def resolve_params(cls, params: dict) -> dict:
         p = check_params(cls.format, params, cls.defaults)
-        p = {"group_size": int(p["group_size"]), "symmetric": bool(p["symmetric"])}
-        if p["group_size"] not in cls.group_sizes:
-            raise InferError(
-                f"int4: group_size {p['group_size']} not supported "
-                f"(choose {', '.join(map(str, cls.group_sizes))})"
-            )
-        return p
+        g = check_group_size(cls.format, int(p["group_size"]), cls.group_sizes)
+        return {"group_size": g, "symmetric": bool(p["symmetric"])}
 
     @classmethod
     def from_float(cls, weight, bias=None, *, search: bool = True, **params):

@@ -29,7 +29,7 @@ import torch
 from ... import InferError
 from ...kernels_cpu import ops as kernels
 from .base import KernelWeights, QuantLinear, register
-from .fit import check_params, check_weight, fit_groups
+from .fit import check_group_size, check_params, check_weight, fit_groups
 
 # Activation dtypes for which torch's int8 weight-only matmul (per-channel scales only) is
 # correct and faster than dequantize + matmul at M = 1. For float32 and float16 it is a
@@ -53,13 +53,10 @@ class Int8Linear(QuantLinear):
     @classmethod
     def resolve_params(cls, params: dict) -> dict:
         p = check_params(cls.format, params, cls.defaults)
-        p = {"group_size": int(p["group_size"])}
-        if p["group_size"] not in cls.group_sizes:
-            raise InferError(
-                f"int8: group_size {p['group_size']} not supported "
-                f"(choose {', '.join(map(str, cls.group_sizes))}; 0 = per output channel)"
-            )
-        return p
+        note = "; 0 = per output channel"
+        return {
+            "group_size": check_group_size(cls.format, int(p["group_size"]), cls.group_sizes, note)
+        }
 
     @classmethod
     def from_float(cls, weight, bias=None, *, search: bool = True, **params):

@@ -285,7 +285,7 @@ def test_cli_calibrate(tiny_dirs, tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tokens_generated"] == 4
 
-    r = infer("quantize", tiny_dirs["smollm2"], "-o", out, "--to", "int4", "--force",
+    r = infer("quantize", tiny_dirs["smollm2"], "-o", out, "--to", "int4", "--force", "-v",
               "--calibrate", text, "--calib-tokens", "300", "-t", "1")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "rel out err" in r.stdout and "GPTQ on 256 tokens" in r.stdout

@@ -116,6 +116,7 @@ def test_run_bench_on_a_tiny_model(tiny_smollm):
     assert len(r.rows()) >= 8
 
 
+@pytest.mark.slow  # a child process per case
 def test_bench_names_the_kernel_path():
     from infer.kernels_cpu import ops
     from infer.runtime.bench import kernel_path

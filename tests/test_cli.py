@@ -229,6 +229,7 @@ def test_one_shot_and_json_agree(smollm2_gguf, home_env):
     assert t["decode_tok_s"] > 0
 
 
+@pytest.mark.slow  # a child process per case
 def test_reader_that_leaves_early_ends_it_quietly(smollm2_gguf):
     # As `infer run ... | head -n 1`: the pipe closes while the answer still streams.
     proc = subprocess.Popen(
@@ -276,6 +277,7 @@ def test_max_tokens_minus_one_fills_the_context(smollm2_gguf):
     assert r.stderr == "note: the context of 40 tokens is full (raise --ctx)\n"
 
 
+@pytest.mark.slow  # a child process per case
 def test_a_full_context_is_said_on_stderr(smollm2_gguf):
     r = infer("run", smollm2_gguf, "Counting: 1, 2, 3,", "--no-chat", "-n", "100", "--ctx", "24")
     assert r.returncode == 0, r.stderr
@@ -283,6 +285,7 @@ def test_a_full_context_is_said_on_stderr(smollm2_gguf):
     assert r.stderr == "note: the context of 24 tokens is full (raise --ctx)\n"
 
 
+@pytest.mark.slow  # a child process per case
 def test_ctx_beyond_the_trained_context_warns(smollm2_gguf):
     r = infer("run", smollm2_gguf, "Hi", "-n", "4", "--ctx", "100000", "--json")
     assert r.returncode == 0, r.stderr
@@ -463,6 +466,7 @@ def test_no_option_name_is_used_twice():
         assert len(names) == len(set(names)), name
 
 
+@pytest.mark.slow  # a child process per case
 def test_help_text():
     wide = _env(COLUMNS="250")  # one line per option, so each option's text can be read
     for command in ("run", "bench", "list", "info", "pull", "eval", "quantize"):
@@ -480,6 +484,7 @@ def test_help_text():
     assert "array" in json_line
 
 
+@pytest.mark.slow  # a child process per case
 def test_info_verify(home, home_env, smollm2_gguf, tmp_path):
     r = infer("info", "smollm2", "--verify", env=home_env)
     assert r.returncode == 0, r.stderr
@@ -519,6 +524,7 @@ def _prompt_tokens(out: str) -> int:
     return int(re.search(r"prompt (\d+) tok", out).group(1))
 
 
+@pytest.mark.slow  # a child process per case
 def test_chat_commands_send_nothing_to_the_model(smollm2_gguf):
     with Chat("run", smollm2_gguf, *GREEDY, "-n", "2", "--verbose") as chat:
         assert "/set parameter" in chat.say("/help")
@@ -543,6 +549,7 @@ def test_chat_commands_send_nothing_to_the_model(smollm2_gguf):
         assert chat.proc.wait(timeout=30) == 0
 
 
+@pytest.mark.slow  # a child process per case
 def test_chat_set_system_parameter_and_clear(smollm2_gguf):
     with Chat("run", smollm2_gguf, *GREEDY, "-n", "2", "--verbose") as chat:
         first = _prompt_tokens(chat.say("Hi"))

@@ -140,6 +140,7 @@ def test_extension_is_built():
 
 
 @needs_c
+@pytest.mark.slow  # a child process per case
 def test_env_var_forces_a_path():
     # read once, at the first kernel call: so in a process of its own
     code = "from infer.kernels_cpu import ops; print(ops.isa())"

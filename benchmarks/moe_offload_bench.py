@@ -1,4 +1,4 @@
-"""Decode a large mixture-of-experts model with 25% of its experts in memory (issue 6).
+"""Decode a large mixture-of-experts model with 25% of its experts in memory.
 
     python benchmarks/moe_offload_bench.py DIR [--layers 16] [--tokens 40] [--warmup 8]
         [--runs lfu:0.25,lru:0.25,score:0.25,lfu:0.1,lfu:0.5,naive] [--delete]

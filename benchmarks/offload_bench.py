@@ -1,4 +1,4 @@
-"""Decode a model 3x larger than its memory budget, streaming layers from disk (issue 5).
+"""Decode a model 3x larger than its memory budget, streaming layers from disk.
 
     python benchmarks/offload_bench.py DIR [--budget-fraction 0.33] [--tokens 6]
 

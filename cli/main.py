@@ -342,7 +342,8 @@ def info(
 ) -> None:
     """Describe a model from its metadata, without loading its weights."""
     from ..runtime.files.sources import open_source
-    from ..runtime.registry import file_sha256, recorded_sha256, resolve
+    from ..runtime.registry import recorded_sha256, resolve
+    from ..runtime.wheels import file_sha256
 
     resolved = resolve(model, download=False)
     if verify:

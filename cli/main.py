@@ -186,10 +186,11 @@ def run(
 
     resolved = resolve(model)  # before importing torch: a wrong name fails at once
 
-    from ..runtime.generate import make_sampler
+    from ..runtime.answer import stream_answer
+    from ..runtime.generate import Penalties, make_sampler
     from ..runtime.loader import load_model
     from ..runtime.session import Session
-    from .chat import ChatSettings, chat_loop, stream_answer, stream_line
+    from .chat import ChatSettings, chat_loop, stream_line
 
     n_threads = set_threads(threads)
     with status(f"loading {resolved.name}"):
@@ -247,7 +248,7 @@ def run(
     session = Session(lm.model)
     answer = stream_answer(
         session, tok, ids, sampler, max_tokens, (lambda _: None) if json_out else show,
-        repeat_penalty,
+        Penalties(repeat=repeat_penalty),
     )  # fmt: skip
     if answer.finish_reason == "interrupted":
         if not json_out:

@@ -6,6 +6,7 @@ Detokenizing, stop tokens, timing and printing belong to the callers (cli/, benc
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -50,15 +51,33 @@ def make_sampler(
     return sample
 
 
-def apply_repeat_penalty(logits: torch.Tensor, recent: list[int], penalty: float) -> torch.Tensor:
-    """CTRL-style penalty (as llama.cpp): shrink the logits of recently seen tokens."""
-    if penalty == 1.0 or not recent:
+@dataclass(frozen=True)
+class Penalties:
+    """Penalties on the tokens of the last `last_n` (prompt and answer): `repeat` as
+    llama.cpp's CTRL-style one (1 is off), `frequency` and `presence` as OpenAI's (0 is
+    off): a token's logit drops by frequency * its count + presence if it occurs."""
+
+    repeat: float = 1.0
+    frequency: float = 0.0
+    presence: float = 0.0
+    last_n: int = 64
+
+    @property
+    def off(self) -> bool:
+        return self.repeat == 1.0 and self.frequency == 0.0 and self.presence == 0.0
+
+    def apply(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        recent = history[-self.last_n :] if self.last_n > 0 else []
+        if self.off or not recent:
+            return logits
+        ids, counts = torch.tensor(recent).unique(return_counts=True)
+        seen = logits[ids]
+        if self.repeat != 1.0:
+            seen = torch.where(seen > 0, seen / self.repeat, seen * self.repeat)
+        seen = seen - self.frequency * counts - self.presence
+        logits = logits.clone()
+        logits[ids] = seen.to(logits.dtype)
         return logits
-    ids = torch.tensor(sorted(set(recent)))
-    seen = logits[ids]
-    logits = logits.clone()
-    logits[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
-    return logits
 
 
 @torch.inference_mode()
@@ -67,8 +86,7 @@ def generate(
     prompt: list[int],
     sampler: Sampler,
     max_tokens: int,
-    repeat_penalty: float = 1.0,
-    repeat_last_n: int = 64,
+    penalties: Penalties | None = None,
     prefill_chunk: int = 512,
 ) -> Iterator[int]:
     """Yield up to `max_tokens` sampled token ids following `prompt` in `session`.
@@ -83,7 +101,8 @@ def generate(
     for i in range(max_tokens):
         # the sampler's ops must not leave torch's workers spinning
         with session.threads.forward():
-            logits = apply_repeat_penalty(logits, history[-repeat_last_n:], repeat_penalty)
+            if penalties is not None:
+                logits = penalties.apply(logits, history)
             token = sampler(logits)
         yield token
         history.append(token)

@@ -10,10 +10,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .generate import Penalties, Sampler, generate
 from .model.tokenizer import Tokenizer
 from .session import Session
+
+if TYPE_CHECKING:
+    from .structured import Constraint
 
 
 @dataclass
@@ -104,12 +108,14 @@ def stream_answer(
     penalties: Penalties | None = None,
     stop: Sequence[str] = (),
     cancelled: Callable[[], bool] = lambda: False,
+    constraint: Constraint | None = None,
 ) -> Answer:
     """Generate after `prompt`, calling `on_text` with each decoded piece.
 
     `max_tokens` < 0 means until the context is full. Ctrl-C ends the answer with
     finish_reason "interrupted", `cancelled()` turning true with "cancelled"; what was
-    generated so far is kept in both cases.
+    generated so far is kept in both cases. A `constraint` (structured.py, one per
+    answer) keeps the text to its grammar.
     """
     if max_tokens < 0:
         max_tokens = session.max_seq_len  # generate() stops when the context is full
@@ -118,7 +124,7 @@ def stream_answer(
         return answer
     decoder, stops = tok.stream_decoder(), StopStrings(stop)
     stop_ids = tok.stop_ids
-    tokens = generate(session, prompt, sampler, max_tokens, penalties)
+    tokens = generate(session, prompt, sampler, max_tokens, penalties, constraint=constraint)
     t0 = time.perf_counter()
     t_first = t_last = None
 

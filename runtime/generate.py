@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .session import Session
+
+if TYPE_CHECKING:
+    from .structured import Constraint
 
 Sampler = Callable[[torch.Tensor], int]
 
@@ -88,12 +92,14 @@ def generate(
     max_tokens: int,
     penalties: Penalties | None = None,
     prefill_chunk: int = 512,
+    constraint: Constraint | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_tokens` sampled token ids following `prompt` in `session`.
 
     Stops early only when the context is full; the caller stops at end-of-turn
     tokens by closing the generator. The KV cache always matches `session.tokens`,
-    so a stopped or interrupted answer can be continued.
+    so a stopped or interrupted answer can be continued. A `constraint`
+    (structured.py) masks the logits after the penalties and follows each token.
     """
     logits = session.prefill(prompt, prefill_chunk)
     history = list(prompt)
@@ -103,7 +109,11 @@ def generate(
         with session.threads.forward():
             if penalties is not None:
                 logits = penalties.apply(logits, history)
+            if constraint is not None:
+                logits = constraint.mask(logits)
             token = sampler(logits)
+            if constraint is not None:
+                constraint.advance(token)
         yield token
         history.append(token)
         if i + 1 == max_tokens:

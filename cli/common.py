@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 from .. import InferError
 from .options import DType
@@ -39,6 +40,25 @@ def utf8_arg(value: str | None, what: str) -> str | None:
     except UnicodeEncodeError:
         return utf8_text(os.fsencode(value), what)
     return value
+
+
+def read_format(value: str | None) -> str | dict | None:
+    """--format: "json", or the JSON schema in the file `value` names."""
+    if value is None or value == "json":
+        return value
+    try:
+        data = Path(value).read_bytes()
+    except OSError as e:
+        raise InferError(f"--format {value}: cannot read the schema ({e.strerror})") from None
+    try:
+        schema = json.loads(utf8_text(data, f"--format {value}"))
+    except json.JSONDecodeError as e:
+        raise InferError(f"--format {value}: not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise InferError(
+            f"--format {value}: a JSON schema is an object, not {type(schema).__name__}"
+        )
+    return schema
 
 
 @contextmanager

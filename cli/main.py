@@ -28,6 +28,7 @@ from .common import (
     print_json,
     print_table,
     quiet_broken_pipe,
+    read_format,
     set_threads,
     status,
     torch_dtype,
@@ -43,6 +44,7 @@ from .options import (
     DTypeOpt,
     ExpertPolicyOpt,
     ExpertPredictionOpt,
+    Format,
     Json,
     JsonList,
     MaxMemory,
@@ -157,6 +159,7 @@ def run(
     expert_policy: ExpertPolicyOpt = None,
     expert_prediction: ExpertPredictionOpt = None,
     trace: TraceOut = None,
+    fmt: Format = None,
     json_out: Json = False,
     verbose: Verbose = False,
     debug: Debug = False,
@@ -179,6 +182,9 @@ def run(
         raise InferError("--system needs the chat template; drop --no-chat")
     if interactive and json_out:
         raise InferError("--json needs a prompt: give PROMPT or pipe text to stdin")
+    if interactive and fmt is not None:
+        raise InferError("--format needs a prompt: give PROMPT or pipe text to stdin")
+    schema = read_format(fmt)  # a bad file fails before the model loads
 
     budget = parse_size(max_memory) if max_memory is not None else None
 
@@ -245,10 +251,15 @@ def run(
         sys.stdout.write(piece)
         sys.stdout.flush()
 
+    constraint = None
+    if schema is not None:
+        from ..runtime.structured import compile_format
+
+        constraint = compile_format(tok, schema).matcher()
     session = Session(lm.model)
     answer = stream_answer(
         session, tok, ids, sampler, max_tokens, (lambda _: None) if json_out else show,
-        Penalties(repeat=repeat_penalty),
+        Penalties(repeat=repeat_penalty), constraint=constraint,
     )  # fmt: skip
     if answer.finish_reason == "interrupted":
         if not json_out:

@@ -128,6 +128,16 @@ JsonList = Annotated[
         "--json", metavar=FLAG, help="Print a JSON array, one object per model, instead of a table."
     ),
 ]
+Format = Annotated[
+    str | None,
+    typer.Option(
+        "--format",
+        metavar="json|FILE",
+        help="Answer in JSON, by constrained decoding: 'json' for any JSON object, or a file "
+        "holding a JSON schema the answer must validate against.",
+        show_default=False,
+    ),
+]
 Verbose = Annotated[
     bool, typer.Option("--verbose", "-v", metavar=FLAG, help="Print timing statistics on stderr.")
 ]

@@ -3,6 +3,9 @@ validate, on the real default model and on a tiny random one (whose logits favou
 format at all, so only the mask keeps its output valid); bad schemas are one-line errors."""
 
 import json
+import os
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -155,3 +158,55 @@ def test_invalid_schema_is_a_one_line_error(tiny, fmt, words):
     assert "\n" not in message and err.value.exit_code == 2
     for word in words:
         assert word in message
+
+
+# -------------------------------------------------------------------------------- CLI
+
+
+def infer_run(*args) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "INFER_DEBUG"}
+    return subprocess.run(
+        [sys.executable, "-m", "infer.cli.main", "run", *map(str, args)],
+        check=False,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+    )
+
+
+def test_cli_format_schema(smollm2_gguf, tmp_path):
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    r = infer_run(smollm2_gguf, ASK, "--format", schema, "--temp", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(data["text"]), PERSON)
+
+
+def test_cli_bad_format_file_is_exit_2(smollm2_gguf, tmp_path):
+    # All fail before the model loads.
+    (tmp_path / "not.json").write_text("type: object\n")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for name, words in [
+        ("missing.json", ["cannot read the schema", "No such file"]),
+        ("not.json", ["not valid JSON"]),
+        ("list.json", ["a JSON schema is an object"]),
+    ]:
+        r = infer_run(smollm2_gguf, "Hi", "--format", tmp_path / name)
+        assert r.returncode == 2 and r.stdout == "", r.stderr
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: --format {tmp_path / name}")
+        for word in words:
+            assert word in lines[0]
+
+
+@pytest.mark.slow  # loads the model in a child
+def test_cli_invalid_schema_is_exit_2(smollm2_gguf, tmp_path):
+    schema = tmp_path / "bad.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "strin"}}}')
+    r = infer_run(smollm2_gguf, "Hi", "--format", schema)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == ["error: invalid JSON schema: Invalid type: strin"]

@@ -3,13 +3,14 @@
 For each GGUF: build each library's tokenizer object from ours, compile a typical JSON
 schema and "any JSON object", then generate greedily under the schema on the real model,
 timing per token the library's bitmask fill, applying it to the logits (the same
-runtime.structured.apply_bitmask for all three) and advancing the matcher. The forward pass is timed too, for scale.
+runtime.structured.apply_bitmask for all three) and advancing the matcher. The forward
+pass is timed too, for scale.
 
     pip install --no-deps xgrammar apache-tvm-ffi outlines-core   # not dependencies
     python benchmarks/grammar_libs.py MODEL.gguf [MODEL.gguf ...] [--tokens 48]
 
 outlines-core has no recursive grammar: its "any JSON object" is a regex nested a few
-levels deep, whose index over the vocabulary is the slow part (--skip-outlines-any skips it).
+levels deep, whose index over the vocabulary is slow (--skip-outlines-any skips it).
 """
 
 from __future__ import annotations
@@ -150,13 +151,13 @@ def generate(lm, lib, matcher, prompt, n_tokens, stop_ids):
     session = Session(lm.model)
     greedy = make_sampler(temperature=0)
     logits = session.prefill(prompt)
-    scratch = torch.empty(32 * lib.words.numel())
+    masked = torch.empty_like(logits)
     fills, applies, advances, forwards, out = [], [], [], [], []
     for _ in range(n_tokens):
         with session.threads.forward():  # torch's ops on one thread, as in generate()
             words, t_fill = timed(lib.fill, matcher)
             t0 = time.perf_counter()
-            logits = apply_bitmask(logits, words, scratch)
+            logits = apply_bitmask(logits, words, masked)
             applies.append(time.perf_counter() - t0)
             token = greedy(logits)
         fills.append(t_fill)

@@ -128,19 +128,20 @@ def _ll_tokenizer(tok: Tokenizer) -> llguidance.LLTokenizer:
 class _Vocabulary:
     """What llguidance.TokenizerWrapper reads: each id's bytes, the special ids, an encoder.
     Stop tokens count as special even where they are ordinary text (Qwen's "</s>"), so
-    the grammar never lets one into the document, where it would end the answer."""
+    the grammar never lets one into the document, where it would end the answer. It holds
+    no reference to the Tokenizer, which keys the weak map its LLTokenizer is kept in."""
 
     def __init__(self, tok: Tokenizer):
         self.eos_token_id = tok.eos_id
         self.bos_token_id = tok.bos_id
         self.tokens = tok._pieces
         self.special_token_ids = sorted(tok._special_ids | tok.stop_ids)
-        self._tok = tok
+        self._encode = tok._backend.encode  # Tokenizer.encode(text, add_special=False)
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tok.encode(text, add_special=False)
+        return self._encode(text, add_special_tokens=False).ids
 
 
 def _one_line(message) -> str:

@@ -2,10 +2,12 @@
 validate, on the real default model and on a tiny random one (whose logits favour no
 format at all, so only the mask keeps its output valid); bad schemas are one-line errors."""
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 
 import jsonschema
 import pytest
@@ -16,6 +18,7 @@ from infer import InferError
 from infer.runtime.answer import stream_answer
 from infer.runtime.generate import make_sampler
 from infer.runtime.loader import load_model
+from infer.runtime.model.tokenizer import Tokenizer
 from infer.runtime.session import Session
 from infer.runtime.structured import _ll_tokenizer, compile_format
 
@@ -132,11 +135,18 @@ def test_advance_refuses_a_forbidden_token(tiny):
         constraint.advance(tok.encode("x", add_special=False)[0])
 
 
-def test_the_library_tokenizer_is_built_once(smollm2):
+def test_the_library_tokenizer_is_built_once_per_tokenizer(smollm2, tiny):
     compile_format(smollm2.tokenizer, "json")
     first = _ll_tokenizer(smollm2.tokenizer)
     compile_format(smollm2.tokenizer, PERSON)
     assert _ll_tokenizer(smollm2.tokenizer) is first
+    # and is dropped with it (a server unloading a model frees both)
+    tok = Tokenizer.from_hf_dir(tiny.source.path)
+    compile_format(tok, "json")
+    gone = weakref.ref(tok)
+    del tok
+    gc.collect()
+    assert gone() is None
 
 
 @pytest.mark.parametrize(

@@ -60,6 +60,7 @@ from .options import (
     Verbose,
 )
 from .quantize_cmd import quantize
+from .serve_cmd import serve
 
 app = typer.Typer(
     name="infer",
@@ -524,6 +525,7 @@ def _replay(path: Path, json_out: bool) -> None:
 
 app.command("eval")(eval_model)
 app.command()(quantize)
+app.command()(serve)
 
 
 # ------------------------------------------------------------------------------------------

@@ -160,12 +160,32 @@ def run(
     trace: TraceOut = None,
     json_out: Json = False,
     verbose: Verbose = False,
+    local: Annotated[
+        bool,
+        typer.Option(
+            "--local",
+            metavar=FLAG,
+            help="Load the model in this process even when a server is running. "
+            "Implied by --threads, --dtype, --max-memory, --trace and --expert-*.",
+        ),
+    ] = False,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            "--host",
+            metavar="HOST:PORT",
+            help="The `infer serve` to ask (or INFER_HOST). Default: 127.0.0.1:11435, "
+            "if one runs there.",
+            show_default=False,
+        ),
+    ] = None,
     debug: Debug = False,
 ) -> None:
     """Answer a prompt, or chat when run on a terminal without one.
 
     The prompt is PROMPT, or stdin when it is piped, or PROMPT, a blank line and
-    stdin when both are given. Only the answer goes to stdout.
+    stdin when both are given. Only the answer goes to stdout. When `infer serve`
+    runs, a prompt is answered by it (the model stays loaded there).
     """
     prompt, system = utf8_arg(prompt, "PROMPT"), utf8_arg(system, "--system")
     interactive = prompt is None and sys.stdin.isatty()
@@ -182,6 +202,18 @@ def run(
         raise InferError("--json needs a prompt: give PROMPT or pipe text to stdin")
 
     budget = parse_size(max_memory) if max_memory is not None else None
+    loads_here = (
+        threads, max_memory, expert_policy, expert_prediction, trace
+    ) != (None,) * 5 or dtype != DType.float32  # fmt: skip
+    if not (local or interactive or loads_here):
+        options = {
+            "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+            "seed": seed, "num_predict": max_tokens, "repeat_penalty": repeat_penalty,
+            "num_ctx": ctx,
+        }  # fmt: skip
+        options = {k: v for k, v in options.items() if v is not None}
+        if _run_remote(host, model, prompt, system, not no_chat, options, json_out, verbose):
+            return
 
     from ..runtime.registry import resolve
 
@@ -282,6 +314,69 @@ def run(
         print(answer.stats_line(), file=sys.stderr)
         if line := stream_line(lm):
             print(line, file=sys.stderr)
+
+
+def _run_remote(host, model, prompt, system, chat, options, json_out, verbose) -> bool:
+    """Answer through a running `infer serve`, printing as `run` does; False when no
+    server answers for this model (then the caller runs it here)."""
+    from ..runtime.registry import DEFAULT_MODEL
+    from .client import NotServed, ask, connect, model_reference, request_body, server_address
+
+    address, port, named = server_address(host)
+    conn = connect(address, port)
+    if conn is None:
+        if named:
+            print(f"note: no server at {address}:{port}; running here", file=sys.stderr)
+        return False
+    name = model_reference(model) if model else DEFAULT_MODEL
+    body = request_body(name, prompt, system, chat, options)
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    try:
+        answer = ask(conn, body, chat, (lambda _: None) if json_out else show,
+                     os.environ.get("INFER_API_KEY"))  # fmt: skip
+    except NotServed:
+        if verbose:
+            print(f"note: the server does not serve {name}; running here", file=sys.stderr)
+        return False
+    if answer.interrupted:
+        if not json_out:
+            print(flush=True)
+        raise typer.Exit(130)
+    if json_out:
+        print_json(
+            {
+                "model": model or DEFAULT_MODEL,
+                "text": answer.text,
+                "tokens_generated": answer.tokens,
+                "prompt_tokens": answer.prompt_tokens,
+                "finish_reason": answer.finish_reason,
+                "timings": {
+                    "load_s": round(answer.load_s, 4),
+                    "ttft_s": round(answer.ttft_s, 4),
+                    "prefill_tok_s": round(answer.prefill_tok_s, 2),
+                    "decode_s": round(answer.decode_s, 4),
+                    "decode_tok_s": round(answer.decode_tok_s, 2),
+                },
+            }
+        )
+    else:
+        print("" if answer.text.endswith("\n") else "\n", end="", flush=True)
+    asked = options.get("num_predict", -1)
+    if answer.finish_reason == "length" and (asked < 0 or answer.tokens < asked):
+        print("note: the context is full (raise --ctx)", file=sys.stderr)
+    if verbose:
+        cached = f" ({answer.cached_tokens} cached)" if answer.cached_tokens else ""
+        print(
+            f"prompt {answer.prompt_tokens} tok{cached}, {answer.prefill_tok_s:.1f} tok/s | "
+            f"generated {answer.tokens} tok, {answer.decode_tok_s:.1f} tok/s | "
+            f"TTFT {answer.ttft_s:.2f} s | {answer.finish_reason} | server {address}:{port}",
+            file=sys.stderr,
+        )
+    return True
 
 
 @app.command()
@@ -471,7 +566,6 @@ def bench(
         _replay(replay, json_out)
         return
     budget = parse_size(max_memory) if max_memory is not None else None
-
     from ..runtime.registry import resolve
 
     resolved = resolve(model)

@@ -51,12 +51,13 @@ class RemoteAnswer:
     text: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    tokens: int = 0
+    n_generated: int = 0
     finish_reason: str = "stop"
     load_s: float = 0.0
     ttft_s: float = 0.0
     decode_s: float = 0.0
-    interrupted: bool = False
+    dropped: int = 0  # a chat's oldest messages the server dropped to fit the context
+    asked: int = -1  # num_predict: a "length" answer shorter than this filled the context
 
     @property
     def prefill_tok_s(self) -> float:
@@ -65,7 +66,20 @@ class RemoteAnswer:
 
     @property
     def decode_tok_s(self) -> float:
-        return self.tokens / self.decode_s if self.decode_s > 0 else 0.0
+        return self.n_generated / self.decode_s if self.decode_s > 0 else 0.0
+
+    def context_note(self) -> str | None:
+        if self.finish_reason == "length" and (self.asked < 0 or self.n_generated < self.asked):
+            return "note: the context is full (raise --ctx)"
+        return None
+
+    def stats_line(self) -> str:
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        return (
+            f"prompt {self.prompt_tokens} tok{cached}, {self.prefill_tok_s:.1f} tok/s | "
+            f"generated {self.n_generated} tok, {self.decode_tok_s:.1f} tok/s | "
+            f"TTFT {self.ttft_s:.2f} s | {self.finish_reason}"
+        )
 
 
 class NotServed(Exception):
@@ -81,11 +95,9 @@ def ask(
 ) -> RemoteAnswer:
     """POST the request and stream the answer into `on_text`. Ctrl-C closes the
     connection (the server cancels the answer) and returns what came so far."""
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    headers = _headers(api_key)
     path = "/api/chat" if chat else "/api/generate"
-    answer = RemoteAnswer()
+    answer = RemoteAnswer(asked=body.get("options", {}).get("num_predict", -1))
     try:
         conn.request("POST", path, json.dumps(body).encode(), headers)
         resp = conn.getresponse()
@@ -103,7 +115,7 @@ def ask(
                 _read_done(answer, msg)
                 break
     except KeyboardInterrupt:
-        answer.interrupted = True
+        answer.finish_reason = "interrupted"
     except (OSError, http.client.HTTPException, ValueError, KeyError) as e:
         raise InferError(f"the server's answer broke off: {e}", exit_code=1) from None
     finally:
@@ -129,24 +141,83 @@ def _read_done(answer: RemoteAnswer, msg: dict) -> None:
     cached = int(msg.get("prompt_cache_count", 0))
     answer.cached_tokens = cached
     answer.prompt_tokens = int(msg.get("prompt_eval_count", 0)) + cached
-    answer.tokens = int(msg.get("eval_count", 0))
+    answer.n_generated = int(msg.get("eval_count", 0))
     answer.finish_reason = msg.get("done_reason") or "stop"
     answer.load_s = msg.get("load_duration", 0) / ns
     answer.ttft_s = msg.get("prompt_eval_duration", 0) / ns
     answer.decode_s = msg.get("eval_duration", 0) / ns
+    answer.dropped = int(msg.get("messages_dropped", 0))
 
 
-def request_body(
-    model: str,
-    prompt: str,
-    system: str | None,
-    chat: bool,
-    options: dict,
-) -> dict:
+def _headers(api_key: str | None) -> dict:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+class RemoteModel:
+    """The chat's model behind a server (cli/chat.py ChatModel): each turn sends the
+    whole conversation, whose earlier turns the server's prefix cache still holds."""
+
+    def __init__(self, host: str, port: int, name: str, ctx: int | None, api_key: str | None):
+        self.host, self.port, self.name, self.ctx, self.api_key = host, port, name, ctx, api_key
+
+    def _connect(self) -> http.client.HTTPConnection:
+        conn = connect(self.host, self.port)
+        if conn is None:
+            raise InferError(f"the server at {self.host}:{self.port} is gone", exit_code=1)
+        return conn
+
+    def answer(self, messages: list[dict], settings, on_text) -> tuple[RemoteAnswer, int]:
+        options = settings.options()
+        if self.ctx:
+            options["num_ctx"] = self.ctx
+        body = request_body(self.name, options, messages)
+        answer = ask(self._connect(), body, True, on_text, self.api_key)
+        first = 1 if messages and messages[0]["role"] == "system" else 0
+        del messages[first : first + answer.dropped]  # as the server did
+        return answer, answer.dropped
+
+    def complete(self, prompt: str, settings, on_text) -> RemoteAnswer:
+        options = settings.options()
+        if self.ctx:
+            options["num_ctx"] = self.ctx
+        body = request_body(self.name, options, None, prompt)
+        return ask(self._connect(), body, False, on_text, self.api_key)
+
+    def info_rows(self) -> list[list[str]]:
+        conn = self._connect()
+        try:
+            conn.request(
+                "POST", "/api/show", json.dumps({"model": self.name}), _headers(self.api_key)
+            )
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise _error(resp, None)
+            show = json.loads(resp.read())
+        finally:
+            conn.close()
+        info, details = show.get("model_info", {}), show.get("details", {})
+        arch = info.get("general.architecture", "?")
+        return [
+            ["architecture", arch],
+            ["parameters", str(details.get("parameter_size", "?"))],
+            ["context length", str(info.get(f"{arch}.context_length", "?"))],
+            ["quantization", str(details.get("quantization_level", "?"))],
+            ["server", f"{self.host}:{self.port}"],
+        ]
+
+    def stream_line(self) -> str | None:
+        return None
+
+
+def request_body(model: str, options: dict, messages: list[dict] | None, prompt: str = "") -> dict:
+    """A streamed /api/chat body with `messages`, else an /api/generate one completing
+    `prompt` as raw text."""
     body: dict = {"model": model, "stream": True, "options": options}
-    if chat:
-        messages = [{"role": "system", "content": system}] if system else []
-        body["messages"] = [*messages, {"role": "user", "content": prompt}]
+    if messages is not None:
+        body["messages"] = messages
     else:
         body.update(prompt=prompt, raw=True)
     return body

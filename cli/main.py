@@ -202,102 +202,136 @@ def run(
         raise InferError("--json needs a prompt: give PROMPT or pipe text to stdin")
 
     budget = parse_size(max_memory) if max_memory is not None else None
+    from .chat import ChatSettings, LocalModel, chat_loop
+
+    settings = ChatSettings(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        min_p=min_p, seed=seed, repeat_penalty=repeat_penalty, system=system,
+        verbose=verbose,
+    )  # fmt: skip
+    show = (lambda _: None) if json_out else _write
     loads_here = (
         threads, max_memory, expert_policy, expert_prediction, trace
     ) != (None,) * 5 or dtype != DType.float32  # fmt: skip
-    if not (local or interactive or loads_here):
-        options = {
-            "temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-            "seed": seed, "num_predict": max_tokens, "repeat_penalty": repeat_penalty,
-            "num_ctx": ctx,
-        }  # fmt: skip
-        options = {k: v for k, v in options.items() if v is not None}
-        if _run_remote(host, model, prompt, system, not no_chat, options, json_out, verbose):
+    chat_model = None if local or loads_here else _server_model(host, model, ctx, interactive)
+    if chat_model is not None and not interactive:
+        from .client import NotServed
+
+        try:
+            answer = _answer_once(chat_model, prompt, no_chat, settings, show)
+        except NotServed:
+            chat_model = None  # a file the server may not read: load it here
+            if verbose:
+                print("note: the server does not serve this file; loading it here", file=sys.stderr)
+        else:
+            _finish(answer, chat_model, answer.load_s, json_out, verbose)
             return
+    lm = None
+    if chat_model is None:
+        from ..runtime.registry import resolve
 
-    from ..runtime.registry import resolve
+        resolved = resolve(model)  # before importing torch: a wrong name fails at once
+        n_threads = set_threads(threads)
+        with status(f"loading {resolved.name}"):
+            lm = _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace)
+        if verbose:
+            print(
+                f"loaded {resolved.name} in {lm.load_seconds:.2f} s "
+                f"(context {lm.model.max_seq_len}, {n_threads} threads, {dtype.value})",
+                file=sys.stderr,
+            )
+            for plan in (lm.plan, lm.experts and lm.experts.plan):
+                if plan is not None:
+                    print(f"memory: {plan.describe()}", file=sys.stderr)
+        chat_model = LocalModel(resolved.name, lm)
+    try:
+        if interactive:
+            if is_tty():
+                print(f"{chat_model.name}: /help for commands, Ctrl-D to quit", file=sys.stderr)
+            chat_loop(chat_model, settings)
+        else:
+            answer = _answer_once(chat_model, prompt, no_chat, settings, show)
+            _finish(answer, chat_model, lm.load_seconds, json_out, verbose)
+    finally:
+        if lm is not None:
+            _save_trace(lm, trace)
 
-    resolved = resolve(model)  # before importing torch: a wrong name fails at once
 
-    from ..runtime.answer import stream_answer
-    from ..runtime.generate import Penalties, make_sampler
+def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace):
+    """Load the model in this process, warning when --ctx is past its training."""
     from ..runtime.loader import load_model
-    from ..runtime.session import Session
-    from .chat import ChatSettings, chat_loop, stream_line
 
-    n_threads = set_threads(threads)
-    with status(f"loading {resolved.name}"):
-        lm = load_model(
-            resolved.path,
-            torch_dtype(dtype),
-            max_seq_len=ctx or DEFAULT_CTX,
-            max_memory=budget,
-            expert_policy=expert_policy and expert_policy.value,
-            record_routing=trace is not None,
-            expert_prediction=expert_prediction and expert_prediction.value,
-        )
+    lm = load_model(
+        resolved.path,
+        torch_dtype(dtype),
+        max_seq_len=ctx or DEFAULT_CTX,
+        max_memory=budget,
+        expert_policy=expert_policy and expert_policy.value,
+        record_routing=trace is not None,
+        expert_prediction=expert_prediction and expert_prediction.value,
+    )
     if ctx is not None and ctx > lm.model.max_seq_len:  # the loader clamped it
         print(
             f"warning: --ctx {ctx} is more than the {lm.model.max_seq_len} tokens "
             f"{resolved.name} was trained on; using {lm.model.max_seq_len}",
             file=sys.stderr,
         )
-    if verbose:
-        print(
-            f"loaded {resolved.name} in {lm.load_seconds:.2f} s "
-            f"(context {lm.model.max_seq_len}, {n_threads} threads, {dtype.value})",
-            file=sys.stderr,
-        )
-        if lm.plan is not None:
-            print(f"memory: {lm.plan.describe()}", file=sys.stderr)
-        if lm.experts is not None:
-            print(f"memory: {lm.experts.plan.describe()}", file=sys.stderr)
-    if interactive:
-        if is_tty():
-            print(f"{resolved.name}: /help for commands, Ctrl-D to quit", file=sys.stderr)
-        settings = ChatSettings(
-            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            min_p=min_p, seed=seed, repeat_penalty=repeat_penalty, system=system,
-            verbose=verbose,
-        )  # fmt: skip
+    return lm
+
+
+def _write(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def _server_model(host, model, ctx, check: bool):
+    """The model behind a running `infer serve` (cli/client.py RemoteModel), or None when
+    no server listens (or, with `check`, when it does not serve this model)."""
+    from ..runtime.registry import DEFAULT_MODEL
+    from .client import NotServed, RemoteModel, connect, model_reference, server_address
+
+    address, port, named = server_address(host)
+    conn = connect(address, port)
+    if conn is None:
+        if named:
+            print(f"note: no server at {address}:{port}; running here", file=sys.stderr)
+        return None
+    conn.close()
+    name = model_reference(model) if model else DEFAULT_MODEL
+    remote = RemoteModel(address, port, name, ctx, os.environ.get("INFER_API_KEY"))
+    if check:
         try:
-            chat_loop(lm, settings)
-        finally:
-            _save_trace(lm, trace)
-        return
+            remote.info_rows()  # an unknown name fails here, before the chat starts
+        except NotServed:
+            return None
+    return remote
 
-    sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
-    tok = lm.tokenizer
-    if no_chat:
-        ids = tok.encode(prompt)
-    else:
-        messages = [{"role": "system", "content": system}] if system else []
-        ids = tok.encode_chat(messages + [{"role": "user", "content": prompt}])
 
-    def show(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+def _answer_once(chat_model, prompt: str, raw: bool, settings, show):
+    """One answer to PROMPT: completed as raw text, or as the chat's first turn."""
+    if raw:
+        return chat_model.complete(prompt, settings, show)
+    messages = [{"role": "system", "content": settings.system}] if settings.system else []
+    answer, _ = chat_model.answer([*messages, {"role": "user", "content": prompt}], settings, show)
+    return answer
 
-    session = Session(lm.model)
-    answer = stream_answer(
-        session, tok, ids, sampler, max_tokens, (lambda _: None) if json_out else show,
-        Penalties(repeat=repeat_penalty),
-    )  # fmt: skip
+
+def _finish(answer, chat_model, load_s: float, json_out: bool, verbose: bool) -> None:
+    """What `run` prints after a one-shot answer, and its exit status."""
     if answer.finish_reason == "interrupted":
         if not json_out:
             print(flush=True)
-        _save_trace(lm, trace)
         raise typer.Exit(130)
     if json_out:
         print_json(
             {
-                "model": resolved.name,
+                "model": chat_model.name,
                 "text": answer.text,
-                "tokens_generated": len(answer.tokens),
+                "tokens_generated": answer.n_generated,
                 "prompt_tokens": answer.prompt_tokens,
                 "finish_reason": answer.finish_reason,
                 "timings": {
-                    "load_s": round(lm.load_seconds, 4),
+                    "load_s": round(load_s, 4),
                     "ttft_s": round(answer.ttft_s, 4),
                     "prefill_tok_s": round(answer.prefill_tok_s, 2),
                     "decode_s": round(answer.decode_s, 4),
@@ -309,74 +343,10 @@ def run(
         print("" if answer.text.endswith("\n") else "\n", end="", flush=True)
     if note := answer.context_note():
         print(note, file=sys.stderr)
-    _save_trace(lm, trace)
     if verbose:
         print(answer.stats_line(), file=sys.stderr)
-        if line := stream_line(lm):
+        if line := chat_model.stream_line():
             print(line, file=sys.stderr)
-
-
-def _run_remote(host, model, prompt, system, chat, options, json_out, verbose) -> bool:
-    """Answer through a running `infer serve`, printing as `run` does; False when no
-    server answers for this model (then the caller runs it here)."""
-    from ..runtime.registry import DEFAULT_MODEL
-    from .client import NotServed, ask, connect, model_reference, request_body, server_address
-
-    address, port, named = server_address(host)
-    conn = connect(address, port)
-    if conn is None:
-        if named:
-            print(f"note: no server at {address}:{port}; running here", file=sys.stderr)
-        return False
-    name = model_reference(model) if model else DEFAULT_MODEL
-    body = request_body(name, prompt, system, chat, options)
-
-    def show(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
-    try:
-        answer = ask(conn, body, chat, (lambda _: None) if json_out else show,
-                     os.environ.get("INFER_API_KEY"))  # fmt: skip
-    except NotServed:
-        if verbose:
-            print(f"note: the server does not serve {name}; running here", file=sys.stderr)
-        return False
-    if answer.interrupted:
-        if not json_out:
-            print(flush=True)
-        raise typer.Exit(130)
-    if json_out:
-        print_json(
-            {
-                "model": model or DEFAULT_MODEL,
-                "text": answer.text,
-                "tokens_generated": answer.tokens,
-                "prompt_tokens": answer.prompt_tokens,
-                "finish_reason": answer.finish_reason,
-                "timings": {
-                    "load_s": round(answer.load_s, 4),
-                    "ttft_s": round(answer.ttft_s, 4),
-                    "prefill_tok_s": round(answer.prefill_tok_s, 2),
-                    "decode_s": round(answer.decode_s, 4),
-                    "decode_tok_s": round(answer.decode_tok_s, 2),
-                },
-            }
-        )
-    else:
-        print("" if answer.text.endswith("\n") else "\n", end="", flush=True)
-    asked = options.get("num_predict", -1)
-    if answer.finish_reason == "length" and (asked < 0 or answer.tokens < asked):
-        print("note: the context is full (raise --ctx)", file=sys.stderr)
-    if verbose:
-        cached = f" ({answer.cached_tokens} cached)" if answer.cached_tokens else ""
-        print(
-            f"prompt {answer.prompt_tokens} tok{cached}, {answer.prefill_tok_s:.1f} tok/s | "
-            f"generated {answer.tokens} tok, {answer.decode_tok_s:.1f} tok/s | "
-            f"TTFT {answer.ttft_s:.2f} s | {answer.finish_reason} | server {address}:{port}",
-            file=sys.stderr,
-        )
-    return True
 
 
 @app.command()

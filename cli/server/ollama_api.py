@@ -70,12 +70,15 @@ def _answer_request(body: dict) -> AnswerRequest:
         context=get(options, "num_ctx", int, None, check=lambda v: v >= 1, must="at least 1"),
         keep_alive=keep_alive_of(body),
         stream=get(body, "stream", bool, True),
+        truncate=get(body, "truncate", bool, True),
     )
 
 
-def _done_fields(f: Finished, load_s: float, t0: float) -> dict:
+def _done_fields(f: Finished, load_s: float, t0: float, dropped: int) -> dict:
     a, ns = f.answer, 1e9
+    extra = {"messages_dropped": dropped} if dropped else {}  # not ollama's: truncation
     return {
+        **extra,
         "done": True,
         "done_reason": "length" if a.finish_reason == "length" else "stop",
         "total_duration": int((time.perf_counter() - t0) * ns),
@@ -135,13 +138,15 @@ async def _answer(request: Request, chat: bool):
                 finished = item
             else:
                 text.append(item)
-        return JSONResponse({**message("".join(text)), **_done_fields(finished, load_s, t0)})
+        return JSONResponse(
+            {**message("".join(text)), **_done_fields(finished, load_s, t0, p.dropped)}
+        )
 
     async def lines():
         try:
             async for item in run(p, app.metrics):
                 if isinstance(item, Finished):
-                    out = {**message(""), **_done_fields(item, load_s, t0)}
+                    out = {**message(""), **_done_fields(item, load_s, t0, p.dropped)}
                 else:
                     out = {**message(item), "done": False}
                 yield json.dumps(out) + "\n"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from ... import InferError
-from ...runtime.answer import Answer
+from ...runtime.answer import Answer, answer_room, fit_chat
 from ...runtime.generate import Penalties
 from ...runtime.scheduler import Job, Sampling
 from .errors import ApiError
@@ -118,6 +118,7 @@ class AnswerRequest:
     context: int | None = None
     keep_alive: float | None | bool = False
     stream: bool = False
+    truncate: bool = False  # drop a chat's oldest messages when it does not fit (ollama)
 
 
 @dataclass
@@ -127,29 +128,34 @@ class Prepared:
     loaded: Loaded
     ids: list[int]
     request: AnswerRequest
+    dropped: int = 0  # oldest messages dropped to fit the context
 
 
 async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
     """Load the model, encode the prompt and check it fits (4xx before anything streams)."""
     loaded = await pool.get(req.model, req.keep_alive)
     tok = loaded.lm.tokenizer
+    limit = min(req.context or loaded.context, loaded.context)
+    dropped = 0
     if req.messages is not None:
+        # Without truncation every message must fit: a budget of all the context.
+        room = answer_room(limit, req.max_tokens) if req.max_tokens > 0 else 0
+        budget = limit - room if req.truncate else math.inf
         try:
-            ids = tok.encode_chat(req.messages)
+            ids, dropped = fit_chat(tok, req.messages, budget)
         except InferError as e:  # the template refused these messages
             raise ApiError(400, str(e), "messages") from None
     else:
         ids = tok.encode(req.prompt or "")
     if not ids:
         raise ApiError(400, "the prompt is empty", "prompt")
-    limit = min(req.context or loaded.context, loaded.context)
     if len(ids) > limit:
         raise ApiError(
             400,
             f"the prompt is {len(ids)} tokens, longer than the context of {limit} tokens",
             "messages" if req.messages is not None else "prompt",
         )
-    return Prepared(loaded, ids, req)
+    return Prepared(loaded, ids, req, dropped)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import typer
 
 from .. import InferError, __version__
 from ..offload.budget import parse_size
+from . import record_interrupts
 from .common import (
     human_bytes,
     human_count,
@@ -615,7 +616,8 @@ def _fail(err: BaseException, exit_code: int, debug: bool) -> None:
     sys.exit(exit_code)
 
 
-def main() -> None:
+def main(interrupted: list | None = None) -> None:
+    """Run the command line; `interrupted` (cli/__init__.py) records each Ctrl-C."""
     # torch's OpenMP workers otherwise spin after every op and take the cores our
     # kernels' thread pool needs, slowing decoding many times over.
     # Set before torch is imported (commands import it lazily); the user's value wins.
@@ -625,21 +627,24 @@ def main() -> None:
     # On a terminal, Typer reports usage errors itself (usage, hint, a box), as it shows
     # the help for a bare `infer`. Elsewhere they reach us, to read as one line.
     standalone = sys.stderr.isatty() or not argv
+    interrupted = record_interrupts() if interrupted is None else interrupted
     try:
         code = app(prog_name="infer", standalone_mode=standalone)
     except typer.TyperException as err:  # click's errors; usage errors exit 2
         message = " ".join(err.format_message().split())
         print(f"error: {message[:1].lower()}{message[1:]}", file=sys.stderr)
         sys.exit(err.exit_code)
-    except typer.Abort:
+    except typer.Abort:  # click's name for Ctrl-C, among others
+        if interrupted:
+            sys.exit(130)
         print("error: aborted", file=sys.stderr)
         sys.exit(1)
-    except InferError as err:
-        _fail(err, err.exit_code, debug)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as err:  # noqa: BLE001  (anything unexpected: one line, exit 1)
-        _fail(err, 1, debug)
+        if interrupted and not debug:
+            sys.exit(130)
+        _fail(err, err.exit_code if isinstance(err, InferError) else 1, debug)
     # Not standalone, the app returns instead of exiting: the code of an Exit (--help).
     sys.exit(code if isinstance(code, int) else 0)
 

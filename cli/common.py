@@ -54,6 +54,34 @@ def quiet_broken_pipe():
         raise SystemExit(141) from None
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main thread is, so cleanup runs as for Ctrl-C."""
+
+
+@contextmanager
+def sigterm_unwinds():
+    """While files are being written: SIGTERM (`kill`, a service stop) unwinds the stack
+    instead of ending the process at once, so temporaries are removed; then exit 143 as
+    a killed process would."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def terminated(signum, frame):
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    except _Terminated:
+        raise InferError("terminated", exit_code=143) from None
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def set_threads(threads: int | None) -> int:
     import psutil
     import torch

@@ -30,6 +30,7 @@ from .common import (
     print_table,
     quiet_broken_pipe,
     set_threads,
+    sigterm_unwinds,
     status,
     torch_dtype,
     utf8_arg,
@@ -231,7 +232,8 @@ def run(
     if chat_model is None:
         from ..runtime.registry import resolve
 
-        resolved = resolve(model)  # before importing torch: a wrong name fails at once
+        with sigterm_unwinds():  # before importing torch: a wrong name fails at once
+            resolved = resolve(model)
         n_threads = set_threads(threads)
         with status(f"loading {resolved.name}"):
             lm = _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace)
@@ -361,7 +363,9 @@ def pull(
     """Download a model into the cache (progress on stderr); print its path."""
     from ..runtime.registry import pull as pull_model
 
-    print(pull_model(model, force=force, progress=True).path)
+    with sigterm_unwinds():  # a killed download removes its temporaries
+        path = pull_model(model, force=force, progress=True).path
+    print(path)
 
 
 @app.command(name="list")

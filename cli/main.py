@@ -369,11 +369,42 @@ def pull(
 
 
 @app.command(name="list")
-def list_models(json_out: JsonList = False, debug: Debug = False) -> None:
-    """List the models on disk."""
-    from ..runtime.registry import list_cached
+def list_models(
+    all_models: Annotated[
+        bool,
+        typer.Option(
+            "--all", "-a", metavar=FLAG, help="Every model of the registry, marking those on disk."
+        ),
+    ] = False,
+    json_out: JsonList = False,
+    debug: Debug = False,
+) -> None:
+    """List the models on disk (--all: every model one can run by name)."""
+    from ..runtime.registry import list_cached, load_registry
 
     models = list_cached()
+    if all_models:
+        on_disk = {m.name for m in models}
+        entries = list(load_registry().values())
+        if json_out:
+            print_json(
+                [
+                    {
+                        "name": e.name,
+                        "aliases": e.aliases,
+                        "repo": e.repo,
+                        "cached": e.name in on_disk,
+                    }
+                    for e in entries
+                ]
+            )
+            return
+        rows = [
+            [e.name, ", ".join(e.aliases) or "-", e.repo, "yes" if e.name in on_disk else "-"]
+            for e in entries
+        ]
+        print_table(["NAME", "ALIASES", "REPO", "ON DISK"], rows)
+        return
     if json_out:
         print_json(
             [
@@ -389,12 +420,24 @@ def list_models(json_out: JsonList = False, debug: Debug = False) -> None:
         )
         return
     if not models:
-        print("no models yet: `infer pull <model>` fetches one", file=sys.stderr)
+        print(
+            "no models yet: `infer pull <model>` fetches one (`infer list --all` names them)",
+            file=sys.stderr,
+        )
         return
     rows = [
         [m.name, human_bytes(m.size), m.format, m.quantization or "-", str(m.path)] for m in models
     ]
     print_table(["NAME", "SIZE", "FORMAT", "QUANT", "PATH"], rows)
+
+
+@app.command()
+def rm(model: RequiredModelArg, debug: Debug = False) -> None:
+    """Delete a downloaded model from disk (our cache or the Hugging Face cache)."""
+    from ..runtime.registry import remove_cached
+
+    for path in remove_cached(model):
+        print(f"removed {path}", file=sys.stderr)
 
 
 @app.command()

@@ -515,6 +515,43 @@ def list_cached() -> list[CachedModel]:
     return out + _hf_cached()
 
 
+def remove_cached(model: str) -> list[Path]:
+    """Delete a model from disk: our cache's folder for a registry name, or a repo's
+    snapshots in the Hugging Face cache. Returns what was removed; an InferError when
+    nothing of that name is on disk (a file or folder elsewhere is never removed)."""
+    import shutil
+
+    cached = [m for m in list_cached() if m.name.lower() == model.lower()]
+    entry = find_entry(model)
+    if entry is not None:
+        cached += [m for m in list_cached() if m.name == entry.name and m not in cached]
+    if not cached:
+        raise InferError(f"'{model}' is not on disk (`infer list` shows what is)")
+    removed = []
+    for m in cached:
+        if m.format == "gguf":
+            folder = m.path.parent
+            if folder.parent.resolve() != cache_dir().resolve():
+                raise InferError(f"{folder} is not in the cache {cache_dir()}; not removed")
+            shutil.rmtree(folder)
+            removed.append(folder)
+        else:
+            removed.append(_remove_hf(m.path))
+    return removed
+
+
+def _remove_hf(snapshot: Path) -> Path:
+    from huggingface_hub import scan_cache_dir
+
+    info = scan_cache_dir(_hf_cache())
+    for repo in info.repos:
+        revs = [r.commit_hash for r in repo.revisions]
+        if any(r.snapshot_path == snapshot for r in repo.revisions):
+            info.delete_revisions(*revs).execute()
+            return repo.repo_path
+    raise InferError(f"{snapshot} is not in the Hugging Face cache; not removed")
+
+
 def _hf_cached() -> list[CachedModel]:
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound

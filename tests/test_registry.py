@@ -225,6 +225,26 @@ def test_list_cached_reports_sizes(home, tmp_path):
     assert (st.size, st.format, st.quantization) == (len(config) + 4, "safetensors", "bf16")
 
 
+def test_rm_removes_what_list_shows_and_nothing_else(home, tmp_path):
+    (home / "smollm2-135m").mkdir(parents=True)
+    (home / "smollm2-135m" / "a.gguf").write_bytes(gguf_bytes(file_type=7))
+    config = json.dumps({"torch_dtype": "bfloat16"}).encode()
+    make_hf_snapshot(
+        tmp_path / "hf", "org/thing", {"config.json": config, "m.safetensors": b"1234"}
+    )
+    elsewhere = tmp_path / "mine.gguf"
+    elsewhere.write_bytes(gguf_bytes(file_type=7))
+
+    assert registry.remove_cached("smollm2") == [home / "smollm2-135m"]  # by an alias
+    assert not (home / "smollm2-135m").exists()
+    registry.remove_cached("org/thing")
+    assert list_cached() == []
+    for name in ("smollm2-135m", str(elsewhere), "nothing"):
+        with pytest.raises(InferError, match="not on disk"):
+            registry.remove_cached(name)
+    assert elsewhere.exists()
+
+
 DAMAGED_MARKERS = [
     b"",
     b"  \n",

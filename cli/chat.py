@@ -138,6 +138,57 @@ def _read_message() -> str | None:
     return "\n".join(lines).strip("\n")
 
 
+class WordWrap:
+    """Writes streamed text to a terminal of `width` columns, breaking lines between
+    words rather than inside them (as ollama's chat does). A word is held back until it
+    ends, or until it alone fills a line."""
+
+    def __init__(self, out, width: int):
+        self.out, self.width = out, max(width, 10)
+        self.col, self.word = 0, ""
+
+    def write(self, text: str) -> None:
+        for c in text:
+            if c == "\n":
+                self._word()
+                self._put("\n")
+            elif c in " \t":
+                self._word()
+                if self.col + 1 > self.width:
+                    self._put("\n")  # the space itself ends the line
+                else:
+                    self._put(c)
+            else:
+                self.word += c
+                if _columns(self.word) >= self.width:
+                    self._word()
+        self.out.flush()
+
+    def flush(self) -> None:
+        self._word()
+        self.out.flush()
+        self.col = 0
+
+    def _word(self) -> None:
+        if self.word:
+            n = _columns(self.word)
+            if self.col and self.col + n > self.width:
+                self._put("\n")
+            self._put(self.word)
+            self.word = ""
+
+    def _put(self, text: str) -> None:
+        self.out.write(text)
+        self.col = 0 if text == "\n" else self.col + _columns(text)
+
+
+def _columns(text: str) -> int:
+    """Terminal columns: East Asian wide and full-width characters take two."""
+    import unicodedata
+
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
 class ChatModel(Protocol):
     """What the chat talks to: a model in this process or behind a server."""
 
@@ -303,10 +354,17 @@ def chat_loop(model: ChatModel, settings: ChatSettings) -> None:
     chat = Chat(model, settings)
     chat.restart()
     out = sys.stdout
+    if out.isatty():
+        import shutil
 
-    def show(piece: str) -> None:
-        out.write(piece)
-        out.flush()
+        wrap = WordWrap(out, shutil.get_terminal_size().columns)
+        show = wrap.write
+    else:
+        wrap = None
+
+        def show(piece: str) -> None:
+            out.write(piece)
+            out.flush()
 
     while True:
         try:
@@ -333,6 +391,9 @@ def chat_loop(model: ChatModel, settings: ChatSettings) -> None:
             messages.pop()
             print(f"error: {err}", file=sys.stderr)
             continue
+        finally:
+            if wrap is not None:
+                wrap.flush()
         if dropped:
             print("(oldest messages dropped to fit the context)", file=sys.stderr)
         if answer.finish_reason == "interrupted" and not answer.text:

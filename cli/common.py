@@ -82,9 +82,27 @@ def sigterm_unwinds():
         signal.signal(signal.SIGTERM, old)
 
 
+def import_torch():
+    """Import torch with Ctrl-C held back until it is done: an interrupt inside its
+    import can abort the process from C++ (exit 134) or leave numpy half-imported.
+    The held-back Ctrl-C arrives right after, as a KeyboardInterrupt."""
+    import signal
+
+    blocked = hasattr(signal, "pthread_sigmask")
+    if blocked:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import torch
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return torch
+
+
 def set_threads(threads: int | None) -> int:
     import psutil
-    import torch
+
+    torch = import_torch()
 
     n = threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
     torch.set_num_threads(n)

@@ -137,6 +137,15 @@ def run(
             show_default=False,
         ),
     ] = None,
+    prompt_option: Annotated[
+        str | None,
+        typer.Option(
+            "--prompt",
+            "-p",
+            help="The prompt, as llama.cpp takes it (instead of PROMPT).",
+            show_default=False,
+        ),
+    ] = None,
     max_tokens: MaxTokens = 512,
     temperature: Temperature = 0.8,
     top_k: TopK = 40,
@@ -189,6 +198,9 @@ def run(
     stdin when both are given. Only the answer goes to stdout. When `infer serve`
     runs, a prompt is answered by it (the model stays loaded there).
     """
+    if prompt is not None and prompt_option is not None:
+        raise InferError("give the prompt once: as PROMPT or with --prompt, not both")
+    prompt = prompt if prompt_option is None else prompt_option
     prompt, system = utf8_arg(prompt, "PROMPT"), utf8_arg(system, "--system")
     interactive = prompt is None and sys.stdin.isatty()
     if not interactive:

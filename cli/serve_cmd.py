@@ -37,9 +37,7 @@ def serve(
             "--host", help="Address to listen on. Other than loopback, set --api-key too."
         ),
     ] = DEFAULT_HOST,
-    port: Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="Port.")] = (
-        DEFAULT_PORT
-    ),
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port.")] = (DEFAULT_PORT),
     api_key: Annotated[
         str | None,
         typer.Option(

@@ -143,3 +143,28 @@ def test_a_cancelled_job_stops(tiny):
         assert len(result["done"].tokens) < 100
     finally:
         scheduler.close()
+
+
+def test_chat_wraps_between_words():
+    import io
+
+    from infer.cli.chat import WordWrap
+
+    out = io.StringIO()
+    wrap = WordWrap(out, 20)
+    for piece in [
+        "The quick brown",
+        " fox jumps over the",
+        " lazy dog",
+        "\nsupercalifragilistic",
+        "expialidocious 日本語の文章です",
+    ]:
+        wrap.write(piece)
+    wrap.flush()
+    lines = out.getvalue().split("\n")
+    assert lines[:3] == ["The quick brown fox ", "jumps over the lazy ", "dog"]
+    assert lines[3] == "supercalifragilistic"  # a word longer than a line is cut
+    assert (
+        "".join(lines[3:]).replace(" ", "") == "supercalifragilisticexpialidocious日本語の文章です"
+    )
+    assert all(sum(2 if ord(c) > 0x3000 else 1 for c in line) <= 20 for line in lines)

@@ -23,7 +23,9 @@ import sys
 import time
 import urllib.request
 
-PROMPT = "What is the capital of France?"
+# Raw text, no chat template: both tools then write exactly --tokens tokens (llama-simple
+# has no template, and a chat answer may end sooner).
+PROMPT = "Once upon a time, in a small village by the sea,"
 
 
 def free_port() -> int:
@@ -63,7 +65,7 @@ def main() -> None:
     infer = [sys.executable, "-m", "infer.cli.main"]
     port = free_port()
     env = {**os.environ, "INFER_HOST": f"127.0.0.1:{port}"}
-    run = [*infer, "run", args.model, PROMPT, "-n", str(args.tokens), "--temp", "0"]
+    run = [*infer, "run", args.model, PROMPT, "--no-chat", "-n", str(args.tokens), "--temp", "0"]
     commands = {
         "infer run (in-process)": [*run, "--local"],
         "infer run (client of infer serve)": run,

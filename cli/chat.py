@@ -1,5 +1,9 @@
-"""The interactive chat loop and its commands; answers stream through
-`runtime.answer.stream_answer`, printed as they come."""
+"""The interactive chat loop and its commands. Answers come from a `LocalModel` (loaded
+in this process, through `runtime.answer.stream_answer`) or a `RemoteModel` (a running
+`infer serve`, cli/client.py), printed as they come.
+
+Only the standard library at import: a chat with a server never imports torch.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,13 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from .. import InferError
-from ..runtime.answer import stream_answer
-from ..runtime.generate import Penalties, Sampler, make_sampler
-from ..runtime.loader import LoadedModel
-from ..runtime.session import Session
 from .common import human_count, print_table
+
+if TYPE_CHECKING:
+    from ..runtime.loader import LoadedModel
 
 
 def stream_line(lm: LoadedModel) -> str | None:
@@ -73,10 +77,28 @@ class ChatSettings:
     repeat_penalty: float = 1.0
     system: str | None = None
     verbose: bool = False
-    sampler: Sampler = field(init=False, repr=False)
+    format: str | dict | None = None  # run --format: "json" or a JSON schema (local only)
+    _sampler: object = field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.sampler = make_sampler(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
+    @property
+    def sampler(self):
+        """The sampler of the current settings, made once (a seeded one keeps its state)."""
+        if self._sampler is None:
+            from ..runtime.generate import make_sampler
+
+            self._sampler = make_sampler(
+                self.temperature, self.top_k, self.top_p, self.min_p, self.seed
+            )
+        return self._sampler
+
+    def options(self) -> dict:
+        """The settings as the server's ollama-style options."""
+        options = {
+            "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+            "min_p": self.min_p, "seed": self.seed, "num_predict": self.max_tokens,
+            "repeat_penalty": self.repeat_penalty,
+        }  # fmt: skip
+        return {k: v for k, v in options.items() if v is not None}
 
     def set_parameter(self, name: str, value: str) -> None:
         """Set ollama's parameter `name`; ValueError (one line) if name or value is bad."""
@@ -90,7 +112,7 @@ class ChatSettings:
         if v is None or not valid(v):
             raise ValueError(f"{name} must be {allowed}, not {value}")
         setattr(self, attr, v)
-        self.__post_init__()  # a new sampler for the new value
+        self._sampler = None  # a new sampler for the new value
 
     def parameters(self) -> list[list[str]]:
         seed = "random" if self.seed is None else str(self.seed)
@@ -117,22 +139,137 @@ def _read_message() -> str | None:
     return "\n".join(lines).strip("\n")
 
 
-def fit_context(tok, messages: list[dict], budget: int) -> list[int]:
-    """Encode `messages`, dropping the oldest exchanges (never the system message)
-    until the prompt is at most `budget` tokens; the newest message always stays."""
-    ids = tok.encode_chat(messages)
-    first = 1 if messages and messages[0]["role"] == "system" else 0
-    while len(ids) > budget and len(messages) - first > 1:
-        del messages[first]
-        ids = tok.encode_chat(messages)
-    return ids
+class WordWrap:
+    """Writes streamed text to a terminal of `width` columns, breaking lines between
+    words rather than inside them (as ollama's chat does). A word is held back until it
+    ends, or until it alone fills a line."""
+
+    def __init__(self, out, width: int):
+        self.out, self.width = out, max(width, 10)
+        self.col, self.word = 0, ""
+
+    def write(self, text: str) -> None:
+        for c in text:
+            if c == "\n":
+                self._word()
+                self._put("\n")
+            elif c in " \t":
+                self._word()
+                if self.col + 1 > self.width:
+                    self._put("\n")  # the space itself ends the line
+                else:
+                    self._put(c)
+            else:
+                self.word += c
+                if _columns(self.word) >= self.width:
+                    self._word()
+        self.out.flush()
+
+    def flush(self) -> None:
+        self._word()
+        self.out.flush()
+        self.col = 0
+
+    def _word(self) -> None:
+        if self.word:
+            n = _columns(self.word)
+            if self.col and self.col + n > self.width:
+                self._put("\n")
+            self._put(self.word)
+            self.word = ""
+
+    def _put(self, text: str) -> None:
+        self.out.write(text)
+        self.col = 0 if text == "\n" else self.col + _columns(text)
+
+
+def _columns(text: str) -> int:
+    """Terminal columns: East Asian wide and full-width characters take two."""
+    import unicodedata
+
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+class ChatModel(Protocol):
+    """What the chat talks to: a model in this process or behind a server."""
+
+    name: str
+
+    def answer(self, messages: list[dict], settings: ChatSettings, on_text) -> tuple[object, int]:
+        """Stream the answer to `messages` (an Answer or RemoteAnswer) and the number of
+        oldest messages dropped to fit the context."""
+
+    def complete(self, prompt: str, settings: ChatSettings, on_text) -> object:
+        """Stream a raw-text continuation of `prompt`."""
+
+    def info_rows(self) -> list[list[str]]: ...
+
+    def stream_line(self) -> str | None: ...
+
+
+class LocalModel:
+    """A model loaded here, one Session keeping the conversation's KV cache."""
+
+    def __init__(self, name: str, lm: LoadedModel):
+        from ..runtime.session import Session
+
+        self.name, self.lm, self.session = name, lm, Session(lm.model)
+
+    def answer(self, messages, settings, on_text):
+        from ..runtime.answer import answer_room, fit_chat, stream_answer
+        from ..runtime.generate import Penalties
+
+        ctx = self.session.max_seq_len
+        budget = ctx - answer_room(ctx, settings.max_tokens)
+        ids, dropped = fit_chat(self.lm.tokenizer, messages, budget)
+        penalties = Penalties(repeat=settings.repeat_penalty)
+        answer = stream_answer(
+            self.session, self.lm.tokenizer, ids, settings.sampler, settings.max_tokens,
+            on_text, penalties, constraint=self._constraint(settings),
+        )  # fmt: skip
+        return answer, dropped
+
+    def complete(self, prompt: str, settings, on_text):
+        """Continue `prompt` as raw text, no chat template."""
+        from ..runtime.answer import stream_answer
+        from ..runtime.generate import Penalties
+
+        ids = self.lm.tokenizer.encode(prompt)
+        penalties = Penalties(repeat=settings.repeat_penalty)
+        return stream_answer(
+            self.session, self.lm.tokenizer, ids, settings.sampler, settings.max_tokens,
+            on_text, penalties, constraint=self._constraint(settings),
+        )  # fmt: skip
+
+    def _constraint(self, settings):
+        """The grammar of settings.format for one answer, or None."""
+        if settings.format is None:
+            return None
+        from ..runtime.structured import compile_format
+
+        return compile_format(self.lm.tokenizer, settings.format).matcher()
+
+    def info_rows(self) -> list[list[str]]:
+        ctx, source = self.lm.model.max_seq_len, self.lm.source
+        a = source.args
+        archs = ", ".join(source.config.get("architectures") or ["?"])
+        trained = f" (trained on {a.max_seq_len})" if a.max_seq_len != ctx else ""
+        return [  # as `infer info` prints them
+            ["architecture", f"{a.model_type} ({archs})"],
+            ["parameters", f"{human_count(a.n_params)} ({a.n_params:,})"],
+            ["context length", f"{ctx}{trained}"],
+            ["quantization", source.quantization],
+        ]
+
+    def stream_line(self) -> str | None:
+        return stream_line(self.lm)
 
 
 @dataclass
 class Chat:
     """What the commands act on: the model, the settings, the conversation so far."""
 
-    lm: LoadedModel
+    model: ChatModel
     settings: ChatSettings
     messages: list[dict] = field(default_factory=list)
 
@@ -165,17 +302,7 @@ def _set(chat: Chat, arg: str) -> None:
 
 def _show(chat: Chat, arg: str) -> None:
     if arg == "info":
-        lm, ctx = chat.lm, chat.lm.model.max_seq_len
-        a, source = lm.source.args, lm.source
-        archs = ", ".join(source.config.get("architectures") or ["?"])
-        trained = f" (trained on {a.max_seq_len})" if a.max_seq_len != ctx else ""
-        rows = [  # as `infer info` prints them
-            ["architecture", f"{a.model_type} ({archs})"],
-            ["parameters", f"{human_count(a.n_params)} ({a.n_params:,})"],
-            ["context length", f"{ctx}{trained}"],
-            ["quantization", source.quantization],
-        ]
-        print_table(None, rows)
+        print_table(None, chat.model.info_rows())
     elif arg == "parameters":
         print_table(None, chat.settings.parameters())
     elif arg == "system":
@@ -226,17 +353,27 @@ def run_command(chat: Chat, line: str) -> bool | None:
         return False
 
 
-def chat_loop(lm: LoadedModel, settings: ChatSettings) -> None:
+def chat_loop(model: ChatModel, settings: ChatSettings) -> None:
     """Read messages at a `>>> ` prompt and stream answers until /exit or Ctrl-D."""
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:  # not on Windows; input() still works without it
         pass
 
-    session, tok = Session(lm.model), lm.tokenizer
-    chat = Chat(lm, settings)
+    chat = Chat(model, settings)
     chat.restart()
     out = sys.stdout
+    if out.isatty():
+        import shutil
+
+        wrap = WordWrap(out, shutil.get_terminal_size().columns)
+        show = wrap.write
+    else:
+        wrap = None
+
+        def show(piece: str) -> None:
+            out.write(piece)
+            out.flush()
 
     while True:
         try:
@@ -257,28 +394,18 @@ def chat_loop(lm: LoadedModel, settings: ChatSettings) -> None:
 
         messages = chat.messages
         messages.append({"role": "user", "content": text})
-        # Room kept for the answer when old turns have to go.
-        limit = settings.max_tokens if settings.max_tokens > 0 else session.max_seq_len
-        reserve = min(limit, session.max_seq_len // 4)
-        before = len(messages)
-        ids = fit_context(tok, messages, session.max_seq_len - reserve)
-        if len(messages) < before:
-            print("(oldest messages dropped to fit the context)", file=sys.stderr)
-
-        def show(piece: str) -> None:
-            out.write(piece)
-            out.flush()
-
         try:
-            answer = stream_answer(
-                session, tok, ids, settings.sampler, settings.max_tokens, show,
-                Penalties(repeat=settings.repeat_penalty),
-            )  # fmt: skip
+            answer, dropped = model.answer(messages, settings, show)
         except InferError as err:  # e.g. one message longer than the context
             messages.pop()
             print(f"error: {err}", file=sys.stderr)
             continue
-        if answer.finish_reason == "interrupted" and not answer.tokens:
+        finally:
+            if wrap is not None:
+                wrap.flush()
+        if dropped:
+            print("(oldest messages dropped to fit the context)", file=sys.stderr)
+        if answer.finish_reason == "interrupted" and not answer.text:
             messages.pop()  # nothing was answered: forget the question too
         else:
             messages.append({"role": "assistant", "content": answer.text})
@@ -289,6 +416,6 @@ def chat_loop(lm: LoadedModel, settings: ChatSettings) -> None:
             print(note, file=sys.stderr)
         if settings.verbose:
             print(answer.stats_line(), file=sys.stderr)
-            if line := stream_line(lm):
+            if line := model.stream_line():
                 print(line, file=sys.stderr)
         print(file=out, flush=True)  # a blank line before the next prompt

@@ -74,9 +74,55 @@ def quiet_broken_pipe():
         raise SystemExit(141) from None
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main thread is, so cleanup runs as for Ctrl-C."""
+
+
+@contextmanager
+def sigterm_unwinds():
+    """While files are being written: SIGTERM (`kill`, a service stop) unwinds the stack
+    instead of ending the process at once, so temporaries are removed; then exit 143 as
+    a killed process would."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def terminated(signum, frame):
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    except _Terminated:
+        raise InferError("terminated", exit_code=143) from None
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def import_torch():
+    """Import torch with Ctrl-C held back until it is done: an interrupt inside its
+    import can abort the process from C++ (exit 134) or leave numpy half-imported.
+    The held-back Ctrl-C arrives right after, as a KeyboardInterrupt."""
+    import signal
+
+    blocked = hasattr(signal, "pthread_sigmask")
+    if blocked:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import torch
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return torch
+
+
 def set_threads(threads: int | None) -> int:
     import psutil
-    import torch
+
+    torch = import_torch()
 
     n = threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1
     torch.set_num_threads(n)

@@ -21,6 +21,7 @@ import typer
 
 from .. import InferError, __version__
 from ..offload.budget import parse_size
+from . import record_interrupts
 from .common import (
     human_bytes,
     human_count,
@@ -30,6 +31,7 @@ from .common import (
     quiet_broken_pipe,
     read_format,
     set_threads,
+    sigterm_unwinds,
     status,
     torch_dtype,
     utf8_arg,
@@ -62,6 +64,7 @@ from .options import (
     Verbose,
 )
 from .quantize_cmd import quantize
+from .serve_cmd import serve
 
 app = typer.Typer(
     name="infer",
@@ -136,6 +139,15 @@ def run(
             show_default=False,
         ),
     ] = None,
+    prompt_option: Annotated[
+        str | None,
+        typer.Option(
+            "--prompt",
+            "-p",
+            help="The prompt, as llama.cpp takes it (instead of PROMPT).",
+            show_default=False,
+        ),
+    ] = None,
     max_tokens: MaxTokens = 512,
     temperature: Temperature = 0.8,
     top_k: TopK = 40,
@@ -162,13 +174,36 @@ def run(
     fmt: Format = None,
     json_out: Json = False,
     verbose: Verbose = False,
+    local: Annotated[
+        bool,
+        typer.Option(
+            "--local",
+            metavar=FLAG,
+            help="Load the model in this process even when a server is running. "
+            "Implied by --threads, --dtype, --max-memory, --trace and --expert-*.",
+        ),
+    ] = False,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            "--host",
+            metavar="HOST:PORT",
+            help="The `infer serve` to ask (or INFER_HOST). Default: 127.0.0.1:11435, "
+            "if one runs there.",
+            show_default=False,
+        ),
+    ] = None,
     debug: Debug = False,
 ) -> None:
     """Answer a prompt, or chat when run on a terminal without one.
 
     The prompt is PROMPT, or stdin when it is piped, or PROMPT, a blank line and
-    stdin when both are given. Only the answer goes to stdout.
+    stdin when both are given. Only the answer goes to stdout. When `infer serve`
+    runs, a prompt is answered by it (the model stays loaded there).
     """
+    if prompt is not None and prompt_option is not None:
+        raise InferError("give the prompt once: as PROMPT or with --prompt, not both")
+    prompt = prompt if prompt_option is None else prompt_option
     prompt, system = utf8_arg(prompt, "PROMPT"), utf8_arg(system, "--system")
     interactive = prompt is None and sys.stdin.isatty()
     if not interactive:
@@ -187,95 +222,138 @@ def run(
     schema = read_format(fmt)  # a bad file fails before the model loads
 
     budget = parse_size(max_memory) if max_memory is not None else None
+    from .chat import ChatSettings, LocalModel, chat_loop
 
-    from ..runtime.registry import resolve
+    settings = ChatSettings(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        min_p=min_p, seed=seed, repeat_penalty=repeat_penalty, system=system,
+        verbose=verbose, format=schema,
+    )  # fmt: skip
+    show = (lambda _: None) if json_out else _write
+    # The server does not constrain answers to a format yet: --format answers here.
+    loads_here = (
+        threads, max_memory, expert_policy, expert_prediction, trace, fmt
+    ) != (None,) * 6 or dtype != DType.float32  # fmt: skip
+    chat_model = None if local or loads_here else _server_model(host, model, ctx, interactive)
+    if chat_model is not None and not interactive:
+        from .client import NotServed
 
-    resolved = resolve(model)  # before importing torch: a wrong name fails at once
+        try:
+            answer = _answer_once(chat_model, prompt, no_chat, settings, show)
+        except NotServed:
+            chat_model = None  # a file the server may not read: load it here
+            if verbose:
+                print("note: the server does not serve this file; loading it here", file=sys.stderr)
+        else:
+            _finish(answer, chat_model, answer.load_s, json_out, verbose)
+            return
+    lm = None
+    if chat_model is None:
+        from ..runtime.registry import resolve
 
-    from ..runtime.answer import stream_answer
-    from ..runtime.generate import Penalties, make_sampler
+        with sigterm_unwinds():  # before importing torch: a wrong name fails at once
+            resolved = resolve(model)
+        n_threads = set_threads(threads)
+        with status(f"loading {resolved.name}"):
+            lm = _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace)
+        if verbose:
+            print(
+                f"loaded {resolved.name} in {lm.load_seconds:.2f} s "
+                f"(context {lm.model.max_seq_len}, {n_threads} threads, {dtype.value})",
+                file=sys.stderr,
+            )
+            for plan in (lm.plan, lm.experts and lm.experts.plan):
+                if plan is not None:
+                    print(f"memory: {plan.describe()}", file=sys.stderr)
+        chat_model = LocalModel(resolved.name, lm)
+    try:
+        if interactive:
+            if is_tty():
+                print(f"{chat_model.name}: /help for commands, Ctrl-D to quit", file=sys.stderr)
+            chat_loop(chat_model, settings)
+        else:
+            answer = _answer_once(chat_model, prompt, no_chat, settings, show)
+            _finish(answer, chat_model, lm.load_seconds, json_out, verbose)
+    finally:
+        if lm is not None:
+            _save_trace(lm, trace)
+
+
+def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace):
+    """Load the model in this process, warning when --ctx is past its training."""
     from ..runtime.loader import load_model
-    from ..runtime.session import Session
-    from .chat import ChatSettings, chat_loop, stream_line
 
-    n_threads = set_threads(threads)
-    with status(f"loading {resolved.name}"):
-        lm = load_model(
-            resolved.path,
-            torch_dtype(dtype),
-            max_seq_len=ctx or DEFAULT_CTX,
-            max_memory=budget,
-            expert_policy=expert_policy and expert_policy.value,
-            record_routing=trace is not None,
-            expert_prediction=expert_prediction and expert_prediction.value,
-        )
+    lm = load_model(
+        resolved.path,
+        torch_dtype(dtype),
+        max_seq_len=ctx or DEFAULT_CTX,
+        max_memory=budget,
+        expert_policy=expert_policy and expert_policy.value,
+        record_routing=trace is not None,
+        expert_prediction=expert_prediction and expert_prediction.value,
+    )
     if ctx is not None and ctx > lm.model.max_seq_len:  # the loader clamped it
         print(
             f"warning: --ctx {ctx} is more than the {lm.model.max_seq_len} tokens "
             f"{resolved.name} was trained on; using {lm.model.max_seq_len}",
             file=sys.stderr,
         )
-    if verbose:
-        print(
-            f"loaded {resolved.name} in {lm.load_seconds:.2f} s "
-            f"(context {lm.model.max_seq_len}, {n_threads} threads, {dtype.value})",
-            file=sys.stderr,
-        )
-        if lm.plan is not None:
-            print(f"memory: {lm.plan.describe()}", file=sys.stderr)
-        if lm.experts is not None:
-            print(f"memory: {lm.experts.plan.describe()}", file=sys.stderr)
-    if interactive:
-        if is_tty():
-            print(f"{resolved.name}: /help for commands, Ctrl-D to quit", file=sys.stderr)
-        settings = ChatSettings(
-            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            min_p=min_p, seed=seed, repeat_penalty=repeat_penalty, system=system,
-            verbose=verbose,
-        )  # fmt: skip
+    return lm
+
+
+def _write(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def _server_model(host, model, ctx, check: bool):
+    """The model behind a running `infer serve` (cli/client.py RemoteModel), or None when
+    no server listens (or, with `check`, when it does not serve this model)."""
+    from ..runtime.registry import DEFAULT_MODEL
+    from .client import NotServed, RemoteModel, connect, model_reference, server_address
+
+    address, port, named = server_address(host)
+    conn = connect(address, port)
+    if conn is None:
+        if named:
+            print(f"note: no server at {address}:{port}; running here", file=sys.stderr)
+        return None
+    conn.close()
+    name = model_reference(model) if model else DEFAULT_MODEL
+    remote = RemoteModel(address, port, name, ctx, os.environ.get("INFER_API_KEY"))
+    if check:
         try:
-            chat_loop(lm, settings)
-        finally:
-            _save_trace(lm, trace)
-        return
+            remote.info_rows()  # an unknown name fails here, before the chat starts
+        except NotServed:
+            return None
+    return remote
 
-    sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
-    tok = lm.tokenizer
-    if no_chat:
-        ids = tok.encode(prompt)
-    else:
-        messages = [{"role": "system", "content": system}] if system else []
-        ids = tok.encode_chat(messages + [{"role": "user", "content": prompt}])
 
-    def show(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+def _answer_once(chat_model, prompt: str, raw: bool, settings, show):
+    """One answer to PROMPT: completed as raw text, or as the chat's first turn."""
+    if raw:
+        return chat_model.complete(prompt, settings, show)
+    messages = [{"role": "system", "content": settings.system}] if settings.system else []
+    answer, _ = chat_model.answer([*messages, {"role": "user", "content": prompt}], settings, show)
+    return answer
 
-    constraint = None
-    if schema is not None:
-        from ..runtime.structured import compile_format
 
-        constraint = compile_format(tok, schema).matcher()
-    session = Session(lm.model)
-    answer = stream_answer(
-        session, tok, ids, sampler, max_tokens, (lambda _: None) if json_out else show,
-        Penalties(repeat=repeat_penalty), constraint=constraint,
-    )  # fmt: skip
+def _finish(answer, chat_model, load_s: float, json_out: bool, verbose: bool) -> None:
+    """What `run` prints after a one-shot answer, and its exit status."""
     if answer.finish_reason == "interrupted":
         if not json_out:
             print(flush=True)
-        _save_trace(lm, trace)
         raise typer.Exit(130)
     if json_out:
         print_json(
             {
-                "model": resolved.name,
+                "model": chat_model.name,
                 "text": answer.text,
-                "tokens_generated": len(answer.tokens),
+                "tokens_generated": answer.n_generated,
                 "prompt_tokens": answer.prompt_tokens,
                 "finish_reason": answer.finish_reason,
                 "timings": {
-                    "load_s": round(lm.load_seconds, 4),
+                    "load_s": round(load_s, 4),
                     "ttft_s": round(answer.ttft_s, 4),
                     "prefill_tok_s": round(answer.prefill_tok_s, 2),
                     "decode_s": round(answer.decode_s, 4),
@@ -287,10 +365,9 @@ def run(
         print("" if answer.text.endswith("\n") else "\n", end="", flush=True)
     if note := answer.context_note():
         print(note, file=sys.stderr)
-    _save_trace(lm, trace)
     if verbose:
         print(answer.stats_line(), file=sys.stderr)
-        if line := stream_line(lm):
+        if line := chat_model.stream_line():
             print(line, file=sys.stderr)
 
 
@@ -305,15 +382,48 @@ def pull(
     """Download a model into the cache (progress on stderr); print its path."""
     from ..runtime.registry import pull as pull_model
 
-    print(pull_model(model, force=force, progress=True).path)
+    with sigterm_unwinds():  # a killed download removes its temporaries
+        path = pull_model(model, force=force, progress=True).path
+    print(path)
 
 
 @app.command(name="list")
-def list_models(json_out: JsonList = False, debug: Debug = False) -> None:
-    """List the models on disk."""
-    from ..runtime.registry import list_cached
+def list_models(
+    all_models: Annotated[
+        bool,
+        typer.Option(
+            "--all", "-a", metavar=FLAG, help="Every model of the registry, marking those on disk."
+        ),
+    ] = False,
+    json_out: JsonList = False,
+    debug: Debug = False,
+) -> None:
+    """List the models on disk (--all: every model one can run by name)."""
+    from ..runtime.registry import list_cached, load_registry
 
     models = list_cached()
+    if all_models:
+        on_disk = {m.name for m in models}
+        entries = list(load_registry().values())
+        if json_out:
+            print_json(
+                [
+                    {
+                        "name": e.name,
+                        "aliases": e.aliases,
+                        "repo": e.repo,
+                        "cached": e.name in on_disk,
+                    }
+                    for e in entries
+                ]
+            )
+            return
+        rows = [
+            [e.name, ", ".join(e.aliases) or "-", e.repo, "yes" if e.name in on_disk else "-"]
+            for e in entries
+        ]
+        print_table(["NAME", "ALIASES", "REPO", "ON DISK"], rows)
+        return
     if json_out:
         print_json(
             [
@@ -329,12 +439,24 @@ def list_models(json_out: JsonList = False, debug: Debug = False) -> None:
         )
         return
     if not models:
-        print("no models yet: `infer pull <model>` fetches one", file=sys.stderr)
+        print(
+            "no models yet: `infer pull <model>` fetches one (`infer list --all` names them)",
+            file=sys.stderr,
+        )
         return
     rows = [
         [m.name, human_bytes(m.size), m.format, m.quantization or "-", str(m.path)] for m in models
     ]
     print_table(["NAME", "SIZE", "FORMAT", "QUANT", "PATH"], rows)
+
+
+@app.command()
+def rm(model: RequiredModelArg, debug: Debug = False) -> None:
+    """Delete a downloaded model from disk (our cache or the Hugging Face cache)."""
+    from ..runtime.registry import remove_cached
+
+    for path in remove_cached(model):
+        print(f"removed {path}", file=sys.stderr)
 
 
 @app.command()
@@ -481,7 +603,6 @@ def bench(
         _replay(replay, json_out)
         return
     budget = parse_size(max_memory) if max_memory is not None else None
-
     from ..runtime.registry import resolve
 
     resolved = resolve(model)
@@ -535,6 +656,7 @@ def _replay(path: Path, json_out: bool) -> None:
 
 app.command("eval")(eval_model)
 app.command()(quantize)
+app.command()(serve)
 
 
 # ------------------------------------------------------------------------------------------
@@ -560,7 +682,8 @@ def _fail(err: BaseException, exit_code: int, debug: bool) -> None:
     sys.exit(exit_code)
 
 
-def main() -> None:
+def main(interrupted: list | None = None) -> None:
+    """Run the command line; `interrupted` (cli/__init__.py) records each Ctrl-C."""
     # torch's OpenMP workers otherwise spin after every op and take the cores our
     # kernels' thread pool needs, slowing decoding many times over.
     # Set before torch is imported (commands import it lazily); the user's value wins.
@@ -570,21 +693,24 @@ def main() -> None:
     # On a terminal, Typer reports usage errors itself (usage, hint, a box), as it shows
     # the help for a bare `infer`. Elsewhere they reach us, to read as one line.
     standalone = sys.stderr.isatty() or not argv
+    interrupted = record_interrupts() if interrupted is None else interrupted
     try:
         code = app(prog_name="infer", standalone_mode=standalone)
     except typer.TyperException as err:  # click's errors; usage errors exit 2
         message = " ".join(err.format_message().split())
         print(f"error: {message[:1].lower()}{message[1:]}", file=sys.stderr)
         sys.exit(err.exit_code)
-    except typer.Abort:
+    except typer.Abort:  # click's name for Ctrl-C, among others
+        if interrupted:
+            sys.exit(130)
         print("error: aborted", file=sys.stderr)
         sys.exit(1)
-    except InferError as err:
-        _fail(err, err.exit_code, debug)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as err:  # noqa: BLE001  (anything unexpected: one line, exit 1)
-        _fail(err, 1, debug)
+        if interrupted and not debug:
+            sys.exit(130)
+        _fail(err, err.exit_code if isinstance(err, InferError) else 1, debug)
     # Not standalone, the app returns instead of exiting: the code of an Exit (--help).
     sys.exit(code if isinstance(code, int) else 0)
 

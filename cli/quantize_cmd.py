@@ -11,19 +11,24 @@ scales end to end on that text (quant/tune.py).
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 import time
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from .. import InferError
-from .common import human_bytes, is_tty, print_json, print_table, set_threads, status
+from .common import (
+    human_bytes,
+    is_tty,
+    print_json,
+    print_table,
+    set_threads,
+    sigterm_unwinds,
+    status,
+)
 from .options import FLAG, Debug, Json, RequiredModelArg, Threads
 
 CALIB_CTX = 512  # tokens per calibration window (as `infer eval`'s default context)
@@ -203,7 +208,7 @@ def quantize(
             "kl_last_steps": sum(tail) / len(tail),
         }
 
-    with status(f"writing {output}"), _sigterm_unwinds():
+    with status(f"writing {output}"), sigterm_unwinds():
         save_checkpoint(
             model,
             info.config,
@@ -298,31 +303,6 @@ def _print_tensors(reports) -> None:
         for row, r in zip(rows, reports):
             row.insert(4, "" if r.rel_output_error is None else f"{r.rel_output_error:.4f}")
     print_table(headers, rows)
-
-
-class _Terminated(BaseException):
-    """SIGTERM, raised where the main thread is, so cleanup runs as for Ctrl-C."""
-
-
-@contextmanager
-def _sigterm_unwinds():
-    """While writing: SIGTERM (`kill`, a service stop) unwinds the stack instead of ending
-    the process at once, so save_checkpoint removes its temp folder; then exit 143 as a
-    killed process would. Before the write nothing is on disk: the default is fine."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
-        return
-
-    def terminated(signum, frame):
-        raise _Terminated
-
-    old = signal.signal(signal.SIGTERM, terminated)
-    try:
-        yield
-    except _Terminated:
-        raise InferError("terminated", exit_code=143) from None
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def _trained(r) -> list[str]:

@@ -35,6 +35,10 @@ class Answer:
     context: int = 0  # the session's positions; a "length" answer may have filled them
 
     @property
+    def n_generated(self) -> int:
+        return len(self.tokens)
+
+    @property
     def context_full(self) -> bool:
         # The last token is sampled, never fed back: a full context holds context + 1.
         return self.finish_reason == "length" and (
@@ -96,6 +100,26 @@ def _overlap(text: str, stop: str) -> int:
         if stop.startswith(text[-n:]):
             return n
     return 0
+
+
+def fit_chat(tok: Tokenizer, messages: list[dict], budget: int) -> tuple[list[int], int]:
+    """Encode a chat, first dropping its oldest messages (never a leading system message,
+    never the newest) until the prompt is at most `budget` tokens. Returns (prompt ids,
+    messages dropped); `messages` is edited in place."""
+    ids = tok.encode_chat(messages)
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    dropped = 0
+    while len(ids) > budget and len(messages) - first > 1:
+        del messages[first]
+        dropped += 1
+        ids = tok.encode_chat(messages)
+    return ids, dropped
+
+
+def answer_room(context: int, max_tokens: int) -> int:
+    """Positions a chat keeps free for the answer when old turns must go: `max_tokens`
+    (all of the context when < 1), at most a quarter of the context."""
+    return min(max_tokens if max_tokens > 0 else context, context // 4)
 
 
 def stream_answer(

@@ -178,19 +178,23 @@ def _offloads_experts(
     return need + sum(c.resident_bytes for c in costs) > budget
 
 
+def estimated_bytes(source: Source, dtype: torch.dtype, ctx: int) -> int:
+    """What loading `source` resident would add to the process: its weights, and for our
+    checkpoints the KV cache and buffers the plans count too."""
+    if isinstance(source, CheckpointSource):
+        ckpt = source.checkpoint
+        costs = layer_costs(ckpt, layer_units(ckpt, ckpt.args.n_layers), dtype)
+        fixed = overheads(ckpt, source.args, dtype, ctx, 0)
+        return fixed.total + sum(c.resident_bytes for c in costs)
+    return source.held_bytes(dtype)
+
+
 def _auto_budget(source: Source, dtype: torch.dtype, ctx: int, process: int) -> int | None:
     """A budget when the model's estimated footprint exceeds the memory available now;
     None when it fits."""
     import psutil
 
     available = psutil.virtual_memory().available
-    if isinstance(source, CheckpointSource):
-        ckpt = source.checkpoint
-        costs = layer_costs(ckpt, layer_units(ckpt, ckpt.args.n_layers), dtype)
-        fixed = overheads(ckpt, source.args, dtype, ctx, 0)
-        need = fixed.total + sum(c.resident_bytes for c in costs)
-    else:
-        need = source.held_bytes(dtype)
-    if need <= FITS_SHARE * available:
+    if estimated_bytes(source, dtype, ctx) <= FITS_SHARE * available:
         return None
     return process + int(AUTO_BUDGET_SHARE * available)

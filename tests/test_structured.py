@@ -5,6 +5,7 @@ format at all, so only the mask keeps its output valid); bad schemas are one-lin
 import gc
 import json
 import os
+import socket
 import subprocess
 import sys
 import weakref
@@ -173,23 +174,31 @@ def test_invalid_schema_is_a_one_line_error(tiny, fmt, words):
 # -------------------------------------------------------------------------------- CLI
 
 
-def infer_run(*args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "INFER_DEBUG"}
+def infer_run(*args, **env) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "INFER_DEBUG"}
     return subprocess.run(
         [sys.executable, "-m", "infer.cli.main", "run", *map(str, args)],
         check=False,
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
-        env={**env, "HF_HUB_OFFLINE": "1"},
-        timeout=300,
+        env={**base, "HF_HUB_OFFLINE": "1", **env},
+        timeout=120,
     )
 
 
 def test_cli_format_schema(smollm2_gguf, tmp_path):
     schema = tmp_path / "person.json"
     schema.write_text(json.dumps(PERSON))
-    r = infer_run(smollm2_gguf, ASK, "--format", schema, "--temp", "0", "--json")
+    # A server listens at INFER_HOST, but it does not constrain answers: --format runs here.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        host = f"127.0.0.1:{server.getsockname()[1]}"
+        r = infer_run(
+            smollm2_gguf, ASK, "--format", schema, "--temp", "0", "--json", INFER_HOST=host
+        )
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody called
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert data["finish_reason"] == "stop"

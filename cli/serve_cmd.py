@@ -1,0 +1,130 @@
+"""`infer serve`: keep models loaded behind the OpenAI and ollama HTTP APIs
+(cli/server/). Registered by main.py as `app.command()(serve)`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import InferError
+from ..offload.budget import parse_size
+from .common import torch_dtype
+from .options import Ctx, Debug, DType, DTypeOpt, MaxMemory, Threads
+
+DEFAULT_PORT = 11435  # beside ollama's 11434
+DEFAULT_HOST = "127.0.0.1"
+
+
+def serve(
+    models: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Models to load at start (names, .gguf files or model folders). Others "
+            "load on first use: registry models on disk, and files under --models-dir.",
+            metavar="[MODEL]...",
+            show_default=False,
+        ),
+    ] = None,
+    host: Annotated[
+        str,
+        typer.Option(
+            "--host", help="Address to listen on. Other than loopback, set --api-key too."
+        ),
+    ] = DEFAULT_HOST,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port.")] = (DEFAULT_PORT),
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="INFER_API_KEY",
+            help="Require `Authorization: Bearer KEY` on every request (or INFER_API_KEY).",
+            show_default=False,
+        ),
+    ] = None,
+    keep_alive: Annotated[
+        str,
+        typer.Option(
+            "--keep-alive",
+            metavar="DURATION",
+            help="Unload a model after this long idle (5m, 1h, 30s; -1: never). A "
+            "request's keep_alive overrides it for its model.",
+        ),
+    ] = "5m",
+    models_dir: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--models-dir",
+            metavar="DIR",
+            help="Requests may name model files and folders under DIR (repeatable).",
+            show_default=False,
+        ),
+    ] = None,
+    slots: Annotated[
+        int,
+        typer.Option(
+            "--slots",
+            min=1,
+            help="KV caches per model: conversations whose prompts stay cached for reuse.",
+        ),
+    ] = 2,
+    ctx: Ctx = None,
+    dtype: DTypeOpt = DType.float32,
+    max_memory: MaxMemory = None,
+    threads: Threads = None,
+    debug: Debug = False,
+) -> None:
+    """Serve models over HTTP: the OpenAI API (/v1/...) and the ollama API (/api/...).
+
+    `infer run` uses a running server when it finds one (INFER_HOST, default
+    127.0.0.1:11435). Stop with Ctrl-C or SIGTERM.
+    """
+    from .server.pool import ServeSettings, parse_keep_alive
+
+    try:
+        keep = parse_keep_alive(keep_alive)
+    except ValueError as e:
+        raise InferError(f"--keep-alive: {e}") from None
+    for d in models_dir or []:
+        if not d.is_dir():
+            raise InferError(f"--models-dir {d}: not a directory")
+    if not _is_loopback(host) and api_key is None:
+        print(
+            f"warning: listening on {host} without --api-key: anyone who can reach it can use it",
+            file=sys.stderr,
+        )
+    budget = parse_size(max_memory) if max_memory is not None else None
+
+    from ..runtime.registry import resolve
+    from .common import set_threads
+    from .server.app import serve as run_server
+
+    for name in models or []:
+        resolve(name, download=False)  # a wrong name fails before anything loads
+    n_threads = set_threads(threads)
+    settings = ServeSettings(
+        models=list(models or []),
+        model_dirs=list(models_dir or []),
+        ctx=ctx or 4096,
+        dtype=torch_dtype(dtype),
+        max_memory=budget,
+        slots=slots,
+        keep_alive=keep,
+        threads=n_threads,
+    )
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run_server(settings, host, port, api_key)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,1 @@
+"""`infer serve`: the OpenAI and ollama HTTP APIs over the same library calls as `infer run`."""

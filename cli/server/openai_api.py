@@ -1,0 +1,186 @@
+"""The OpenAI API: /v1/chat/completions, /v1/completions, /v1/models.
+
+Streams are server-sent events (`data: {...}` chunks, then `data: [DONE]`); errors
+are `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from ...runtime.generate import Penalties
+from ...runtime.scheduler import Sampling
+from .errors import ApiError
+from .requests import (
+    NUMBER,
+    AnswerRequest,
+    Finished,
+    get,
+    messages_of,
+    prepare,
+    read_json,
+    run,
+    stop_of,
+)
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    kind = ERROR_TYPES.get(
+        err.status, "server_error" if err.status >= 500 else "invalid_request_error"
+    )
+    body = {"error": {"message": err.message, "type": kind, "param": err.param, "code": None}}
+    return JSONResponse(body, status_code=err.status)
+
+
+def _finish_reason(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _usage(f: Finished) -> dict:
+    a = f.answer
+    return {
+        "prompt_tokens": a.prompt_tokens,
+        "completion_tokens": len(a.tokens),
+        "total_tokens": a.prompt_tokens + len(a.tokens),
+        "prompt_tokens_details": {"cached_tokens": a.cached_tokens},
+    }
+
+
+def _answer_request(body: dict, chat: bool) -> AnswerRequest:
+    if get(body, "n", int, 1) != 1:
+        raise ApiError(400, "n must be 1: one answer per request", "n")
+    max_tokens = get(body, "max_completion_tokens", int, None) if chat else None
+    if max_tokens is None:
+        max_tokens = get(body, "max_tokens", int, None)
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, not {max_tokens}", "max_tokens")
+    positive = (lambda v: v >= 0, "at least 0")
+    sampling = Sampling(
+        temperature=get(body, "temperature", NUMBER, 0.8, check=positive[0], must=positive[1]),
+        top_k=get(body, "top_k", int, 40, check=positive[0], must=positive[1]),
+        top_p=get(body, "top_p", NUMBER, 0.95, check=lambda v: 0 <= v <= 1, must="from 0 to 1"),
+        min_p=get(body, "min_p", NUMBER, 0.05, check=lambda v: 0 <= v <= 1, must="from 0 to 1"),
+        seed=get(body, "seed", int, None),
+    )
+    in_range = (lambda v: -2 <= v <= 2, "from -2 to 2")
+    penalties = Penalties(
+        repeat=get(body, "repeat_penalty", NUMBER, 1.0, check=positive[0], must=positive[1]),
+        frequency=get(body, "frequency_penalty", NUMBER, 0.0, check=in_range[0], must=in_range[1]),
+        presence=get(body, "presence_penalty", NUMBER, 0.0, check=in_range[0], must=in_range[1]),
+    )
+    stream_options = get(body, "stream_options", dict, {})
+    get(stream_options, "include_usage", bool)  # type-checked here, read by the stream
+    req = AnswerRequest(
+        model=get(body, "model", str, None),
+        max_tokens=-1 if max_tokens is None else max_tokens,
+        sampling=sampling,
+        penalties=None if penalties.off else penalties,
+        stop=stop_of(body.get("stop")),
+        stream=get(body, "stream", bool, False),
+    )
+    if chat:
+        req.messages = messages_of(body)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string (one prompt per request)", "prompt")
+        req.prompt = prompt
+    return req
+
+
+async def _complete(request: Request, chat: bool):
+    app = request.app.state
+    body = await read_json(request)
+    req = _answer_request(body, chat)
+    p = await prepare(app.pool, req)
+    kind = "chat.completion" if chat else "text_completion"
+    common = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": req.model or p.loaded.name,
+        "system_fingerprint": "infer",
+    }
+    if not req.stream:
+        text, finished = [], None
+        async for item in run(p, app.metrics):
+            if isinstance(item, Finished):
+                finished = item
+            else:
+                text.append(item)
+        reason = _finish_reason(finished.answer.finish_reason)
+        content = "".join(text)
+        choice = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice["text"] = content
+        return JSONResponse({**common, "choices": [choice], "usage": _usage(finished)})
+
+    include_usage = bool(get(body, "stream_options", dict, {}).get("include_usage"))
+    common["object"] = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(piece: str | None, reason: str | None = None) -> str:
+        choice: dict = {"index": 0, "finish_reason": reason, "logprobs": None}
+        if chat:
+            choice["delta"] = {} if piece is None else {"content": piece}
+        else:
+            choice["text"] = piece or ""
+        return json.dumps({**common, "choices": [choice]})
+
+    async def events():
+        if chat:
+            first = {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None,
+            }
+            yield {"data": json.dumps({**common, "choices": [first]})}
+        try:
+            async for item in run(p, app.metrics):
+                if isinstance(item, Finished):
+                    yield {"data": chunk(None, _finish_reason(item.answer.finish_reason))}
+                    if include_usage:
+                        yield {"data": json.dumps({**common, "choices": [], "usage": _usage(item)})}
+                else:
+                    yield {"data": chunk(item)}
+        except ApiError as err:  # after the headers went out: an error event, then the end
+            yield {"data": json.dumps({"error": {"message": err.message, "type": "server_error"}})}
+        yield {"data": "[DONE]"}
+
+    return EventSourceResponse(events(), ping=15)
+
+
+async def chat_completions(request: Request):
+    return await _complete(request, chat=True)
+
+
+async def completions(request: Request):
+    return await _complete(request, chat=False)
+
+
+async def models(request: Request):
+    created = int(time.time())
+    data = [
+        {"id": name, "object": "model", "created": created, "owned_by": "infer"}
+        for name in request.app.state.model_names()
+    ]
+    return JSONResponse({"object": "list", "data": data})
+
+
+routes = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+]

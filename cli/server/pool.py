@@ -1,0 +1,218 @@
+"""The models a server holds: found by the names `infer run` takes, loaded on first use,
+unloaded after their keep-alive, the least recently used first when memory is short.
+
+Only registry models on disk, the models the server was started with, and files under
+the folders it was started with can be named: a request cannot make it read any file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import torch
+
+from ... import InferError
+from ...runtime.loader import FITS_SHARE, LoadedModel, estimated_bytes, load_model
+from ...runtime.registry import DEFAULT_MODEL, ResolvedModel, find_entry, resolve
+from ...runtime.scheduler import Scheduler
+from .errors import ApiError
+
+
+@dataclass
+class ServeSettings:
+    models: list[str] = field(default_factory=list)  # named on the command line: loaded first
+    model_dirs: list[Path] = field(default_factory=list)  # files under these may be named
+    ctx: int = 4096  # each slot's context (at most the model's)
+    dtype: torch.dtype = torch.float32
+    max_memory: int | None = None  # the process's budget (loader.load_model)
+    slots: int = 2  # KV caches per model, kept for prefix reuse
+    keep_alive: float | None = 300.0  # seconds idle before unloading; None: never
+    threads: int | None = None
+
+
+@dataclass
+class Loaded:
+    name: str  # as first asked for
+    resolved: ResolvedModel
+    lm: LoadedModel
+    scheduler: Scheduler
+    size: int  # bytes: the weights' estimate plus the slots' KV caches
+    keep_alive: float | None
+    loaded_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def context(self) -> int:
+        return self.scheduler.context
+
+    def expires_in(self) -> float | None:
+        """Seconds left before an idle unload (None: never)."""
+        if self.keep_alive is None:
+            return None
+        if self.scheduler.busy:
+            return self.keep_alive
+        return self.keep_alive - (time.monotonic() - self.last_used)
+
+    def touch(self, keep_alive: float | None | bool = False) -> None:
+        """Mark as used now; a request's own `keep_alive` (ollama's) replaces the default."""
+        self.last_used = time.monotonic()
+        if keep_alive is not False:
+            self.keep_alive = keep_alive
+
+
+def parse_keep_alive(value) -> float | None:
+    """ollama's keep_alive: seconds as a number, or "10m", "1h30m", "45s", "500ms";
+    negative means forever (None), 0 unload at once."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return None if value < 0 else float(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("keep_alive must be a duration such as 5m, or a number of seconds")
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = _duration(text)
+    return None if seconds < 0 else seconds
+
+
+def _duration(text: str) -> float:
+    import re
+
+    units = {"ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+    sign = -1 if text.startswith("-") else 1
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text.lstrip("-"))
+    if not parts or "".join(n + u for n, u in parts) != text.lstrip("-"):
+        raise ValueError(f"keep_alive {text!r} is not a duration such as 5m, 1h or 30s")
+    return sign * sum(float(n) * units[u] for n, u in parts)
+
+
+class ModelPool:
+    def __init__(self, settings: ServeSettings):
+        self.settings = settings
+        self.loaded: dict[Path, Loaded] = {}  # by the model's path
+        self._loading: dict[Path, asyncio.Task] = {}
+        self._lock = asyncio.Lock()  # one load or unload decision at a time
+        # Paths that may be named: the command line's files and folders.
+        self._allowed = [Path(p).expanduser().resolve() for p in settings.model_dirs]
+        self._named: dict[str, ResolvedModel] = {}
+        for name in settings.models:
+            r = resolve(name, download=False)
+            self._named[name] = r
+            self._allowed.append(r.path.resolve())
+
+    @property
+    def default_name(self) -> str:
+        return self.settings.models[0] if self.settings.models else DEFAULT_MODEL
+
+    # -- naming -----------------------------------------------------------------------
+
+    def resolve(self, name: str | None) -> ResolvedModel:
+        """The model a request names, if this server may serve it (404 otherwise)."""
+        name = (name or "").strip() or self.default_name
+        if name.endswith(":latest") and find_entry(name) is None:
+            name = name[: -len(":latest")]  # ollama clients' default tag
+        if name in self._named:
+            return self._named[name]
+        path = Path(name).expanduser()
+        try:
+            if find_entry(name) is None and path.exists():
+                real = path.resolve()
+                if not any(real == a or a in real.parents for a in self._allowed):
+                    raise ApiError(
+                        404,
+                        f"model {name!r} is not served here: the server serves registry "
+                        "models and the files it was started with (infer serve MODEL, "
+                        "--models-dir DIR)",
+                    )
+                return resolve(str(real), download=False)
+            return resolve(name, download=False)
+        except InferError as err:
+            raise ApiError(404, str(err)) from None
+
+    # -- loading ----------------------------------------------------------------------
+
+    async def get(self, name: str | None, keep_alive: float | None | bool = False) -> Loaded:
+        """The loaded model `name` names, loading it if needed (and unloading the least
+        recently used idle ones first if it would not fit)."""
+        resolved = self.resolve(name)
+        key = resolved.path.resolve()
+        async with self._lock:
+            loaded = self.loaded.get(key)
+            task = self._loading.get(key)
+            if loaded is None and task is None:
+                task = asyncio.ensure_future(self._load(name or self.default_name, resolved))
+                self._loading[key] = task
+        if loaded is None:
+            try:
+                loaded = await asyncio.shield(task)
+            finally:
+                self._loading.pop(key, None)
+        loaded.touch(keep_alive)
+        return loaded
+
+    async def _load(self, name: str, resolved: ResolvedModel) -> Loaded:
+        s = self.settings
+        await self._make_room(resolved)
+
+        def load() -> Loaded:
+            lm = load_model(resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=s.max_memory)
+            scheduler = Scheduler(lm.model, lm.tokenizer, s.slots, s.ctx, s.threads)
+            kv = sum(c.k.nbytes + c.v.nbytes for slot in scheduler.slots for c in slot.cache or ())
+            size = lm.source.held_bytes(s.dtype) + kv
+            return Loaded(name, resolved, lm, scheduler, size, s.keep_alive)
+
+        try:
+            loaded = await anyio.to_thread.run_sync(load)
+        except InferError as err:
+            raise ApiError(400, f"{name}: {err}") from None
+        self.loaded[resolved.path.resolve()] = loaded
+        return loaded
+
+    async def _make_room(self, resolved: ResolvedModel) -> None:
+        """Unload idle models, least recently used first, while the new one would not fit."""
+        import psutil
+
+        from ...offload.stream import process_rss
+        from ...runtime.files.sources import open_source
+
+        s = self.settings
+        need = estimated_bytes(open_source(resolved.path), s.dtype, s.ctx)
+        while self.loaded:
+            if s.max_memory is not None:
+                fits = process_rss() + need <= s.max_memory
+            else:
+                fits = need <= FITS_SHARE * psutil.virtual_memory().available
+            idle = [m for m in self.loaded.values() if not m.scheduler.busy]
+            if fits or not idle:
+                return
+            await self.unload(min(idle, key=lambda m: m.last_used))
+
+    async def unload(self, loaded: Loaded) -> None:
+        self.loaded.pop(loaded.resolved.path.resolve(), None)
+        await anyio.to_thread.run_sync(loaded.scheduler.close)
+        del loaded
+        gc.collect()
+
+    async def reap(self) -> None:
+        """Unload models idle past their keep-alive; runs until cancelled."""
+        while True:
+            for m in list(self.loaded.values()):
+                left = m.expires_in()
+                if left is not None and left <= 0:
+                    await self.unload(m)
+            await asyncio.sleep(0.5)
+
+    def cancel_all(self) -> None:
+        """Cancel every running and queued answer (the server is stopping)."""
+        for m in self.loaded.values():
+            m.scheduler.cancel_all()
+
+    def close(self) -> None:
+        for m in list(self.loaded.values()):
+            m.scheduler.close(timeout=5)
+        self.loaded.clear()

@@ -1,0 +1,207 @@
+"""What both APIs share: reading a JSON body with typed fields, the answer request
+both turn theirs into, and running it on a model's scheduler as an async stream.
+
+Unknown fields are ignored, as clients send many; a known field of the wrong type or
+out of range is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from ... import InferError
+from ...runtime.answer import Answer, answer_room, fit_chat
+from ...runtime.generate import Penalties
+from ...runtime.scheduler import Job, Sampling
+from .errors import ApiError
+from .pool import Loaded, ModelPool, parse_keep_alive
+
+NUMBER = (int, float)
+
+
+async def read_json(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def get(body: dict, key: str, types, default=None, *, check=None, must: str = ""):
+    """`body[key]` if present and not null, checked against `types` (bool is never a
+    number) and `check`; else `default`."""
+    value = body.get(key)
+    if value is None:
+        return default
+    names = {str: "a string", bool: "true or false", int: "an integer", float: "a number"}
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        expected = " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
+        raise ApiError(400, f"{key} must be {expected}, not {json.dumps(value)[:40]}", key)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ApiError(400, f"{key} must be a finite number", key)
+    if check is not None and not check(value):
+        raise ApiError(400, f"{key} must be {must}, not {json.dumps(value)[:40]}", key)
+    return value
+
+
+def text_content(content, where: str) -> str:
+    """A message's content: a string, or OpenAI's list of parts of which only text is
+    understood."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ApiError(400, f"{where}: only text content is supported, not {kind}", where)
+            texts.append(get(part, "text", str, ""))
+        return "".join(texts)
+    raise ApiError(400, f"{where} must be a string or a list of text parts", where)
+
+
+def messages_of(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of messages", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a role", "messages")
+        out.append({"role": m["role"], "content": text_content(m.get("content"), f"messages[{i}]")})
+    return out
+
+
+def stop_of(value, key: str = "stop") -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise ApiError(400, f"{key} must be a string or a list of strings", key)
+
+
+def keep_alive_of(body: dict) -> float | None | bool:
+    """ollama's keep_alive in seconds (None: forever), or False when not given."""
+    if body.get("keep_alive") is None:
+        return False
+    try:
+        return parse_keep_alive(body["keep_alive"])
+    except ValueError as e:
+        raise ApiError(400, str(e), "keep_alive") from None
+
+
+@dataclass
+class AnswerRequest:
+    """One answer either API asks for, in the scheduler's terms."""
+
+    model: str | None
+    messages: list[dict] | None = None  # a chat, or
+    prompt: str | None = None  # raw text to complete
+    max_tokens: int = -1  # < 0: until the model stops or the context is full
+    sampling: Sampling = field(default_factory=Sampling)
+    penalties: Penalties | None = None
+    stop: tuple[str, ...] = ()
+    context: int | None = None
+    keep_alive: float | None | bool = False
+    stream: bool = False
+    truncate: bool = False  # drop a chat's oldest messages when it does not fit (ollama)
+
+
+@dataclass
+class Prepared:
+    """A request made ready: its model, prompt ids, and the job's fields."""
+
+    loaded: Loaded
+    ids: list[int]
+    request: AnswerRequest
+    dropped: int = 0  # oldest messages dropped to fit the context
+
+
+async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
+    """Load the model, encode the prompt and check it fits (4xx before anything streams)."""
+    loaded = await pool.get(req.model, req.keep_alive)
+    tok = loaded.lm.tokenizer
+    limit = min(req.context or loaded.context, loaded.context)
+    dropped = 0
+    if req.messages is not None:
+        # Without truncation every message must fit: a budget of all the context.
+        room = answer_room(limit, req.max_tokens) if req.max_tokens > 0 else 0
+        budget = limit - room if req.truncate else math.inf
+        try:
+            ids, dropped = fit_chat(tok, req.messages, budget)
+        except InferError as e:  # the template refused these messages
+            raise ApiError(400, str(e), "messages") from None
+    else:
+        ids = tok.encode(req.prompt or "")
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    if len(ids) > limit:
+        raise ApiError(
+            400,
+            f"the prompt is {len(ids)} tokens, longer than the context of {limit} tokens",
+            "messages" if req.messages is not None else "prompt",
+        )
+    return Prepared(loaded, ids, req, dropped)
+
+
+@dataclass
+class Finished:
+    answer: Answer
+    queued_s: float  # waiting for the model before prefill began
+
+
+async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
+    """Submit the answer to the model's scheduler; yield text pieces, then Finished.
+    Closing the iterator early (a client gone) cancels the job and frees its slot."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def on_event(kind: str, value) -> None:  # on the scheduler's thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+    req = p.request
+    job = Job(
+        p.ids,
+        req.max_tokens,
+        on_event,
+        req.sampling,
+        req.penalties,
+        req.stop,
+        req.context,
+    )
+    p.loaded.scheduler.submit(job)
+    try:
+        while True:
+            kind, value = await events.get()
+            if kind == "text":
+                yield value
+            elif kind == "done":
+                queued = (job.started or job.submitted) - job.submitted
+                metrics.answered(value, queued)
+                yield Finished(value, queued)
+                return
+            else:
+                if not isinstance(value, ApiError):
+                    status = 400 if isinstance(value, InferError) else 500
+                    raise ApiError(status, str(value)) from value
+                raise value
+    finally:
+        job.cancel()  # no-op once done; a client gone mid-answer frees the slot at once
+        p.loaded.touch()

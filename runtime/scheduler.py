@@ -1,0 +1,176 @@
+"""The scheduler: the one place that decides which request a model works on.
+
+A `Job` is one answer to produce (prompt ids, sampling, limits); the
+`Scheduler` of a loaded model runs jobs on its own thread over a few `Session` slots,
+each slot a KV cache that keeps the tokens of its last conversation. A job goes to the
+slot that already holds the longest prefix of its prompt (the same system prompt, the
+earlier turns of a chat), so only the rest is prefilled: that is the prefix cache.
+
+Jobs run one at a time, in order of arrival; a job hands its text and its end to its
+`on_event` callback from the scheduler's thread. A batched decode step would step
+every running job's slot at once here, behind the same `submit`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .. import InferError
+from .answer import Answer, stream_answer
+from .generate import Penalties, make_sampler
+from .model.llama import Transformer
+from .model.tokenizer import Tokenizer
+from .session import Session
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
+
+
+@dataclass
+class Job:
+    """One answer to generate. `on_event(kind, value)` is called from the scheduler's
+    thread with ("text", piece) as text comes, then once ("done", Answer) or
+    ("error", InferError)."""
+
+    prompt: list[int]
+    max_tokens: int  # < 0: until the context is full
+    on_event: Callable[[str, object], None]
+    sampling: Sampling = field(default_factory=Sampling)
+    penalties: Penalties | None = None
+    stop: Sequence[str] = ()
+    context: int | None = None  # the request's own context limit (ollama's num_ctx)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # when a slot took it
+    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def cancel(self) -> None:
+        """Stop at the next token (or before starting); the answer so far is kept."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+
+@dataclass
+class SchedulerStats:
+    jobs: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV a slot already held
+    prefix_hits: int = 0  # jobs that reused at least one cached token
+    generated_tokens: int = 0
+
+
+class Scheduler:
+    """Runs the jobs of one model, on a thread of its own, over `slots` KV caches of
+    `context` positions each."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        slots: int = 2,
+        context: int | None = None,
+        threads: int | None = None,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.slots = [Session(model, context, threads) for _ in range(max(1, slots))]
+        self.context = self.slots[0].max_seq_len
+        self._last_used = [0.0] * len(self.slots)
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._running: Job | None = None
+        self.stats = SchedulerStats()
+        self._thread = threading.Thread(target=self._work, name="infer-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        self._queue.put(job)
+
+    @property
+    def waiting(self) -> int:
+        """Jobs queued behind the running one."""
+        return self._queue.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None or not self._queue.empty()
+
+    def cancel_all(self) -> None:
+        """Cancel the running job and every queued one (their callers get "done")."""
+        job = self._running
+        if job is not None:
+            job.cancel()
+        for job in list(self._queue.queue):
+            if job is not None:
+                job.cancel()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Cancel everything and stop the thread; the slots' caches go with the object."""
+        self.cancel_all()
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def slot_for(self, prompt: list[int]) -> int:
+        """The slot holding the longest prefix of `prompt`; else the least recently used."""
+        reuse = [s.reused_prefix(prompt) for s in self.slots]
+        best = max(range(len(self.slots)), key=lambda i: (reuse[i], -self._last_used[i]))
+        return best
+
+    # -- the thread -----------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self._running = job
+            try:
+                self._run(job)
+            except Exception as err:  # noqa: BLE001  (InferError: 4xx; a bug: 500, and serving goes on)
+                job.on_event("error", err)
+            finally:
+                self._running = None
+
+    def _run(self, job: Job) -> None:
+        job.started = time.perf_counter()
+        i = self.slot_for(job.prompt)
+        session = self.slots[i]
+        self._last_used[i] = job.started
+        limit = min(job.context or session.max_seq_len, session.max_seq_len)
+        if len(job.prompt) > limit:
+            raise InferError(
+                f"the prompt is {len(job.prompt)} tokens, longer than the context of {limit}"
+            )
+        room = limit - len(job.prompt) + 1  # the last token is sampled, never fed back
+        max_tokens = room if job.max_tokens < 0 else min(job.max_tokens, room)
+        if job.cancelled:
+            answer = Answer(len(job.prompt), context=limit, finish_reason="cancelled")
+        else:
+            s = job.sampling
+            sampler = make_sampler(s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
+            answer = stream_answer(
+                session,
+                self.tokenizer,
+                job.prompt,
+                sampler,
+                max_tokens,
+                lambda piece: job.on_event("text", piece),
+                job.penalties,
+                job.stop,
+                cancelled=lambda: job.cancelled,
+            )
+            answer.context = limit
+        st = self.stats
+        st.jobs += 1
+        st.prompt_tokens += answer.prompt_tokens
+        st.cached_tokens += answer.cached_tokens
+        st.prefix_hits += answer.cached_tokens > 0
+        st.generated_tokens += len(answer.tokens)
+        job.on_event("done", answer)

@@ -1,0 +1,170 @@
+"""runtime/answer.py's stop strings, generate's penalties, and the scheduler's slots on a
+tiny random model."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tiny import make_hf_model
+
+from infer.runtime.answer import StopStrings, stream_answer
+from infer.runtime.generate import Penalties, make_sampler
+from infer.runtime.loader import load_model
+from infer.runtime.scheduler import Job, Sampling, Scheduler
+from infer.runtime.session import Session
+
+
+def _shown(stops, pieces):
+    s, out, stopped = StopStrings(stops), [], False
+    for p in pieces:
+        text, stopped = s.push(p)
+        out.append(text)
+        if stopped:
+            break
+    if not stopped:
+        out.append(s.flush())
+    return "".join(out), stopped
+
+
+@pytest.mark.parametrize(
+    "pieces, stops, shown, stopped",
+    [
+        (["Hello", " wor", "ld"], ["world"], "Hello ", True),
+        (["ab", "c<", "/s", ">tail"], ["</s>"], "abc", True),
+        (["a<", "/b"], ["</s>"], "a</b", False),  # a partial match is shown at the end
+        (["x", "y"], [], "xy", False),
+        (["STOP", "here"], ["STOP"], "", True),
+        (["one", "two"], ["wot", "netw"], "o", True),  # the earliest match wins
+    ],
+)
+def test_stop_strings(pieces, stops, shown, stopped):
+    assert _shown(stops, pieces) == (shown, stopped)
+
+
+def test_stop_strings_hold_back_only_a_possible_start():
+    s = StopStrings(["\n\nUser:"])
+    assert s.push("Sure.\n") == ("Sure.", False)  # "\n" may begin the stop string
+    assert s.push("x") == ("\nx", False)
+
+
+def test_penalties():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    history = [0, 0, 1]
+    repeat = Penalties(repeat=2.0).apply(logits, history)
+    assert repeat.tolist() == [1.0, -4.0, 1.0, 0.5]
+    freq = Penalties(frequency=0.5, presence=0.25).apply(logits, history)
+    assert freq.tolist() == [2.0 - 1.0 - 0.25, -2.0 - 0.5 - 0.25, 1.0, 0.5]
+    assert Penalties().apply(logits, history) is logits
+    assert Penalties(frequency=1.0, last_n=1).apply(logits, history).tolist() == [
+        2.0,
+        -3.0,
+        1.0,
+        0.5,
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "smollm2"
+    make_hf_model("smollm2", path)
+    return load_model(path, max_seq_len=128)
+
+
+def _run(scheduler: Scheduler, **job_fields) -> tuple[str, dict]:
+    done = threading.Event()
+    text, result = [], {}
+
+    def on_event(kind, value):
+        if kind == "text":
+            text.append(value)
+        else:
+            result[kind] = value
+            done.set()
+
+    scheduler.submit(Job(on_event=on_event, **job_fields))
+    assert done.wait(60)
+    return "".join(text), result
+
+
+def test_scheduler_reuses_the_slot_holding_the_prefix(tiny):
+    greedy = Sampling(temperature=0)
+    scheduler = Scheduler(tiny.model, tiny.tokenizer, slots=2, context=64)
+    try:
+        a = tiny.tokenizer.encode("the same long system prompt, then one question")
+        b = tiny.tokenizer.encode("something else entirely")
+        text_a, ra = _run(scheduler, prompt=a, max_tokens=5, sampling=greedy)
+        _, rb = _run(scheduler, prompt=b, max_tokens=5, sampling=greedy)
+        assert ra["done"].cached_tokens == 0 and rb["done"].cached_tokens == 0
+        _, r = _run(scheduler, prompt=a + [5, 6], max_tokens=5, sampling=greedy)
+        assert r["done"].cached_tokens >= len(a)  # the slot that held `a` was chosen
+        assert scheduler.stats.prefix_hits == 1
+
+        # The same answer as one Session on its own.
+        session = Session(tiny.model, 64)
+        alone = stream_answer(session, tiny.tokenizer, a, make_sampler(0), 5, lambda _: None)
+        assert text_a == alone.text
+    finally:
+        scheduler.close()
+
+
+def test_scheduler_reports_errors_and_goes_on(tiny):
+    scheduler = Scheduler(tiny.model, tiny.tokenizer, slots=1, context=16)
+    try:
+        _, r = _run(scheduler, prompt=list(range(3, 40)), max_tokens=2)
+        assert "longer than the context of 16" in str(r["error"])
+        _, r = _run(scheduler, prompt=[3, 4, 5], max_tokens=2, context=8)
+        assert r["done"].prompt_tokens == 3
+    finally:
+        scheduler.close()
+
+
+def test_a_cancelled_job_stops(tiny):
+    scheduler = Scheduler(tiny.model, tiny.tokenizer, slots=1, context=128)
+    try:
+        job_text = []
+        done = threading.Event()
+        result = {}
+
+        def on_event(kind, value):
+            if kind == "text":
+                job_text.append(value)
+                job.cancel()
+            else:
+                result[kind] = value
+                done.set()
+
+        # Random weights rarely say end-of-turn; without the cancel this runs 100 tokens.
+        job = Job([3, 4, 5], 100, on_event, Sampling(temperature=0))
+        scheduler.submit(job)
+        assert done.wait(60)
+        assert result["done"].finish_reason == "cancelled"
+        assert len(result["done"].tokens) < 100
+    finally:
+        scheduler.close()
+
+
+def test_chat_wraps_between_words():
+    import io
+
+    from infer.cli.chat import WordWrap
+
+    out = io.StringIO()
+    wrap = WordWrap(out, 20)
+    for piece in [
+        "The quick brown",
+        " fox jumps over the",
+        " lazy dog",
+        "\nsupercalifragilistic",
+        "expialidocious 日本語の文章です",
+    ]:
+        wrap.write(piece)
+    wrap.flush()
+    lines = out.getvalue().split("\n")
+    assert lines[:3] == ["The quick brown fox ", "jumps over the lazy ", "dog"]
+    assert lines[3] == "supercalifragilistic"  # a word longer than a line is cut
+    assert (
+        "".join(lines[3:]).replace(" ", "") == "supercalifragilisticexpialidocious日本語の文章です"
+    )
+    assert all(sum(2 if ord(c) > 0x3000 else 1 for c in line) <= 20 for line in lines)

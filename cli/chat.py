@@ -77,7 +77,7 @@ class ChatSettings:
     repeat_penalty: float = 1.0
     system: str | None = None
     verbose: bool = False
-    format: str | dict | None = None  # run --format: "json" or a JSON schema (local only)
+    format: str | dict | None = None  # run --format: "json" or a JSON schema
     _sampler: object = field(default=None, init=False, repr=False)
 
     @property

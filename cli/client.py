@@ -173,7 +173,7 @@ class RemoteModel:
         options = settings.options()
         if self.ctx:
             options["num_ctx"] = self.ctx
-        body = request_body(self.name, options, messages)
+        body = request_body(self.name, options, messages, fmt=settings.format)
         answer = ask(self._connect(), body, True, on_text, self.api_key)
         first = 1 if messages and messages[0]["role"] == "system" else 0
         del messages[first : first + answer.dropped]  # as the server did
@@ -183,7 +183,7 @@ class RemoteModel:
         options = settings.options()
         if self.ctx:
             options["num_ctx"] = self.ctx
-        body = request_body(self.name, options, None, prompt)
+        body = request_body(self.name, options, None, prompt, fmt=settings.format)
         return ask(self._connect(), body, False, on_text, self.api_key)
 
     def info_rows(self) -> list[list[str]]:
@@ -212,10 +212,14 @@ class RemoteModel:
         return None
 
 
-def request_body(model: str, options: dict, messages: list[dict] | None, prompt: str = "") -> dict:
+def request_body(
+    model: str, options: dict, messages: list[dict] | None, prompt: str = "", fmt=None
+) -> dict:
     """A streamed /api/chat body with `messages`, else an /api/generate one completing
-    `prompt` as raw text."""
+    `prompt` as raw text; `fmt`: "json" or a JSON schema the answer must follow."""
     body: dict = {"model": model, "stream": True, "options": options}
+    if fmt is not None:
+        body["format"] = fmt
     if messages is not None:
         body["messages"] = messages
     else:

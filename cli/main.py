@@ -230,10 +230,9 @@ def run(
         verbose=verbose, format=schema,
     )  # fmt: skip
     show = (lambda _: None) if json_out else _write
-    # The server does not constrain answers to a format yet: --format answers here.
     loads_here = (
-        threads, max_memory, expert_policy, expert_prediction, trace, fmt
-    ) != (None,) * 6 or dtype != DType.float32  # fmt: skip
+        threads, max_memory, expert_policy, expert_prediction, trace
+    ) != (None,) * 5 or dtype != DType.float32  # fmt: skip
     chat_model = None if local or loads_here else _server_model(host, model, ctx, interactive)
     if chat_model is not None and not interactive:
         from .client import NotServed

@@ -49,6 +49,7 @@ class Job:
     penalties: Penalties | None = None
     stop: Sequence[str] = ()
     context: int | None = None  # the request's own context limit (ollama's num_ctx)
+    constraint: object | None = None  # structured.Constraint: the answer keeps to a grammar
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when a slot took it
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -165,6 +166,7 @@ class Scheduler:
                 job.penalties,
                 job.stop,
                 cancelled=lambda: job.cancelled,
+                constraint=job.constraint,
             )
             answer.context = limit
         st = self.stats

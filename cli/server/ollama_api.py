@@ -71,7 +71,18 @@ def _answer_request(body: dict) -> AnswerRequest:
         keep_alive=keep_alive_of(body),
         stream=get(body, "stream", bool, True),
         truncate=get(body, "truncate", bool, True),
+        format=_format(body),
     )
+
+
+def _format(body: dict) -> str | dict | None:
+    """format: "json", or a JSON schema object; "" (some clients send it) is none."""
+    fmt = body.get("format")
+    if fmt in (None, ""):
+        return None
+    if fmt == "json" or isinstance(fmt, dict):
+        return fmt
+    raise ApiError(400, 'format must be "json" or a JSON schema object', "format")
 
 
 def _done_fields(f: Finished, load_s: float, t0: float, dropped: int) -> dict:

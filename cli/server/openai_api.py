@@ -55,6 +55,32 @@ def _usage(f: Finished) -> dict:
     }
 
 
+def _response_format(body: dict) -> str | dict | None:
+    """response_format: {"type": "text"}, {"type": "json_object"}, or {"type":
+    "json_schema", "json_schema": {"name": ..., "schema": {...}}}."""
+    rf = get(body, "response_format", dict, None)
+    if rf is None:
+        return None
+    kind = get(rf, "type", str, "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        spec = get(rf, "json_schema", dict, None)
+        schema = get(spec or {}, "schema", dict, None)
+        if schema is None:
+            raise ApiError(
+                400, "response_format.json_schema.schema must be a JSON schema object",
+                "response_format",
+            )  # fmt: skip
+        return schema
+    raise ApiError(
+        400, f"response_format.type must be text, json_object or json_schema, not {kind!r}",
+        "response_format",
+    )  # fmt: skip
+
+
 def _answer_request(body: dict, chat: bool) -> AnswerRequest:
     if get(body, "n", int, 1) != 1:
         raise ApiError(400, "n must be 1: one answer per request", "n")
@@ -86,6 +112,8 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
         penalties=None if penalties.off else penalties,
         stop=stop_of(body.get("stop")),
         stream=get(body, "stream", bool, False),
+        format=_response_format(body),
+        format_param="response_format",
     )
     if chat:
         req.messages = messages_of(body)

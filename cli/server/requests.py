@@ -13,12 +13,14 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import anyio
 from starlette.requests import Request
 
 from ... import InferError
 from ...runtime.answer import Answer, answer_room, fit_chat
 from ...runtime.generate import Penalties
 from ...runtime.scheduler import Job, Sampling
+from ...runtime.structured import compile_format
 from .errors import ApiError
 from .pool import Loaded, ModelPool, parse_keep_alive
 
@@ -119,6 +121,8 @@ class AnswerRequest:
     keep_alive: float | None | bool = False
     stream: bool = False
     truncate: bool = False  # drop a chat's oldest messages when it does not fit (ollama)
+    format: str | dict | None = None  # "json" or a JSON schema the answer must follow
+    format_param: str = "format"  # the field it came from, for errors
 
 
 @dataclass
@@ -129,6 +133,7 @@ class Prepared:
     ids: list[int]
     request: AnswerRequest
     dropped: int = 0  # oldest messages dropped to fit the context
+    constraint: object | None = None  # the format's matcher, one per answer
 
 
 async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
@@ -155,7 +160,14 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
             f"the prompt is {len(ids)} tokens, longer than the context of {limit} tokens",
             "messages" if req.messages is not None else "prompt",
         )
-    return Prepared(loaded, ids, req, dropped)
+    constraint = None
+    if req.format is not None:  # compiled off the event loop: the first one builds an index
+        try:
+            grammar = await anyio.to_thread.run_sync(compile_format, tok, req.format)
+        except InferError as e:
+            raise ApiError(400, f"{req.format_param}: {e}", req.format_param) from None
+        constraint = grammar.matcher()
+    return Prepared(loaded, ids, req, dropped, constraint)
 
 
 @dataclass
@@ -185,6 +197,7 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
         req.penalties,
         req.stop,
         req.context,
+        p.constraint,
     )
     p.loaded.scheduler.submit(job)
     try:

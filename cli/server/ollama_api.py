@@ -56,7 +56,9 @@ def _answer_request(body: dict) -> AnswerRequest:
         seed=get(options, "seed", int, None),
     )
     penalties = Penalties(
-        repeat=get(options, "repeat_penalty", NUMBER, 1.0, check=positive[0], must=positive[1]),
+        repeat=get(
+            options, "repeat_penalty", NUMBER, 1.0, check=lambda v: v > 0, must="more than 0"
+        ),
         frequency=get(options, "frequency_penalty", NUMBER, 0.0),
         presence=get(options, "presence_penalty", NUMBER, 0.0),
         last_n=get(options, "repeat_last_n", int, 64, check=lambda v: v >= -1, must="-1 or more"),

@@ -73,7 +73,7 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
     )
     in_range = (lambda v: -2 <= v <= 2, "from -2 to 2")
     penalties = Penalties(
-        repeat=get(body, "repeat_penalty", NUMBER, 1.0, check=positive[0], must=positive[1]),
+        repeat=get(body, "repeat_penalty", NUMBER, 1.0, check=lambda v: v > 0, must="more than 0"),
         frequency=get(body, "frequency_penalty", NUMBER, 0.0, check=in_range[0], must=in_range[1]),
         presence=get(body, "presence_penalty", NUMBER, 0.0, check=in_range[0], must=in_range[1]),
     )

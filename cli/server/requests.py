@@ -38,15 +38,28 @@ async def read_json(request: Request) -> dict:
 
 def get(body: dict, key: str, types, default=None, *, check=None, must: str = ""):
     """`body[key]` if present and not null, checked against `types` (bool is never a
-    number) and `check`; else `default`."""
+    number) and `check`; else `default`. A number comes back as a float; an integer
+    must fit in 64 bits (torch's seeds and sizes)."""
     value = body.get(key)
     if value is None:
         return default
-    names = {str: "a string", bool: "true or false", int: "an integer", float: "a number"}
+    names = {
+        str: "a string",
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        dict: "an object",
+        list: "a list",
+    }
     types = types if isinstance(types, tuple) else (types,)
     if isinstance(value, bool) and bool not in types or not isinstance(value, types):
         expected = " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
         raise ApiError(400, f"{key} must be {expected}, not {json.dumps(value)[:40]}", key)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if float in types:
+            value = float(value) if value.bit_length() <= 1000 else math.inf
+        elif not -(2**63) <= value < 2**63:
+            raise ApiError(400, f"{key} is out of range: {str(value)[:40]}", key)
     if isinstance(value, float) and not math.isfinite(value):
         raise ApiError(400, f"{key} must be a finite number", key)
     if check is not None and not check(value):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .. import InferError
 from .answer import Answer, stream_answer
-from .generate import Penalties, make_sampler
+from .generate import Penalties, Sampler, make_sampler
 from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
 from .session import Session
@@ -34,6 +34,13 @@ class Sampling:
     top_p: float = 0.95
     min_p: float = 0.05
     seed: int | None = None
+
+    def sampler(self) -> Sampler:
+        # Settings that keep only the most likely token are greedy: make_sampler would
+        # divide the logits to inf (temperature 1e-300) or keep no token (top_p 0).
+        if self.temperature < 1e-6 or self.top_p <= 0:
+            return make_sampler(0)
+        return make_sampler(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
 
 
 @dataclass
@@ -153,13 +160,11 @@ class Scheduler:
         if job.cancelled:
             answer = Answer(len(job.prompt), context=limit, finish_reason="cancelled")
         else:
-            s = job.sampling
-            sampler = make_sampler(s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
             answer = stream_answer(
                 session,
                 self.tokenizer,
                 job.prompt,
-                sampler,
+                job.sampling.sampler(),
                 max_tokens,
                 lambda piece: job.on_event("text", piece),
                 job.penalties,

@@ -22,6 +22,7 @@ from .requests import (
     NUMBER,
     AnswerRequest,
     Finished,
+    collect,
     get,
     keep_alive_of,
     messages_of,
@@ -131,13 +132,8 @@ async def _answer(request: Request, chat: bool):
         return out
 
     if not req.stream:
-        text, finished = [], None
-        async for item in run(p, app.metrics):
-            if isinstance(item, Finished):
-                finished = item
-            else:
-                text.append(item)
-        return JSONResponse({**message("".join(text)), **_done_fields(finished, load_s, t0)})
+        text, finished = await collect(p, app.metrics, request)
+        return JSONResponse({**message(text), **_done_fields(finished, load_s, t0)})
 
     async def lines():
         try:

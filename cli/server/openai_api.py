@@ -22,6 +22,7 @@ from .requests import (
     NUMBER,
     AnswerRequest,
     Finished,
+    collect,
     get,
     messages_of,
     prepare,
@@ -113,14 +114,8 @@ async def _complete(request: Request, chat: bool):
         "system_fingerprint": "infer",
     }
     if not req.stream:
-        text, finished = [], None
-        async for item in run(p, app.metrics):
-            if isinstance(item, Finished):
-                finished = item
-            else:
-                text.append(item)
+        content, finished = await collect(p, app.metrics, request)
         reason = _finish_reason(finished.answer.finish_reason)
-        content = "".join(text)
         choice = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": content}

@@ -212,3 +212,34 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
     finally:
         job.cancel()  # no-op once done; a client gone mid-answer frees the slot at once
         p.loaded.touch()
+
+
+async def collect(p: Prepared, metrics, request: Request) -> tuple[str, Finished]:
+    """The whole answer, for a response that is not streamed. Starlette does not tell a
+    handler that its client went away, so this listens for the disconnect itself and
+    cancels the answer then, freeing the slot (as a stream's end does)."""
+
+    async def answer() -> tuple[str, Finished]:
+        text, finished = [], None
+        async for item in run(p, metrics):
+            if isinstance(item, Finished):
+                finished = item
+            else:
+                text.append(item)
+        return "".join(text), finished
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    task = asyncio.ensure_future(answer())
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not watcher.done():
+            raise  # the server is cancelling this handler
+        raise ApiError(499, "the client closed the connection") from None
+    finally:
+        watcher.cancel()

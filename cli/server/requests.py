@@ -179,9 +179,14 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
 
     def on_event(kind: str, value) -> None:  # on the scheduler's thread
         try:
+            if kind == "done":  # counted here: a client gone no longer reads the events
+                loop.call_soon_threadsafe(metrics.answered, value, queued())
             loop.call_soon_threadsafe(events.put_nowait, (kind, value))
         except RuntimeError:  # the loop is closed: the server is gone
             pass
+
+    def queued() -> float:
+        return (job.started or job.submitted) - job.submitted
 
     req = p.request
     job = Job(
@@ -200,9 +205,7 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
             if kind == "text":
                 yield value
             elif kind == "done":
-                queued = (job.started or job.submitted) - job.submitted
-                metrics.answered(value, queued)
-                yield Finished(value, queued)
+                yield Finished(value, queued())
                 return
             else:
                 if not isinstance(value, ApiError):

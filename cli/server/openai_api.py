@@ -154,7 +154,9 @@ async def _complete(request: Request, chat: bool):
             yield {"data": json.dumps({"error": {"message": err.message, "type": "server_error"}})}
         yield {"data": "[DONE]"}
 
-    return EventSourceResponse(events(), ping=15)
+    # On SIGTERM the answer is cancelled and ends its stream itself: give it the time to
+    # send its last chunks, rather than cutting the response off (less than uvicorn's 5 s).
+    return EventSourceResponse(events(), ping=15, shutdown_grace_period=3)
 
 
 async def chat_completions(request: Request):

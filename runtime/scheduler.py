@@ -96,12 +96,20 @@ class Scheduler:
         self._last_used = [0.0] * len(self.slots)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._running: Job | None = None
+        self._lock = threading.Lock()  # between a submit and a stop
+        self.stopped = False  # cancel_all was called: no job runs any more
         self.stats = SchedulerStats()
         self._thread = threading.Thread(target=self._work, name="infer-scheduler", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        self._queue.put(job)
+        """Queue `job`; once stopped, it ends at once, cancelled."""
+        with self._lock:
+            if not self.stopped:
+                self._queue.put(job)
+                return
+        job.cancel()
+        job.on_event("done", Answer(len(job.prompt), finish_reason="cancelled"))
 
     @property
     def waiting(self) -> int:
@@ -113,11 +121,12 @@ class Scheduler:
         return self._running is not None or not self._queue.empty()
 
     def cancel_all(self) -> None:
-        """Cancel the running job and every queued one (their callers get "done")."""
-        job = self._running
-        if job is not None:
-            job.cancel()
-        for job in list(self._queue.queue):
+        """Stop: cancel the running job, every queued one and every one submitted later
+        (their callers get "done"). For a server that is stopping or unloading the model."""
+        with self._lock:
+            self.stopped = True
+            jobs = [self._running, *self._queue.queue]
+        for job in jobs:
             if job is not None:
                 job.cancel()
 
@@ -138,6 +147,8 @@ class Scheduler:
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
             self._running = job
+            if self.stopped:  # taken from the queue as cancel_all looked at it
+                job.cancel()
             try:
                 self._run(job)
             except Exception as err:  # noqa: BLE001  (InferError: 4xx; a bug: 500, and serving goes on)

@@ -198,6 +198,10 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
         req.stop,
         req.context,
     )
+    if p.loaded.scheduler.stopped:
+        raise ApiError(
+            503, "the model was unloaded: the server is stopping, or its keep-alive ended"
+        )
     p.loaded.scheduler.submit(job)
     try:
         while True:

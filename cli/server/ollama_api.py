@@ -111,8 +111,9 @@ async def _answer(request: Request, chat: bool):
         # No prompt: load (or with keep_alive 0, unload) the model, as ollama does.
         loaded = await app.pool.get(req.model, req.keep_alive)
         reason = "load"
-        if req.keep_alive == 0:
-            await app.pool.unload(loaded)
+        if req.keep_alive == 0:  # at once, or after the answers in flight (the reaper)
+            if not loaded.in_use:
+                await app.pool.unload(loaded)
             reason = "unload"
         out = {"model": name, "created_at": _now(), "done": True, "done_reason": reason}
         out["message" if chat else "response"] = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,16 +46,24 @@ class Loaded:
     keep_alive: float | None
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
+    # Requests prepared for this model that have not ended: from the moment a request
+    # gets the model, before its job reaches the scheduler, it must not be unloaded.
+    pending: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)
 
     @property
     def context(self) -> int:
         return self.scheduler.context
 
+    @property
+    def in_use(self) -> bool:
+        return self.scheduler.busy or len(self.pending) > 0
+
     def expires_in(self) -> float | None:
-        """Seconds left before an idle unload (None: never)."""
+        """Seconds left before an idle unload (None: never; while in use, the whole
+        keep-alive: it counts from the end of the last answer)."""
         if self.keep_alive is None:
             return None
-        if self.scheduler.busy:
+        if self.in_use:
             return self.keep_alive
         return self.keep_alive - (time.monotonic() - self.last_used)
 
@@ -187,7 +196,7 @@ class ModelPool:
                 fits = process_rss() + need <= s.max_memory
             else:
                 fits = need <= FITS_SHARE * psutil.virtual_memory().available
-            idle = [m for m in self.loaded.values() if not m.scheduler.busy]
+            idle = [m for m in self.loaded.values() if not m.in_use]
             if fits or not idle:
                 return
             await self.unload(min(idle, key=lambda m: m.last_used))
@@ -203,7 +212,7 @@ class ModelPool:
         while True:
             for m in list(self.loaded.values()):
                 left = m.expires_in()
-                if left is not None and left <= 0:
+                if left is not None and left <= 0 and not m.in_use:
                     await self.unload(m)
             await asyncio.sleep(0.5)
 

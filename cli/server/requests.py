@@ -133,7 +133,7 @@ class AnswerRequest:
     stream: bool = False
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity, for Loaded.pending
 class Prepared:
     """A request made ready: its model, prompt ids, and the job's fields."""
 
@@ -162,7 +162,9 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
             f"the prompt is {len(ids)} tokens, longer than the context of {limit} tokens",
             "messages" if req.messages is not None else "prompt",
         )
-    return Prepared(loaded, ids, req)
+    prepared = Prepared(loaded, ids, req)
+    loaded.pending.add(prepared)  # until `run` ends (or it is dropped, never run)
+    return prepared
 
 
 @dataclass
@@ -219,6 +221,7 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
     finally:
         job.cancel()  # no-op once done; a client gone mid-answer frees the slot at once
         p.loaded.touch()
+        p.loaded.pending.discard(p)
 
 
 async def collect(p: Prepared, metrics, request: Request) -> tuple[str, Finished]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -106,8 +107,10 @@ class ModelPool:
         self.loaded: dict[Path, Loaded] = {}  # by the model's path
         self._loading: dict[Path, asyncio.Task] = {}
         self._lock = asyncio.Lock()  # one load or unload decision at a time
-        # Paths that may be named: the command line's files and folders.
-        self._allowed = [Path(p).expanduser().resolve() for p in settings.model_dirs]
+        # Paths that may be named: the command line's files and folders, as given and
+        # as resolved.
+        dirs = [Path(os.path.abspath(Path(p).expanduser())) for p in settings.model_dirs]
+        self._allowed = list(dict.fromkeys([*dirs, *(d.resolve() for d in dirs)]))
         self._named: dict[str, ResolvedModel] = {}
         for name in settings.models:
             r = resolve(name, download=False)
@@ -131,7 +134,7 @@ class ModelPool:
         try:
             if find_entry(name) is None and path.exists():
                 real = path.resolve()
-                if not any(real == a or a in real.parents for a in self._allowed):
+                if not self._may_serve(path):
                     raise ApiError(
                         404,
                         f"model {name!r} is not served here: the server serves registry "
@@ -142,6 +145,15 @@ class ModelPool:
             return resolve(name, download=False)
         except InferError as err:
             raise ApiError(404, str(err)) from None
+
+    def _may_serve(self, path: Path) -> bool:
+        """Whether `path` is under a folder the server was started with (or is one of its
+        files): as resolved, or as named if the name has no "..", so that a link someone
+        put in a served folder may lead elsewhere but a request cannot climb out."""
+        named = [Path(os.path.abspath(path))] if ".." not in path.parts else []
+        return any(
+            p == a or a in p.parents for p in [path.resolve(), *named] for a in self._allowed
+        )
 
     # -- loading ----------------------------------------------------------------------
 

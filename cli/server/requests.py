@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
+import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -213,11 +215,11 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
             elif kind == "done":
                 yield Finished(value, queued())
                 return
-            else:
-                if not isinstance(value, ApiError):
-                    status = 400 if isinstance(value, InferError) else 500
-                    raise ApiError(status, str(value)) from value
-                raise value
+            elif isinstance(value, InferError):
+                raise ApiError(400, str(value)) from value
+            else:  # a bug: its traceback for the log, a 500 for the client
+                traceback.print_exception(value, file=sys.stderr)
+                raise ApiError(500, f"internal error: {type(value).__name__}: {value}")
     finally:
         job.cancel()  # no-op once done; a client gone mid-answer frees the slot at once
         p.loaded.touch()

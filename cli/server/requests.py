@@ -15,7 +15,7 @@ import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from ... import InferError
 from ...runtime.answer import Answer
@@ -28,7 +28,10 @@ NUMBER = (int, float)
 
 
 async def read_json(request: Request) -> dict:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before the whole body came: nothing to answer
+        raise ApiError(499, "the client closed the connection") from None
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:

@@ -117,6 +117,11 @@ class Scheduler:
         return self._queue.qsize()
 
     @property
+    def running(self) -> int:
+        """Jobs running now (one at a time: a batched step would run several)."""
+        return int(self._running is not None)
+
+    @property
     def busy(self) -> bool:
         return self._running is not None or not self._queue.empty()
 

@@ -102,6 +102,12 @@ class Metrics:
             "Answers waiting for their model, by model.",
             [(f'{{model="{_label(m.name)}"}}', m.scheduler.waiting) for m in models],
         )
+        metric(
+            "answers_running",
+            "gauge",
+            "Answers being generated, by model.",
+            [(f'{{model="{_label(m.name)}"}}', m.scheduler.running) for m in models],
+        )
         metric("models_loaded", "gauge", "Models in memory.", [("", len(models))])
         metric(
             "model_memory_bytes",

@@ -481,6 +481,13 @@ def test_openai_bad_request(http, body, status):
     assert generates(http)  # still serving
 
 
+def test_error_names_the_field_and_value(http):
+    r = http.post("/v1/chat/completions", json={"messages": HI, "temperature": -1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "temperature"
+    assert err["message"] == "temperature must be at least 0, not -1"
+
+
 def test_openai_bad_completion(http):
     for body in (
         {"prompt": ["a", "b"]},

@@ -68,7 +68,7 @@ def get(body: dict, key: str, types, default=None, *, check=None, must: str = ""
     if isinstance(value, float) and not math.isfinite(value):
         raise ApiError(400, f"{key} must be a finite number", key)
     if check is not None and not check(value):
-        raise ApiError(400, f"{key} must be {must}, not {json.dumps(value)[:40]}", key)
+        raise ApiError(400, f"{key} must be {must}, not {json.dumps(body[key])[:40]}", key)
     return value
 
 

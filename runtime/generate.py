@@ -36,7 +36,8 @@ def make_sampler(
         generator.seed()
 
     def sample(logits: torch.Tensor) -> int:
-        logits = logits.float() / temperature
+        logits = logits.float()
+        logits = (logits - logits.max()) / temperature  # a tiny temperature: -inf, not nan
         if 0 < top_k < logits.shape[-1]:
             logits, ids = torch.topk(logits, top_k)  # sorted, descending
         else:
@@ -48,6 +49,7 @@ def make_sampler(
             keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p
         if min_p > 0.0:
             keep &= probs >= min_p * probs[0]
+        keep[0] = True  # top_p 0 keeps the likeliest token, as llama.cpp
         probs = torch.where(keep, probs, 0.0)
         choice = torch.multinomial(probs, 1, generator=generator)
         return int(ids[choice])

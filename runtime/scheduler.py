@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .. import InferError
 from .answer import Answer, stream_answer
-from .generate import Penalties, make_sampler
+from .generate import Penalties, Sampler, make_sampler
 from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
 from .session import Session
@@ -34,6 +34,9 @@ class Sampling:
     top_p: float = 0.95
     min_p: float = 0.05
     seed: int | None = None
+
+    def sampler(self) -> Sampler:
+        return make_sampler(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
 
 
 @dataclass
@@ -90,12 +93,20 @@ class Scheduler:
         self._last_used = [0.0] * len(self.slots)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._running: Job | None = None
+        self._lock = threading.Lock()  # between a submit and a stop
+        self.stopped = False  # cancel_all was called: no job runs any more
         self.stats = SchedulerStats()
         self._thread = threading.Thread(target=self._work, name="infer-scheduler", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        self._queue.put(job)
+        """Queue `job`; once stopped, it ends at once, cancelled."""
+        with self._lock:
+            if not self.stopped:
+                self._queue.put(job)
+                return
+        job.cancel()
+        job.on_event("done", Answer(len(job.prompt), finish_reason="cancelled"))
 
     @property
     def waiting(self) -> int:
@@ -103,15 +114,21 @@ class Scheduler:
         return self._queue.qsize()
 
     @property
+    def running(self) -> int:
+        """Jobs running now (one at a time: a batched step would run several)."""
+        return int(self._running is not None)
+
+    @property
     def busy(self) -> bool:
         return self._running is not None or not self._queue.empty()
 
     def cancel_all(self) -> None:
-        """Cancel the running job and every queued one (their callers get "done")."""
-        job = self._running
-        if job is not None:
-            job.cancel()
-        for job in list(self._queue.queue):
+        """Stop: cancel the running job, every queued one and every one submitted later
+        (their callers get "done"). For a server that is stopping or unloading the model."""
+        with self._lock:
+            self.stopped = True
+            jobs = [self._running, *self._queue.queue]
+        for job in jobs:
             if job is not None:
                 job.cancel()
 
@@ -132,6 +149,8 @@ class Scheduler:
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
             self._running = job
+            if self.stopped:  # taken from the queue as cancel_all looked at it
+                job.cancel()
             try:
                 self._run(job)
             except Exception as err:  # noqa: BLE001  (InferError: 4xx; a bug: 500, and serving goes on)
@@ -154,13 +173,11 @@ class Scheduler:
         if job.cancelled:
             answer = Answer(len(job.prompt), context=limit, finish_reason="cancelled")
         else:
-            s = job.sampling
-            sampler = make_sampler(s.temperature, s.top_k, s.top_p, s.min_p, s.seed)
             answer = stream_answer(
                 session,
                 self.tokenizer,
                 job.prompt,
-                sampler,
+                job.sampling.sampler(),
                 max_tokens,
                 lambda piece: job.on_event("text", piece),
                 job.penalties,

@@ -52,7 +52,8 @@ class Guard:
             await send(message)
 
         try:
-            if self.api_key is not None and not self._authorized(scope):
+            # /health stays open, for load balancers and supervisors: it tells nothing.
+            if self.api_key is not None and path != "/health" and not self._authorized(scope):
                 err = ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)")
                 return await _error_response(path, err)(scope, receive, counted_send)
             headers = dict(scope["headers"])

@@ -15,7 +15,7 @@ class Metrics:
     def __init__(self):
         self.started = time.time()
         self.requests: Counter[tuple[str, int]] = Counter()  # (path, status) -> count
-        self.answers = 0
+        self.answers: Counter[str] = Counter()  # by finish reason
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.prefix_hits = 0  # answers that reused cached prompt tokens
@@ -28,7 +28,7 @@ class Metrics:
         self.requests[(path, status)] += 1
 
     def answered(self, answer: Answer, queued_s: float) -> None:
-        self.answers += 1
+        self.answers[answer.finish_reason] += 1
         self.prompt_tokens += answer.prompt_tokens
         self.cached_tokens += answer.cached_tokens
         self.prefix_hits += answer.cached_tokens > 0
@@ -56,7 +56,12 @@ class Metrics:
             "HTTP requests by path and status.",
             [(f'{{path="{p}",status="{s}"}}', n) for (p, s), n in sorted(self.requests.items())],
         )
-        metric("answers_total", "counter", "Answers generated.", [("", self.answers)])
+        metric(
+            "answers_total",
+            "counter",
+            "Answers generated, by how they ended (stop, length, cancelled: a client left).",
+            [(f'{{finish_reason="{r}"}}', n) for r, n in sorted(self.answers.items())],
+        )
         metric("prompt_tokens_total", "counter", "Prompt tokens.", [("", self.prompt_tokens)])
         metric(
             "prompt_tokens_cached_total",
@@ -96,6 +101,12 @@ class Metrics:
             "gauge",
             "Answers waiting for their model, by model.",
             [(f'{{model="{_label(m.name)}"}}', m.scheduler.waiting) for m in models],
+        )
+        metric(
+            "answers_running",
+            "gauge",
+            "Answers being generated, by model.",
+            [(f'{{model="{_label(m.name)}"}}', m.scheduler.running) for m in models],
         )
         metric("models_loaded", "gauge", "Models in memory.", [("", len(models))])
         metric(

@@ -22,6 +22,7 @@ from .requests import (
     NUMBER,
     AnswerRequest,
     Finished,
+    collect,
     get,
     keep_alive_of,
     messages_of,
@@ -56,7 +57,9 @@ def _answer_request(body: dict) -> AnswerRequest:
         seed=get(options, "seed", int, None),
     )
     penalties = Penalties(
-        repeat=get(options, "repeat_penalty", NUMBER, 1.0, check=positive[0], must=positive[1]),
+        repeat=get(
+            options, "repeat_penalty", NUMBER, 1.0, check=lambda v: v > 0, must="more than 0"
+        ),
         frequency=get(options, "frequency_penalty", NUMBER, 0.0),
         presence=get(options, "presence_penalty", NUMBER, 0.0),
         last_n=get(options, "repeat_last_n", int, 64, check=lambda v: v >= -1, must="-1 or more"),
@@ -122,8 +125,9 @@ async def _answer(request: Request, chat: bool):
         # No prompt: load (or with keep_alive 0, unload) the model, as ollama does.
         loaded = await app.pool.get(req.model, req.keep_alive)
         reason = "load"
-        if req.keep_alive == 0:
-            await app.pool.unload(loaded)
+        if req.keep_alive == 0:  # at once, or after the answers in flight (the reaper)
+            if not loaded.in_use:
+                await app.pool.unload(loaded)
             reason = "unload"
         out = {"model": name, "created_at": _now(), "done": True, "done_reason": reason}
         out["message" if chat else "response"] = (
@@ -143,15 +147,8 @@ async def _answer(request: Request, chat: bool):
         return out
 
     if not req.stream:
-        text, finished = [], None
-        async for item in run(p, app.metrics):
-            if isinstance(item, Finished):
-                finished = item
-            else:
-                text.append(item)
-        return JSONResponse(
-            {**message("".join(text)), **_done_fields(finished, load_s, t0, p.dropped)}
-        )
+        text, finished = await collect(p, app.metrics, request)
+        return JSONResponse({**message(text), **_done_fields(finished, load_s, t0, p.dropped)})
 
     async def lines():
         try:

@@ -22,6 +22,7 @@ from .requests import (
     NUMBER,
     AnswerRequest,
     Finished,
+    collect,
     get,
     messages_of,
     prepare,
@@ -99,7 +100,7 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
     )
     in_range = (lambda v: -2 <= v <= 2, "from -2 to 2")
     penalties = Penalties(
-        repeat=get(body, "repeat_penalty", NUMBER, 1.0, check=positive[0], must=positive[1]),
+        repeat=get(body, "repeat_penalty", NUMBER, 1.0, check=lambda v: v > 0, must="more than 0"),
         frequency=get(body, "frequency_penalty", NUMBER, 0.0, check=in_range[0], must=in_range[1]),
         presence=get(body, "presence_penalty", NUMBER, 0.0, check=in_range[0], must=in_range[1]),
     )
@@ -141,14 +142,8 @@ async def _complete(request: Request, chat: bool):
         "system_fingerprint": "infer",
     }
     if not req.stream:
-        text, finished = [], None
-        async for item in run(p, app.metrics):
-            if isinstance(item, Finished):
-                finished = item
-            else:
-                text.append(item)
+        content, finished = await collect(p, app.metrics, request)
         reason = _finish_reason(finished.answer.finish_reason)
-        content = "".join(text)
         choice = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": content}
@@ -187,7 +182,9 @@ async def _complete(request: Request, chat: bool):
             yield {"data": json.dumps({"error": {"message": err.message, "type": "server_error"}})}
         yield {"data": "[DONE]"}
 
-    return EventSourceResponse(events(), ping=15)
+    # On SIGTERM the answer is cancelled and ends its stream itself: give it the time to
+    # send its last chunks, rather than cutting the response off (less than uvicorn's 5 s).
+    return EventSourceResponse(events(), ping=15, shutdown_grace_period=3)
 
 
 async def chat_completions(request: Request):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,16 +47,24 @@ class Loaded:
     keep_alive: float | None
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
+    # Requests prepared for this model that have not ended: from the moment a request
+    # gets the model, before its job reaches the scheduler, it must not be unloaded.
+    pending: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)
 
     @property
     def context(self) -> int:
         return self.scheduler.context
 
+    @property
+    def in_use(self) -> bool:
+        return self.scheduler.busy or len(self.pending) > 0
+
     def expires_in(self) -> float | None:
-        """Seconds left before an idle unload (None: never)."""
+        """Seconds left before an idle unload (None: never; while in use, the whole
+        keep-alive: it counts from the end of the last answer)."""
         if self.keep_alive is None:
             return None
-        if self.scheduler.busy:
+        if self.in_use:
             return self.keep_alive
         return self.keep_alive - (time.monotonic() - self.last_used)
 
@@ -97,8 +107,10 @@ class ModelPool:
         self.loaded: dict[Path, Loaded] = {}  # by the model's path
         self._loading: dict[Path, asyncio.Task] = {}
         self._lock = asyncio.Lock()  # one load or unload decision at a time
-        # Paths that may be named: the command line's files and folders.
-        self._allowed = [Path(p).expanduser().resolve() for p in settings.model_dirs]
+        # Paths that may be named: the command line's files and folders, as given and
+        # as resolved.
+        dirs = [Path(os.path.abspath(Path(p).expanduser())) for p in settings.model_dirs]
+        self._allowed = list(dict.fromkeys([*dirs, *(d.resolve() for d in dirs)]))
         self._named: dict[str, ResolvedModel] = {}
         for name in settings.models:
             r = resolve(name, download=False)
@@ -122,7 +134,7 @@ class ModelPool:
         try:
             if find_entry(name) is None and path.exists():
                 real = path.resolve()
-                if not any(real == a or a in real.parents for a in self._allowed):
+                if not self._may_serve(path):
                     raise ApiError(
                         404,
                         f"model {name!r} is not served here: the server serves registry "
@@ -133,6 +145,15 @@ class ModelPool:
             return resolve(name, download=False)
         except InferError as err:
             raise ApiError(404, str(err)) from None
+
+    def _may_serve(self, path: Path) -> bool:
+        """Whether `path` is under a folder the server was started with (or is one of its
+        files): as resolved, or as named if the name has no "..", so that a link someone
+        put in a served folder may lead elsewhere but a request cannot climb out."""
+        named = [Path(os.path.abspath(path))] if ".." not in path.parts else []
+        return any(
+            p == a or a in p.parents for p in [path.resolve(), *named] for a in self._allowed
+        )
 
     # -- loading ----------------------------------------------------------------------
 
@@ -187,7 +208,7 @@ class ModelPool:
                 fits = process_rss() + need <= s.max_memory
             else:
                 fits = need <= FITS_SHARE * psutil.virtual_memory().available
-            idle = [m for m in self.loaded.values() if not m.scheduler.busy]
+            idle = [m for m in self.loaded.values() if not m.in_use]
             if fits or not idle:
                 return
             await self.unload(min(idle, key=lambda m: m.last_used))
@@ -203,7 +224,7 @@ class ModelPool:
         while True:
             for m in list(self.loaded.values()):
                 left = m.expires_in()
-                if left is not None and left <= 0:
+                if left is not None and left <= 0 and not m.in_use:
                     await self.unload(m)
             await asyncio.sleep(0.5)
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
+import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from ... import InferError
 from ...runtime.answer import Answer, answer_room, fit_chat
@@ -28,7 +30,10 @@ NUMBER = (int, float)
 
 
 async def read_json(request: Request) -> dict:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before the whole body came: nothing to answer
+        raise ApiError(499, "the client closed the connection") from None
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -40,19 +45,32 @@ async def read_json(request: Request) -> dict:
 
 def get(body: dict, key: str, types, default=None, *, check=None, must: str = ""):
     """`body[key]` if present and not null, checked against `types` (bool is never a
-    number) and `check`; else `default`."""
+    number) and `check`; else `default`. A number comes back as a float; an integer
+    must fit in 64 bits (torch's seeds and sizes)."""
     value = body.get(key)
     if value is None:
         return default
-    names = {str: "a string", bool: "true or false", int: "an integer", float: "a number"}
+    names = {
+        str: "a string",
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        dict: "an object",
+        list: "a list",
+    }
     types = types if isinstance(types, tuple) else (types,)
     if isinstance(value, bool) and bool not in types or not isinstance(value, types):
         expected = " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in types))
         raise ApiError(400, f"{key} must be {expected}, not {json.dumps(value)[:40]}", key)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if float in types:
+            value = float(value) if value.bit_length() <= 1000 else math.inf
+        elif not -(2**63) <= value < 2**63:
+            raise ApiError(400, f"{key} is out of range: {str(value)[:40]}", key)
     if isinstance(value, float) and not math.isfinite(value):
         raise ApiError(400, f"{key} must be a finite number", key)
     if check is not None and not check(value):
-        raise ApiError(400, f"{key} must be {must}, not {json.dumps(value)[:40]}", key)
+        raise ApiError(400, f"{key} must be {must}, not {json.dumps(body[key])[:40]}", key)
     return value
 
 
@@ -125,7 +143,7 @@ class AnswerRequest:
     format_param: str = "format"  # the field it came from, for errors
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity, for Loaded.pending
 class Prepared:
     """A request made ready: its model, prompt ids, and the job's fields."""
 
@@ -167,7 +185,9 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
         except InferError as e:
             raise ApiError(400, f"{req.format_param}: {e}", req.format_param) from None
         constraint = grammar.matcher()
-    return Prepared(loaded, ids, req, dropped, constraint)
+    prepared = Prepared(loaded, ids, req, dropped, constraint)
+    loaded.pending.add(prepared)  # until `run` ends (or it is dropped, never run)
+    return prepared
 
 
 @dataclass
@@ -184,9 +204,14 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
 
     def on_event(kind: str, value) -> None:  # on the scheduler's thread
         try:
+            if kind == "done":  # counted here: a client gone no longer reads the events
+                loop.call_soon_threadsafe(metrics.answered, value, queued())
             loop.call_soon_threadsafe(events.put_nowait, (kind, value))
         except RuntimeError:  # the loop is closed: the server is gone
             pass
+
+    def queued() -> float:
+        return (job.started or job.submitted) - job.submitted
 
     req = p.request
     job = Job(
@@ -199,6 +224,10 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
         req.context,
         p.constraint,
     )
+    if p.loaded.scheduler.stopped:
+        raise ApiError(
+            503, "the model was unloaded: the server is stopping, or its keep-alive ended"
+        )
     p.loaded.scheduler.submit(job)
     try:
         while True:
@@ -206,15 +235,45 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
             if kind == "text":
                 yield value
             elif kind == "done":
-                queued = (job.started or job.submitted) - job.submitted
-                metrics.answered(value, queued)
-                yield Finished(value, queued)
+                yield Finished(value, queued())
                 return
-            else:
-                if not isinstance(value, ApiError):
-                    status = 400 if isinstance(value, InferError) else 500
-                    raise ApiError(status, str(value)) from value
-                raise value
+            elif isinstance(value, InferError):
+                raise ApiError(400, str(value)) from value
+            else:  # a bug: its traceback for the log, a 500 for the client
+                traceback.print_exception(value, file=sys.stderr)
+                raise ApiError(500, f"internal error: {type(value).__name__}: {value}")
     finally:
         job.cancel()  # no-op once done; a client gone mid-answer frees the slot at once
         p.loaded.touch()
+        p.loaded.pending.discard(p)
+
+
+async def collect(p: Prepared, metrics, request: Request) -> tuple[str, Finished]:
+    """The whole answer, for a response that is not streamed. Starlette does not tell a
+    handler that its client went away, so this listens for the disconnect itself and
+    cancels the answer then, freeing the slot (as a stream's end does)."""
+
+    async def answer() -> tuple[str, Finished]:
+        text, finished = [], None
+        async for item in run(p, metrics):
+            if isinstance(item, Finished):
+                finished = item
+            else:
+                text.append(item)
+        return "".join(text), finished
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    task = asyncio.ensure_future(answer())
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not watcher.done():
+            raise  # the server is cancelling this handler
+        raise ApiError(499, "the client closed the connection") from None
+    finally:
+        watcher.cancel()

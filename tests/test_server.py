@@ -1,0 +1,680 @@
+"""`infer serve` over HTTP: a server subprocess on a free loopback port, spoken to with
+the `openai` package (the OpenAI API) and plain httpx (the ollama API), checked against
+the same model answering in-process.
+
+Every request goes to 127.0.0.1 with a timeout; each server stops on SIGTERM and must
+exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+MODEL = "smollm2-135m"
+KEY = "sk-test-123"
+CTX = 512  # small, so that a prompt longer than the context is cheap to send
+TIMEOUT = 60.0  # seconds: any one request
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# About 160 tokens that two requests share, for the prefix cache.
+SYSTEM = " ".join(f"Rule {i}: answer briefly, politely and in plain English." for i in range(12))
+
+
+# -- the servers ------------------------------------------------------------------------
+
+
+class Server:
+    """`infer serve ARGS` in a subprocess, its stderr in a file; `ready()` waits for it."""
+
+    def __init__(self, args: list[str], home: Path, log: Path):
+        env = {k: v for k, v in os.environ.items() if k not in ("INFER_DEBUG", "INFER_API_KEY")}
+        env.update(INFER_HOME=str(home), HF_HUB_OFFLINE="1")
+        self.log = log
+        with log.open("w") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "infer.cli.main", "serve", *args, "--port", "0"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                env=env,
+            )
+        self.url = ""
+
+    def ready(self, timeout: float = 120) -> Server:
+        """Poll the log for the address line, then /health answers."""
+        deadline = time.monotonic() + timeout
+        while not self.url and time.monotonic() < deadline:
+            m = re.search(r"serving on (http://127\.0\.0\.1:\d+)", self.log.read_text())
+            if m and httpx.get(m[1] + "/health", timeout=5).status_code == 200:
+                self.url = m[1]
+            elif self.proc.poll() is not None:
+                break
+            else:
+                time.sleep(0.1)
+        if not self.url:
+            self.kill()
+            pytest.fail(f"the server did not start:\n{self.log.read_text()}")
+        return self
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, timeout: float = 20) -> tuple[int, float]:
+        """SIGTERM; (exit code, seconds it took)."""
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the server ignored SIGTERM for {timeout} s:\n{self.log.read_text()}")
+        return code, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory, smollm2_gguf) -> Path:
+    """An INFER_HOME whose cache holds only the default model (a link to the real file)."""
+    home = tmp_path_factory.mktemp("infer_home")
+    folder = home / "models" / MODEL
+    folder.mkdir(parents=True)
+    (folder / smollm2_gguf.name).symlink_to(smollm2_gguf.resolve())
+    return home
+
+
+def _same_file(src: Path, dst: Path) -> Path:
+    """`dst` as another name of `src`: a hard link where it can be, else a copy."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src.resolve(), dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
+    """The model under a folder the server serves, outside it, and linked into it."""
+    root = tmp_path_factory.mktemp("files")
+    files = {
+        "dir": root / "served",
+        "inside": _same_file(smollm2_gguf, root / "served" / "sub" / "model.gguf"),
+        "outside": _same_file(smollm2_gguf, root / "elsewhere" / "model.gguf"),
+        "link": root / "served" / "link.gguf",
+    }
+    files["link"].symlink_to(files["outside"])
+    return files
+
+
+@pytest.fixture(scope="module")
+def launched(home, files, tmp_path_factory):
+    """Both servers, started together so that their start-ups overlap: the main one, and
+    one with an API key that a test stops mid-answer."""
+    log = tmp_path_factory.mktemp("log")
+    servers = {
+        "main": Server(
+            [MODEL, "--ctx", str(CTX), "--models-dir", str(files["dir"])], home, log / "main.log"
+        ),
+        "keyed": Server([MODEL, "--ctx", str(CTX), "--api-key", KEY], home, log / "keyed.log"),
+    }
+    yield servers
+    for s in servers.values():
+        s.kill()
+
+
+@pytest.fixture(scope="module")
+def server(launched, greedy):
+    s = launched["main"].ready()  # `greedy` loaded meanwhile
+    yield s
+    code, _ = s.stop()
+    assert code == 0, s.log.read_text()
+    assert "Traceback" not in s.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(
+        base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0
+    )
+
+
+@pytest.fixture(scope="module")
+def greedy(smollm2_gguf):
+    """The answer `infer run MODEL --temp 0` gives, computed in this process."""
+    from infer.runtime.answer import stream_answer
+    from infer.runtime.generate import make_sampler
+    from infer.runtime.loader import load_model
+    from infer.runtime.session import Session
+
+    lm = load_model(smollm2_gguf, max_seq_len=CTX)
+
+    def answer(messages: list[dict], n: int) -> str:
+        ids = lm.tokenizer.encode_chat(messages)
+        session = Session(lm.model, CTX)
+        return stream_answer(session, lm.tokenizer, ids, make_sampler(0), n, lambda _: None).text
+
+    return answer
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}, checking that every sample has its TYPE."""
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    typed, out = set(), {}
+    for line in r.text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            family = re.sub(r"(_bucket|_sum|_count)$", "", key.split("{")[0])
+            assert family in typed, line
+            out[key] = float(value)
+    return out
+
+
+def ndjson(r: httpx.Response) -> list[dict]:
+    assert r.headers["content-type"].startswith("application/x-ndjson")
+    return [json.loads(line) for line in r.iter_lines() if line]
+
+
+def ollama(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    """An ollama streaming request's lines (checked to end with one `done`)."""
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = ndjson(r)
+    assert [line["done"] for line in lines] == [False] * (len(lines) - 1) + [True]
+    return lines
+
+
+def generates(http: httpx.Client) -> bool:
+    r = http.post(
+        "/api/generate", json={"prompt": "Hi", "stream": False, "options": {"num_predict": 1}}
+    )
+    return r.status_code == 200 and r.json()["eval_count"] == 1
+
+
+def wait_for(condition, timeout: float = 20, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+# -- the OpenAI API ---------------------------------------------------------------------
+
+
+def test_chat_greedy_equals_in_process(oai, greedy):
+    r = oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == greedy(QUESTION, 12)
+    assert "Paris" in choice.message.content
+    assert r.object == "chat.completion" and r.model == MODEL
+    u = r.usage
+    assert u.completion_tokens <= 12 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert choice.finish_reason == ("length" if u.completion_tokens == 12 else "stop")
+
+
+def test_chat_stream(oai, greedy):
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == greedy(QUESTION, 4)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "length" and not any(reasons[:-1])
+    assert len({c.id for c in chunks}) == 1
+    usage = chunks[-1]  # the last chunk: no choices, the usage
+    assert usage.choices == [] and usage.usage.completion_tokens == 4
+
+
+def test_chat_stream_without_usage(oai):
+    chunks = list(
+        oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, stream=True)
+    )
+    assert all(c.usage is None and c.choices for c in chunks)
+
+
+def test_completions(oai):
+    prompt = "The capital of France is"
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    assert r.object == "text_completion"
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    assert "Paris" in r.choices[0].text
+    streamed = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+
+def test_models_list(oai):
+    assert MODEL in [m.id for m in oai.models.list()]
+
+
+def test_stop_string_never_shown(oai, http, greedy):
+    full = greedy(QUESTION, 12)
+    assert "Paris" in full
+    r = oai.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=12, temperature=0, stop=["Paris"]
+    )
+    assert r.choices[0].message.content == full[: full.index("Paris")]
+    assert r.choices[0].finish_reason == "stop"
+    # Streamed, with a stop string that spans tokens ("is Paris"), and the ollama spelling.
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=12, temperature=0, stop="is Paris", stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full[: full.index("is Paris")]
+    body = {"messages": QUESTION, "options": {"temperature": 0, "stop": ["Paris"]}}
+    lines = ollama(http, "/api/chat", body)
+    assert "".join(line["message"]["content"] for line in lines) == full[: full.index("Paris")]
+
+
+def test_same_seed_same_answer(oai):
+    def sample(seed: int) -> str:
+        r = oai.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=16, temperature=1.5, seed=seed
+        )
+        return r.choices[0].message.content
+
+    first = sample(7)
+    assert sample(7) == first
+    assert any(sample(seed) != first for seed in (8, 9, 10))  # the seed is used
+
+
+def test_prefix_cache(oai, http, greedy):
+    """A second request sharing a long system prompt computes only its own part, and
+    answers as if it had computed everything."""
+
+    def messages(question: str) -> list[dict]:
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+    def ask(question: str):
+        return oai.chat.completions.create(
+            model=MODEL, messages=messages(question), max_tokens=6, temperature=0
+        )
+
+    first = ask("What is 2 + 2?")
+    before = metrics(http)
+    second = ask("Name a colour.")
+    after = metrics(http)
+    system_tokens = first.usage.prompt_tokens - 20  # less the question and the template
+    assert first.usage.prompt_tokens_details.cached_tokens < 10
+    assert second.usage.prompt_tokens_details.cached_tokens >= system_tokens
+    assert second.choices[0].message.content == greedy(messages("Name a colour."), 6)
+    cached = after["infer_prompt_tokens_cached_total"] - before["infer_prompt_tokens_cached_total"]
+    assert cached == second.usage.prompt_tokens_details.cached_tokens
+    hits = "infer_prefix_cache_hits_total"
+    assert after[hits] == before[hits] + 1
+
+
+def test_concurrent_requests(oai, greedy):
+    """Answers queued behind each other and spread over the slots do not mix."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    questions = ["What is the capital of Italy?", "Name a fruit.", "What is 3 times 3?"]
+
+    def ask(question: str) -> str:
+        messages = [{"role": "user", "content": question}]
+        r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(len(questions)) as pool:
+        answers = list(pool.map(ask, questions))
+    assert answers == [greedy([{"role": "user", "content": q}], 8) for q in questions]
+
+
+# -- the ollama API ---------------------------------------------------------------------
+
+TIMINGS = (
+    "total_duration",
+    "load_duration",
+    "prompt_eval_count",
+    "prompt_eval_duration",
+    "eval_count",
+    "eval_duration",
+)
+
+
+def test_ollama_chat(http, greedy):
+    body = {"model": MODEL, "messages": QUESTION, "options": {"temperature": 0, "num_predict": 5}}
+    lines = ollama(http, "/api/chat", body)
+    text = "".join(line["message"]["content"] for line in lines)
+    assert text == greedy(QUESTION, 5)
+    last = lines[-1]
+    assert all(isinstance(last[k], int) for k in TIMINGS), last
+    assert last["eval_count"] == 5 and last["done_reason"] == "length"
+    assert last["total_duration"] >= last["eval_duration"] > 0
+    assert all(line["message"]["role"] == "assistant" and line["model"] == MODEL for line in lines)
+    r = http.post("/api/chat", json={**body, "stream": False})
+    assert r.status_code == 200 and r.json()["message"]["content"] == text
+    assert r.json()["done"] is True and r.json()["eval_count"] == 5
+
+
+def test_ollama_generate(http, greedy):
+    body = {"model": MODEL, "prompt": QUESTION[0]["content"]}
+    lines = ollama(http, "/api/generate", {**body, "options": {"temperature": 0, "num_predict": 6}})
+    assert "".join(line["response"] for line in lines) == greedy(QUESTION, 6)
+    assert all(isinstance(lines[-1][k], int) for k in TIMINGS)
+    # Not streamed, sampled with a seed: the same answer twice.
+    story = {"prompt": "Tell me a story about a dragon.", "stream": False}
+    story["options"] = {"seed": 3, "temperature": 1.2, "num_predict": 10}
+    first, again = (http.post("/api/generate", json=story).json() for _ in range(2))
+    assert first["response"] and first["response"] == again["response"]
+    assert first["done_reason"] == ("length" if first["eval_count"] == 10 else "stop")
+    # raw: the prompt as it is, no template
+    raw = {"prompt": "The capital of France is", "raw": True, "stream": False}
+    raw["options"] = {"temperature": 0, "num_predict": 3}
+    assert "Paris" in http.post("/api/generate", json=raw).json()["response"]
+
+
+def test_ollama_listings(http):
+    tags = http.get("/api/tags").json()["models"]
+    assert [m["name"] for m in tags] == [MODEL]
+    ps = http.get("/api/ps").json()["models"]
+    assert MODEL in [m["name"] for m in ps]
+    m = next(m for m in ps if m["name"] == MODEL)
+    assert m["size"] > 0 and m["context_length"] == CTX and m["expires_at"].endswith("Z")
+    show = http.post("/api/show", json={"model": MODEL}).json()
+    assert show["details"]["format"] == "gguf" and show["details"]["quantization_level"] == "Q4_1"
+    assert show["model_info"]["general.architecture"] == "llama"
+    assert "im_start" in show["template"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", http.get("/api/version").json()["version"])
+    assert http.get("/health").json()["status"] == "ok"
+
+
+def _answers(m: dict[str, float]) -> float:
+    return sum(v for k, v in m.items() if k.startswith("infer_answers_total{"))
+
+
+def test_metrics_move(http):
+    before = metrics(http)
+    assert generates(http)
+    after = metrics(http)
+    key = 'infer_requests_total{path="/api/generate",status="200"}'
+    assert after[key] == before.get(key, 0) + 1
+    assert _answers(after) == _answers(before) + 1
+    assert after["infer_generated_tokens_total"] == before["infer_generated_tokens_total"] + 1
+    count = "infer_time_to_first_token_seconds_count"
+    assert after[count] == before[count] + 1
+    assert after[f'infer_queue_depth{{model="{MODEL}"}}'] == 0
+    assert after["infer_models_loaded"] >= 1
+
+
+# -- bad requests -----------------------------------------------------------------------
+
+LONG = "word " * (CTX + 50)
+HI = [{"role": "user", "content": "Hi"}]
+
+BAD_OPENAI = {  # id: (body, status)
+    "malformed JSON": (b"{not json", 400),
+    "not an object": (b"[1, 2]", 400),
+    "temperature hot": ({"messages": HI, "temperature": "hot"}, 400),
+    "max_tokens 0": ({"messages": HI, "max_tokens": 0}, 400),
+    "max_completion_tokens -3": ({"messages": HI, "max_completion_tokens": -3}, 400),
+    "no messages": ({"model": MODEL}, 400),
+    "no role": ({"messages": [{"content": "Hi"}]}, 400),
+    "image": ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+    "stop 5": ({"messages": HI, "stop": 5}, 400),
+    "seed 2**70": ({"messages": HI, "seed": 2**70}, 400),
+    "repeat_penalty 0": ({"messages": HI, "repeat_penalty": 0}, 400),
+    "n 2": ({"messages": HI, "n": 2}, 400),
+    "unknown model": ({"model": "no-such-model", "messages": HI}, 404),
+    "longer than the context": ({"messages": [{"role": "user", "content": LONG}]}, 400),
+}
+
+BAD_OLLAMA = {  # id: (path, body, status)
+    "malformed JSON": ("/api/chat", b"{not json", 400),
+    "messages a string": ("/api/chat", {"messages": "Hi"}, 400),
+    "temperature hot": ("/api/chat", {"messages": HI, "options": {"temperature": "hot"}}, 400),
+    "options a string": ("/api/chat", {"messages": HI, "options": "fast"}, 400),
+    "num_predict 0": ("/api/generate", {"prompt": "Hi", "options": {"num_predict": 0}}, 400),
+    "seed 2**70": ("/api/generate", {"prompt": "Hi", "options": {"seed": 2**70}}, 400),
+    "num_ctx 8": ("/api/generate", {"prompt": "Hi", "options": {"num_ctx": 8}}, 400),
+    "keep_alive soon": ("/api/generate", {"prompt": "Hi", "keep_alive": "soon"}, 400),
+    "prompt 5": ("/api/generate", {"prompt": 5}, 400),
+    "unknown model": ("/api/generate", {"model": "no-such-model", "prompt": "Hi"}, 404),
+    "longer than the context": ("/api/generate", {"prompt": LONG}, 400),
+    "show an unknown model": ("/api/show", {"model": "no-such-model"}, 404),
+}
+
+
+def _post(http: httpx.Client, path: str, body) -> httpx.Response:
+    if isinstance(body, bytes):
+        return http.post(path, content=body, headers={"content-type": "application/json"})
+    return http.post(path, json=body)
+
+
+@pytest.mark.parametrize("body,status", BAD_OPENAI.values(), ids=BAD_OPENAI.keys())
+def test_openai_bad_request(http, body, status):
+    r = _post(http, "/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and err["type"]
+    assert generates(http)  # still serving
+
+
+def test_error_names_the_field_and_value(http):
+    r = http.post("/v1/chat/completions", json={"messages": HI, "temperature": -1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "temperature"
+    assert err["message"] == "temperature must be at least 0, not -1"
+
+
+def test_openai_bad_completion(http):
+    for body in (
+        {"prompt": ["a", "b"]},
+        {"prompt": ""},
+        {"prompt": LONG},
+        {"prompt": "x", "max_tokens": 0},
+    ):
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    # Streaming, a bad request is still an error status, not an error inside a stream.
+    r = http.post("/v1/chat/completions", json={"messages": HI, "stream": True, "max_tokens": 0})
+    assert r.status_code == 400
+
+
+@pytest.mark.parametrize("path,body,status", BAD_OLLAMA.values(), ids=BAD_OLLAMA.keys())
+def test_ollama_bad_request(http, path, body, status):
+    r = _post(http, path, body)
+    assert r.status_code == status, r.text
+    assert isinstance(r.json()["error"], str) and r.json()["error"]
+    assert generates(http)
+
+
+def test_unusual_values_are_served(http):
+    """Extreme but valid settings answer (they once reached the sampler and failed)."""
+    for extra in ({"temperature": 1e-300}, {"temperature": 1, "top_p": 0}, {"temperature": 10**30}):
+        r = http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2, **extra})
+        assert r.status_code == 200, (extra, r.text)
+
+
+def test_unknown_route_and_method(http):
+    r = http.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    r = http.get("/api/nothing")
+    assert r.status_code == 404 and isinstance(r.json()["error"], str)
+    assert http.get("/v1/chat/completions").status_code == 405
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _raw(url: str, request: bytes) -> bytes:
+    """Send `request` as it is; the response's bytes."""
+    with socket.create_connection(_address(url), timeout=TIMEOUT) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/api/generate"])
+def test_body_over_limit(server, http, path):
+    # The headers alone announce 32 MiB: refused before any of it is read.
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    response = _raw(
+        server.url, (head + "Content-Length: 33554432\r\nConnection: close\r\n\r\n").encode()
+    )
+    status, _, body = response.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 413"), response[:200]
+    err = json.loads(body)["error"]
+    assert "MiB" in (err if path.startswith("/api/") else err["message"])
+    assert generates(http)
+
+
+# -- the slot, the model, the files -----------------------------------------------------
+
+
+def _finished(http: httpx.Client, reason: str) -> float:
+    return metrics(http).get(f'infer_answers_total{{finish_reason="{reason}"}}', 0)
+
+
+@pytest.mark.parametrize("api", ["openai", "ollama", "openai-no-stream"])
+def test_disconnect_frees_the_slot(http, server, api):
+    """A client gone mid-answer cancels it: the answer ends "cancelled", nothing runs or
+    waits any more, and the next request is served."""
+    prompt = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
+    cancelled = _finished(http, "cancelled")
+    running = f'infer_answers_running{{model="{MODEL}"}}'
+    if api == "openai":
+        body = {"messages": prompt, "max_tokens": 400, "stream": True}
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            data = (line for line in r.iter_lines() if line.startswith("data: "))
+            next(data), next(data)  # the role, then the first token
+    elif api == "ollama":
+        body = {"messages": prompt, "options": {"num_predict": 400}}
+        with http.stream("POST", "/api/chat", json=body) as r:
+            assert json.loads(next(r.iter_lines()))["done"] is False
+    else:  # not streamed: the connection closes once the answer is running
+        body = json.dumps({"messages": prompt, "max_tokens": 400}).encode()
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}"
+        with socket.create_connection(_address(server.url), timeout=TIMEOUT) as s:
+            s.sendall(head.encode() + b"\r\nContent-Type: application/json\r\n\r\n" + body)
+            wait_for(lambda: metrics(http)[running] == 1, what="the answer to start")
+    wait_for(lambda: _finished(http, "cancelled") == cancelled + 1, what="the cancelled answer")
+    m = metrics(http)
+    assert m[running] == 0 and m[f'infer_queue_depth{{model="{MODEL}"}}'] == 0
+    assert generates(http)
+
+
+def test_client_gone_before_its_body(server, http):
+    """Half a body, then the connection closes: a 499 counted, no error in the log."""
+    key = 'infer_requests_total{path="/v1/chat/completions",status="499"}'
+    before = metrics(http).get(key, 0)
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+    with socket.create_connection(_address(server.url), timeout=TIMEOUT) as s:
+        s.sendall(head.encode() + b'{"messages":')
+    wait_for(lambda: metrics(http).get(key, 0) == before + 1, what="the 499")
+    assert "error" not in server.log.read_text()
+    assert generates(http)
+
+
+def test_models_dir_policy(http, files):
+    """Files under --models-dir may be named, links put there too; nothing else."""
+    body = {"prompt": "Hi", "stream": False, "options": {"num_predict": 1}}
+    climbing = files["inside"].parent / ".." / ".." / "elsewhere" / "model.gguf"
+    for name in (files["outside"], climbing, "/etc/passwd"):
+        r = http.post("/api/generate", json={**body, "model": str(name)})
+        assert r.status_code == 404 and "not served" in r.json()["error"], r.text
+        assert http.post("/api/show", json={"model": str(name)}).status_code == 404
+    for name in (files["inside"], files["link"]):
+        r = http.post("/api/generate", json={**body, "model": str(name)})
+        assert r.status_code == 200 and r.json()["eval_count"] == 1, r.text
+        # Unloaded again, to leave one model for the tests after.
+        r = http.post("/api/generate", json={"model": str(name), "keep_alive": 0})
+        assert r.status_code == 200 and r.json()["done_reason"] == "unload"
+
+
+def test_keep_alive_zero_unloads(http):
+    def loaded() -> list[str]:
+        return [m["name"] for m in http.get("/api/ps").json()["models"]]
+
+    assert generates(http) and MODEL in loaded()
+    r = http.post("/api/generate", json={"model": MODEL, "keep_alive": 0})
+    assert r.status_code == 200 and r.json()["done"] is True
+    assert MODEL not in loaded()
+    assert metrics(http)["infer_models_loaded"] == len(loaded())
+    # An answer's own keep_alive 0: loaded for it, kept while it runs (a counting
+    # that goes on for more than the keep-alive check's period), unloaded once done.
+    body = {"prompt": "1, 2, 3, 4, 5,", "raw": True, "stream": False, "keep_alive": 0}
+    r = http.post("/api/generate", json={**body, "options": {"num_predict": 40, "temperature": 0}})
+    assert r.status_code == 200 and r.json()["eval_count"] == 40, r.text
+    wait_for(lambda: MODEL not in loaded(), what="the unload")
+    assert generates(http) and MODEL in loaded()  # and loaded again on use
+
+
+# -- a server with an API key, stopped mid-answer ---------------------------------------
+
+
+def test_api_key_and_sigterm_mid_stream(launched):
+    s = launched["keyed"].ready()
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = http.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["message"]
+            r = http.post("/api/generate", headers=headers, json={"prompt": "Hi"})
+            assert r.status_code == 401 and isinstance(r.json()["error"], str)
+        assert http.get("/health").status_code == 200  # for load balancers, no key
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+        r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
+        assert r.usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            wrong = openai.OpenAI(
+                base_url=s.url + "/v1", api_key="x", timeout=TIMEOUT, max_retries=0
+            )
+            wrong.models.list()
+
+        # SIGTERM with one answer streaming and one queued behind it: both end
+        # cleanly (the last chunk and [DONE]; a last line done, or an error if the
+        # queued one came in after the signal), and the server exits 0.
+        auth = {"Authorization": f"Bearer {KEY}"}
+        story = [{"role": "user", "content": "Tell a long story."}]
+        body = {"messages": story, "max_tokens": 400, "stream": True}
+        with (
+            http.stream("POST", "/v1/chat/completions", json=body, headers=auth) as sse,
+            http.stream("POST", "/api/chat", json={"messages": story}, headers=auth) as queued,
+        ):
+            events = sse.iter_lines()
+            assert sse.status_code == 200 and next(events).startswith("data: ")
+            assert queued.status_code == 200
+            code, took = s.stop()
+            rest = [line for line in events if line]
+            lines = ndjson(queued)
+        assert code == 0 and took < 10, s.log.read_text()
+        assert rest[-1] == "data: [DONE]" and len(rest) < 300
+        assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"]
+        assert lines[-1].get("done") is True or "stopping" in lines[-1]["error"], lines[-1]
+        assert len(lines) < 300
+    assert "Traceback" not in s.log.read_text()

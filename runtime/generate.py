@@ -37,12 +37,12 @@ def make_sampler(
 
     def sample(logits: torch.Tensor) -> int:
         logits = logits.float()
-        logits = (logits - logits.max()) / temperature  # a tiny temperature: -inf, not nan
         if 0 < top_k < logits.shape[-1]:
             logits, ids = torch.topk(logits, top_k)  # sorted, descending
         else:
             logits, ids = torch.sort(logits, descending=True)
-        probs = torch.softmax(logits, dim=-1)
+        # In float64 from the top logit: a tiny temperature (1e-300) gives -inf, never nan.
+        probs = torch.softmax((logits.double() - logits[0]) / temperature, dim=-1)
         keep = torch.ones_like(probs, dtype=torch.bool)
         if top_p < 1.0:
             # Keep the smallest prefix whose mass reaches top_p (always the first token).

@@ -678,3 +678,157 @@ def test_api_key_and_sigterm_mid_stream(launched):
         assert lines[-1].get("done") is True or "stopping" in lines[-1]["error"], lines[-1]
         assert len(lines) < 300
     assert "Traceback" not in s.log.read_text()
+
+
+# -- structured output ------------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a made-up person as JSON: name, age, tags."}]
+
+
+def test_openai_json_schema_and_json_object(oai):
+    import jsonschema
+
+    r = oai.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0.7, seed=3, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    short = "Reply in JSON: an object whose one key, capital, holds the capital of France."
+    r = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": short}], temperature=0,
+        max_tokens=200, response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_ollama_format(http):
+    import jsonschema
+
+    lines = ollama(
+        http, "/api/chat",
+        {"model": MODEL, "messages": ASK, "format": PERSON, "options": {"temperature": 0}},
+    )  # fmt: skip
+    text = "".join(line["message"]["content"] for line in lines)
+    assert lines[-1]["done_reason"] == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize(
+    "path,body,field",
+    [
+        ("/api/generate", {"prompt": "x", "format": {"type": "nonsense"}}, "format"),
+        ("/api/generate", {"prompt": "x", "format": "yaml"}, "format"),
+        (
+            "/v1/chat/completions",
+            {"messages": QUESTION, "response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": QUESTION,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "object", "minProperties": "two"}},
+                },
+            },
+            "response_format",
+        ),
+    ],
+)
+def test_invalid_format_is_a_400(http, path, body, field):
+    r = _post(http, path, {"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    message = error if isinstance(error, str) else error["message"]
+    assert field in message
+    assert generates(http)
+
+
+# -- infer run as the client ------------------------------------------------------------
+
+
+def run_client(server, *args, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`infer run ARGS` with INFER_HOST naming the server."""
+    base = {k: v for k, v in os.environ.items() if k not in ("INFER_DEBUG", "INFER_API_KEY")}
+    host = server.url.removeprefix("http://")
+    return subprocess.run(
+        [sys.executable, "-m", "infer.cli.main", "run", *map(str, args)],
+        check=False, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+        env={**base, "HF_HUB_OFFLINE": "1", "INFER_HOST": host, **(env or {})},
+    )  # fmt: skip
+
+
+def test_run_asks_the_server(server, http, greedy, home):
+    before = _answers(metrics(http))
+    r = run_client(server, MODEL, QUESTION[0]["content"], "-n", "12", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == greedy(QUESTION, 12) + "\n" and r.stderr == ""
+    assert _answers(metrics(http)) == before + 1  # the server answered, not this process
+
+    r = run_client(server, MODEL, QUESTION[0]["content"], "-n", "12", "--temp", "0", "--json")
+    data = json.loads(r.stdout)
+    assert data["text"] == greedy(QUESTION, 12) and data["prompt_tokens"] > 0
+    assert data["timings"]["load_s"] < 1  # nothing was loaded for it
+    assert _answers(metrics(http)) == before + 2
+
+
+def test_run_local_and_unserved_files_stay_in_process(server, http, greedy, files):
+    before = _answers(metrics(http))
+    for args in (
+        [MODEL, "--local"],
+        [files["outside"]],  # a file the server may not read: loaded here
+    ):
+        r = run_client(
+            server, *args, QUESTION[0]["content"], "-n", "12", "--temp", "0", "--ctx", CTX
+        )
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == greedy(QUESTION, 12) + "\n"
+    assert _answers(metrics(http)) == before
+
+
+def test_run_client_errors(server):
+    r = run_client(server, "no-such-model", "Hi")
+    assert r.returncode == 2 and r.stderr.startswith("error: unknown model 'no-such-model'")
+    r = run_client(server, MODEL, "Hi " * 600, "-n", "4")  # longer than the server's context
+    assert r.returncode == 2 and "longer than the context" in r.stderr, r.stderr
+
+
+def test_run_format_through_the_server(server, http, tmp_path):
+    import jsonschema
+
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    before = _answers(metrics(http))
+    r = run_client(server, MODEL, ASK[0]["content"], "--format", schema, "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), PERSON)
+    assert _answers(metrics(http)) == before + 1
+
+
+def test_chat_through_the_server(server, http, greedy, monkeypatch):
+    from test_cli import Terminal
+
+    monkeypatch.setenv("INFER_HOST", server.url.removeprefix("http://"))
+    before = _answers(metrics(http))
+    with Terminal("run", MODEL, "--temp", "0", "-n", "12") as term:
+        term.read_until(">>> ", 0)
+        out = term.read_until(">>> ", term.send(QUESTION[0]["content"] + "\n"))
+        assert greedy(QUESTION, 12) in out.replace("\r\n", "\n")
+        out = term.read_until(">>> ", term.send("/show info\n"))
+        assert "server" in out and "Q4_1" in out
+        term.send("/bye\n")
+        assert term.proc.wait(30) == 0
+    assert _answers(metrics(http)) == before + 1

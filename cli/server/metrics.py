@@ -115,6 +115,14 @@ class Metrics:
             "Estimated bytes a loaded model holds (weights and KV caches).",
             [(f'{{model="{_label(m.name)}"}}', m.size) for m in models],
         )
+        import psutil
+
+        metric(
+            "process_resident_memory_bytes",
+            "gauge",
+            "The server process's resident memory (RSS).",
+            [("", psutil.Process().memory_info().rss)],
+        )
         metric(
             "uptime_seconds",
             "gauge",

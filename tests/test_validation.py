@@ -323,8 +323,8 @@ def test_the_gguf_key_struct_layout_is_what_the_fuzzer_patches(tmp_path):
     from infer.runtime.files.gguf import GGUFFile
 
     path = gguf_file(tmp_path, lambda g: None)
-    spots = {k: (v, at) for k, v, at in fz._real_scalars(path)}
-    vtype, at = spots["llama.block_count"]
+    spots = {k: at for k, _, at in fz._real_scalars(path)}
+    at = spots["llama.block_count"]
     assert (
         struct.unpack_from("<I", path.read_bytes(), at)[0]
         == GGUFFile(path).metadata["llama.block_count"]

@@ -9,7 +9,6 @@ the output, stay under MAX_CHARS, checked before they are made.
 
 import contextvars
 import json
-import operator
 import re
 import time
 from datetime import datetime
@@ -85,9 +84,9 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
         _check_binop(op, left, right)
         return super().call_binop(context, op, left, right)
 
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (as jinja2's own)
+    def call(self, context, obj, /, *args, **kwargs):
         _check_args(args, kwargs)
-        return super().call(__context, __obj, *args, **kwargs)
+        return super().call(context, obj, *args, **kwargs)
 
     def wrap_str_format(self, value):
         wrapped = super().wrap_str_format(value)
@@ -149,6 +148,7 @@ def _check_binop(op: str, left, right) -> None:
         _check_size(abs(left).bit_length() * right // 3, "number")  # ~ its decimal digits
     elif op == "%" and isinstance(left, str):
         _check_format(left)
+        _check_args(right if isinstance(right, tuple) else (right,), {})  # "%*s" % (n, x)
 
 
 # A %-format's width and precision ("%99999999s"), and a str.format field ("{:>99999999}")

@@ -110,19 +110,19 @@ class ModelArgs:
         if head_dim % 2:
             raise c.fail("head_dim", head_dim, "is odd (rope rotates pairs)")
         n_layers = c.int("num_hidden_layers", 1, MAX_LAYERS)
-        args = dict(
-            model_type=model_type,
-            vocab_size=c.int("vocab_size", 1, MAX_VOCAB),
-            dim=dim,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
-            head_dim=head_dim,
-            hidden_dim=c.int("intermediate_size", 1, MAX_HIDDEN),
-            norm_eps=c.float("rms_norm_eps", 0.0, MAX_EPS, default=1e-6),
-            max_seq_len=c.int("max_position_embeddings", 1, MAX_CONTEXT, default=4096),
-            tie_embeddings=c.bool("tie_word_embeddings", False),
-        )
+        args = {
+            "model_type": model_type,
+            "vocab_size": c.int("vocab_size", 1, MAX_VOCAB),
+            "dim": dim,
+            "n_layers": n_layers,
+            "n_heads": n_heads,
+            "n_kv_heads": n_kv_heads,
+            "head_dim": head_dim,
+            "hidden_dim": c.int("intermediate_size", 1, MAX_HIDDEN),
+            "norm_eps": c.float("rms_norm_eps", 0.0, MAX_EPS, default=1e-6),
+            "max_seq_len": c.int("max_position_embeddings", 1, MAX_CONTEXT, default=4096),
+            "tie_embeddings": c.bool("tie_word_embeddings", False),
+        }
         if cfg.get("hidden_act", "silu") not in ("silu", "swish") or cfg.get("mlp_bias"):
             raise InferError(
                 f"{origin}: unsupported MLP (hidden_act={shown(cfg.get('hidden_act'))}, "

@@ -322,7 +322,7 @@ def _bpe(**kwargs) -> _HFTokenizer:
     """A BPE tokenizer over a GGUF's vocabulary; a merge of tokens it lacks fails in one line."""
     try:
         return _HFTokenizer(models.BPE(**kwargs))
-    except Exception as err:  # the Rust side raises a bare Exception
+    except Exception as err:  # noqa: BLE001 (the Rust side raises a bare Exception)
         raise InferError(f"GGUF tokenizer is inconsistent: {' '.join(str(err).split())}") from None
 
 

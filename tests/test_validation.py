@@ -146,6 +146,8 @@ def test_gguf_tokenizer_larger_than_the_embedding(tmp_path):
             ["qwen3moe.expert_used_count = 9: must be 1 to 8"],
         ),
         (set_kv("qwen3moe.expert_count", 0xFFFFFFFF), ["expert_count = 4294967295"]),
+        # Found by the fuzzer: 4096 experts built on the meta device took 20 s to refuse.
+        (set_kv("qwen3moe.expert_count", 4096), ["expert_count = 4096", "router", "8 rows"]),
         (reshape("blk.1.ffn_up_exps.weight", (7, 32, 64)), ["experts.7", "missing"]),
     ],
 )
@@ -156,6 +158,14 @@ def test_bad_moe_gguf(tmp_path, edit, words):
 # ---------------------------------------------------------------------------------------
 # Hugging Face folders
 # ---------------------------------------------------------------------------------------
+
+
+def test_hf_expert_count_is_the_routers(tmp_path):
+    path = tmp_path / "moe"
+    fz.write_hf(path, "qwen2_moe", np.random.default_rng(0))
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "num_experts": 4096}))
+    assert_fails(path, "num_experts = 4096", "mlp.gate.weight has 8 rows", seconds=2)
 
 
 @pytest.fixture(scope="module")

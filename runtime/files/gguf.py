@@ -513,6 +513,13 @@ class GGUFFile:
         if not sparse:
             raise InferError(f"{self.path}: expert_count is {n_expert} but no layer has a router")
         first = sparse[0]
+        # Experts are counted by the router (one row each), as layers by the tensors.
+        rows = self.tensors[f"blk.{first}.ffn_gate_inp.weight"].shape[0]
+        if n_expert != rows:
+            raise InferError(
+                f"{self.path}: {self.arch}.expert_count = {shown(n_expert)}, "
+                f"but the router of block {first} has {rows} rows"
+            )
         gate = self.tensors.get(f"blk.{first}.ffn_gate_exps.weight")
         if gate is None:  # the older one-tensor-per-expert layout
             gate = self.tensors.get(f"blk.{first}.ffn_gate.0.weight")

@@ -102,14 +102,22 @@ def _fits(tok: Tokenizer, source: Source) -> Tokenizer:
 _LAYER_RE = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 
-def _check_layers(source: Source, names, key: str) -> None:
-    """The layers the tensors hold are the config's, as one cheap look at their names
-    before the model is built layer by layer."""
-    found = max((int(m.group(1)) + 1 for n in names if (m := _LAYER_RE.match(n))), default=0)
-    if found != source.args.n_layers:
+def _check_counts(source: Source, shapes: dict[str, list[int]]) -> None:
+    """The layers the tensors hold, and the experts their routers have rows for, are the
+    config's: one cheap look at the header before the model is built layer by layer."""
+    args = source.args
+    found = max((int(m.group(1)) + 1 for n in shapes if (m := _LAYER_RE.match(n))), default=0)
+    if found != args.n_layers:
         raise InferError(
-            f"{source.path}: {key} = {source.args.n_layers}, but the weights hold {found} layers"
+            f"{source.path}: num_hidden_layers = {args.n_layers}, but the weights hold "
+            f"{found} layers"
         )
+    for name, shape in shapes.items():
+        rows = shape[0] if shape else 0
+        if name.endswith(".mlp.gate.weight") and rows != args.n_experts:
+            raise InferError(
+                f"{source.path}: num_experts = {args.n_experts}, but {name} has {rows} rows"
+            )
 
 
 # -- GGUF ---------------------------------------------------------------------------------
@@ -206,7 +214,7 @@ class HFSource(Source):
         self.files = _safetensors_files(self.path)
         self.headers = {f: read_header(f)[0] for f in self.files}
         entries = {k: v for h in self.headers.values() for k, v in h.items() if k != "__metadata__"}
-        _check_layers(self, entries, "num_hidden_layers")
+        _check_counts(self, {k: v["shape"] for k, v in entries.items()})
         self.quantization = _most_common(Counter(v["dtype"] for v in entries.values()), "?")
         self.file_bytes = sum(f.stat().st_size for f in self.files)
 
@@ -283,7 +291,7 @@ class CheckpointSource(Source):
         self.args = checkpoint.args
         self.quantization = checkpoint.quantization
         self.file_bytes = checkpoint.file.stat().st_size
-        _check_layers(self, checkpoint.tensors, "num_hidden_layers")
+        _check_counts(self, {k: list(t.shape) for k, t in checkpoint.tensors.items()})
 
     def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False) -> Weights:
         ckpt = self.checkpoint

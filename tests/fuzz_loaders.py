@@ -1025,6 +1025,8 @@ def fuzz(
                     path.unlink()
             report.cases += 1
             report.outcomes[result["outcome"]] += 1
+            if log and report.cases % 500 == 0:
+                log(f"... {report.cases} cases, {len(report.findings)} findings")
             if result["outcome"] in FINDINGS:
                 report.findings.append((i, loader, desc, result))
                 if log:

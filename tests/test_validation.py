@@ -129,6 +129,21 @@ def test_gguf_data_past_the_end_and_bad_rope_factors(tmp_path):
     assert_fails(gguf_file(tmp_path, zero_factor), "rope_freqs[0] = 0.0")
 
 
+def test_gguf_tokenizer_token_flipped_against_its_merges(tmp_path):
+    def flip(g):
+        etype, tokens = g.kv("tokenizer.ggml.tokens")[2]
+        g.kv("tokenizer.ggml.tokens")[2] = (etype, [t if t != "he" else "hx" for t in tokens])
+
+    assert_fails(gguf_file(tmp_path, flip), "m.gguf: GGUF tokenizer is inconsistent", "he")
+
+    def scores_short(g):
+        etype, scores = g.kv("tokenizer.ggml.scores")[2]
+        g.kv("tokenizer.ggml.scores")[2] = (etype, scores[:-1])
+
+    words = ["tokenizer.ggml.scores has 267 entries for 268 tokens"]
+    assert_fails(gguf_file(tmp_path, scores_short, "qwen2"), *words)
+
+
 def test_gguf_tokenizer_larger_than_the_embedding(tmp_path):
     def fewer_rows(g):
         set_kv("llama.vocab_size", 200, fz.U32)(g)

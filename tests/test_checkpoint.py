@@ -372,6 +372,10 @@ def test_truncated_file(copy):
             {"quant": json.dumps({"lm_head": {"format": "int3"}})},
             "unknown quantization format 'int3'",
         ),
+        (  # found by the fuzzer: TypeError, unhashable type
+            {"quant": json.dumps({"lm_head": {"format": {"type": 1}}})},
+            "unknown quantization format",
+        ),
         ({"ranges": json.dumps({"globals": [4096, 10**12]})}, "outside the file"),
     ],
 )

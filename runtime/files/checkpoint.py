@@ -436,7 +436,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
         if b % ALIGN:
             raise InferError(f"{file}: unit '{unit}' does not start on a {ALIGN}-byte boundary")
     for name, fmt in formats.items():
-        if fmt not in FORMATS:
+        if not isinstance(fmt, str) or fmt not in FORMATS:
             known = ", ".join(sorted(FORMATS)) or "none"
             raise InferError(
                 f"{file}: module '{name}' has unknown quantization format '{fmt}' "

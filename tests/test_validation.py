@@ -86,6 +86,9 @@ def assert_fails(path, *words: str, seconds: float = 5.0) -> None:
         (set_kv("llama.rope.freq_base", float("nan")), ["llama.rope.freq_base = nan"]),
         (set_kv("llama.attention.layer_norm_rms_epsilon", 3.0), ["rms_epsilon = 3.0"]),
         (set_kv("llama.attention.layer_norm_rms_epsilon", 0.0), ["rms_epsilon = 0.0"]),
+        # Both run, as another model: the fuzzer's outputs that changed without a word.
+        (set_kv("llama.attention.layer_norm_rms_epsilon", 1e-30), ["rms_epsilon = 1e-30"]),
+        (set_kv("llama.rope.freq_base", 2.0), ["freq_base = 2.0: must be at least 100"]),
         (set_kv("llama.attention.head_count", 3), ["head_count_kv = 2: does not divide 3"]),
         (set_kv("llama.attention.head_count_kv", 0), ["head_count_kv = 0: must be 1 to 4"]),
         (set_kv("llama.attention.key_length", 15, fz.U32), ["key_length = 15: is odd"]),
@@ -277,6 +280,18 @@ def test_integer_weights_are_refused(hf_base, tmp_path):
     weights = fz.hf_weights(fz.HF_CONFIGS["llama"], np.random.default_rng(0))
     weights["model.norm.weight"] = weights["model.norm.weight"].astype(np.int32)
     assert_fails(hf_copy(hf_base, tmp_path, tensors=weights), "model.norm.weight", "I32")
+
+
+def test_checkpoint_float_retyped_as_integer(hf_base, tmp_path):
+    # Found by the fuzzer: same size, so the crc32 of the data still matched, and the
+    # table loaded as int32 and answered.
+    path = tmp_path / "ck"
+    fz.write_checkpoint(path, hf_base)
+    data = (path / "model.safetensors").read_bytes()
+    header, _ = fz._read_safetensors_header(data)
+    header["embed_tokens.weight"]["dtype"] = "I32"
+    (path / "model.safetensors").write_bytes(fz._with_header(data, header, keep_size=True))
+    assert_fails(path, "'embed_tokens.weight' is torch.int32, not a float type")
 
 
 def test_from_dict_names_keys_by_origin():

@@ -35,6 +35,9 @@ def build(
         arena.close()
     floats = {k: v for k, v in weights.items() if not isinstance(v, QuantLinear)}
     modules = {k: v for k, v in weights.items() if isinstance(v, QuantLinear)}
+    for name, t in floats.items():  # assign=True would take an integer tensor as it is
+        if not t.is_floating_point():
+            raise InferError(f"{source.path}: {name!r} is {t.dtype}, not a float type")
     # Tied embeddings: the output layer is the table (a file may hold a copy beside it).
     tied = args.tie_embeddings or not {"lm_head", "lm_head.weight"} & weights.keys()
     if tied:

@@ -38,8 +38,10 @@ MAX_HEADS = 1024
 MAX_HEAD_DIM = 1024
 MAX_EXPERTS = 4096
 MAX_CONTEXT = 1 << 24
-MAX_EPS = 1e-2  # rms_norm_eps: 1e-5 and 1e-6 in practice; 3 would run, and answer garbage
-MAX_ROPE_THETA = 1e12
+# rms_norm_eps: 1e-5 and 1e-6 in practice; 3 or 1e-30 would run, and answer otherwise
+EPS_RANGE = (1e-12, 1e-2)
+# rope_theta: 1e4 to 1e6 in practice (one 1M-context Llama has 3.6e9); 2 runs, as garbage
+ROPE_THETA_RANGE = (100.0, 1e12)
 MAX_ROPE_FACTOR = 1024.0
 
 
@@ -119,7 +121,7 @@ class ModelArgs:
             "n_kv_heads": n_kv_heads,
             "head_dim": head_dim,
             "hidden_dim": c.int("intermediate_size", 1, MAX_HIDDEN),
-            "norm_eps": c.float("rms_norm_eps", 0.0, MAX_EPS, default=1e-6),
+            "norm_eps": c.float("rms_norm_eps", *EPS_RANGE, default=1e-6, open_low=False),
             "max_seq_len": c.int("max_position_embeddings", 1, MAX_CONTEXT, default=4096),
             "tie_embeddings": c.bool("tie_word_embeddings", False),
         }
@@ -131,9 +133,11 @@ class ModelArgs:
         # transformers >= 5 keeps rope settings in `rope_parameters`; older
         # configs have `rope_theta` and `rope_scaling` at the top level.
         rope = c.dict("rope_parameters")
-        theta = c.float("rope_theta", 1.0, MAX_ROPE_THETA, default=10000.0)
+        theta = c.float("rope_theta", *ROPE_THETA_RANGE, default=10000.0, open_low=False)
         rope_fields = _Fields(rope, origin, c.names, "rope_parameters.")
-        args["rope_theta"] = rope_fields.float("rope_theta", 1.0, MAX_ROPE_THETA, default=theta)
+        args["rope_theta"] = rope_fields.float(
+            "rope_theta", *ROPE_THETA_RANGE, default=theta, open_low=False
+        )
         args["rope_scaling"] = _rope_scaling(c.dict("rope_scaling") or rope, c)
         args.update(FAMILIES[model_type])
         if model_type in MOE_FAMILIES:

@@ -357,7 +357,7 @@ def test_flipped_byte_is_caught(copy):
 def test_truncated_file(copy):
     file = copy / "model.safetensors"
     os.truncate(file, file.stat().st_size - 100)
-    with pytest.raises(InferError, match="outside the file"):
+    with pytest.raises(InferError, match="truncated"):
         read_checkpoint(copy)
 
 
@@ -371,6 +371,10 @@ def test_truncated_file(copy):
         (
             {"quant": json.dumps({"lm_head": {"format": "int3"}})},
             "unknown quantization format 'int3'",
+        ),
+        (  # found by the fuzzer: TypeError, unhashable type
+            {"quant": json.dumps({"lm_head": {"format": {"type": 1}}})},
+            "unknown quantization format",
         ),
         ({"ranges": json.dumps({"globals": [4096, 10**12]})}, "outside the file"),
     ],

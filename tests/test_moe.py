@@ -241,7 +241,7 @@ def test_config_moe_fields():
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 must be 1 to 8"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok = 9: must be 1 to 8"),
         ({"num_experts_per_tok": None}, "num_experts_per_tok"),
         ({"model_type": "olmoe", "clip_qkv": 8.0}, "clip_qkv"),
         ({"model_type": "qwen2_moe"}, "shared_expert_intermediate_size"),

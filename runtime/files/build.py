@@ -26,14 +26,18 @@ def build(
     """`source`'s model in `dtype`, ready to run over `max_seq_len` positions (default:
     the model's context). `dequantize`: see Source.weights."""
     args = source.args
+    with torch.device("meta"):
+        model = Transformer(args)
+    _check_shapes(source, model)
     arena = hugepages.Arena.of(source.placed_bytes(dtype, dequantize))
     weights = source.weights(dtype, arena.place if arena else torch.Tensor.contiguous, dequantize)
     if arena:
         arena.close()
-    with torch.device("meta"):
-        model = Transformer(args)
     floats = {k: v for k, v in weights.items() if not isinstance(v, QuantLinear)}
     modules = {k: v for k, v in weights.items() if isinstance(v, QuantLinear)}
+    for name, t in floats.items():  # assign=True would take an integer tensor as it is
+        if not t.is_floating_point():
+            raise InferError(f"{source.path}: {name!r} is {t.dtype}, not a float type")
     # Tied embeddings: the output layer is the table (a file may hold a copy beside it).
     tied = args.tie_embeddings or not {"lm_head", "lm_head.weight"} & weights.keys()
     if tied:
@@ -41,6 +45,7 @@ def build(
         modules.pop("lm_head", None)
     table = modules.pop("embed_tokens", None)
     if table is not None:
+        _check_linear("embed_tokens", table, (args.vocab_size, args.dim), source.path)
         model.embed_tokens = QuantEmbedding(table)
         if tied:
             model.lm_head = table
@@ -68,13 +73,47 @@ def build(
     return model.eval().requires_grad_(False)
 
 
+def _check_shapes(source: Source, model: Transformer) -> None:
+    """Every tensor of the source has a place in the model the config describes, of its
+    shape, and every place a tensor (the output layer may be the table): checked on the
+    file's header before a weight is read."""
+    shapes = source.shapes()
+    if shapes is None:
+        return  # checked as the weights are put in place
+    args = source.args
+    want = {k: tuple(v.shape) for k, v in model.named_parameters()}
+    want["rope_freqs.weight"] = (args.head_dim // 2,)  # optional, as the output layer
+    for name, shape in shapes.items():
+        if name not in want:
+            raise InferError(
+                f"{source.path}: weights do not match the config: no place for {name!r}"
+            )
+        if tuple(shape) != want[name]:
+            raise InferError(
+                f"{source.path}: {name!r} has shape {tuple(shape)}, the config says {want[name]}"
+            )
+    missing = want.keys() - shapes.keys() - {"lm_head.weight", "rope_freqs.weight"}
+    if missing:
+        raise InferError(
+            f"{source.path}: weights do not match the config: missing {min(missing)!r}"
+        )
+
+
 def _place(model: Transformer, name: str, module: QuantLinear, path: Path) -> None:
-    """Put a QuantLinear where the model's nn.Linear `name` is."""
+    """Put a QuantLinear where the model's nn.Linear `name` is, if its shape is that one's."""
     parent_name, _, child = name.rpartition(".")
     try:
         parent = model.get_submodule(parent_name)
     except AttributeError:
         parent = None
-    if not isinstance(getattr(parent, child, None), nn.Linear):
+    linear = getattr(parent, child, None)
+    if not isinstance(linear, nn.Linear):
         raise InferError(f"{path}: quantized module '{name}' is not a linear layer of this model")
+    _check_linear(name, module, tuple(linear.weight.shape), path)
     setattr(parent, child, module)
+
+
+def _check_linear(name: str, module: QuantLinear, want: tuple[int, int], path: Path) -> None:
+    shape = (module.out_features, module.in_features)
+    if shape != want:
+        raise InferError(f"{path}: {name!r} has shape {shape}, the config says {want}")

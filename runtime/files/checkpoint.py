@@ -67,7 +67,7 @@ from torch import nn
 
 from ... import InferError
 from ...quant.formats.base import FORMATS, QuantEmbedding, QuantLinear
-from ..model.config import ModelArgs
+from ..model.config import ModelArgs, check_rope_freq_factors
 from ..model.llama import Transformer
 from . import hugepages
 from .safetensors import DTYPES, read_header, read_safetensors
@@ -114,10 +114,11 @@ class Checkpoint:
 
     @property
     def args(self) -> ModelArgs:
-        args = ModelArgs.from_dict(self.config)
+        args = ModelArgs.from_dict(self.config, str(self.path / "config.json"))
         factors = self.tensors.get(ROPE_FREQS)
         if factors is not None:
-            args.rope_freq_factors = factors.float().tolist()
+            args.rope_freq_factors = factors.float().reshape(-1).tolist()
+            check_rope_freq_factors(args.rope_freq_factors, args.head_dim, str(self.file))
         return args
 
     @property
@@ -405,8 +406,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
     if not (path / "config.json").is_file() or not file.is_file():
         raise InferError(f"{path}: not an infer checkpoint (needs config.json and {WEIGHTS})")
     try:
-        config = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise InferError(f"{path / 'config.json'}: invalid JSON ({e})") from None
     header, data_start = read_header(file)
     metadata = header.get("__metadata__")
@@ -435,7 +436,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
         if b % ALIGN:
             raise InferError(f"{file}: unit '{unit}' does not start on a {ALIGN}-byte boundary")
     for name, fmt in formats.items():
-        if fmt not in FORMATS:
+        if not isinstance(fmt, str) or fmt not in FORMATS:
             known = ", ".join(sorted(FORMATS)) or "none"
             raise InferError(
                 f"{file}: module '{name}' has unknown quantization format '{fmt}' "
@@ -450,7 +451,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
 def _metadata_json(metadata: dict, key: str, file: Path) -> dict:
     try:
         value = json.loads(metadata[key])
-    except (KeyError, TypeError, json.JSONDecodeError):
+    except (KeyError, TypeError, json.JSONDecodeError, RecursionError):
         raise InferError(f"{file}: missing or corrupt infer metadata '{key}'") from None
     if not isinstance(value, dict):
         raise InferError(f"{file}: corrupt infer metadata '{key}'")

@@ -32,6 +32,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ... import InferError
+from ..model.config import shown
 from . import hugepages
 from .gguf_tensor import PLAIN_DTYPES, GGUFTensor, block_bytes, dequantize
 
@@ -61,6 +62,32 @@ SUPPORTED_ARCHS = {
 }
 # GGUF architecture -> Hugging Face model_type, where they differ.
 _MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_FLOATS = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+_INTEGER_TYPES = tuple(GGMLQuantizationType[t] for t in ("I8", "I16", "I32", "I64"))
+# config.json key -> the GGUF key (after "<arch>.") it is read from
+_CONFIG_KEYS = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "max_position_embeddings": "context_length",
+    "vocab_size": "vocab_size",
+    "rope_scaling.factor": "rope.scaling.factor",
+    "rope_scaling.original_max_position_embeddings": "rope.scaling.original_context_length",
+    "num_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
+    "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
+    "norm_topk_prob": "expert_weights_norm",
+}
+_TOKENIZER_KEYS = {
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+}
 # Whether llama.cpp renormalises the top-k expert weights for this architecture when the
 # file has no `expert_weights_norm` key (build_moe_ffn's norm_w in src/models/<arch>.cpp).
 _NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
@@ -222,6 +249,7 @@ _BLOCK_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # a vector here, (1, dim) in HF
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_INDEX_RE = re.compile(r"blk\.(\d+)\.")
 # blk.N.<key>.weight stacks all experts, (n_expert, rows, cols) in torch order: expert E's
 # slice is model.layers.N.mlp.experts.E.<value>.weight.
 _STACKED_EXPERTS = {
@@ -318,6 +346,8 @@ class GGUFFile:
             if not 1 <= n_dims <= MAX_DIMS:
                 raise r.fail(f"tensor {name!r} has {n_dims} dims (GGUF allows 1 to {MAX_DIMS})")
             dims = [r.u64(what) for _ in range(n_dims)]
+            if 0 in dims:
+                raise r.fail(f"tensor {name!r} has a dimension of 0 ({dims})")
             raw_type = r.u32(what)
             offset = r.u64(what)
             try:
@@ -360,10 +390,28 @@ class GGUFFile:
                 data = raw.reshape(block_bytes(ggml_type, shape))
             self.tensors[name] = GGUFTensor(name, ggml_type, shape, data, start)
 
+        # Writers lay tensors back to back, each padded to the alignment: a gap means a
+        # tensor's type or shape was changed to one that takes fewer bytes.
         spans.sort()
         for (_, prev_end, prev), (start, _, name) in itertools.pairwise(spans):
             if start < prev_end:
                 raise r.fail(f"tensors {prev!r} and {name!r} overlap in the file")
+            if start - prev_end >= self.alignment:
+                raise r.fail(
+                    f"{start - prev_end} bytes no tensor holds after {prev!r}: "
+                    "its type or shape does not match its data"
+                )
+        if spans and (
+            spans[0][0] != data_start or self.file_bytes - spans[-1][1] >= self.alignment
+        ):
+            where = "before the first" if spans[0][0] != data_start else "after the last"
+            raise r.fail(
+                f"bytes no tensor holds {where} tensor: a type or shape does not match its data"
+            )
+
+        # Blocks the tensors hold: blk.0 to blk.N-1 (what block_count must say).
+        blocks = (_BLOCK_INDEX_RE.match(name) for name in self.tensors)
+        self.n_blocks = max((int(m.group(1)) + 1 for m in blocks if m), default=0)
 
         arch = self.metadata.get("general.architecture")
         if not isinstance(arch, str):
@@ -390,23 +438,39 @@ class GGUFFile:
         return value
 
     def config(self) -> dict:
-        """A Hugging Face config.json-style dict from the GGUF metadata."""
+        """A Hugging Face config.json-style dict from the GGUF metadata. Values are as the
+        file has them: ModelArgs.from_dict checks them, naming keys by `config_keys`."""
         if self.arch not in SUPPORTED_ARCHS:
             raise InferError(
                 f"{self.path}: unsupported architecture {self.arch!r}; supported: "
                 + ", ".join(SUPPORTED_ARCHS)
             )
-        hidden = self._require("embedding_length")
-        n_head = self._require("attention.head_count")
         vocab_size = self._key("vocab_size")
         if vocab_size is None:
             tokens = self.metadata.get("tokenizer.ggml.tokens")
-            if tokens is not None:
+            if isinstance(tokens, list):
                 vocab_size = len(tokens)
             elif "token_embd.weight" in self.tensors:
                 vocab_size = self.tensors["token_embd.weight"].shape[0]
             else:
                 raise InferError(f"{self.path}: cannot tell the vocabulary size")
+        # Layers are counted by the tensors, which the file's size bounds.
+        n_layers = self._require("block_count")
+        if not isinstance(n_layers, int) or n_layers != self.n_blocks:
+            raise InferError(
+                f"{self.path}: {self.arch}.block_count = {shown(n_layers)}, "
+                f"but the file has tensors for {self.n_blocks} blocks"
+            )
+        hidden = self._require("embedding_length")
+        n_head = self._require("attention.head_count")
+        head_dim = None  # from_dict says why when it cannot be had
+        if (
+            isinstance(hidden, int)
+            and isinstance(n_head, int)
+            and n_head > 0
+            and hidden % n_head == 0
+        ):
+            head_dim = hidden // n_head
         n_expert = self._key("expert_count", 0)
         model_type = _MODEL_TYPES.get(self.arch, self.arch)
         architecture = SUPPORTED_ARCHS[self.arch]
@@ -417,10 +481,10 @@ class GGUFFile:
             "architectures": [architecture],
             "hidden_size": hidden,
             "intermediate_size": self._require("feed_forward_length"),
-            "num_hidden_layers": self._require("block_count"),
+            "num_hidden_layers": n_layers,
             "num_attention_heads": n_head,
             "num_key_value_heads": self._key("attention.head_count_kv", n_head),
-            "head_dim": self._key("attention.key_length", hidden // n_head),
+            "head_dim": self._key("attention.key_length", head_dim),
             "rms_norm_eps": _short_float(self._require("attention.layer_norm_rms_epsilon")),
             "rope_theta": _short_float(self._key("rope.freq_base", 10000.0)),
             "max_position_embeddings": self._require("context_length"),
@@ -434,8 +498,13 @@ class GGUFFile:
         if rope_scaling is not None:
             config["rope_scaling"] = rope_scaling
         if n_expert:
-            config.update(self._moe_config(n_expert, config["num_hidden_layers"]))
+            config.update(self._moe_config(n_expert, n_layers))
         return config
+
+    @property
+    def config_keys(self) -> dict[str, str]:
+        """config.json key -> the metadata key `config` took it from (for messages)."""
+        return {hf: f"{self.arch}.{key}" for hf, key in _CONFIG_KEYS.items()} | _TOKENIZER_KEYS
 
     def _moe_config(self, n_expert: int, n_layers: int) -> dict:
         """The MoE keys of config.json. Which layers are sparse, and the expert widths,
@@ -444,6 +513,13 @@ class GGUFFile:
         if not sparse:
             raise InferError(f"{self.path}: expert_count is {n_expert} but no layer has a router")
         first = sparse[0]
+        # Experts are counted by the router (one row each), as layers by the tensors.
+        rows = self.tensors[f"blk.{first}.ffn_gate_inp.weight"].shape[0]
+        if n_expert != rows:
+            raise InferError(
+                f"{self.path}: {self.arch}.expert_count = {shown(n_expert)}, "
+                f"but the router of block {first} has {rows} rows"
+            )
         gate = self.tensors.get(f"blk.{first}.ffn_gate_exps.weight")
         if gate is None:  # the older one-tensor-per-expert layout
             gate = self.tensors.get(f"blk.{first}.ffn_gate.0.weight")
@@ -461,7 +537,7 @@ class GGUFFile:
             "num_experts": n_expert,
             "num_experts_per_tok": self._require("expert_used_count"),
             "moe_intermediate_size": self._key("expert_feed_forward_length", gate.shape[-2]),
-            "norm_topk_prob": _NORM_TOPK_PROB[self.arch] if norm is None else bool(norm),
+            "norm_topk_prob": _NORM_TOPK_PROB[self.arch] if norm is None else norm,
             "mlp_only_layers": [i for i in range(n_layers) if i not in sparse],
         }
         shared = self.tensors.get(f"blk.{first}.ffn_up_shexp.weight")
@@ -514,6 +590,28 @@ class GGUFFile:
             )
         prefix = f"model.layers.{m.group(1)}.mlp.experts"
         return [f"{prefix}.{e}.{_STACKED_EXPERTS[m.group(2)]}.weight" for e in range(shape[0])]
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each Hugging Face name's shape as `hf_tensor` gives it, from the header alone.
+        A tensor of an integer type, or a one-dim tensor (norm, bias) not in a float
+        type, fails: no writer stores weights so, and it would load as garbage."""
+        shapes = {}
+        for name, t in self.tensors.items():
+            if t.ggml_type in _INTEGER_TYPES or (len(t.shape) == 1 and t.ggml_type not in _FLOATS):
+                raise InferError(
+                    f"{self.path}: tensor {name!r} cannot be of type {t.ggml_type.name}"
+                )
+            stacked = _stacked(name) is not None
+            for hf in self.hf_names(name):
+                if hf in shapes:
+                    raise InferError(f"{self.path}: two tensors for {hf!r}")
+                if stacked:
+                    shapes[hf] = t.shape[1:]
+                elif name.endswith(".ffn_gate_inp_shexp.weight") and len(t.shape) == 1:
+                    shapes[hf] = (1, *t.shape)  # see hf_tensor
+                else:
+                    shapes[hf] = t.shape
+        return shapes
 
     def release(self, t: GGUFTensor) -> None:
         """Let the whole pages of `t`, copied elsewhere, go: they stop counting in this
@@ -594,7 +692,10 @@ class GGUFFile:
         return state
 
 
-def _short_float(x: float) -> float:
+def _short_float(x: Any) -> Any:
     """A float32 metadata value as its shortest decimal (9.99999974738e-06 -> 1e-05), as
-    config.json writes it; it rounds back to the same float32."""
-    return float(str(np.float32(x)))
+    config.json writes it; it rounds back to the same float32. Anything but a float is
+    left for ModelArgs.from_dict to refuse."""
+    if isinstance(x, float) and abs(x) <= np.finfo(np.float32).max:
+        return float(str(np.float32(x)))
+    return x

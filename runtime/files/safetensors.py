@@ -9,6 +9,7 @@ truncated or corrupt file becomes one clear error instead of a crash mid-load.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -29,6 +30,7 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -44,11 +46,50 @@ def read_header(path: Path) -> tuple[dict, int]:
             raise InferError(f"{path}: truncated or not a safetensors file (header of {n} bytes)")
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             raise InferError(f"{path}: corrupt safetensors header") from None
     if not isinstance(header, dict):
         raise InferError(f"{path}: corrupt safetensors header")
+    _check_entries(path, header, size - 8 - n)
     return header, 8 + n
+
+
+def _check_entries(path: Path, header: dict, data_bytes: int) -> None:
+    """Each entry has a known dtype, a shape and byte offsets that agree, and the entries
+    tile the data exactly, as the format requires (a hole means a dtype or shape was
+    changed to a smaller one)."""
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InferError(f"{path}: corrupt safetensors __metadata__")
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape, offsets = info["shape"], info["data_offsets"]
+            ints = [*shape, *offsets]
+            ok = isinstance(shape, list) and len(offsets) == 2
+            ok = ok and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ints)
+        except (KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise InferError(f"{path}: corrupt entry for tensor {name!r}")
+        begin, end = offsets
+        if end > data_bytes:
+            raise InferError(f"{path}: truncated (tensor {name!r} ends past the end of the file)")
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise InferError(f"{path}: corrupt entry for tensor {name!r} (size mismatch)")
+        spans.append((begin, end, name))
+    spans.sort()
+    at = 0
+    for begin, end, name in spans:
+        if begin != at:
+            problem = "overlaps the tensor before" if begin < at else "leaves a hole before it"
+            raise InferError(f"{path}: tensor {name!r} {problem}")
+        at = end
+    if at != data_bytes:
+        raise InferError(f"{path}: {data_bytes - at} bytes after the last tensor")
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -57,23 +98,13 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     header, start = read_header(path)
     metadata = header.pop("__metadata__", None) or {}
     size = path.stat().st_size
-    data_bytes = size - start
     # Copy-on-write map: writable, so torch accepts it, yet the file is never written.
     mm = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c")) if size else None
     tensors = {}
-    for name, info in header.items():
-        try:
-            dtype = DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise InferError(f"{path}: corrupt entry for tensor '{name}'") from None
-        if end > data_bytes:
-            raise InferError(f"{path}: truncated (tensor '{name}' ends past the end of the file)")
-        n_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if end - begin != n_bytes or begin < 0:
-            raise InferError(f"{path}: corrupt entry for tensor '{name}' (size mismatch)")
-        raw = mm[start + begin : start + end] if n_bytes else torch.empty(0, dtype=torch.uint8)
+    for name, info in header.items():  # checked by read_header
+        dtype, shape = DTYPES[info["dtype"]], info["shape"]
+        begin, end = info["data_offsets"]
+        raw = mm[start + begin : start + end] if end > begin else torch.empty(0, dtype=torch.uint8)
         if (start + begin) % dtype.itemsize:
             raw = raw.clone()  # misaligned in the file: the only case that copies
         tensors[name] = raw.view(dtype).reshape(shape)

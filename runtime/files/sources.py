@@ -10,8 +10,10 @@ quantized embedding table is the module "embed_tokens", a tied output layer abse
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -19,13 +21,14 @@ import torch
 
 from ... import InferError
 from ...quant.formats.base import FORMATS, QuantLinear
-from ..model.config import ModelArgs
+from ..model.config import ModelArgs, check_rope_freq_factors
 from ..model.llama import Transformer
 from ..model.tokenizer import Tokenizer
 from .checkpoint import ROPE_FREQS, Checkpoint, is_checkpoint, read_checkpoint
 from .gguf import GGUFFile, is_gguf
 from .gguf_blocks import ON_KERNELS, Place, kernel_weights, loaded_bytes, placed_bytes, to_kernels
-from .safetensors import read_header, read_safetensors
+from .gguf_tensor import dequantize
+from .safetensors import FLOAT_DTYPES, read_header, read_safetensors
 
 # name -> a tensor, or a QuantLinear under its module name (see the module docstring)
 Weights = dict[str, "torch.Tensor | QuantLinear"]
@@ -42,7 +45,13 @@ class Source:
     file_bytes: int
 
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer.from_hf_dir(self.path)
+        return _fits(Tokenizer.from_hf_dir(self.path), self)
+
+    def shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Every tensor `weights` gives by state-dict name (a quantized module's as its
+        ".weight"), read from the header alone: build checks them against the config
+        before any is read. None where only the built modules tell (our checkpoints)."""
+        return None
 
     def weights(
         self, dtype: torch.dtype, place: Place = torch.Tensor.contiguous, dequantize=False
@@ -80,6 +89,37 @@ def _most_common(types: Counter, default: str) -> str:
     return types.most_common(1)[0][0] if types else default
 
 
+def _fits(tok: Tokenizer, source: Source) -> Tokenizer:
+    """`tok`, if every id it makes has a row in the embedding table."""
+    if tok.vocab_size > source.args.vocab_size:
+        raise InferError(
+            f"{source.path}: the tokenizer has {tok.vocab_size} tokens, more than the "
+            f"{source.args.vocab_size} rows of the embedding table"
+        )
+    return tok
+
+
+_LAYER_RE = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+
+
+def _check_counts(source: Source, shapes: dict[str, list[int]]) -> None:
+    """The layers the tensors hold, and the experts their routers have rows for, are the
+    config's: one cheap look at the header before the model is built layer by layer."""
+    args = source.args
+    found = max((int(m.group(1)) + 1 for n in shapes if (m := _LAYER_RE.match(n))), default=0)
+    if found != args.n_layers:
+        raise InferError(
+            f"{source.path}: num_hidden_layers = {args.n_layers}, but the weights hold "
+            f"{found} layers"
+        )
+    for name, shape in shapes.items():
+        rows = shape[0] if shape else 0
+        if name.endswith(".mlp.gate.weight") and rows != args.n_experts:
+            raise InferError(
+                f"{source.path}: num_experts = {args.n_experts}, but {name} has {rows} rows"
+            )
+
+
 # -- GGUF ---------------------------------------------------------------------------------
 
 
@@ -95,13 +135,32 @@ class GGUFSource(Source):
         self.path = Path(path)
         self.gguf = GGUFFile(path)
         self.config = self.gguf.config()
-        self.args = ModelArgs.from_dict(self.config)
+        self.args = ModelArgs.from_dict(self.config, str(self.path), self.gguf.config_keys)
+        rope_freqs = self.gguf.tensors.get("rope_freqs.weight")
+        if rope_freqs is not None:  # llama 3.1 rope scaling: a factor per frequency, read now
+            n = self.args.head_dim // 2
+            if rope_freqs.shape != (n,):
+                raise InferError(
+                    f"{self.path}: rope_freqs.weight has shape {rope_freqs.shape}; "
+                    f"head_dim {self.args.head_dim} needs ({n},)"
+                )
+            factors = dequantize(rope_freqs).tolist()
+            check_rope_freq_factors(factors, self.args.head_dim, str(self.path))
         types = Counter(t.ggml_type.name for t in self.gguf.tensors.values() if len(t.shape) == 2)
         self.quantization = _most_common(types, "F32")
         self.file_bytes = self.gguf.file_bytes
 
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer.from_gguf_metadata(self.gguf.metadata)
+        try:
+            tok = Tokenizer.from_gguf_metadata(self.gguf.metadata)
+        except InferError as e:  # the metadata's message, with the file it is in
+            raise InferError(f"{self.path}: {e}") from None
+        return _fits(tok, self)
+
+    def shapes(self):
+        shapes = {hf.removeprefix("model."): s for hf, s in self.gguf.hf_shapes().items()}
+        shapes.pop("rope_freqs.weight", None)  # checked on opening
+        return shapes
 
     def _on_kernels(self, dtype: torch.dtype, dequantize: bool) -> bool:
         return dtype == torch.float32 and not dequantize
@@ -146,18 +205,37 @@ class HFSource(Source):
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        file = self.path / "config.json"
         try:
-            self.config = json.loads((self.path / "config.json").read_text())
-        except json.JSONDecodeError as e:
-            raise InferError(f"{self.path / 'config.json'}: invalid JSON ({e})") from None
-        self.args = ModelArgs.from_dict(self.config)
+            self.config = json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise InferError(f"{file}: invalid JSON ({e})") from None
+        self.args = ModelArgs.from_dict(self.config, str(file))
         self.files = _safetensors_files(self.path)
-        types = Counter()
-        for f in self.files:
-            header, _ = read_header(f)
-            types.update(v["dtype"] for k, v in header.items() if k != "__metadata__")
-        self.quantization = _most_common(types, "?")
+        self.headers = {f: read_header(f)[0] for f in self.files}
+        entries = {k: v for h in self.headers.values() for k, v in h.items() if k != "__metadata__"}
+        _check_counts(self, {k: v["shape"] for k, v in entries.items()})
+        self.quantization = _most_common(Counter(v["dtype"] for v in entries.values()), "?")
         self.file_bytes = sum(f.stat().st_size for f in self.files)
+
+    def shapes(self):
+        # The tensors on the meta device through sanitize: its renames and splits, no data.
+        sd = {}
+        for header in self.headers.values():
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                if entry["dtype"] not in FLOAT_DTYPES:
+                    raise InferError(f"{self.path}: tensor {name!r} is {entry['dtype']}, not float")
+                sd[name] = torch.empty(entry["shape"], device="meta")
+        rope_freqs = sd.pop("rope_freqs.weight", None)  # sanitize would read its values
+        try:
+            shapes = Transformer.sanitize(sd, dataclasses.replace(self.args))
+        except (ValueError, TypeError, IndexError, RuntimeError) as e:  # a name it cannot split
+            raise InferError(f"{self.path}: unexpected tensor names or shapes ({e})") from None
+        if rope_freqs is not None:
+            shapes["rope_freqs.weight"] = rope_freqs
+        return {k: tuple(v.shape) for k, v in shapes.items()}
 
     def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False) -> Weights:
         sd = {}
@@ -172,10 +250,14 @@ def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError):
+            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (ValueError, RecursionError, LookupError, TypeError, AttributeError):
+            # not JSON or UTF-8, no weight_map, or not a map of names
             raise InferError(f"{index}: corrupt safetensors index") from None
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        # Shards are files of this folder, never a path that leads out of it.
+        if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+            raise InferError(f"{index}: a shard name that is not a file name in {path}")
+        files = [path / name for name in sorted(names)]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise InferError(f"{path}: missing weight shards {', '.join(missing)}")
@@ -209,6 +291,7 @@ class CheckpointSource(Source):
         self.args = checkpoint.args
         self.quantization = checkpoint.quantization
         self.file_bytes = checkpoint.file.stat().st_size
+        _check_counts(self, {k: list(t.shape) for k, t in checkpoint.tensors.items()})
 
     def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False) -> Weights:
         ckpt = self.checkpoint

@@ -28,6 +28,23 @@ FAMILIES = {
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
+# Bounds on a config's numbers: past every published model, and small enough that a
+# corrupt value fails here, not in a loop or an allocation sized by it.
+MAX_VOCAB = 1 << 22
+MAX_DIM = 1 << 16
+MAX_HIDDEN = 1 << 18
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_EXPERTS = 4096
+MAX_CONTEXT = 1 << 24
+# rms_norm_eps: 1e-5 and 1e-6 in practice; 3 or 1e-30 would run, and answer otherwise
+EPS_RANGE = (1e-12, 1e-2)
+# rope_theta: 1e4 to 1e6 in practice (one 1M-context Llama has 3.6e9); 2 runs, as garbage
+ROPE_THETA_RANGE = (100.0, 1e12)
+MAX_ROPE_FACTOR = 1024.0
+
+
 @dataclass
 class ModelArgs:
     model_type: str = "llama"
@@ -69,60 +86,73 @@ class ModelArgs:
         )
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> ModelArgs:
-        """Build from a Hugging Face config.json dict, keeping only known keys."""
+    def from_dict(cls, cfg: dict, origin: str = "config", names: dict | None = None) -> ModelArgs:
+        """Build from a Hugging Face config.json dict, keeping only known keys.
+
+        Every number is checked (type, range, consistency) before anything is sized by
+        it; a bad one fails as "<origin>: <key> = <value>: <problem>", `names` giving the
+        file's own name for a key where it differs (a GGUF file's)."""
+        if not isinstance(cfg, dict):
+            raise InferError(f"{origin}: not a config object ({type(cfg).__name__})")
+        c = _Fields(cfg, origin, names or {})
         model_type = cfg.get("model_type", "")
-        if model_type not in FAMILIES:
+        if not isinstance(model_type, str) or model_type not in FAMILIES:
+            name = model_type or cfg.get("architectures")
             raise InferError(
-                f"unsupported architecture '{model_type or cfg.get('architectures')}'"
-                f" (supported: {', '.join(FAMILIES)})"
+                f"{origin}: unsupported architecture {shown(name)} (supported: {', '.join(FAMILIES)})"
             )
-        try:
-            dim = int(cfg["hidden_size"])
-            n_heads = int(cfg["num_attention_heads"])
-            args = dict(
-                model_type=model_type,
-                vocab_size=int(cfg["vocab_size"]),
-                dim=dim,
-                n_layers=int(cfg["num_hidden_layers"]),
-                n_heads=n_heads,
-                n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-                head_dim=int(cfg.get("head_dim") or dim // n_heads),
-                hidden_dim=int(cfg["intermediate_size"]),
-                norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise InferError(f"config is missing or has a bad value for {e}") from None
+        dim = c.int("hidden_size", 1, MAX_DIM)
+        n_heads = c.int("num_attention_heads", 1, MAX_HEADS)
+        n_kv_heads = c.int("num_key_value_heads", 1, n_heads, default=n_heads)
+        if n_heads % n_kv_heads:
+            raise c.fail("num_key_value_heads", n_kv_heads, f"does not divide {n_heads} heads")
+        if cfg.get("head_dim") is None and dim % n_heads:
+            raise c.fail("hidden_size", dim, f"is not a multiple of {n_heads} heads")
+        head_dim = c.int("head_dim", 2, MAX_HEAD_DIM, default=dim // n_heads)
+        if head_dim % 2:
+            raise c.fail("head_dim", head_dim, "is odd (rope rotates pairs)")
+        n_layers = c.int("num_hidden_layers", 1, MAX_LAYERS)
+        args = {
+            "model_type": model_type,
+            "vocab_size": c.int("vocab_size", 1, MAX_VOCAB),
+            "dim": dim,
+            "n_layers": n_layers,
+            "n_heads": n_heads,
+            "n_kv_heads": n_kv_heads,
+            "head_dim": head_dim,
+            "hidden_dim": c.int("intermediate_size", 1, MAX_HIDDEN),
+            "norm_eps": c.float("rms_norm_eps", *EPS_RANGE, default=1e-6, open_low=False),
+            "max_seq_len": c.int("max_position_embeddings", 1, MAX_CONTEXT, default=4096),
+            "tie_embeddings": c.bool("tie_word_embeddings", False),
+        }
         if cfg.get("hidden_act", "silu") not in ("silu", "swish") or cfg.get("mlp_bias"):
             raise InferError(
-                f"unsupported MLP (hidden_act={cfg.get('hidden_act')}, mlp_bias={cfg.get('mlp_bias')})"
+                f"{origin}: unsupported MLP (hidden_act={shown(cfg.get('hidden_act'))}, "
+                f"mlp_bias={shown(cfg.get('mlp_bias'))})"
             )
         # transformers >= 5 keeps rope settings in `rope_parameters`; older
         # configs have `rope_theta` and `rope_scaling` at the top level.
-        rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or rope
-        args["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise InferError(f"unsupported rope scaling '{rope_type}'")
-        args["rope_scaling"] = (
-            dict(scaling, rope_type=rope_type) if rope_type != "default" else None
+        rope = c.dict("rope_parameters")
+        theta = c.float("rope_theta", *ROPE_THETA_RANGE, default=10000.0, open_low=False)
+        rope_fields = _Fields(rope, origin, c.names, "rope_parameters.")
+        args["rope_theta"] = rope_fields.float(
+            "rope_theta", *ROPE_THETA_RANGE, default=theta, open_low=False
         )
+        args["rope_scaling"] = _rope_scaling(c.dict("rope_scaling") or rope, c)
         args.update(FAMILIES[model_type])
         if model_type in MOE_FAMILIES:
-            args.update(_moe_args(cfg, model_type))
+            args.update(_moe_args(c, model_type, n_layers))
         if "attention_bias" in cfg:
-            args["attention_bias"] = bool(cfg["attention_bias"])
+            args["attention_bias"] = c.bool("attention_bias", False)
         if "qkv_bias" in cfg:  # Qwen2-MoE's name for it
-            args["attention_bias"] = bool(cfg["qkv_bias"])
+            args["attention_bias"] = c.bool("qkv_bias", False)
         default_window = model_type in ("mistral", "mixtral")
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", default_window):
-            args["sliding_window"] = int(cfg["sliding_window"])
-        args["bos_token_id"] = cfg.get("bos_token_id")
+        if cfg.get("sliding_window") and c.bool("use_sliding_window", default_window):
+            args["sliding_window"] = c.int("sliding_window", 1, MAX_CONTEXT)
+        args["bos_token_id"] = c.int("bos_token_id", 0, MAX_VOCAB, default=None)
         eos = cfg.get("eos_token_id")
-        args["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos = [] if eos is None else [eos] if not isinstance(eos, list) else eos
+        args["eos_token_id"] = [c.int_value("eos_token_id", e, 0, MAX_VOCAB) for e in eos]
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in args.items() if k in known})
 
@@ -159,34 +189,149 @@ class ModelArgs:
         return self.n_layers * (attn + norms) + mlps + embed + self.dim
 
 
-def _moe_args(cfg: dict, model_type: str) -> dict:
+def _moe_args(c: _Fields, model_type: str, n_layers: int) -> dict:
     """The MoE fields of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE config.json, with
     transformers' defaults for keys a config leaves out."""
-    try:
-        # transformers 5 writes num_local_experts for every family; hub configs of Qwen
-        # and OLMoE models say num_experts.
-        n_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-        moe = {
-            "n_experts": n_experts,
-            "n_experts_per_tok": int(cfg["num_experts_per_tok"]) if n_experts else 0,
-            # Mixtral and OLMoE experts are intermediate_size wide; Qwen's have their own.
-            "moe_hidden_dim": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-            "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
-            "mlp_only_layers": [int(i) for i in cfg.get("mlp_only_layers") or []],
-        }
-        if model_type != "mixtral":  # Mixtral always renormalises (see FAMILIES)
-            moe["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
-        if model_type == "qwen2_moe" and n_experts:
-            moe["shared_expert_dim"] = int(cfg["shared_expert_intermediate_size"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise InferError(f"config is missing or has a bad value for {e}") from None
-    if n_experts and not 0 < moe["n_experts_per_tok"] <= n_experts:
+    # transformers 5 writes num_local_experts for every family; hub configs of Qwen
+    # and OLMoE models say num_experts.
+    key = "num_local_experts" if c.cfg.get("num_local_experts") else "num_experts"
+    n_experts = c.int(key, 0, MAX_EXPERTS, default=0)
+    moe = {
+        "n_experts": n_experts,
+        "n_experts_per_tok": c.int("num_experts_per_tok", 1, n_experts) if n_experts else 0,
+        # Mixtral and OLMoE experts are intermediate_size wide; Qwen's have their own.
+        "moe_hidden_dim": c.int(
+            "moe_intermediate_size",
+            1,
+            MAX_HIDDEN,
+            default=c.int("intermediate_size", 1, MAX_HIDDEN),
+        ),
+        "decoder_sparse_step": c.int("decoder_sparse_step", 1, n_layers, default=1),
+        "mlp_only_layers": [
+            c.int_value("mlp_only_layers", i, 0, n_layers - 1) for i in c.list("mlp_only_layers")
+        ],
+    }
+    if model_type != "mixtral":  # Mixtral always renormalises (see FAMILIES)
+        moe["norm_topk_prob"] = c.bool("norm_topk_prob", False)
+    if model_type == "qwen2_moe" and n_experts:
+        moe["shared_expert_dim"] = c.int("shared_expert_intermediate_size", 0, MAX_HIDDEN)
+    if model_type == "olmoe" and c.cfg.get("clip_qkv") is not None:
         raise InferError(
-            f"num_experts_per_tok {moe['n_experts_per_tok']} must be 1 to {n_experts} (num_experts)"
+            f"{c.origin}: unsupported OLMoE variant (clip_qkv={shown(c.cfg['clip_qkv'])})"
         )
-    if model_type == "olmoe" and cfg.get("clip_qkv") is not None:
-        raise InferError(f"unsupported OLMoE variant (clip_qkv={cfg['clip_qkv']})")
     return moe
+
+
+def _rope_scaling(scaling: dict, c: _Fields) -> dict | None:
+    """The rope scaling a config asks for, its numbers checked (None for plain rope)."""
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in ("llama3", "linear"):
+        raise InferError(f"{c.origin}: unsupported rope scaling {shown(rope_type)}")
+    s = _Fields(scaling, c.origin, c.names, "rope_scaling.")
+    checked = dict(
+        scaling,
+        rope_type=rope_type,
+        factor=s.float("factor", 1.0, MAX_ROPE_FACTOR, 1.0, open_low=False),
+    )
+    if rope_type == "llama3":
+        low = s.float("low_freq_factor", 0.0, MAX_ROPE_FACTOR, default=1.0)
+        high = s.float("high_freq_factor", 0.0, MAX_ROPE_FACTOR, default=4.0)
+        if high <= low:
+            raise s.fail("high_freq_factor", high, f"must be more than low_freq_factor {low}")
+        checked.update(
+            low_freq_factor=low,
+            high_freq_factor=high,
+            original_max_position_embeddings=s.int(
+                "original_max_position_embeddings", 1, MAX_CONTEXT, default=8192
+            ),
+        )
+    return checked
+
+
+class _Fields:
+    """Typed reads of a config's keys, each failing in one line that names the key
+    (`names`: the file's name for it) and the value."""
+
+    def __init__(self, cfg: dict, origin: str, names: dict, prefix: str = ""):
+        self.cfg, self.origin, self.names, self.prefix = cfg, origin, names, prefix
+
+    def name(self, key: str) -> str:
+        return self.names.get(self.prefix + key, self.prefix + key)
+
+    def fail(self, key: str, value, problem: str) -> InferError:
+        return InferError(f"{self.origin}: {self.name(key)} = {shown(value)}: {problem}")
+
+    def get(self, key: str, default):
+        value = self.cfg.get(key)
+        if value is None and default is ...:
+            raise InferError(f"{self.origin}: missing {self.name(key)}")
+        return value
+
+    def int(self, key: str, lo: int, hi: int, default=...):
+        value = self.get(key, default)
+        return default if value is None else self.int_value(key, value, lo, hi)
+
+    def int_value(self, key: str, value, lo: int, hi: int) -> int:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 4096.0 in a hand-written config.json
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fail(key, value, "must be an integer")
+        if not lo <= value <= hi:
+            raise self.fail(key, value, f"must be {lo} to {hi}")
+        return value
+
+    def float(self, key: str, lo: float, hi: float, default=..., open_low=True) -> float:
+        """A finite number at most `hi` and more than `lo` (at least `lo`: not open_low)."""
+        value = self.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise self.fail(key, value, "must be a number")
+        low_ok = lo < value if open_low else lo <= value
+        if not (low_ok and value <= hi):  # NaN fails too
+            low = f"more than {lo:g}" if open_low else f"at least {lo:g}"
+            raise self.fail(key, value, f"must be {low} and at most {hi:g}")
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.cfg.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise self.fail(key, value, "must be true or false")
+        return default if value is None else value
+
+    def dict(self, key: str) -> dict:
+        value = self.cfg.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise self.fail(key, value, "must be an object")
+        return value or {}
+
+    def list(self, key: str) -> list:
+        value = self.cfg.get(key)
+        if value is not None and not isinstance(value, list):
+            raise self.fail(key, value, "must be a list")
+        return value or []
+
+
+def shown(value) -> str:
+    """A value for a one-line message: its repr, cut at 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_rope_freq_factors(factors: list[float], head_dim: int, origin: str) -> None:
+    """A Llama 3.1 GGUF's rope factors: one per frequency, each finite and positive
+    (rope_inv_freq divides by them)."""
+    if len(factors) != head_dim // 2:
+        raise InferError(
+            f"{origin}: rope_freqs has {len(factors)} factors; head_dim {head_dim} needs {head_dim // 2}"
+        )
+    for i, f in enumerate(factors):
+        if not 0 < f <= MAX_ROPE_FACTOR:  # NaN fails too
+            raise InferError(
+                f"{origin}: rope_freqs[{i}] = {f}: must be more than 0 and at most {MAX_ROPE_FACTOR:g}"
+            )
 
 
 def rope_inv_freq(args: ModelArgs):

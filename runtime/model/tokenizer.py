@@ -278,19 +278,25 @@ def _complete_utf8_prefix(data: bytes) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def _gguf_list(md: dict, key: str, required: bool = True) -> list | None:
+def _gguf_list(md: dict, key: str, kind: type, n: int | None = None, required: bool = True):
+    """The GGUF array `key`: a list of `kind` (str, int or float), `n` long when given."""
     value = md.get(key)
     if value is None:
         if required:
             raise InferError(f"GGUF tokenizer metadata lacks {key}")
         return None
-    return list(value)
+    kinds = {int, float} if kind is float else {kind}  # bools are not numbers here
+    if not isinstance(value, list) or not set(map(type, value)) <= kinds:
+        raise InferError(f"GGUF {key} is not an array of {kind.__name__}")
+    if n is not None and len(value) != n:
+        raise InferError(f"GGUF {key} has {len(value)} entries for {n} tokens")
+    return value
 
 
 def _gguf_tokens(md: dict) -> tuple[list[str], dict[str, int]]:
     """The token texts and text -> id. Like llama.cpp, empty tokens get a placeholder
     name (every id needs a distinct text) and duplicates are refused."""
-    tokens = _gguf_list(md, "tokenizer.ggml.tokens")
+    tokens = _gguf_list(md, "tokenizer.ggml.tokens", str)
     tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
@@ -298,11 +304,26 @@ def _gguf_tokens(md: dict) -> tuple[list[str], dict[str, int]]:
     return tokens, vocab
 
 
+def _gguf_types(md: dict, n_vocab: int) -> list[int]:
+    types = _gguf_list(md, "tokenizer.ggml.token_type", int, n_vocab, required=False)
+    return types or [NORMAL] * n_vocab
+
+
 def _gguf_id(md: dict, key: str, n_vocab: int) -> int | None:
     value = md.get(f"tokenizer.ggml.{key}")
-    if value is None or not 0 <= int(value) < n_vocab:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise InferError(f"GGUF tokenizer.ggml.{key} = {value!r:.40}: not a token id")
+    if value is None or not 0 <= value < n_vocab:
         return None
-    return int(value)
+    return value
+
+
+def _bpe(**kwargs) -> _HFTokenizer:
+    """A BPE tokenizer over a GGUF's vocabulary; a merge of tokens it lacks fails in one line."""
+    try:
+        return _HFTokenizer(models.BPE(**kwargs))
+    except Exception as err:  # noqa: BLE001 (the Rust side raises a bare Exception)
+        raise InferError(f"GGUF tokenizer is inconsistent: {' '.join(str(err).split())}") from None
 
 
 def _add_gguf_specials(backend: _HFTokenizer, tokens: list[str], types: list[int]) -> frozenset:
@@ -318,6 +339,9 @@ def _add_gguf_specials(backend: _HFTokenizer, tokens: list[str], types: list[int
 
 
 def _gguf_common(md: dict, n_vocab: int, default_add_bos: bool) -> dict:
+    template = md.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise InferError("GGUF tokenizer.chat_template is not a string")
     bos_id = _gguf_id(md, "bos_token_id", n_vocab)
     add_bos = md.get("tokenizer.ggml.add_bos_token")
     # tokenizer.ggml.add_eos_token is for embedding models; generation never appends EOS.
@@ -327,15 +351,17 @@ def _gguf_common(md: dict, n_vocab: int, default_add_bos: bool) -> dict:
         "eos_id": _gguf_id(md, "eos_token_id", n_vocab),
         "add_bos": default_add_bos if add_bos is None else bool(add_bos),
         "extra_stop_ids": tuple(i for i in end_of_turn if i is not None),
-        "chat_template": md.get("tokenizer.chat_template"),
+        "chat_template": template,
     }
 
 
 def _from_gguf_byte_level(md: dict) -> Tokenizer:
     tokens, vocab = _gguf_tokens(md)
-    merges = _gguf_list(md, "tokenizer.ggml.merges")
-    types = _gguf_list(md, "tokenizer.ggml.token_type", required=False) or [NORMAL] * len(tokens)
+    merges = _gguf_list(md, "tokenizer.ggml.merges", str)
+    types = _gguf_types(md, len(tokens))
     pre = md.get("tokenizer.ggml.pre") or FALLBACK_PRE_TOKENIZER
+    if not isinstance(pre, str):
+        raise InferError(f"GGUF tokenizer.ggml.pre = {pre!r:.40}: not a name")
     splits, ignore_merges = PRE_TOKENIZERS.get(pre, PRE_TOKENIZERS[FALLBACK_PRE_TOKENIZER])
 
     # A merge is "left right"; llama.cpp splits at the first space after the first
@@ -346,7 +372,7 @@ def _from_gguf_byte_level(md: dict) -> Tokenizer:
         if cut < 0:
             raise InferError(f"GGUF tokenizer has a malformed merge {m!r}")
         pairs.append((m[:cut], m[cut + 1 :]))
-    backend = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    backend = _bpe(vocab=vocab, merges=pairs, ignore_merges=ignore_merges)
     backend.pre_tokenizer = byte_level_pre_tokenizer(splits)
     backend.decoder = decoders.ByteLevel()
     special_ids = _add_gguf_specials(backend, tokens, types)
@@ -389,18 +415,16 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
 
 def _from_gguf_sentencepiece(md: dict) -> Tokenizer:
     tokens, vocab = _gguf_tokens(md)
-    scores = _gguf_list(md, "tokenizer.ggml.scores")
-    types = _gguf_list(md, "tokenizer.ggml.token_type", required=False) or [NORMAL] * len(tokens)
+    scores = _gguf_list(md, "tokenizer.ggml.scores", float, len(tokens))
+    types = _gguf_types(md, len(tokens))
     unk_id = _gguf_id(md, "unknown_token_id", len(tokens))
 
-    backend = _HFTokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=_spm_merges(tokens, [float(s) for s in scores], types),
-            unk_token=tokens[unk_id] if unk_id is not None else None,
-            fuse_unk=True,
-            byte_fallback=True,
-        )
+    backend = _bpe(
+        vocab=vocab,
+        merges=_spm_merges(tokens, [float(s) for s in scores], types),
+        unk_token=tokens[unk_id] if unk_id is not None else None,
+        fuse_unk=True,
+        byte_fallback=True,
     )
     # Spaces become "▁" and, with add_space_prefix, each run of text gets one in front:
     # at the start and after every special token, as llama.cpp and SentencePiece do. A
@@ -449,16 +473,30 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise InferError(f"{path}: not valid JSON ({err})") from err
-
-
-def _token_content(value) -> str | None:
-    # tokenizer_config.json writes a special token as a string or as an AddedToken dict.
-    if isinstance(value, dict):
-        return value.get("content")
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise InferError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise InferError(f"{path}: not a JSON object")
     return value
+
+
+def _token_content(config: dict, name: str, where: Path) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as an AddedToken dict.
+    value = config.get(name)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise InferError(f"{where}: {name} = {value!r:.40}: not a token")
+    return value
+
+
+def _token_ids(value, name: str, where: Path) -> list[int]:
+    """generation_config.json's eos_token_id: one id or a list of them."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise InferError(f"{where}: {name} = {value!r:.40}: not token ids")
+    return ids
 
 
 def _decoder_types(spec: dict | None) -> list[dict]:
@@ -507,11 +545,12 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     special_ids = frozenset(i for i, t in added.items() if t.special)
 
     def token_id(name: str) -> int | None:
-        text = _token_content(config.get(name))
+        text = _token_content(config, name, path / "tokenizer_config.json")
         return backend.token_to_id(text) if text else None
 
-    gen_eos = generation.get("eos_token_id")
-    gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+    gen_eos = _token_ids(
+        generation.get("eos_token_id"), "eos_token_id", path / "generation_config.json"
+    )
     bos_id = token_id("bos_token")
     if (
         bos_id is None
@@ -522,6 +561,10 @@ def _from_hf_dir(path: Path) -> Tokenizer:
     eos_id = token_id("eos_token")
     if eos_id is None and gen_eos:
         eos_id = gen_eos[0]
+    # As a GGUF's: an id outside the vocabulary is no id (encode would put it in).
+    bos_id, eos_id = (
+        i if i is not None and 0 <= i < len(pieces) else None for i in (bos_id, eos_id)
+    )
 
     add_bos = config.get("add_bos_token")
     if add_bos is None:
@@ -531,8 +574,10 @@ def _from_hf_dir(path: Path) -> Tokenizer:
 
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-        named = {t.get("name"): t.get("template") for t in template}
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise InferError(f"{path / 'tokenizer_config.json'}: chat_template is not a string")
     template_file = path / "chat_template.jinja"
     if template_file.is_file():  # transformers prefers the separate file
         template = template_file.read_text(encoding="utf-8")

@@ -16,7 +16,6 @@ from starlette.routing import Route
 
 from ... import __version__
 from ...runtime.generate import Penalties
-from ...runtime.scheduler import Sampling
 from .errors import ApiError
 from .requests import (
     NUMBER,
@@ -29,6 +28,7 @@ from .requests import (
     prepare,
     read_json,
     run,
+    sampling_of,
     stop_of,
 )
 
@@ -43,19 +43,12 @@ def _now() -> str:
 
 def _answer_request(body: dict) -> AnswerRequest:
     options = get(body, "options", dict, {})
-    positive = (lambda v: v >= 0, "at least 0")
     num_predict = get(options, "num_predict", int, -1)
     if num_predict == 0 or num_predict < -2:
         raise ApiError(
             400, f"num_predict must be at least 1, or -1, not {num_predict}", "num_predict"
         )
-    sampling = Sampling(
-        temperature=get(options, "temperature", NUMBER, 0.8, check=positive[0], must=positive[1]),
-        top_k=get(options, "top_k", int, 40, check=positive[0], must=positive[1]),
-        top_p=get(options, "top_p", NUMBER, 0.95, check=lambda v: 0 <= v <= 1, must="from 0 to 1"),
-        min_p=get(options, "min_p", NUMBER, 0.05, check=lambda v: 0 <= v <= 1, must="from 0 to 1"),
-        seed=get(options, "seed", int, None),
-    )
+    sampling = sampling_of(options)
     penalties = Penalties(
         repeat=get(
             options, "repeat_penalty", NUMBER, 1.0, check=lambda v: v > 0, must="more than 0"

@@ -16,7 +16,6 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ...runtime.generate import Penalties
-from ...runtime.scheduler import Sampling
 from .errors import ApiError
 from .requests import (
     NUMBER,
@@ -28,6 +27,7 @@ from .requests import (
     prepare,
     read_json,
     run,
+    sampling_of,
     stop_of,
 )
 
@@ -90,14 +90,7 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
         max_tokens = get(body, "max_tokens", int, None)
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"max_tokens must be at least 1, not {max_tokens}", "max_tokens")
-    positive = (lambda v: v >= 0, "at least 0")
-    sampling = Sampling(
-        temperature=get(body, "temperature", NUMBER, 0.8, check=positive[0], must=positive[1]),
-        top_k=get(body, "top_k", int, 40, check=positive[0], must=positive[1]),
-        top_p=get(body, "top_p", NUMBER, 0.95, check=lambda v: 0 <= v <= 1, must="from 0 to 1"),
-        min_p=get(body, "min_p", NUMBER, 0.05, check=lambda v: 0 <= v <= 1, must="from 0 to 1"),
-        seed=get(body, "seed", int, None),
-    )
+    sampling = sampling_of(body)
     in_range = (lambda v: -2 <= v <= 2, "from -2 to 2")
     penalties = Penalties(
         repeat=get(body, "repeat_penalty", NUMBER, 1.0, check=lambda v: v > 0, must="more than 0"),

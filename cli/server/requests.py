@@ -74,6 +74,19 @@ def get(body: dict, key: str, types, default=None, *, check=None, must: str = ""
     return value
 
 
+def sampling_of(fields: dict) -> Sampling:
+    """The sampling settings both APIs name alike (OpenAI's body, ollama's options)."""
+    positive = {"check": lambda v: v >= 0, "must": "at least 0"}
+    unit = {"check": lambda v: 0 <= v <= 1, "must": "from 0 to 1"}
+    return Sampling(
+        temperature=get(fields, "temperature", NUMBER, 0.8, **positive),
+        top_k=get(fields, "top_k", int, 40, **positive),
+        top_p=get(fields, "top_p", NUMBER, 0.95, **unit),
+        min_p=get(fields, "min_p", NUMBER, 0.05, **unit),
+        seed=get(fields, "seed", int, None),
+    )
+
+
 def text_content(content, where: str) -> str:
     """A message's content: a string, or OpenAI's list of parts of which only text is
     understood."""

@@ -168,3 +168,39 @@ def test_chat_wraps_between_words():
         "".join(lines[3:]).replace(" ", "") == "supercalifragilisticexpialidocious日本語の文章です"
     )
     assert all(sum(2 if ord(c) > 0x3000 else 1 for c in line) <= 20 for line in lines)
+
+
+def test_server_pool_unloads_the_least_recently_used(tmp_path, monkeypatch):
+    """A model that would not fit unloads idle ones, least recently used first, until it
+    does (the pool itself, without HTTP; 'available memory' is faked)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import psutil
+
+    from infer.cli.server.pool import ModelPool, ServeSettings
+
+    for name in ("a", "b", "c"):
+        make_hf_model("smollm2", tmp_path / name, seed=len(name))
+    fits = []  # what each memory check answers, in order; roomy once it runs out
+    monkeypatch.setattr(
+        psutil,
+        "virtual_memory",
+        lambda: SimpleNamespace(available=0 if fits and not fits.pop(0) else 2**40),
+    )
+
+    async def scenario():
+        pool = ModelPool(ServeSettings(model_dirs=[tmp_path], ctx=64, slots=1))
+        try:
+            a = await pool.get(str(tmp_path / "a"))
+            b = await pool.get(str(tmp_path / "b"))
+            a.touch()  # a is now the more recently used
+            assert {m.name for m in pool.loaded.values()} == {a.name, b.name}
+            fits.extend([False, True])  # c does not fit; after one unload it does
+            await pool.get(str(tmp_path / "c"))
+            return sorted(m.name for m in pool.loaded.values())
+        finally:
+            pool.close()
+
+    loaded = asyncio.run(scenario())
+    assert loaded == sorted([str(tmp_path / "a"), str(tmp_path / "c")])  # b went

@@ -232,10 +232,16 @@ def hf_copy(base, tmp_path, config=None, raw_config=None, tensors=None, header=N
         ({"config": {"rope_scaling": {"rope_type": "linear", "factor": "x"}}}, ["factor = 'x'"]),
         ({"config": {"rope_scaling": {"rope_type": "linear", "factor": 0}}}, ["factor = 0"]),
         ({"config": {"rope_scaling": [1, 2]}}, ["rope_scaling = [1, 2]: must be an object"]),
+        # A scaling that does not say which, or leaves a number out: once a silent default.
+        ({"config": {"rope_scaling": {"factor": 8.0}}}, ["factor = 8.0: given with no rope_type"]),
+        ({"config": {"rope_scaling": {"rope_type": "linear"}}}, ["missing rope_scaling.factor"]),
         (
             {
                 "config": {
-                    "rope_scaling": {"rope_type": "llama3", "factor": 8, "high_freq_factor": 1}
+                    "rope_scaling": {
+                        **fz.HF_CONFIGS["llama"]["rope_scaling"],
+                        "high_freq_factor": 1,
+                    }
                 }
             },
             ["high_freq_factor = 1"],

@@ -224,27 +224,30 @@ def _moe_args(c: _Fields, model_type: str, n_layers: int) -> dict:
 
 def _rope_scaling(scaling: dict, c: _Fields) -> dict | None:
     """The rope scaling a config asks for, its numbers checked (None for plain rope)."""
+    s = _Fields(scaling, c.origin, c.names, "rope_scaling.")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
+        if "factor" in scaling:  # a scaling that does not say which
+            raise s.fail("factor", scaling["factor"], "given with no rope_type")
         return None
     if rope_type not in ("llama3", "linear"):
         raise InferError(f"{c.origin}: unsupported rope scaling {shown(rope_type)}")
-    s = _Fields(scaling, c.origin, c.names, "rope_scaling.")
+    # Every number is required, as transformers reads them: a default would be a guess.
     checked = dict(
         scaling,
         rope_type=rope_type,
-        factor=s.float("factor", 1.0, MAX_ROPE_FACTOR, 1.0, open_low=False),
+        factor=s.float("factor", 1.0, MAX_ROPE_FACTOR, open_low=False),
     )
     if rope_type == "llama3":
-        low = s.float("low_freq_factor", 0.0, MAX_ROPE_FACTOR, default=1.0)
-        high = s.float("high_freq_factor", 0.0, MAX_ROPE_FACTOR, default=4.0)
+        low = s.float("low_freq_factor", 0.0, MAX_ROPE_FACTOR)
+        high = s.float("high_freq_factor", 0.0, MAX_ROPE_FACTOR)
         if high <= low:
             raise s.fail("high_freq_factor", high, f"must be more than low_freq_factor {low}")
         checked.update(
             low_freq_factor=low,
             high_freq_factor=high,
             original_max_position_embeddings=s.int(
-                "original_max_position_embeddings", 1, MAX_CONTEXT, default=8192
+                "original_max_position_embeddings", 1, MAX_CONTEXT
             ),
         )
     return checked

@@ -11,7 +11,6 @@ INFER_DEBUG=1) adds the traceback.
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 import traceback
 from pathlib import Path
@@ -28,42 +27,29 @@ from .common import (
     is_tty,
     print_json,
     print_table,
-    quiet_broken_pipe,
-    read_format,
     set_threads,
     sigterm_unwinds,
     status,
     torch_dtype,
-    utf8_arg,
-    utf8_text,
 )
 from .eval_cmd import eval_model
 from .options import (
     FLAG,
-    Ctx,
     Debug,
     DType,
     DTypeOpt,
     ExpertPolicyOpt,
     ExpertPredictionOpt,
-    Format,
     Json,
     JsonList,
     MaxMemory,
-    MaxTokens,
-    MinP,
     ModelArg,
-    RepeatPenalty,
     RequiredModelArg,
-    Seed,
-    Temperature,
     Threads,
-    TopK,
-    TopP,
     TraceOut,
-    Verbose,
 )
 from .quantize_cmd import quantize
+from .run_cmd import run
 from .serve_cmd import serve
 
 app = typer.Typer(
@@ -74,21 +60,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-DEFAULT_CTX = 4096
-
-
-# ------------------------------------------------------------------------------------------
-# Helpers
-# ------------------------------------------------------------------------------------------
-
-
-def _save_trace(lm, path) -> None:
-    """Write the routing trace a run recorded (--trace), if it recorded any."""
-    if path is not None and lm.routing is not None and lm.routing.tokens:
-        lm.routing.trace().save(path)
-        print(f"trace: {lm.routing.tokens} tokens routed, saved to {path}", file=sys.stderr)
-
 
 # ------------------------------------------------------------------------------------------
 # Commands
@@ -114,260 +85,7 @@ def _root(
     """Run large language models locally, on the CPU."""
 
 
-def _prompt_in_place_of_model(model: str | None) -> None:
-    """With no prompt, MODEL may be a prompt given alone: say so rather than "empty
-    prompt" (it is never taken as one: MODEL is always a model)."""
-    from ..runtime.registry import DEFAULT_MODEL, names_a_model
-
-    if model is None or names_a_model(model):
-        return
-    raise InferError(
-        f"no model named {model!r}: MODEL comes before PROMPT "
-        f"(infer run {DEFAULT_MODEL} {shlex.quote(model)})"
-    )
-
-
-@app.command()
-@quiet_broken_pipe()
-def run(
-    model: ModelArg = None,
-    prompt: Annotated[
-        str | None,
-        typer.Argument(
-            help="The prompt. Without it: chat on a terminal, or read the prompt from stdin.",
-            metavar="PROMPT",
-            show_default=False,
-        ),
-    ] = None,
-    prompt_option: Annotated[
-        str | None,
-        typer.Option(
-            "--prompt",
-            "-p",
-            help="The prompt, as llama.cpp takes it (instead of PROMPT).",
-            show_default=False,
-        ),
-    ] = None,
-    max_tokens: MaxTokens = 512,
-    temperature: Temperature = 0.8,
-    top_k: TopK = 40,
-    top_p: TopP = 0.95,
-    min_p: MinP = 0.05,
-    repeat_penalty: RepeatPenalty = 1.0,
-    seed: Seed = None,
-    system: Annotated[
-        str | None, typer.Option("--system", help="System message for the chat template.")
-    ] = None,
-    no_chat: Annotated[
-        bool,
-        typer.Option(
-            "--no-chat", metavar=FLAG, help="Complete the prompt as raw text, no chat template."
-        ),
-    ] = False,
-    threads: Threads = None,
-    ctx: Ctx = None,
-    dtype: DTypeOpt = DType.float32,
-    max_memory: MaxMemory = None,
-    expert_policy: ExpertPolicyOpt = None,
-    expert_prediction: ExpertPredictionOpt = None,
-    trace: TraceOut = None,
-    fmt: Format = None,
-    json_out: Json = False,
-    verbose: Verbose = False,
-    local: Annotated[
-        bool,
-        typer.Option(
-            "--local",
-            metavar=FLAG,
-            help="Load the model in this process even when a server is running. "
-            "Implied by --threads, --dtype, --max-memory, --trace and --expert-*.",
-        ),
-    ] = False,
-    host: Annotated[
-        str | None,
-        typer.Option(
-            "--host",
-            metavar="HOST:PORT",
-            help="The `infer serve` to ask (or INFER_HOST). Default: 127.0.0.1:11435, "
-            "if one runs there.",
-            show_default=False,
-        ),
-    ] = None,
-    debug: Debug = False,
-) -> None:
-    """Answer a prompt, or chat when run on a terminal without one.
-
-    The prompt is PROMPT, or stdin when it is piped, or PROMPT, a blank line and
-    stdin when both are given. Only the answer goes to stdout. When `infer serve`
-    runs, a prompt is answered by it (the model stays loaded there).
-    """
-    if prompt is not None and prompt_option is not None:
-        raise InferError("give the prompt once: as PROMPT or with --prompt, not both")
-    prompt = prompt if prompt_option is None else prompt_option
-    prompt, system = utf8_arg(prompt, "PROMPT"), utf8_arg(system, "--system")
-    interactive = prompt is None and sys.stdin.isatty()
-    if not interactive:
-        piped = None if sys.stdin.isatty() else utf8_text(sys.stdin.buffer.read(), "stdin")
-        piped = piped and piped.replace("\r\n", "\n").rstrip()  # as text mode read it
-        prompt = "\n\n".join(p for p in (prompt, piped) if p)
-        if not prompt.strip():
-            _prompt_in_place_of_model(model)
-            raise InferError("empty prompt (give PROMPT or pipe text to stdin)")
-    if no_chat and system:
-        raise InferError("--system needs the chat template; drop --no-chat")
-    if interactive and json_out:
-        raise InferError("--json needs a prompt: give PROMPT or pipe text to stdin")
-    if interactive and fmt is not None:
-        raise InferError("--format needs a prompt: give PROMPT or pipe text to stdin")
-    schema = read_format(fmt)  # a bad file fails before the model loads
-
-    budget = parse_size(max_memory) if max_memory is not None else None
-    from .chat import ChatSettings, LocalModel, chat_loop
-
-    settings = ChatSettings(
-        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        min_p=min_p, seed=seed, repeat_penalty=repeat_penalty, system=system,
-        verbose=verbose, format=schema,
-    )  # fmt: skip
-    show = (lambda _: None) if json_out else _write
-    loads_here = (
-        threads, max_memory, expert_policy, expert_prediction, trace
-    ) != (None,) * 5 or dtype != DType.float32  # fmt: skip
-    chat_model = None if local or loads_here else _server_model(host, model, ctx, interactive)
-    if chat_model is not None and not interactive:
-        from .client import NotServed
-
-        try:
-            answer = _answer_once(chat_model, prompt, no_chat, settings, show)
-        except NotServed:
-            chat_model = None  # a file the server may not read: load it here
-            if verbose:
-                print("note: the server does not serve this file; loading it here", file=sys.stderr)
-        else:
-            _finish(answer, chat_model, answer.load_s, json_out, verbose)
-            return
-    lm = None
-    if chat_model is None:
-        from ..runtime.registry import resolve
-
-        with sigterm_unwinds():  # before importing torch: a wrong name fails at once
-            resolved = resolve(model)
-        n_threads = set_threads(threads)
-        with status(f"loading {resolved.name}"):
-            lm = _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace)
-        if verbose:
-            print(
-                f"loaded {resolved.name} in {lm.load_seconds:.2f} s "
-                f"(context {lm.model.max_seq_len}, {n_threads} threads, {dtype.value})",
-                file=sys.stderr,
-            )
-            for plan in (lm.plan, lm.experts and lm.experts.plan):
-                if plan is not None:
-                    print(f"memory: {plan.describe()}", file=sys.stderr)
-        chat_model = LocalModel(resolved.name, lm)
-    try:
-        if interactive:
-            if is_tty():
-                print(f"{chat_model.name}: /help for commands, Ctrl-D to quit", file=sys.stderr)
-            chat_loop(chat_model, settings)
-        else:
-            answer = _answer_once(chat_model, prompt, no_chat, settings, show)
-            _finish(answer, chat_model, lm.load_seconds, json_out, verbose)
-    finally:
-        if lm is not None:
-            _save_trace(lm, trace)
-
-
-def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace):
-    """Load the model in this process, warning when --ctx is past its training."""
-    from ..runtime.loader import load_model
-
-    lm = load_model(
-        resolved.path,
-        torch_dtype(dtype),
-        max_seq_len=ctx or DEFAULT_CTX,
-        max_memory=budget,
-        expert_policy=expert_policy and expert_policy.value,
-        record_routing=trace is not None,
-        expert_prediction=expert_prediction and expert_prediction.value,
-    )
-    if ctx is not None and ctx > lm.model.max_seq_len:  # the loader clamped it
-        print(
-            f"warning: --ctx {ctx} is more than the {lm.model.max_seq_len} tokens "
-            f"{resolved.name} was trained on; using {lm.model.max_seq_len}",
-            file=sys.stderr,
-        )
-    return lm
-
-
-def _write(piece: str) -> None:
-    sys.stdout.write(piece)
-    sys.stdout.flush()
-
-
-def _server_model(host, model, ctx, check: bool):
-    """The model behind a running `infer serve` (cli/client.py RemoteModel), or None when
-    no server listens (or, with `check`, when it does not serve this model)."""
-    from ..runtime.registry import DEFAULT_MODEL
-    from .client import NotServed, RemoteModel, connect, model_reference, server_address
-
-    address, port, named = server_address(host)
-    conn = connect(address, port)
-    if conn is None:
-        if named:
-            print(f"note: no server at {address}:{port}; running here", file=sys.stderr)
-        return None
-    conn.close()
-    name = model_reference(model) if model else DEFAULT_MODEL
-    remote = RemoteModel(address, port, name, ctx, os.environ.get("INFER_API_KEY"))
-    if check:
-        try:
-            remote.info_rows()  # an unknown name fails here, before the chat starts
-        except NotServed:
-            return None
-    return remote
-
-
-def _answer_once(chat_model, prompt: str, raw: bool, settings, show):
-    """One answer to PROMPT: completed as raw text, or as the chat's first turn."""
-    if raw:
-        return chat_model.complete(prompt, settings, show)
-    messages = [{"role": "system", "content": settings.system}] if settings.system else []
-    answer, _ = chat_model.answer([*messages, {"role": "user", "content": prompt}], settings, show)
-    return answer
-
-
-def _finish(answer, chat_model, load_s: float, json_out: bool, verbose: bool) -> None:
-    """What `run` prints after a one-shot answer, and its exit status."""
-    if answer.finish_reason == "interrupted":
-        if not json_out:
-            print(flush=True)
-        raise typer.Exit(130)
-    if json_out:
-        print_json(
-            {
-                "model": chat_model.name,
-                "text": answer.text,
-                "tokens_generated": answer.n_generated,
-                "prompt_tokens": answer.prompt_tokens,
-                "finish_reason": answer.finish_reason,
-                "timings": {
-                    "load_s": round(load_s, 4),
-                    "ttft_s": round(answer.ttft_s, 4),
-                    "prefill_tok_s": round(answer.prefill_tok_s, 2),
-                    "decode_s": round(answer.decode_s, 4),
-                    "decode_tok_s": round(answer.decode_tok_s, 2),
-                },
-            }
-        )
-    else:
-        print("" if answer.text.endswith("\n") else "\n", end="", flush=True)
-    if note := answer.context_note():
-        print(note, file=sys.stderr)
-    if verbose:
-        print(answer.stats_line(), file=sys.stderr)
-        if line := chat_model.stream_line():
-            print(line, file=sys.stderr)
+app.command()(run)
 
 
 @app.command()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .session import Session
+from .session import Session, decode
 
 if TYPE_CHECKING:
     from .structured import Constraint
@@ -86,6 +86,61 @@ class Penalties:
         return logits
 
 
+class Decoding:
+    """One answer's choice of tokens, a pass at a time: the caller runs the model (for
+    this answer alone, or for several in one pass: session.decode) and hands the logits
+    back. generate() below is the loop for one answer; the server's scheduler steps
+    many answers through one pass.
+
+        d = Decoding(sampler, max_tokens, prompt)
+        new = d.choose(prefill_logits[None])      # the first token
+        while not d.done:
+            fed = d.feed()                        # tokens the next pass runs
+            new = d.choose(logits_after(fed))     # (len(fed), vocab) -> new tokens
+
+    `choose` returns the tokens chosen from a pass; as many of the fed tokens' keys and
+    values stay valid in the cache as it returns tokens (the caller truncates the rest).
+    A `constraint` (structured.py) masks the logits after the penalties and follows
+    each token."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        max_tokens: int,
+        history: list[int],
+        penalties: Penalties | None = None,
+        constraint: Constraint | None = None,
+    ):
+        self.sampler, self.penalties, self.constraint = sampler, penalties, constraint
+        self.history = list(history)  # prompt and answer so far (the penalties' window)
+        self.remaining = max_tokens
+        self.tokens: list[int] = []  # chosen so far
+
+    @property
+    def done(self) -> bool:
+        return self.remaining <= 0
+
+    def feed(self) -> list[int]:
+        """The tokens the next pass must run: the last chosen one."""
+        return self.tokens[-1:]
+
+    def choose(self, logits: torch.Tensor) -> list[int]:
+        """New tokens from a pass's logits (len(feed()), vocab), the prefill's (1, vocab)
+        for the first."""
+        logits = logits[-1]
+        if self.penalties is not None:
+            logits = self.penalties.apply(logits, self.history)
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
+        token = self.sampler(logits)
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        self.history.append(token)
+        self.tokens.append(token)
+        self.remaining -= 1
+        return [token]
+
+
 @torch.inference_mode()
 def generate(
     session: Session,
@@ -100,24 +155,22 @@ def generate(
 
     Stops early only when the context is full; the caller stops at end-of-turn
     tokens by closing the generator. The KV cache always matches `session.tokens`,
-    so a stopped or interrupted answer can be continued. A `constraint`
-    (structured.py) masks the logits after the penalties and follows each token.
+    so a stopped or interrupted answer can be continued.
     """
     logits = session.prefill(prompt, prefill_chunk)
-    history = list(prompt)
     max_tokens = min(max_tokens, session.max_seq_len - len(prompt) + 1)
-    for i in range(max_tokens):
-        # the sampler's ops must not leave torch's workers spinning
-        with session.threads.forward():
-            if penalties is not None:
-                logits = penalties.apply(logits, history)
-            if constraint is not None:
-                logits = constraint.mask(logits)
-            token = sampler(logits)
-            if constraint is not None:
-                constraint.advance(token)
-        yield token
-        history.append(token)
-        if i + 1 == max_tokens:
+    if max_tokens <= 0:
+        return
+    d = Decoding(sampler, max_tokens, prompt, penalties, constraint)
+    # the sampler's ops must not leave torch's workers spinning
+    with session.threads.forward():
+        new = d.choose(logits[None])
+    while True:
+        yield from new
+        if d.done:
             break
-        logits = session.step(token)
+        start, fed = len(session.tokens), d.feed()
+        logits = decode([session], [fed])[0]
+        with session.threads.forward():
+            new = d.choose(logits)
+        session.truncate(start + len(new))

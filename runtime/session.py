@@ -8,9 +8,12 @@ can share one model, each with its own cache.
     session = Session(model)               # context up to the model's rope tables
     logits = session.prefill(prompt_ids)   # (vocab,) after the last prompt token
     logits = session.step(token)           # one token on: the fused step where it runs
+    out = decode([s1, s2], [[t1], [t2, t3]])  # several sequences in one pass: logits per row
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -83,4 +86,31 @@ class Session:
 
     def step(self, token: int) -> torch.Tensor:
         """Logits (vocab,) after appending `token` to the sequence."""
-        return self.forward([token], len(self.tokens))[-1]
+        return decode([self], [[token]])[0][-1]
+
+    def truncate(self, n: int) -> None:
+        """Keep the sequence's first `n` tokens (guessed tokens that were not accepted go;
+        their cache positions are written again by the next pass)."""
+        del self.tokens[n:]
+
+
+def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[torch.Tensor]:
+    """One pass over several sequences of one model: session i's sequence goes on by
+    `tokens[i]` (a token as it decodes, or a run of guessed tokens to check). Returns
+    per session the logits (len(tokens[i]), vocab) after each of its tokens.
+
+    A sequence's logits are those of decoding its tokens one at a time alone, whichever
+    sequences share the pass; the weights are read once for all of them."""
+    if len({id(s.model) for s in sessions}) > 1:
+        raise ValueError("decode: the sessions run different models")
+    if len({id(s) for s in sessions}) < len(sessions):
+        raise ValueError("decode: a session appears twice")
+    out = []
+    for session, toks in zip(sessions, tokens):
+        if not toks:
+            raise ValueError("decode: a sequence with no tokens")
+        if len(session.tokens) + len(toks) > session.max_seq_len:
+            raise InferError(f"the context of {session.max_seq_len} tokens is full")
+        rows = [session.forward([t], len(session.tokens))[-1] for t in toks]
+        out.append(torch.stack(rows))
+    return out

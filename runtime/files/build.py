@@ -15,6 +15,7 @@ from torch import nn
 
 from ... import InferError
 from ...quant.formats.base import QuantEmbedding, QuantLinear
+from ..model.families import model_class
 from ..model.llama import Transformer
 from . import hugepages
 from .sources import Source
@@ -31,7 +32,7 @@ def build(
     if arena:
         arena.close()
     with torch.device("meta"):
-        model = Transformer(args)
+        model = model_class(args)(args)
     floats = {k: v for k, v in weights.items() if not isinstance(v, QuantLinear)}
     modules = {k: v for k, v in weights.items() if isinstance(v, QuantLinear)}
     # Tied embeddings: the output layer is the table (a file may hold a copy beside it).

@@ -58,9 +58,10 @@ SUPPORTED_ARCHS = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # GGUF architecture -> Hugging Face model_type, where they differ.
-_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 # Whether llama.cpp renormalises the top-k expert weights for this architecture when the
 # file has no `expert_weights_norm` key (build_moe_ffn's norm_w in src/models/<arch>.cpp).
 _NORM_TOPK_PROB = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
@@ -221,6 +222,18 @@ _BLOCK_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # a vector here, (1, dim) in HF
 }
+# Where an architecture's block names differ: Gemma 3's ffn_norm is the norm before the
+# MLP, its post-attention norm its own tensor.
+_ARCH_BLOCK_NAMES = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+}
+# llama.cpp's converter stores Gemma's RMSNorm weights plus one (conversion/gemma.py,
+# Gemma3Model.norm_shift); Hugging Face's (and ours) are without.
+_NORM_SHIFT = {"gemma3": 1.0}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # blk.N.<key>.weight stacks all experts, (n_expert, rows, cols) in torch order: expert E's
 # slice is model.layers.N.mlp.experts.E.<value>.weight.
@@ -435,7 +448,34 @@ class GGUFFile:
             config["rope_scaling"] = rope_scaling
         if n_expert:
             config.update(self._moe_config(n_expert, config["num_hidden_layers"]))
+        if self.arch == "gemma3":
+            config.update(self._gemma3_config(config))
         return config
+
+    def _gemma3_config(self, config: dict) -> dict:
+        """Gemma 3's keys, with llama.cpp's defaults (src/models/gemma3.cpp) for those a
+        file leaves out: every 6th layer global, a local rope base of 10000, queries
+        scaled by 1/sqrt(head_dim) (27B, 62 layers: 1/sqrt(hidden / heads))."""
+        n = config["num_hidden_layers"]
+        window = self._key("attention.sliding_window", 0)
+        pattern = self._key("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # one bool per layer
+            sliding = [bool(p) for p in pattern]
+        else:
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
+        scalar = config["head_dim"]
+        if n == 62:
+            scalar = config["hidden_size"] // config["num_attention_heads"]
+        return {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": window or None,
+            "layer_types": [
+                "sliding_attention" if s and window else "full_attention" for s in sliding
+            ],
+            "rope_local_base_freq": _short_float(self._key("rope.freq_base_swa", 10000.0)),
+            "query_pre_attn_scalar": scalar,
+            "final_logit_softcapping": self._key("final_logit_softcapping") or None,
+        }
 
     def _moe_config(self, n_expert: int, n_layers: int) -> dict:
         """The MoE keys of config.json. Which layers are sparse, and the expert widths,
@@ -495,11 +535,12 @@ class GGUFFile:
             return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
         if _stacked(gguf_name) is not None:
             raise InferError(f"{self.path}: {gguf_name!r} stacks experts: it has one name each")
+        names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(self.arch, {})}
         m = _BLOCK_RE.fullmatch(gguf_name)
-        if m is None or m.group(2) not in _BLOCK_NAMES:
+        if m is None or m.group(2) not in names:
             raise InferError(f"{self.path}: unsupported tensor {gguf_name!r}")
         layer, key, kind = m.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[key]}.{kind}"
+        return f"model.layers.{layer}.{names[key]}.{kind}"
 
     def hf_names(self, gguf_name: str) -> list[str]:
         """The Hugging Face names of a tensor of this file: one per expert for a stacked
@@ -586,11 +627,14 @@ class GGUFFile:
         Tensors already stored in `dtype` (e.g. F32 norms) share memory with the map.
         """
         self.config()  # fail early, with the list of supported architectures
+        shift = _NORM_SHIFT.get(self.arch)
         state = {}
         for name in self.tensors:
             for hf in self.hf_names(name):
                 if hf not in skip:
                     state[hf] = dequantize(self.hf_tensor(hf), dtype)
+                    if shift and hf.endswith("norm.weight"):
+                        state[hf] = state[hf] - shift
         return state
 
 

@@ -20,7 +20,7 @@ import torch
 from ... import InferError
 from ...quant.formats.base import FORMATS, QuantLinear
 from ..model.config import ModelArgs
-from ..model.llama import Transformer
+from ..model.families import model_args, model_class
 from ..model.tokenizer import Tokenizer
 from .checkpoint import ROPE_FREQS, Checkpoint, is_checkpoint, read_checkpoint
 from .gguf import GGUFFile, is_gguf
@@ -95,7 +95,7 @@ class GGUFSource(Source):
         self.path = Path(path)
         self.gguf = GGUFFile(path)
         self.config = self.gguf.config()
-        self.args = ModelArgs.from_dict(self.config)
+        self.args = model_args(self.config)
         types = Counter(t.ggml_type.name for t in self.gguf.tensors.values() if len(t.shape) == 2)
         self.quantization = _most_common(types, "F32")
         self.file_bytes = self.gguf.file_bytes
@@ -111,7 +111,7 @@ class GGUFSource(Source):
         # A tied model's output layer is its table, whatever the file holds beside it.
         unused = {"lm_head.weight"} if self.args.tie_embeddings else set()
         sd = self.gguf.hf_state_dict(dtype, skip=blocks | unused)
-        sd = Transformer.sanitize(sd, self.args)
+        sd = model_class(self.args).sanitize(sd, self.args)
         for hf in sorted(blocks - unused):
             t = self.gguf.hf_tensor(hf)
             name = hf.removeprefix("model.").removesuffix(".weight")
@@ -150,7 +150,7 @@ class HFSource(Source):
             self.config = json.loads((self.path / "config.json").read_text())
         except json.JSONDecodeError as e:
             raise InferError(f"{self.path / 'config.json'}: invalid JSON ({e})") from None
-        self.args = ModelArgs.from_dict(self.config)
+        self.args = model_args(self.config)
         self.files = _safetensors_files(self.path)
         types = Counter()
         for f in self.files:
@@ -165,7 +165,7 @@ class HFSource(Source):
             tensors, _ = read_safetensors(f)
             sd.update(tensors)
         sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-        return Transformer.sanitize(sd, self.args)
+        return model_class(self.args).sanitize(sd, self.args)
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -77,24 +77,7 @@ class ModelArgs:
                 f"unsupported architecture '{model_type or cfg.get('architectures')}'"
                 f" (supported: {', '.join(FAMILIES)})"
             )
-        try:
-            dim = int(cfg["hidden_size"])
-            n_heads = int(cfg["num_attention_heads"])
-            args = dict(
-                model_type=model_type,
-                vocab_size=int(cfg["vocab_size"]),
-                dim=dim,
-                n_layers=int(cfg["num_hidden_layers"]),
-                n_heads=n_heads,
-                n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-                head_dim=int(cfg.get("head_dim") or dim // n_heads),
-                hidden_dim=int(cfg["intermediate_size"]),
-                norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise InferError(f"config is missing or has a bad value for {e}") from None
+        args = base_args(cfg)
         if cfg.get("hidden_act", "silu") not in ("silu", "swish") or cfg.get("mlp_bias"):
             raise InferError(
                 f"unsupported MLP (hidden_act={cfg.get('hidden_act')}, mlp_bias={cfg.get('mlp_bias')})"
@@ -102,14 +85,8 @@ class ModelArgs:
         # transformers >= 5 keeps rope settings in `rope_parameters`; older
         # configs have `rope_theta` and `rope_scaling` at the top level.
         rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or rope
         args["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise InferError(f"unsupported rope scaling '{rope_type}'")
-        args["rope_scaling"] = (
-            dict(scaling, rope_type=rope_type) if rope_type != "default" else None
-        )
+        args["rope_scaling"] = rope_scaling(cfg.get("rope_scaling") or rope)
         args.update(FAMILIES[model_type])
         if model_type in MOE_FAMILIES:
             args.update(_moe_args(cfg, model_type))
@@ -120,9 +97,6 @@ class ModelArgs:
         default_window = model_type in ("mistral", "mixtral")
         if cfg.get("sliding_window") and cfg.get("use_sliding_window", default_window):
             args["sliding_window"] = int(cfg["sliding_window"])
-        args["bos_token_id"] = cfg.get("bos_token_id")
-        eos = cfg.get("eos_token_id")
-        args["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in args.items() if k in known})
 
@@ -157,6 +131,40 @@ class ModelArgs:
                 mlps += self.dim + 3 * self.dim * self.shared_expert_dim
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + norms) + mlps + embed + self.dim
+
+
+def base_args(cfg: dict) -> dict:
+    """The ModelArgs fields every family's config.json spells the same way."""
+    try:
+        dim = int(cfg["hidden_size"])
+        n_heads = int(cfg["num_attention_heads"])
+        args = dict(
+            model_type=cfg.get("model_type", ""),
+            vocab_size=int(cfg["vocab_size"]),
+            dim=dim,
+            n_layers=int(cfg["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or dim // n_heads),
+            hidden_dim=int(cfg["intermediate_size"]),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise InferError(f"config is missing or has a bad value for {e}") from None
+    args["bos_token_id"] = cfg.get("bos_token_id")
+    eos = cfg.get("eos_token_id")
+    args["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return args
+
+
+def rope_scaling(scaling: dict | None) -> dict | None:
+    """A config's rope scaling dict with its `rope_type` spelled out; None for none."""
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise InferError(f"unsupported rope scaling '{rope_type}'")
+    return dict(scaling, rope_type=rope_type) if rope_type != "default" else None
 
 
 def _moe_args(cfg: dict, model_type: str) -> dict:

@@ -125,3 +125,76 @@ def test_chat_template_renders_in_the_sandbox():
         "<start_of_turn>model\nRayleigh scattering.<end_of_turn>\n"
         "<start_of_turn>user\nAnd sunsets?<end_of_turn>\n<start_of_turn>model\n"
     )
+
+
+# HF name -> llama.cpp's GGUF name for a Gemma 3 block (conversion/gemma.py, gguf-py's
+# tensor_mapping): the inverse of the GGUF name map in runtime/files/gguf.py.
+_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def test_tiny_gguf_matches_transformers(tmp_path):
+    """A tiny Gemma 3 written as llama.cpp's converter writes it (its names, norm weights
+    plus one, per-layer sliding pattern, local rope base) loads to transformers' logits.
+    GGUF has no query_pre_attn_scalar: llama.cpp scales by 1/sqrt(head_dim)."""
+    from test_gguf import write_gguf
+    from tiny import make_hf_model
+
+    from infer.runtime.files.build import build
+    from infer.runtime.files.sources import open_source
+
+    ref = make_hf_model("gemma3", tmp_path / "hf", query_pre_attn_scalar=32)
+    c = ref.config
+    tensors = {}
+    for name, p in ref.state_dict().items():
+        w = p.float().numpy().copy()
+        if name == "lm_head.weight":
+            continue  # tied
+        if name.endswith("norm.weight"):
+            w += 1.0
+        if name == "model.embed_tokens.weight":
+            tensors["token_embd.weight"] = w
+        elif name == "model.norm.weight":
+            tensors["output_norm.weight"] = w
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, _, kind = rest.rpartition(".")
+            tensors[f"blk.{layer}.{_GGUF_BLOCK[module]}.{kind}"] = w
+    a = "gemma3"
+    kv = [
+        ("add_uint32", f"{a}.context_length", c.max_position_embeddings),
+        ("add_uint32", f"{a}.embedding_length", c.hidden_size),
+        ("add_uint32", f"{a}.block_count", c.num_hidden_layers),
+        ("add_uint32", f"{a}.feed_forward_length", c.intermediate_size),
+        ("add_uint32", f"{a}.attention.head_count", c.num_attention_heads),
+        ("add_uint32", f"{a}.attention.head_count_kv", c.num_key_value_heads),
+        ("add_uint32", f"{a}.attention.key_length", c.head_dim),
+        ("add_uint32", f"{a}.attention.value_length", c.head_dim),
+        ("add_float32", f"{a}.attention.layer_norm_rms_epsilon", c.rms_norm_eps),
+        ("add_float32", f"{a}.rope.freq_base", 1e6),
+        ("add_float32", f"{a}.rope.freq_base_swa", 1e4),
+        ("add_uint32", f"{a}.attention.sliding_window", c.sliding_window),
+        ("add_array", f"{a}.attention.sliding_window_pattern",
+         [t == "sliding_attention" for t in c.layer_types]),
+        ("add_float32", f"{a}.final_logit_softcapping", c.final_logit_softcapping),
+    ]  # fmt: skip
+    path = write_gguf(tmp_path / "tiny.gguf", a, tensors, kv)
+    ours = build(open_source(path), torch.float32, max_seq_len=64)
+    ids = torch.tensor([[5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]])
+    with torch.inference_mode():
+        expected = ref(ids).logits
+        got = ours(ids, 0, ours.new_cache(), all_logits=True)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

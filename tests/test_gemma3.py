@@ -58,6 +58,7 @@ def test_kernels_close_to_float(gemma3):
     SmolLM2's KL; greedy runs part after ~10 tokens, as llama.cpp's do from the float."""
     on_kernels = load_model(GGUF, torch.float32, max_seq_len=128)
     assert on_kernels.model.runs_on_kernels()
+    assert Session(on_kernels.model).fused is not None  # decode runs the fused C step
     ids = torch.tensor([gemma3.tokenizer.encode("Why is the sky blue?")])
     with torch.inference_mode():
         x = on_kernels.model(ids, 0, on_kernels.model.new_cache(), all_logits=True)
@@ -200,10 +201,11 @@ def test_tiny_gguf_matches_transformers(tmp_path):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_quantized_runs_unfused_and_decodes_as_a_full_forward(tmp_path):
-    """On the kernels (int4 linears) the fused step declines Gemma 3 (its C runs Llama
-    blocks only); the modules' one-token decode equals a forward over the whole prompt."""
-    from tiny import make_hf_model
+def test_quantized_runs_fused(tmp_path):
+    """int4 linears: the session plans the fused C step, and a token decoded by it gives
+    the logits of a forward over the whole window (test_fused_decode checks the step
+    against the blocks for every format)."""
+    from tiny import assert_runs_fused, make_hf_model
 
     from infer.quant.formats.recipes import get_recipe
     from infer.quant.quantize import quantize_model
@@ -211,12 +213,4 @@ def test_quantized_runs_unfused_and_decodes_as_a_full_forward(tmp_path):
     make_hf_model("gemma3", tmp_path)
     model = load_model(tmp_path, max_seq_len=64).model
     quantize_model(model, get_recipe("int4", n_layers=model.args.n_layers))
-    assert model.runs_on_kernels()
-    session = Session(model)
-    assert session.fused is None
-    prompt = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
-    full = session.forward(prompt, 0, all_logits=True)
-    session.reset()
-    session.forward(prompt[:3], 0)
-    steps = [session.forward([t], 3 + i)[-1] for i, t in enumerate(prompt[3:])]
-    torch.testing.assert_close(torch.stack(steps), full[3:], rtol=1e-4, atol=1e-4)
+    assert_runs_fused(model, [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140], 1e-4)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny import ARCHS, UNFUSED_ARCHS, make_hf_model
+from tiny import ARCHS, make_hf_model
 
 from infer.runtime.files.build import build
 from infer.runtime.files.sources import open_source
@@ -11,7 +11,7 @@ from infer.runtime.session import Session
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
 
 
-@pytest.fixture(scope="module", params=sorted({**ARCHS, **UNFUSED_ARCHS}))
+@pytest.fixture(scope="module", params=sorted(ARCHS))
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     ref = make_hf_model(request.param, path)

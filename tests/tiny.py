@@ -54,11 +54,6 @@ ARCHS = {
     "mistral_window": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
-}
-
-# Families the fused decode step does not run (their blocks are not Llama's); test_model
-# checks them against transformers with the others.
-UNFUSED_ARCHS = {
     # Local and global layers (a window of 4 within the 12-token prompt), a query scale
     # other than head_dim's, the final logit softcap.
     "gemma3": (
@@ -139,7 +134,7 @@ def make_hf_model(arch: str, path: Path, seed: int = 0, **overrides):
     `overrides` change its config (e.g. hidden_size=256)."""
     import transformers
 
-    cls_name, extra = {**ARCHS, **UNFUSED_ARCHS, **MOE_ARCHS}[arch]
+    cls_name, extra = {**ARCHS, **MOE_ARCHS}[arch]
     config = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

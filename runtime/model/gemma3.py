@@ -9,9 +9,9 @@
   an optional final logit softcap.
 
 Reference: transformers' models/gemma3/modeling_gemma3.py (Gemma3ForCausalLM), which
-tests/test_model.py checks this file against. The fused C decode step runs Llama blocks
-only (one norm shape, SiLU, one rope table): FusedDecode.prepare finds no `rope_cos`
-here and returns None, so Gemma 3 decodes through this file's modules.
+tests/test_model.py checks this file against. The fused decode step (fused_decode.py)
+runs these blocks too, from what Block.norm_weights, layer_rope, mlp_act and attn_scale
+tell it; Block.forward is its definition.
 """
 
 from __future__ import annotations
@@ -172,14 +172,25 @@ class Block(nn.Module):
         h = x + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
+    def norm_weights(self) -> tuple:
+        """The fused step's norm weights as llama.Block.norm_weights gives them: 1 + w,
+        in float32 as RMSNorm.forward adds it."""
+        a = self.self_attn
+        norms = (self.input_layernorm, self.pre_feedforward_layernorm, a.q_norm, a.k_norm,
+                 self.post_attention_layernorm, self.post_feedforward_layernorm)  # fmt: skip
+        return tuple(1.0 + n.weight.float() for n in norms)
+
 
 class Gemma3(nn.Module):
     """The model: the same interface as llama.Transformer (forward, new_cache,
     setup_rope, sanitize, runs_on_kernels)."""
 
+    mlp_act = "gelu_tanh"  # the fused step's activation
+
     def __init__(self, args: Gemma3Args):
         super().__init__()
         self.args = args
+        self.attn_scale = args.query_pre_attn_scalar**-0.5
         # Zeros, not a random init (see llama.Transformer); the checkpoint assigns it.
         self.embed_tokens = nn.Embedding.from_pretrained(torch.zeros(args.vocab_size, args.dim))
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
@@ -204,6 +215,12 @@ class Gemma3(nn.Module):
             angles = torch.cat((angles, angles), dim=-1)
             self.register_buffer(f"{kind}_cos", angles.cos().to(dtype), persistent=False)
             self.register_buffer(f"{kind}_sin", angles.sin().to(dtype), persistent=False)
+
+    def layer_rope(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """Layer i's rope tables and sliding window (the fused step's)."""
+        if self.layers[i].sliding:
+            return self.local_cos, self.local_sin, self.args.sliding_window
+        return self.global_cos, self.global_sin, None
 
     def new_cache(self, max_seq_len: int | None = None) -> list[KVCache]:
         """An empty KV cache for one sequence (see llama.Transformer.new_cache)."""

@@ -1,9 +1,11 @@
-/* One decoded token through every block of a dense Llama-family model, in one call.
+/* One decoded token through every block of a dense Llama-family or Gemma 3 model, in one call.
 
    The reference is runtime/model/llama.py: Block.forward for T = 1 (RMSNorm, q/k/v projections
    with optional bias, optional per-head q/k RMSNorm, rotate-half rope, KV cache write,
    grouped-query attention with an optional sliding window, o projection, residual, RMSNorm,
-   SiLU(gate) * up, down projection, residual). kernels_cpu/decode.py builds the plan from
+   SiLU(gate) * up, down projection, residual), and runtime/model/gemma3.py's Block (norms
+   after attention and after the MLP, tanh-GELU(gate) * up, its own attention scale, each
+   layer its rope table and window). kernels_cpu/decode.py builds the plan from
    the model's tensors and tests compare the two. Why it exists: at the default model's
    size a token is ~200 small matmuls and ~1,200 torch element-wise ops, whose Python and
    dispatch cost (`infer bench --roofline` shows it) rivals the matmuls themselves. Here the element-wise work is a few loops over vectors
@@ -13,12 +15,16 @@
    row per layer. Pointers are addresses of tensors the model keeps alive; the plan is
    rebuilt whenever the model's tensors or caches change.
 
-   header:  n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, max_seq, window (0: none),
-            eps (float32 bits), rope_cos, rope_sin (float32 (max_seq, head_dim)),
-            scratch (float32, SCRATCH_FLOATS below), qk_norm_full (1: the q and k norms
-            are over the whole projection, as OLMoE's; 0: per head), HEADER = 13 words
+   header:  n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, max_seq,
+            eps (float32 bits), scratch (float32, SCRATCH_FLOATS below), qk_norm_full (1: the
+            q and k norms are over the whole projection, as OLMoE's; 0: per head),
+            act (0: SiLU, 1: tanh GELU), attention scale (float32 bits; 0: 1/sqrt(head_dim)),
+            HEADER = 12 words
    layer:   attn_norm, ffn_norm, q_norm (0: none), k_norm, k_cache, v_cache
-            (float32 (n_kv_heads, max_seq, head_dim)), then 7 linears q k v o gate up down,
+            (float32 (n_kv_heads, max_seq, head_dim)), post_attn_norm, post_ffn_norm (0: none),
+            rope_cos, rope_sin (float32 (max_seq, head_dim)), window (0: none); every norm
+            weight w as out = w * normed x (Gemma's 1 + w already added), then 7 linears
+            q k v o gate up down,
             each LIN = 8 words: kind (8 int8, 6 int6, 4 int4, -1..-4 = -bits for lut), qweight,
             scales, mins (0: none), bias (float32, 0: none), N, K, g
 
@@ -38,18 +44,17 @@
 #include "binding.h"
 #include "kernels.h"
 
-enum { HEADER = 13, LIN = 8, LAYER = 6 + 7 * LIN };
+enum { HEADER = 12, LIN = 8, LAYER = 11 + 7 * LIN };
 enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN };
 /* Attention splits the attended positions into blocks of this many (see attn_block). */
 enum { ATTN_BLOCK = 256 };
 
 typedef struct {
-    int64_t n_layers, dim, n_heads, n_kv, head_dim, hidden, max_seq, window;
-    float eps;
-    const float *cos, *sin;
+    int64_t n_layers, dim, n_heads, n_kv, head_dim, hidden, max_seq;
+    float eps, attn_scale;
     float *xn, *q, *k, *v, *att, *scores, *gate, *up; /* scratch */
     float *part; /* attention's per-block partials: (n_heads, blocks, head_dim + 2) */
-    int isa, nthreads, qk_norm_full;
+    int isa, nthreads, qk_norm_full, act;
 } model_t;
 
 /* Floats of scratch the plan's buffer must hold (decode.py's FusedDecode.prepare). */
@@ -166,6 +171,16 @@ static void silu_mul(float *gate, const float *up, int64_t n) {
     }
 }
 
+/* gate[i] = GELU(gate[i]) * up[i] with the tanh approximation, in the order of torch's
+   F.gelu(approximate="tanh") on the CPU: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) */
+static void gelu_tanh_mul(float *gate, const float *up, int64_t n) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
+    for (int64_t i = 0; i < n; i++) {
+        const float x = gate[i], inner = beta * (x + kappa * (x * x * x));
+        gate[i] = 0.5f * x * (1.0f + tanhf(inner)) * up[i];
+    }
+}
+
 /* ------------------------------------------------------------------------------------
  * Attention for one token, on 16-float vectors (GCC vector extensions): one source the
  * compiler turns into AVX-512, AVX2, or SSE2 / NEON code, chosen by the plan's
@@ -243,7 +258,7 @@ VI void attn_block(const attn_job *J, int64_t task) {
     const int64_t lo = J->lo + b * ATTN_BLOCK;
     const int64_t hi = lo + ATTN_BLOCK - 1 < J->hi ? lo + ATTN_BLOCK - 1 : J->hi;
     const float *kc = J->kc + g * m->max_seq * d, *vc = J->vc + g * m->max_seq * d;
-    const float scale = 1.0f / sqrtf((float)d);
+    const float scale = m->attn_scale;
     for (int64_t h = g * rep; h < (g + 1) * rep; h++) {
         const float *q = m->q + h * d;
         float *s = m->scores + h * m->max_seq, *part = m->part + (h * J->blocks + b) * (d + 2);
@@ -363,9 +378,10 @@ static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
     const float *attn_norm = PTR(const float *, P[0]), *ffn_norm = PTR(const float *, P[1]);
     const float *q_norm = PTR(const float *, P[2]), *k_norm = PTR(const float *, P[3]);
     float *kc = PTR(float *, P[4]), *vc = PTR(float *, P[5]);
-    const int64_t *lin = P + 6;
-    const int64_t d = m->head_dim, dim = m->dim;
-    const float *cos = m->cos + pos * d, *sin = m->sin + pos * d;
+    const float *post_attn = PTR(const float *, P[6]), *post_ffn = PTR(const float *, P[7]);
+    const int64_t d = m->head_dim, dim = m->dim, window = P[10];
+    const float *cos = PTR(const float *, P[8]) + pos * d, *sin = PTR(const float *, P[9]) + pos * d;
+    const int64_t *lin = P + 11;
     int rc = 0;
 
     rmsnorm(x, attn_norm, m->xn, dim, m->eps);
@@ -386,21 +402,26 @@ static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
         memcpy(kc + (h * m->max_seq + pos) * d, m->k + h * d, (size_t)d * sizeof(float));
         memcpy(vc + (h * m->max_seq + pos) * d, m->v + h * d, (size_t)d * sizeof(float));
     }
-    const int64_t lo = m->window && pos >= m->window ? pos - m->window + 1 : 0;
+    const int64_t lo = window && pos >= window ? pos - window + 1 : 0;
     attn_job J = {m, kc, vc, lo, pos, (pos - lo + ATTN_BLOCK) / ATTN_BLOCK};
     /* short contexts: one thread, unless there is work to split */
     pool_run((pos - lo + 1) * d * m->n_heads >= 1 << 16 ? m->nthreads : 1, m->n_kv * J.blocks,
              attn_task_for(m->isa), &J);
     attn_combine(&J);
     rc |= linear(lin + L_O * LIN, m->att, m->xn, m);
+    if (post_attn) rmsnorm(m->xn, post_attn, m->xn, dim, m->eps);
     for (int64_t i = 0; i < dim; i++) x[i] += m->xn[i];
 
     rmsnorm(x, ffn_norm, m->xn, dim, m->eps);
     if (lin[L_GATE * LIN] == 0) return rc ? rc : 1; /* mixture of experts: the caller's */
     const int64_t *gate_up[2] = {lin + L_GATE * LIN, lin + L_UP * LIN};
     rc |= linears(2, gate_up, m->xn, (float *const[]){m->gate, m->up}, m);
-    silu_mul(m->gate, m->up, lin[L_GATE * LIN + 5]);
+    if (m->act)
+        gelu_tanh_mul(m->gate, m->up, lin[L_GATE * LIN + 5]);
+    else
+        silu_mul(m->gate, m->up, lin[L_GATE * LIN + 5]);
     rc |= linear(lin + L_DOWN * LIN, m->gate, m->xn, m);
+    if (post_ffn) rmsnorm(m->xn, post_ffn, m->xn, dim, m->eps);
     for (int64_t i = 0; i < dim; i++) x[i] += m->xn[i];
     return rc;
 }
@@ -410,15 +431,17 @@ static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
 static int plan_model(const int64_t *H, long long n_words, long long scratch_n, int64_t pos,
                       long long isa, long long threads, model_t *m) {
     if (!H || n_words < HEADER) goto bad;
-    *m = (model_t){H[0], H[1], H[2], H[3], H[4], H[5], H[6], H[7], bits_to_float(H[8]),
-                   PTR(const float *, H[9]), PTR(const float *, H[10])};
+    *m = (model_t){H[0], H[1], H[2], H[3], H[4], H[5], H[6], bits_to_float(H[7]),
+                   bits_to_float(H[11])};
     if (m->n_layers < 0 || n_words != HEADER + m->n_layers * LAYER || m->n_kv <= 0 ||
         m->n_heads % m->n_kv || m->head_dim % 2 || pos < 0 || pos >= m->max_seq ||
-        scratch_n < scratch_floats(m) || !H[11] || (H[12] != 0 && H[12] != 1) || isa < 0 ||
-        isa >= ISA_COUNT || !isa_supported((int)isa))
+        scratch_n < scratch_floats(m) || !H[8] || (H[9] != 0 && H[9] != 1) ||
+        (H[10] != 0 && H[10] != 1) || isa < 0 || isa >= ISA_COUNT || !isa_supported((int)isa))
         goto bad;
-    m->qk_norm_full = (int)H[12];
-    float *s = PTR(float *, H[11]);
+    m->qk_norm_full = (int)H[9];
+    m->act = (int)H[10];
+    if (m->attn_scale == 0.0f) m->attn_scale = 1.0f / sqrtf((float)m->head_dim);
+    float *s = PTR(float *, H[8]);
     m->xn = s, s += m->dim;
     m->q = s, s += m->n_heads * m->head_dim;
     m->att = s, s += m->n_heads * m->head_dim;

@@ -3,7 +3,11 @@
 In small models a token's matmuls are cheap and the many torch element-wise ops and
 Python calls around them are not. csrc/decode.c runs a whole Block for one token with
 the element-wise work in plain loops and the quantized matmuls called directly. Its
-definition is llama.py's Block.forward (tests compare them on every architecture variant).
+definition is llama.py's and gemma3.py's Block.forward (tests compare them on every
+architecture variant). A model tells it what its blocks differ in: each block's norm
+weights (`norm_weights`: Gemma's norms after attention and after the MLP), each layer's
+rope tables and window (`layer_rope`), the MLP activation (`mlp_act`) and the query
+scale (`attn_scale`).
 
     step = FusedDecode.prepare(model, cache)  # None when the model is not one it runs
     x = step(x, pos)                          # x (1, 1, dim) float32 -> after the last block
@@ -42,6 +46,7 @@ from ...quant.formats.base import QuantLinear
 from .moe import MoE
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ACTS = {"silu": 0, "gelu_tanh": 1}  # the MLP's activation -> decode.c's act word
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -89,9 +94,9 @@ def _mlp_words(mlp: nn.Module) -> list[int] | None:
 
 
 class FusedDecode:
-    def __init__(self, plan, scratch, keep: list, moe: dict, layers: list, cache: list):
+    def __init__(self, plan, scratch, keep: list, moe: dict, layers: list, cache: list, rope):
         self.plan, self.scratch = plan, scratch
-        self._layers, self._cos, self._sin = layers, keep[0], keep[1]
+        self._layers, self._rope = layers, rope  # rope: each layer's (cos, sin) tables
         self._cache = cache  # the sequence's KVCache per layer, for the blocks' hooks
         self._keep = keep  # tensors and modules whose data pointers the plan holds
         self._plan_ptr, self._words = plan.data_ptr(), plan.numel()
@@ -110,36 +115,38 @@ class FusedDecode:
 
     @classmethod
     def prepare(cls, model: nn.Module, cache: list) -> FusedDecode | None:
-        """The fused step for `model` (a llama.Transformer) writing into `cache` (its
-        new_cache()), or None if it has parts the C does not run (float or
+        """The fused step for `model` (a llama.Transformer or gemma3.Gemma3) writing into
+        `cache` (its new_cache()), or None if it has parts the C does not run (float or
         unknown-format linears, other dtypes, weights not in place)."""
-        if not kernels.available() or not hasattr(model, "rope_cos"):
+        if not kernels.available() or getattr(model, "mlp_act", None) not in _ACTS:
             return None
         args = model.args
-        cos, sin = model.rope_cos, model.rope_sin
-        if not (_f32(cos) and _f32(sin)) or args.head_dim % 2:
+        if args.head_dim % 2:
             return None
         header_words, layer_words, lin_words, _, attn_block = kernels.layout()
-        rows, keep, moe, hidden = [], [cos, sin], {}, 0
+        rows, keep, moe, hidden, rope = [], [], {}, 0, []
         for i, block in enumerate(model.layers):
             attn = block.self_attn
-            norms = [block.input_layernorm, block.post_attention_layernorm]
-            if attn.q_norm is not None:
-                norms += [attn.q_norm, attn.k_norm]
-            weights = [n.weight for n in norms]
+            # input, pre-MLP, q, k, after attention, after the MLP (None: none)
+            weights = block.norm_weights()
+            cos, sin, window = model.layer_rope(i)
             layer_cache = cache[i]
-            if not all(_f32(w) for w in weights):
+            if not all(_f32(w) for w in weights[:2] + (cos, sin)) or not all(
+                w is None or _f32(w) for w in weights[2:]
+            ):
                 return None
             # q/k norms per head, or over the whole projection (OLMoE: qk_norm_full)
             D = args.head_dim
             full = (args.n_heads * D, args.n_kv_heads * D) if args.qk_norm_full else (D, D)
-            if len(weights) == 4 and (weights[2].numel(), weights[3].numel()) != full:
+            if weights[2] is not None and (weights[2].numel(), weights[3].numel()) != full:
                 return None
             if not (_f32(layer_cache.k) and _f32(layer_cache.v)):
                 return None
-            row = [weights[0].data_ptr(), weights[1].data_ptr()]
-            row += [weights[2].data_ptr(), weights[3].data_ptr()] if len(weights) == 4 else [0, 0]
+            row = [0 if w is None else w.data_ptr() for w in weights[:4]]
             row += [layer_cache.k.data_ptr(), layer_cache.v.data_ptr()]
+            row += [0 if w is None else w.data_ptr() for w in weights[4:]]
+            row += [cos.data_ptr(), sin.data_ptr(), window or 0]
+            rope.append((cos, sin))
             for name in _ATTENTION:
                 module = getattr(attn, name, None)
                 lin = _linear_words(module)
@@ -173,7 +180,7 @@ class FusedDecode:
                 hidden = max(hidden, mlp.gate_proj.out_features)
             assert len(row) == layer_words
             rows.append(row)
-            keep += weights + [layer_cache.k, layer_cache.v]
+            keep += [w for w in weights if w is not None] + [cos, sin, layer_cache.k, layer_cache.v]
         S = cache[0].k.shape[2]
         dim, H, KV, D = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
         blocks = -(-S // attn_block)  # attention's per-block partials (decode.c)
@@ -181,12 +188,12 @@ class FusedDecode:
             dim + 2 * H * D + 2 * KV * D + H * S + 2 * hidden + H * blocks * (D + 2)
         )
         eps_bits = struct.unpack("<I", struct.pack("<f", args.norm_eps))[0]
-        header = [len(rows), dim, H, KV, D, hidden, S, args.sliding_window or 0, eps_bits,
-                  cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(),
-                  int(args.qk_norm_full)]  # fmt: skip
+        scale_bits = struct.unpack("<I", struct.pack("<f", model.attn_scale or 0.0))[0]
+        header = [len(rows), dim, H, KV, D, hidden, S, eps_bits, scratch.data_ptr(),
+                  int(args.qk_norm_full), _ACTS[model.mlp_act], scale_bits]  # fmt: skip
         assert len(header) == header_words
         plan = torch.tensor(header + [w for row in rows for w in row], dtype=torch.int64)
-        return cls(plan, scratch, keep, moe, list(model.layers), cache)
+        return cls(plan, scratch, keep, moe, list(model.layers), cache, rope)
 
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """x (1, 1, dim) float32 after the embedding -> the hidden state after every block.
@@ -197,7 +204,8 @@ class FusedDecode:
         while layer < n:
             block = layers[layer]
             if block._forward_pre_hooks:  # as Block.__call__ would run them
-                rope = self._cos[pos : pos + 1], self._sin[pos : pos + 1]
+                cos, sin = self._rope[layer]
+                rope = cos[pos : pos + 1], sin[pos : pos + 1]
                 for hook in list(block._forward_pre_hooks.values()):
                     hook(block, (x, pos, *rope, self._cache[layer]))
             last = layer + 1  # run on to the next block with hooks

@@ -177,8 +177,18 @@ class Block(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), pos, cos, sin, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def norm_weights(self) -> tuple:
+        """The fused step's norm weights w (out = w * normed x): input, pre-MLP, q, k, after
+        attention, after the MLP; None where the block has none."""
+        a = self.self_attn
+        qk = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (None, None)
+        return (self.input_layernorm.weight, self.post_attention_layernorm.weight, *qk, None, None)
+
 
 class Transformer(nn.Module):
+    mlp_act = "silu"  # the fused step's activation
+    attn_scale = None  # queries scaled by 1/sqrt(head_dim)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -232,6 +242,10 @@ class Transformer(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # (max_seq_len, head_dim)
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+
+    def layer_rope(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """Layer i's rope tables and sliding window (the fused step's)."""
+        return self.rope_cos, self.rope_sin, self.args.sliding_window
 
     def new_cache(self, max_seq_len: int | None = None) -> list[KVCache]:
         """An empty KV cache for one sequence of up to `max_seq_len` positions (default and

@@ -19,8 +19,8 @@ import torch
 
 from .. import InferError
 from ..kernels_cpu.threads import ThreadPolicy
-from .model.fused_decode import FusedDecode
-from .model.llama import Transformer
+from .model.fused_decode import FusedDecode, cache_words
+from .model.llama import Rows, Transformer
 
 
 class Session:
@@ -39,7 +39,8 @@ class Session:
     def rebuild(self) -> None:
         """Plan the fused step and the thread policy again over the model's current
         weights: after swapping its modules (quantizing, tuning) or its weights."""
-        self.fused = FusedDecode.prepare(self.model, self.cache)
+        self.fused = FusedDecode.prepare(self.model)
+        self.cache_words = cache_words(self.cache) if self.fused is not None else None
         self.threads = ThreadPolicy(self._threads, kernels=self.model.runs_on_kernels())
 
     def reset(self) -> None:
@@ -48,12 +49,12 @@ class Session:
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], pos: int, all_logits: bool = False) -> torch.Tensor:
-        """Logits (T or 1, vocab) of `tokens` at positions [pos, pos + T); their keys and
-        values go into the cache, and `self.tokens` becomes what the cache holds."""
+        """Logits (T or 1, vocab) of `tokens` at positions [pos, pos + T) in one torch pass
+        (a prompt's chunk); their keys and values go into the cache, and `self.tokens`
+        becomes what the cache holds."""
         ids = torch.tensor([tokens])
-        blocks = self.fused if len(tokens) == 1 else None
         with self.threads.forward():
-            logits = self.model(ids, pos, self.cache, all_logits, blocks=blocks)
+            logits = self.model(ids, pos, self.cache, all_logits)
         del self.tokens[pos:]
         self.tokens.extend(tokens)
         return logits[0]
@@ -94,23 +95,50 @@ class Session:
         del self.tokens[n:]
 
 
+@torch.inference_mode()
 def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[torch.Tensor]:
     """One pass over several sequences of one model: session i's sequence goes on by
     `tokens[i]` (a token as it decodes, or a run of guessed tokens to check). Returns
     per session the logits (len(tokens[i]), vocab) after each of its tokens.
 
     A sequence's logits are those of decoding its tokens one at a time alone, whichever
-    sequences share the pass; the weights are read once for all of them."""
-    if len({id(s.model) for s in sessions}) > 1:
+    sequences share the pass: the fused step (where the model runs on it) reads every
+    weight once for all rows, up to its most rows a call, and computes each row as alone."""
+    if not sessions:
+        return []
+    model = sessions[0].model
+    if any(s.model is not model for s in sessions):
         raise ValueError("decode: the sessions run different models")
     if len({id(s) for s in sessions}) < len(sessions):
         raise ValueError("decode: a session appears twice")
-    out = []
-    for session, toks in zip(sessions, tokens):
+    for session, toks in zip(sessions, tokens, strict=True):
         if not toks:
             raise ValueError("decode: a sequence with no tokens")
         if len(session.tokens) + len(toks) > session.max_seq_len:
             raise InferError(f"the context of {session.max_seq_len} tokens is full")
-        rows = [session.forward([t], len(session.tokens))[-1] for t in toks]
-        out.append(torch.stack(rows))
-    return out
+    flat = [(i, t) for i, toks in enumerate(tokens) for t in toks]  # rows in order
+    fused = sessions[0].fused
+    per_pass = fused.max_rows if fused is not None else len(flat)
+    out: list[list[torch.Tensor]] = [[] for _ in sessions]
+    for start in range(0, len(flat), per_pass):
+        rows = flat[start : start + per_pass]
+        spans, owners = [], []  # runs of one sequence's rows: (pos, n, cache)
+        for i, _ in rows:
+            if owners and owners[-1] == i:
+                pos, n, cache = spans[-1]
+                spans[-1] = (pos, n + 1, cache)
+            else:
+                s = sessions[i]
+                spans.append((len(s.tokens), 1, s.cache))
+                owners.append(i)
+        ids, spans = torch.tensor([[t for _, t in rows]]), Rows(spans)
+        blocks = None
+        if fused is not None:
+            words = torch.stack([sessions[i].cache_words for i, _ in rows])
+            blocks = lambda x, _pos: fused(x, spans, words)  # noqa: E731
+        with sessions[0].threads.forward():
+            logits = model(ids, None, spans, all_logits=True, blocks=blocks)[0]
+        for r, (i, t) in enumerate(rows):
+            sessions[i].tokens.append(t)
+            out[i].append(logits[r])
+    return [torch.stack(rows) for rows in out]

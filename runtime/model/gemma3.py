@@ -16,7 +16,6 @@ tell it; Block.forward is its definition.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass, field, fields
 
@@ -25,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import InferError
-from ...kernels_cpu import ops, threads
+from ...kernels_cpu import ops
 from ...quant.formats.base import QuantLinear
+from . import llama
 from .config import (
     MAX_CONTEXT,
     MAX_DIM,
@@ -39,7 +39,7 @@ from .config import (
     rope_scaling,
     shown,
 )
-from .llama import _LINEARS, LARGE_ATTENTION, KVCache, apply_rope
+from .llama import _LINEARS, KVCache, Rows, rope_rows, rows_apply
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"  # config.json's layer types
 MAX_SOFTCAP = 1e4  # final_logit_softcapping: Gemma 2's is 30
@@ -127,9 +127,11 @@ class RMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(llama.Attention):
+    """llama.Attention with q/k norms per head, its own score scale and window per layer."""
+
     def __init__(self, args: Gemma3Args, layer: int):
-        super().__init__()
+        nn.Module.__init__(self)
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.sliding_window = args.sliding_window if args.sliding_layers[layer] else None
         self.scale = args.query_pre_attn_scalar**-0.5
@@ -140,39 +142,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
 
-    def forward(self, x, pos: int, cos, sin, cache: KVCache) -> torch.Tensor:
+    def project(self, x: torch.Tensor):
+        """q (1, T, H, D), k and v (1, T, n_kv, D) of x (1, T, dim), q and k normed."""
         T = x.shape[1]
-        # (1, T, H * D) -> (1, H, T, D)
         q = self.q_norm(self.q_proj(x).view(1, T, self.n_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(1, T, self.n_kv_heads, self.head_dim))
         v = self.v_proj(x).view(1, T, self.n_kv_heads, self.head_dim)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        k, v = cache.update(pos, k, v.transpose(1, 2))  # (1, n_kv, S, D)
-        # GQA as llama.Attention: each kv head's query heads folded into the length.
-        n_rep = self.n_heads // self.n_kv_heads
-        q = q.reshape(1, self.n_kv_heads, n_rep * T, self.head_dim)
-        mask = self._mask(pos, T, k.shape[2], x.device)
-        if mask is not None:
-            mask = mask.repeat(n_rep, 1)  # (n_rep * T, S)
-        large = T * k.shape[2] * self.n_heads * self.head_dim >= LARGE_ATTENTION
-        with threads.wide() if large else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        out = out.view(1, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(1, T, -1)
-        return self.o_proj(out)
-
-    def _mask(self, pos: int, T: int, S: int, device) -> torch.Tensor | None:
-        """Boolean (T, S), True where attention is allowed; None when all are. A sliding
-        layer sees the last `sliding_window` positions, its own included."""
-        window = self.sliding_window
-        if T == 1 and (window is None or S <= window):
-            return None
-        q_pos = torch.arange(pos, pos + T, device=device)[:, None]
-        k_pos = torch.arange(S, device=device)[None, :]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
-        return mask
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -264,15 +240,15 @@ class Gemma3(nn.Module):
         return ops.available() and all(isinstance(m, QuantLinear) for m in linears)
 
     def forward(
-        self, tokens: torch.Tensor, pos: int, cache: list[KVCache], all_logits: bool = False,
-        blocks=None,
+        self, tokens: torch.Tensor, pos: int, cache: list[KVCache] | Rows,
+        all_logits: bool = False, blocks=None,
     ) -> torch.Tensor:  # fmt: skip
         """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab), as
         llama.Transformer.forward."""
         T = tokens.shape[1]
         rope = {
-            False: (self.global_cos[pos : pos + T], self.global_sin[pos : pos + T]),
-            True: (self.local_cos[pos : pos + T], self.local_sin[pos : pos + T]),
+            False: rope_rows(self.global_cos, self.global_sin, pos, T, cache),
+            True: rope_rows(self.local_cos, self.local_sin, pos, T, cache),
         }
         dtype = self.global_cos.dtype
         # The scale rounded to the compute dtype first, as transformers does.
@@ -284,7 +260,7 @@ class Gemma3(nn.Module):
                 x = layer(x, pos, *rope[layer.sliding], layer_cache)
         if not all_logits:
             x = x[:, -1:]
-        logits = self.lm_head(self.norm(x))
+        logits = rows_apply(lambda h: self.lm_head(self.norm(h)), x, cache)
         cap = self.args.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

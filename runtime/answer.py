@@ -33,7 +33,7 @@ class Answer:
     # "stop" (end of turn or a stop string) | "length" | "interrupted" (Ctrl-C) |
     # "cancelled" (the caller's `cancelled()` said so: a client went away)
     finish_reason: str = "length"
-    ttft_s: float = 0.0  # prefill + first sample
+    ttft_s: float = 0.0  # prefill (between other answers' passes, on a server) + first sample
     decode_s: float = 0.0  # first token to last token
     n_decoded: int = 0  # tokens chosen in decode_s (after the first)
     context: int = 0  # the session's positions; a "length" answer may have filled them

@@ -7,6 +7,7 @@ can share one model, each with its own cache.
 
     session = Session(model)               # context up to the model's rope tables
     logits = session.prefill(prompt_ids)   # (vocab,) after the last prompt token
+    session.prefill_chunk(prompt_ids, 256) # the same a chunk a call: None until the last
     logits = session.step(token)           # one token on: the fused step where it runs
     out = decode([s1, s2], [[t1], [t2, t3]])  # several sequences in one pass: logits per row
 """
@@ -64,6 +65,14 @@ class Session:
 
         The cache keeps the longest common prefix with what it already holds (a chat
         turn re-sends the whole conversation; only the new part is computed)."""
+        while (logits := self.prefill_chunk(prompt, chunk)) is None:
+            pass
+        return logits
+
+    def prefill_chunk(self, prompt: list[int], chunk: int = 512) -> torch.Tensor | None:
+        """One step of `prefill`: compute the next `chunk` tokens of `prompt` the cache
+        lacks. Returns the logits (vocab,) after its last token once the cache holds all
+        of it, else None (a server runs other sequences between the chunks)."""
         if not prompt:
             raise InferError("empty prompt")
         if len(prompt) > self.max_seq_len:
@@ -72,10 +81,8 @@ class Session:
                 f"{self.max_seq_len} (raise --ctx)"
             )
         n = self.reused_prefix(prompt)
-        logits = None
-        for start in range(n, len(prompt), chunk):
-            logits = self.forward(prompt[start : start + chunk], start)
-        return logits[-1]
+        logits = self.forward(prompt[n : n + chunk], n)
+        return logits[-1] if n + chunk >= len(prompt) else None
 
     def reused_prefix(self, prompt: list[int]) -> int:
         """How many of `prompt`'s first tokens the cache already holds (at least one token

@@ -14,6 +14,7 @@ can share one model, each with its own cache.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -126,7 +127,7 @@ def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[tor
     flat = [(i, t) for i, toks in enumerate(tokens) for t in toks]  # rows in order
     fused = sessions[0].fused
     per_pass = fused.max_rows if fused is not None else len(flat)
-    out: list[list[torch.Tensor]] = [[] for _ in sessions]
+    out: list[list[torch.Tensor]] = [[] for _ in sessions]  # each session's row slices
     for start in range(0, len(flat), per_pass):
         rows = flat[start : start + per_pass]
         spans, owners = [], []  # runs of one sequence's rows: (pos, n, cache)
@@ -139,13 +140,21 @@ def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[tor
                 spans.append((len(s.tokens), 1, s.cache))
                 owners.append(i)
         ids, spans = torch.tensor([[t for _, t in rows]]), Rows(spans)
-        blocks = None
-        if fused is not None:
-            words = torch.stack([sessions[i].cache_words for i, _ in rows])
-            blocks = lambda x, _pos: fused(x, spans, words)  # noqa: E731
-        with sessions[0].threads.forward():
+        with sessions[0].threads.forward():  # torch's own ops on one thread too
+            blocks = None
+            if fused is not None:
+                words = torch.stack([sessions[i].cache_words for i, _ in rows])
+                blocks = functools.partial(_fused_rows, fused, spans, words)
             logits = model(ids, None, spans, all_logits=True, blocks=blocks)[0]
-        for r, (i, t) in enumerate(rows):
-            sessions[i].tokens.append(t)
-            out[i].append(logits[r])
-    return [torch.stack(rows) for rows in out]
+        a = 0
+        for i, (_, n, _) in zip(owners, spans.spans):
+            sessions[i].tokens.extend(t for _, t in rows[a : a + n])
+            out[i].append(logits[a : a + n])
+            a += n
+    with sessions[0].threads.forward():
+        return [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in out]
+
+
+def _fused_rows(fused: FusedDecode, rows: Rows, words: torch.Tensor, x, _pos) -> torch.Tensor:
+    """The model's `blocks` for a pass of rows: the fused step over their caches."""
+    return fused(x, rows, words)

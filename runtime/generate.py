@@ -5,56 +5,19 @@ Detokenizing, stop tokens, timing and printing belong to the callers (cli/, benc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from .sampling import Sampler, make_sampler
 from .session import Session, decode
 
 if TYPE_CHECKING:
     from .structured import Constraint
 
-Sampler = Callable[[torch.Tensor], int]
-
-
-def make_sampler(
-    temperature: float = 0.8,
-    top_k: int = 40,
-    top_p: float = 0.95,
-    min_p: float = 0.05,
-    seed: int | None = None,
-) -> Sampler:
-    """Return logits (vocab,) -> token id. Temperature 0 is greedy and deterministic."""
-    if temperature <= 0:
-        return lambda logits: int(torch.argmax(logits))
-    generator = torch.Generator()
-    if seed is not None:
-        generator.manual_seed(seed)
-    else:
-        generator.seed()
-
-    def sample(logits: torch.Tensor) -> int:
-        logits = logits.float()
-        if 0 < top_k < logits.shape[-1]:
-            logits, ids = torch.topk(logits, top_k)  # sorted, descending
-        else:
-            logits, ids = torch.sort(logits, descending=True)
-        # In float64 from the top logit: a tiny temperature (1e-300) gives -inf, never nan.
-        probs = torch.softmax((logits.double() - logits[0]) / temperature, dim=-1)
-        keep = torch.ones_like(probs, dtype=torch.bool)
-        if top_p < 1.0:
-            # Keep the smallest prefix whose mass reaches top_p (always the first token).
-            keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p
-        if min_p > 0.0:
-            keep &= probs >= min_p * probs[0]
-        keep[0] = True  # top_p 0 keeps the likeliest token, as llama.cpp
-        probs = torch.where(keep, probs, 0.0)
-        choice = torch.multinomial(probs, 1, generator=generator)
-        return int(ids[choice])
-
-    return sample
+__all__ = ["Decoding", "Penalties", "Sampler", "generate", "make_sampler"]
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from .model.tokenizer import Tokenizer
 from .session import Session
 
 if TYPE_CHECKING:
+    from .speculative import Drafter
     from .structured import Constraint
 
 
@@ -133,13 +134,14 @@ def stream_answer(
     stop: Sequence[str] = (),
     cancelled: Callable[[], bool] = lambda: False,
     constraint: Constraint | None = None,
+    drafter: Drafter | None = None,
 ) -> Answer:
     """Generate after `prompt`, calling `on_text` with each decoded piece.
 
     `max_tokens` < 0 means until the context is full. Ctrl-C ends the answer with
     finish_reason "interrupted", `cancelled()` turning true with "cancelled"; what was
     generated so far is kept in both cases. A `constraint` (structured.py, one per
-    answer) keeps the text to its grammar.
+    answer) keeps the text to its grammar; a `drafter` (speculative.py) guesses tokens.
     """
     if max_tokens < 0:
         max_tokens = session.max_seq_len  # generate() stops when the context is full
@@ -148,7 +150,9 @@ def stream_answer(
         return answer
     decoder, stops = tok.stream_decoder(), StopStrings(stop)
     stop_ids = tok.stop_ids
-    tokens = generate(session, prompt, sampler, max_tokens, penalties, constraint=constraint)
+    tokens = generate(
+        session, prompt, sampler, max_tokens, penalties, constraint=constraint, drafter=drafter
+    )
     t0 = time.perf_counter()
     t_first = t_last = None
 

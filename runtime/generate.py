@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sampling import Sampler, make_sampler
+from .sampling import Distribution, Sampler, make_sampler
 from .session import Session, decode
+from .speculative import Drafter, Guess, verify
 
 if TYPE_CHECKING:
     from .structured import Constraint
@@ -64,7 +65,9 @@ class Decoding:
     `choose` returns the tokens chosen from a pass; as many of the fed tokens' keys and
     values stay valid in the cache as it returns tokens (the caller truncates the rest).
     A `constraint` (structured.py) masks the logits after the penalties and follows
-    each token."""
+    each token. With a `drafter` (speculative.py), feed() adds guesses of the next tokens
+    after the last one, and choose() keeps those the model agrees with, row by row.
+    """
 
     def __init__(
         self,
@@ -73,35 +76,66 @@ class Decoding:
         history: list[int],
         penalties: Penalties | None = None,
         constraint: Constraint | None = None,
+        drafter: Drafter | None = None,
     ):
         self.sampler, self.penalties, self.constraint = sampler, penalties, constraint
         self.history = list(history)  # prompt and answer so far (the penalties' window)
         self.remaining = max_tokens
         self.tokens: list[int] = []  # chosen so far
+        self.drafter = drafter
+        self._guesses: list[Guess] = []  # fed after the last token, to be checked
+        if drafter is not None:
+            drafter.start(self.history)
 
     @property
     def done(self) -> bool:
         return self.remaining <= 0
 
     def feed(self) -> list[int]:
-        """The tokens the next pass must run: the last chosen one."""
-        return self.tokens[-1:]
+        """The tokens the next pass must run: the last chosen one, and the guesses."""
+        if self.drafter is not None:
+            # A pass gives at most one token more than it has guesses: max_tokens holds,
+            # and with it the context (the caller fits max_tokens to it).
+            self._guesses = self.drafter.guess(self.history, self.remaining - 1, self.sampler)
+        return self.tokens[-1:] + [g.token for g in self._guesses]
 
     def choose(self, logits: torch.Tensor) -> list[int]:
         """New tokens from a pass's logits (len(feed()), vocab), the prefill's (1, vocab)
-        for the first."""
-        logits = logits[-1]
+        for the first. Row j's distribution follows the tokens chosen before it (the
+        penalties' history, the grammar's state): greedy, the tokens are those of plain
+        decoding. The grammar only ever moves by a chosen token, so guesses need no
+        rollback (a guess it forbids has probability 0 and is refused)."""
+        guesses, self._guesses = self._guesses, []
+        if len(logits) != len(guesses) + 1:
+            raise ValueError(f"choose: {len(logits)} rows of logits for {len(guesses)} guesses")
+        new = []
+        for j, row in enumerate(logits):
+            p = self._distribution(row)
+            if j < len(guesses):
+                token, kept = verify(p, guesses[j], self.sampler)
+            else:
+                token, kept = self.sampler.draw(p), False
+            self._take(token)
+            new.append(token)
+            if not kept:
+                break
+        if self.drafter is not None:
+            self.drafter.checked(len(new) - 1)
+        return new
+
+    def _distribution(self, logits: torch.Tensor) -> Distribution:
         if self.penalties is not None:
             logits = self.penalties.apply(logits, self.history)
         if self.constraint is not None:
             logits = self.constraint.mask(logits)
-        token = self.sampler(logits)
+        return self.sampler.distribution(logits)
+
+    def _take(self, token: int) -> None:
         if self.constraint is not None:
             self.constraint.advance(token)
         self.history.append(token)
         self.tokens.append(token)
         self.remaining -= 1
-        return [token]
 
 
 @torch.inference_mode()
@@ -113,26 +147,31 @@ def generate(
     penalties: Penalties | None = None,
     prefill_chunk: int = 512,
     constraint: Constraint | None = None,
+    drafter: Drafter | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_tokens` sampled token ids following `prompt` in `session`.
 
     Stops early only when the context is full; the caller stops at end-of-turn
     tokens by closing the generator. The KV cache always matches `session.tokens`,
-    so a stopped or interrupted answer can be continued.
+    so a stopped or interrupted answer can be continued. A `drafter` makes the
+    decoding speculative (speculative.py): the same answer when greedy, the same
+    distribution when sampling.
     """
     logits = session.prefill(prompt, prefill_chunk)
     max_tokens = min(max_tokens, session.max_seq_len - len(prompt) + 1)
     if max_tokens <= 0:
         return
-    d = Decoding(sampler, max_tokens, prompt, penalties, constraint)
-    # the sampler's ops must not leave torch's workers spinning
+    # the sampler's ops (and a draft model's) must not leave torch's workers spinning
     with session.threads.forward():
+        d = Decoding(sampler, max_tokens, prompt, penalties, constraint, drafter)
         new = d.choose(logits[None])
     while True:
         yield from new
         if d.done:
             break
-        start, fed = len(session.tokens), d.feed()
+        start = len(session.tokens)
+        with session.threads.forward():
+            fed = d.feed()
         logits = decode([session], [fed])[0]
         with session.threads.forward():
             new = d.choose(logits)

@@ -208,7 +208,8 @@ Seed = Annotated[
     typer.Option(
         "--seed",
         "-s",  # as llama.cpp
-        help="Random seed, for reproducible sampling.",
+        help="Random seed, for reproducible sampling (not with --lookup or --draft: how "
+        "many tokens they guess follows measured times).",
         rich_help_panel=_SAMPLING,
     ),
 ]
@@ -232,9 +233,9 @@ Draft = Annotated[
     str | None,
     typer.Option(
         "--draft",
-        metavar="MODEL",
-        help="Guess the next tokens with this smaller model of the same tokenizer and check "
-        "them in one pass of MODEL; the answers as --lookup's. Either way guessing stops "
+        metavar="DRAFT",
+        help="Guess the next tokens with DRAFT, a smaller model of the same tokenizer, and "
+        "check them in one pass; the answers as --lookup's. Either way guessing stops "
         "while it does not pay.",
         show_default=False,
         rich_help_panel=SPECULATIVE,

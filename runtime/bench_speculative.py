@@ -156,7 +156,7 @@ def run_speculative_bench(
             if speculate:
                 drafter = make()
                 fast.append(one(drafter))
-                _add(stats, drafter.stats)
+                stats.merge(drafter.stats)
             else:
                 plain.append(one(None))
     plain_tok_s = statistics.median(r.tok_s for r in plain)
@@ -187,10 +187,3 @@ def _drafters(
     check_draft_tokenizer(open_source(Path(draft)).tokenizer(), lm.tokenizer, draft_name, name)
     model = load_model(draft, dtype, max_seq_len=ctx).model
     return lambda: ModelDrafter(model, lm.model.args.vocab_size, ctx)
-
-
-def _add(total: SpeculationStats, s: SpeculationStats) -> None:
-    total.passes += s.passes
-    total.plain_passes += s.plain_passes
-    total.guessed += s.guessed
-    total.accepted += s.accepted

@@ -83,7 +83,7 @@ class Decoding:
         self.remaining = max_tokens
         self.tokens: list[int] = []  # chosen so far
         self.drafter = drafter
-        self._guesses: list[Guess] = []  # fed after the last token, to be checked
+        self._guesses: list[Guess] | None = None  # fed after the last token, to be checked
         if drafter is not None:
             drafter.start(self.history)
 
@@ -93,6 +93,7 @@ class Decoding:
 
     def feed(self) -> list[int]:
         """The tokens the next pass must run: the last chosen one, and the guesses."""
+        self._guesses = []
         if self.drafter is not None:
             # A pass gives at most one token more than it has guesses: max_tokens holds,
             # and with it the context (the caller fits max_tokens to it).
@@ -105,7 +106,9 @@ class Decoding:
         penalties' history, the grammar's state): greedy, the tokens are those of plain
         decoding. The grammar only ever moves by a chosen token, so guesses need no
         rollback (a guess it forbids has probability 0 and is refused)."""
-        guesses, self._guesses = self._guesses, []
+        guesses, self._guesses = self._guesses, None
+        fed = guesses is not None  # else the prefill's logits: no pass to account for
+        guesses = guesses or []
         if len(logits) != len(guesses) + 1:
             raise ValueError(f"choose: {len(logits)} rows of logits for {len(guesses)} guesses")
         new = []
@@ -119,7 +122,7 @@ class Decoding:
             new.append(token)
             if not kept:
                 break
-        if self.drafter is not None:
+        if fed and self.drafter is not None:
             self.drafter.checked(len(new) - 1)
         return new
 

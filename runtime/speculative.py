@@ -62,6 +62,21 @@ class SpeculationStats:
     guessed: int = 0
     accepted: int = 0
 
+    def add(self, guessed: int, accepted: int) -> None:
+        """A pass that checked `guessed` guesses (0: a plain pass) and kept `accepted`."""
+        if guessed:
+            self.passes += 1
+            self.guessed += guessed
+            self.accepted += accepted
+        else:
+            self.plain_passes += 1
+
+    def merge(self, other: SpeculationStats) -> None:
+        self.passes += other.passes
+        self.plain_passes += other.plain_passes
+        self.guessed += other.guessed
+        self.accepted += other.accepted
+
     @property
     def acceptance(self) -> float:
         return self.accepted / self.guessed if self.guessed else 0.0
@@ -199,15 +214,7 @@ class Drafter:
         guessed, draft_s, fed = self._pending
         self._pending = None
         self.length.record(guessed, accepted, draft_s, time.perf_counter() - fed)
-        s = self.stats
-        if guessed:
-            s.passes, s.guessed, s.accepted = (
-                s.passes + 1,
-                s.guessed + guessed,
-                s.accepted + accepted,
-            )
-        else:
-            s.plain_passes += 1
+        self.stats.add(guessed, accepted)
 
 
 class LookupDrafter(Drafter):

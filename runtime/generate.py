@@ -5,13 +5,13 @@ Detokenizing, stop tokens, timing and printing belong to the callers (cli/, benc
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from .sampling import Distribution, Sampler, make_sampler
+from .sampling import Distribution, Sampler, as_sampler, make_sampler
 from .session import Session, decode
 from .speculative import Drafter, Guess, verify
 
@@ -71,14 +71,14 @@ class Decoding:
 
     def __init__(
         self,
-        sampler: Sampler,
+        sampler: Sampler | Callable[[torch.Tensor], int],
         max_tokens: int,
         history: list[int],
         penalties: Penalties | None = None,
         constraint: Constraint | None = None,
         drafter: Drafter | None = None,
     ):
-        self.sampler, self.penalties, self.constraint = sampler, penalties, constraint
+        self.sampler, self.penalties, self.constraint = as_sampler(sampler), penalties, constraint
         self.history = list(history)  # prompt and answer so far (the penalties' window)
         self.remaining = max_tokens
         self.tokens: list[int] = []  # chosen so far
@@ -145,7 +145,7 @@ class Decoding:
 def generate(
     session: Session,
     prompt: list[int],
-    sampler: Sampler,
+    sampler: Sampler | Callable[[torch.Tensor], int],
     max_tokens: int,
     penalties: Penalties | None = None,
     prefill_chunk: int = 512,

@@ -6,6 +6,7 @@ Plain decoding calls both at once (`sampler(logits)`); speculative decoding
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,3 +107,26 @@ def make_sampler(
 ) -> Sampler:
     """A Sampler: logits (vocab,) -> token id. Temperature 0 is greedy and deterministic."""
     return Sampler(temperature, top_k, top_p, min_p, seed)
+
+
+class ChoiceSampler(Sampler):
+    """Any `logits -> token id` callable as a Sampler: its distribution is one-hot at the
+    token the callable chooses. A random choice is then a sample of the callable's own
+    distribution, and a guess checked against it is kept only when it is that sample,
+    so speculative decoding keeps the callable's distribution, at a lower acceptance."""
+
+    def __init__(self, choose: Callable[[torch.Tensor], int]):
+        self.choose = choose
+        self.generator = None
+
+    @property
+    def greedy(self) -> bool:
+        return True  # deterministic given its choice: no q to hold a guess against
+
+    def distribution(self, logits: torch.Tensor) -> Distribution:
+        return Distribution.one_hot(int(self.choose(logits)))
+
+
+def as_sampler(sampler: Sampler | Callable[[torch.Tensor], int]) -> Sampler:
+    """`sampler` itself, or a plain callable wrapped (ChoiceSampler)."""
+    return sampler if isinstance(sampler, Sampler) else ChoiceSampler(sampler)

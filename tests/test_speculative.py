@@ -20,7 +20,7 @@ from infer.runtime.answer import stream_answer
 from infer.runtime.bench_speculative import run_speculative_bench
 from infer.runtime.generate import Decoding, Penalties, generate, make_sampler
 from infer.runtime.loader import load_model
-from infer.runtime.sampling import Distribution
+from infer.runtime.sampling import Distribution, as_sampler
 from infer.runtime.session import Session
 from infer.runtime.speculative import (
     Drafter,
@@ -113,6 +113,17 @@ def test_greedy_with_penalties_equals_plain(tiny):
         ModelDrafter(tiny.model, tiny.model.args.vocab_size, k_max=5, adaptive=False),
     ):
         assert _run(tiny, prompt, 50, drafter, penalties=penalties) == plain
+
+
+def test_a_plain_callable_sampler_still_works(tiny):
+    """generate() takes any logits -> token id callable; speculating, its choice is p."""
+    prompt = _prompt(tiny)
+    argmax = lambda logits: int(logits.argmax())
+    assert _run(tiny, prompt, 30, LookupDrafter(adaptive=False), argmax) == _run(tiny, prompt, 30)
+    chosen = as_sampler(lambda logits: 2)
+    p = chosen.distribution(torch.zeros(5))
+    assert verify(p, Guess(2, None), chosen) == (2, True)
+    assert verify(p, Guess(3, None), chosen) == (2, False)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 20])

@@ -65,14 +65,27 @@ def serve(
             show_default=False,
         ),
     ] = None,
-    slots: Annotated[
+    parallel: Annotated[
         int,
         typer.Option(
+            "--parallel",
+            "-np",
             "--slots",
             min=1,
-            help="KV caches per model: conversations whose prompts stay cached for reuse.",
+            help="Answers each model runs at once, in one batched decode step; as many "
+            "KV caches (slots) of --ctx positions, which keep their conversations' "
+            "prompts for reuse. Requests beyond them wait their turn.",
         ),
-    ] = 2,
+    ] = 4,
+    prefill_chunk: Annotated[
+        int,
+        typer.Option(
+            "--prefill-chunk",
+            min=1,
+            help="Prompt tokens computed between two decode steps: a new request's "
+            "prompt pauses the running answers for one chunk at a time.",
+        ),
+    ] = 256,
     ctx: Ctx = None,
     dtype: DTypeOpt = DType.float32,
     max_memory: MaxMemory = None,
@@ -113,7 +126,8 @@ def serve(
         ctx=ctx or 4096,
         dtype=torch_dtype(dtype),
         max_memory=budget,
-        slots=slots,
+        parallel=parallel,
+        prefill_chunk=prefill_chunk,
         keep_alive=keep,
         threads=n_threads,
     )

@@ -1,5 +1,5 @@
-"""Binding of the fused decode kernels (csrc/decode.c): every block of a model for one
-token, and a token's chosen experts, run from a plan of int64 words. The plan is built by
+"""Binding of the fused decode kernels (csrc/decode.c): every block of a model for a few
+tokens (rows), and a token's chosen experts, run from a plan of int64 words. The plan is built by
 the model layer (runtime/model/fused_decode.py), which knows the modules; this binding
 only adds the instruction-set path and the thread count."""
 
@@ -12,18 +12,20 @@ def available() -> bool:
     return ops.available()
 
 
-def layout() -> tuple[int, int, int, int, int]:
-    """Words of the plan's header, of a layer, of a linear and of an expert row, and the
-    positions per block of attention's partial sums."""
+def layout() -> tuple[int, int, int, int, int, int]:
+    """Words of the plan's header, of a layer, of a linear and of an expert row, the
+    positions per block of attention's partial sums, and the most rows a call."""
     return ops._C.decode_layout()
 
 
-def layers(plan: int, words: int, scratch_floats: int, x: int, pos: int, first: int, last: int):
-    """Run blocks [first, last) on x (pointers into the plan's tensors); returns the layer
-    it stopped at: `last`, or a mixture-of-experts layer whose experts run next."""
+def layers(plan, words, scratch_floats, x, rows, pos, cache, first: int, last: int) -> int:
+    """Run blocks [first, last) on x (rows, dim) at positions pos (rows,) int64 with the
+    rows' caches (rows, cache words) int64 (pointers, into tensors the caller keeps);
+    returns the layer it stopped at: `last`, or a mixture-of-experts layer whose experts
+    run next."""
     return ops._C.decode_layers(
-        plan, words, scratch_floats, x, pos, ops._default_isa(), ops.get_num_threads(),
-        first, last,
+        plan, words, scratch_floats, x, rows, pos, cache, ops._default_isa(),
+        ops.get_num_threads(), first, last,
     )  # fmt: skip
 
 

@@ -36,6 +36,7 @@ ISAS = (
 )
 ENV_ISA = "INFER_KERNEL_ISA"
 
+
 def available() -> bool:
     """Whether the C extension is built and loaded."""
     return _C is not None

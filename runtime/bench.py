@@ -301,12 +301,13 @@ def decode_breakdown(session: Session, prompt: list[int], n_gen: int) -> Breakdo
     fused, fused_s = session.fused, [0.0]
     if fused is not None:
 
-        def timed(x, pos):
+        def timed(*args):
             t = time.perf_counter()
-            out = fused(x, pos)
+            out = fused(*args)
             fused_s[0] += time.perf_counter() - t
             return out
 
+        timed.max_rows = fused.max_rows
         session.fused = timed
     try:
         session.reset()

@@ -178,15 +178,24 @@ def _offloads_experts(
     return need + sum(c.resident_bytes for c in costs) > budget
 
 
-def estimated_bytes(source: Source, dtype: torch.dtype, ctx: int) -> int:
-    """What loading `source` resident would add to the process: its weights, and for our
-    checkpoints the KV cache and buffers the plans count too."""
+def estimated_bytes(source: Source, dtype: torch.dtype, ctx: int, sessions: int = 1) -> int:
+    """What loading `source` resident would add to the process: its weights, `sessions`
+    KV caches of `ctx` positions, and for our checkpoints the buffers the plans count."""
+    args = source.args
+    ctx = min(ctx, args.max_seq_len)
+    kv = kv_cache_bytes(args, dtype, ctx)
     if isinstance(source, CheckpointSource):
         ckpt = source.checkpoint
-        costs = layer_costs(ckpt, layer_units(ckpt, ckpt.args.n_layers), dtype)
-        fixed = overheads(ckpt, source.args, dtype, ctx, 0)
-        return fixed.total + sum(c.resident_bytes for c in costs)
-    return source.held_bytes(dtype)
+        costs = layer_costs(ckpt, layer_units(ckpt, args.n_layers), dtype)
+        fixed = overheads(ckpt, args, dtype, ctx, 0)  # with one KV cache
+        return fixed.total + (sessions - 1) * kv + sum(c.resident_bytes for c in costs)
+    return source.held_bytes(dtype) + sessions * kv
+
+
+def kv_cache_bytes(args: ModelArgs, dtype: torch.dtype, ctx: int) -> int:
+    """One session's KV cache (Transformer.new_cache): keys and values of every layer at
+    `ctx` positions, in the compute dtype."""
+    return 2 * args.n_layers * args.n_kv_heads * ctx * args.head_dim * dtype.itemsize
 
 
 def _auto_budget(source: Source, dtype: torch.dtype, ctx: int, process: int) -> int | None:

@@ -7,20 +7,22 @@ can share one model, each with its own cache.
 
     session = Session(model)               # context up to the model's rope tables
     logits = session.prefill(prompt_ids)   # (vocab,) after the last prompt token
+    session.prefill_chunk(prompt_ids, 256) # the same a chunk a call: None until the last
     logits = session.step(token)           # one token on: the fused step where it runs
     out = decode([s1, s2], [[t1], [t2, t3]])  # several sequences in one pass: logits per row
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
 from .. import InferError
 from ..kernels_cpu.threads import ThreadPolicy
-from .model.fused_decode import FusedDecode
-from .model.llama import Transformer
+from .model.fused_decode import FusedDecode, cache_words
+from .model.llama import Rows, Transformer
 
 
 class Session:
@@ -39,7 +41,8 @@ class Session:
     def rebuild(self) -> None:
         """Plan the fused step and the thread policy again over the model's current
         weights: after swapping its modules (quantizing, tuning) or its weights."""
-        self.fused = FusedDecode.prepare(self.model, self.cache)
+        self.fused = FusedDecode.prepare(self.model)
+        self.cache_words = cache_words(self.cache) if self.fused is not None else None
         self.threads = ThreadPolicy(self._threads, kernels=self.model.runs_on_kernels())
 
     def reset(self) -> None:
@@ -48,12 +51,12 @@ class Session:
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], pos: int, all_logits: bool = False) -> torch.Tensor:
-        """Logits (T or 1, vocab) of `tokens` at positions [pos, pos + T); their keys and
-        values go into the cache, and `self.tokens` becomes what the cache holds."""
+        """Logits (T or 1, vocab) of `tokens` at positions [pos, pos + T) in one torch pass
+        (a prompt's chunk); their keys and values go into the cache, and `self.tokens`
+        becomes what the cache holds."""
         ids = torch.tensor([tokens])
-        blocks = self.fused if len(tokens) == 1 else None
         with self.threads.forward():
-            logits = self.model(ids, pos, self.cache, all_logits, blocks=blocks)
+            logits = self.model(ids, pos, self.cache, all_logits)
         del self.tokens[pos:]
         self.tokens.extend(tokens)
         return logits[0]
@@ -63,6 +66,14 @@ class Session:
 
         The cache keeps the longest common prefix with what it already holds (a chat
         turn re-sends the whole conversation; only the new part is computed)."""
+        while (logits := self.prefill_chunk(prompt, chunk)) is None:
+            pass
+        return logits
+
+    def prefill_chunk(self, prompt: list[int], chunk: int = 512) -> torch.Tensor | None:
+        """One step of `prefill`: compute the next `chunk` tokens of `prompt` the cache
+        lacks. Returns the logits (vocab,) after its last token once the cache holds all
+        of it, else None (a server runs other sequences between the chunks)."""
         if not prompt:
             raise InferError("empty prompt")
         if len(prompt) > self.max_seq_len:
@@ -71,10 +82,8 @@ class Session:
                 f"{self.max_seq_len} (raise --ctx)"
             )
         n = self.reused_prefix(prompt)
-        logits = None
-        for start in range(n, len(prompt), chunk):
-            logits = self.forward(prompt[start : start + chunk], start)
-        return logits[-1]
+        logits = self.forward(prompt[n : n + chunk], n)
+        return logits[-1] if n + chunk >= len(prompt) else None
 
     def reused_prefix(self, prompt: list[int]) -> int:
         """How many of `prompt`'s first tokens the cache already holds (at least one token
@@ -94,23 +103,58 @@ class Session:
         del self.tokens[n:]
 
 
+@torch.inference_mode()
 def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[torch.Tensor]:
     """One pass over several sequences of one model: session i's sequence goes on by
     `tokens[i]` (a token as it decodes, or a run of guessed tokens to check). Returns
     per session the logits (len(tokens[i]), vocab) after each of its tokens.
 
     A sequence's logits are those of decoding its tokens one at a time alone, whichever
-    sequences share the pass; the weights are read once for all of them."""
-    if len({id(s.model) for s in sessions}) > 1:
+    sequences share the pass: the fused step (where the model runs on it) reads every
+    weight once for all rows, up to its most rows a call, and computes each row as alone."""
+    if not sessions:
+        return []
+    model = sessions[0].model
+    if any(s.model is not model for s in sessions):
         raise ValueError("decode: the sessions run different models")
     if len({id(s) for s in sessions}) < len(sessions):
         raise ValueError("decode: a session appears twice")
-    out = []
-    for session, toks in zip(sessions, tokens):
+    for session, toks in zip(sessions, tokens, strict=True):
         if not toks:
             raise ValueError("decode: a sequence with no tokens")
         if len(session.tokens) + len(toks) > session.max_seq_len:
             raise InferError(f"the context of {session.max_seq_len} tokens is full")
-        rows = [session.forward([t], len(session.tokens))[-1] for t in toks]
-        out.append(torch.stack(rows))
-    return out
+    flat = [(i, t) for i, toks in enumerate(tokens) for t in toks]  # rows in order
+    fused = sessions[0].fused
+    per_pass = fused.max_rows if fused is not None else len(flat)
+    out: list[list[torch.Tensor]] = [[] for _ in sessions]  # each session's row slices
+    for start in range(0, len(flat), per_pass):
+        rows = flat[start : start + per_pass]
+        spans, owners = [], []  # runs of one sequence's rows: (pos, n, cache)
+        for i, _ in rows:
+            if owners and owners[-1] == i:
+                pos, n, cache = spans[-1]
+                spans[-1] = (pos, n + 1, cache)
+            else:
+                s = sessions[i]
+                spans.append((len(s.tokens), 1, s.cache))
+                owners.append(i)
+        ids, spans = torch.tensor([[t for _, t in rows]]), Rows(spans)
+        with sessions[0].threads.forward():  # torch's own ops on one thread too
+            blocks = None
+            if fused is not None:
+                words = torch.stack([sessions[i].cache_words for i, _ in rows])
+                blocks = functools.partial(_fused_rows, fused, spans, words)
+            logits = model(ids, None, spans, all_logits=True, blocks=blocks)[0]
+        a = 0
+        for i, (_, n, _) in zip(owners, spans.spans):
+            sessions[i].tokens.extend(t for _, t in rows[a : a + n])
+            out[i].append(logits[a : a + n])
+            a += n
+    with sessions[0].threads.forward():
+        return [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in out]
+
+
+def _fused_rows(fused: FusedDecode, rows: Rows, words: torch.Tensor, x, _pos) -> torch.Tensor:
+    """The model's `blocks` for a pass of rows: the fused step over their caches."""
+    return fused(x, rows, words)

@@ -418,7 +418,7 @@ def run_tokens(model, tokens, prompt_len):
     session = Session(model)
     out = [session.forward(tokens[:prompt_len], 0, all_logits=True)]
     for pos in range(prompt_len, len(tokens)):
-        out.append(session.forward([tokens[pos]], pos))
+        out.append(session.step(tokens[pos])[None])
     return torch.cat(out)
 
 

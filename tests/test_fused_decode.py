@@ -9,7 +9,8 @@ from infer.kernels_cpu import ops
 from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import dequantize_model, quantize_model
 from infer.runtime.loader import load_model
-from infer.runtime.model.fused_decode import FusedDecode
+from infer.runtime.model.fused_decode import FusedDecode, cache_words
+from infer.runtime.model.llama import Rows
 from infer.runtime.model.moe import MoE
 from infer.runtime.session import Session
 
@@ -35,8 +36,7 @@ def decode_logits(model, fused: bool, threads: int | None = None) -> torch.Tenso
     else:
         session.fused = None  # Block.forward, the definition
     session.forward(PROMPT, 0)
-    out = [session.forward([t], len(PROMPT) + i)[-1] for i, t in enumerate(NEXT)]
-    return torch.stack(out)
+    return torch.stack([session.step(t) for t in NEXT])
 
 
 def fused_step(model):
@@ -119,14 +119,13 @@ def test_fused_moe_runs_the_blocks_pre_hooks(hf_dirs):
 def test_bad_experts_are_refused(hf_dirs, monkeypatch):
     model = load_model(hf_dirs / "mixtral", max_seq_len=64).model
     quantize_model(model, get_recipe("int8"))
-    step = fused_step(model)
+    session = Session(model)
     block = model.layers[0].mlp
-    x = torch.zeros(1, 1, model.args.dim)
     weights = torch.ones(1, 2)
     for ids in ([[0, block.n_experts]], [[-1, 0]]):  # an expert the layer does not have
         monkeypatch.setattr(block, "select", lambda xn, ids=ids: (torch.tensor(ids), weights))
         with pytest.raises(ValueError, match="decode_experts: bad table"):
-            step(x, 0)
+            session.step(1)
 
 
 @pytest.mark.parametrize("isa", ops.supported_isas())
@@ -151,7 +150,7 @@ def test_fused_attention_long_context_odd_head_dim(tmp_path, monkeypatch, isa, w
         if not fused:
             session.fused = None
         session.forward(prompt, 0)
-        out[fused] = torch.stack([session.forward([t], T + i)[-1] for i, t in enumerate(NEXT)])
+        out[fused] = torch.stack([session.step(t) for t in NEXT])
     ref = out[False]
     torch.testing.assert_close(out[True], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
@@ -179,12 +178,14 @@ def test_not_used_where_it_cannot_run(hf_dirs):
     model = load_model(hf_dirs / "llama", max_seq_len=64).model
     quantize_model(model, lambda name: None if name.startswith("layers.") else {
         "format": "int8", "group_size": 32})  # fmt: skip
-    assert FusedDecode.prepare(model, model.new_cache()) is None
+    assert FusedDecode.prepare(model) is None
 
 
 def test_bad_position_is_refused(hf_dirs):
     model = load_model(hf_dirs / "llama", max_seq_len=16).model
     quantize_model(model, get_recipe("int8"))
     x = torch.zeros(1, 1, model.args.dim)
-    with pytest.raises(ValueError, match="bad plan, position"):
-        fused_step(model)(x, 16)
+    cache = model.new_cache()
+    words = cache_words(cache).view(1, -1)
+    with pytest.raises(ValueError, match="bad plan, rows"):
+        fused_step(model)(x, Rows([(16, 1, cache)]), words)

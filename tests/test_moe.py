@@ -56,7 +56,7 @@ def test_prompt_and_token_by_token_match_transformers(pair):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     session = Session(ours)
     for pos, token in enumerate(PROMPT):  # decode: one token, its k experts only
-        got = session.forward([token], pos)[-1]
+        got = session.step(token)
         torch.testing.assert_close(got, expected[0, pos], atol=1e-4, rtol=1e-4)
     session.reset()
     got = session.prefill(PROMPT, chunk=5)
@@ -519,7 +519,7 @@ def test_gguf_k_quant_experts_run_on_the_kernels(tmp_path, qtype):
     )
     session = Session(native)
     for pos, token in enumerate(PROMPT):
-        got = session.forward([token], pos)[-1]
+        got = session.step(token)
         torch.testing.assert_close(got, expected[0, pos], atol=tol * scale, rtol=0)
 
 

@@ -89,7 +89,7 @@ def run_tokens(model, tokens=TOKENS, prompt_len=6, fused=True, session=None):
         session.fused = None
     out = [session.forward(tokens[:prompt_len], 0, all_logits=True)]
     for pos in range(prompt_len, len(tokens)):
-        out.append(session.forward([tokens[pos]], pos))
+        out.append(session.step(tokens[pos])[None])
     return torch.cat(out)
 
 

@@ -92,7 +92,7 @@ def run(model, steps=3, fused=True):
     pos = len(PROMPT)
     for _ in range(steps):
         token = int(out[-1][-1].argmax())
-        out.append(session.forward([token], pos))
+        out.append(session.step(token)[None])
         pos += 1
     return out
 

@@ -126,9 +126,14 @@ def launched(home, files, tmp_path_factory):
     log = tmp_path_factory.mktemp("log")
     servers = {
         "main": Server(
-            [MODEL, "--ctx", str(CTX), "--models-dir", str(files["dir"])], home, log / "main.log"
+            [MODEL, "--ctx", str(CTX), "--models-dir", str(files["dir"]), "--parallel", "2"],
+            home,
+            log / "main.log",
         ),
-        "keyed": Server([MODEL, "--ctx", str(CTX), "--api-key", KEY], home, log / "keyed.log"),
+        # One slot (--slots: the old spelling of --parallel): a second answer waits.
+        "keyed": Server(
+            [MODEL, "--ctx", str(CTX), "--api-key", KEY, "--slots", "1"], home, log / "keyed.log"
+        ),
     }
     yield servers
     for s in servers.values():
@@ -336,7 +341,8 @@ def test_prefix_cache(oai, http, greedy):
 
 
 def test_concurrent_requests(oai, greedy):
-    """Answers queued behind each other and spread over the slots do not mix."""
+    """Answers decoded together on the two slots, and one queued behind them, do not
+    mix: each is the answer alone."""
     from concurrent.futures import ThreadPoolExecutor
 
     questions = ["What is the capital of Italy?", "Name a fruit.", "What is 3 times 3?"]
@@ -349,6 +355,36 @@ def test_concurrent_requests(oai, greedy):
     with ThreadPoolExecutor(len(questions)) as pool:
         answers = list(pool.map(ask, questions))
     assert answers == [greedy([{"role": "user", "content": q}], 8) for q in questions]
+
+
+def test_answers_run_together(http, server):
+    """Two streams at once both run (one decode pass for both), the /metrics gauges say
+    so, and closing them frees both slots."""
+    prompt = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
+    running = f'infer_answers_running{{model="{MODEL}"}}'
+    cancelled = _finished(http, "cancelled")
+    # Greedy: it counts on for 400 tokens (sampled, it may stop after a few).
+    body = {"messages": prompt, "max_tokens": 400, "stream": True, "temperature": 0}
+    ollama_body = {"messages": prompt, "options": {"num_predict": 400, "temperature": 0}}
+    with (
+        http.stream("POST", "/v1/chat/completions", json=body) as first,
+        http.stream("POST", "/api/chat", json=ollama_body) as second,
+    ):
+        data = (line for line in first.iter_lines() if line.startswith("data: "))
+        next(data), next(data)  # the role, then the first token
+        lines = second.iter_lines()  # one iterator: a dropped one closes the stream
+        assert json.loads(next(lines))["done"] is False
+        m = metrics(http)
+        assert m[running] == 2 and m[f'infer_queue_depth{{model="{MODEL}"}}'] == 0
+        # From here on every pass runs both: more answers advanced than passes.
+        steps, batched = (
+            f'infer_decode_{k}_total{{model="{MODEL}"}}' for k in ("steps", "batched")
+        )
+        wait_for(lambda: metrics(http)[batched] >= m[batched] + 4, what="two passes")
+        now = metrics(http)
+        assert now[batched] - m[batched] > now[steps] - m[steps]
+    wait_for(lambda: _finished(http, "cancelled") == cancelled + 2, what="both cancelled")
+    assert metrics(http)[running] == 0 and generates(http)
 
 
 # -- the ollama API ---------------------------------------------------------------------
@@ -568,17 +604,18 @@ def test_disconnect_frees_the_slot(http, server, api):
     prompt = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
     cancelled = _finished(http, "cancelled")
     running = f'infer_answers_running{{model="{MODEL}"}}'
+    # Greedy, it counts on for 400 tokens; sampled, it may stop before the client goes.
     if api == "openai":
-        body = {"messages": prompt, "max_tokens": 400, "stream": True}
+        body = {"messages": prompt, "max_tokens": 400, "stream": True, "temperature": 0}
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
             data = (line for line in r.iter_lines() if line.startswith("data: "))
             next(data), next(data)  # the role, then the first token
     elif api == "ollama":
-        body = {"messages": prompt, "options": {"num_predict": 400}}
+        body = {"messages": prompt, "options": {"num_predict": 400, "temperature": 0}}
         with http.stream("POST", "/api/chat", json=body) as r:
             assert json.loads(next(r.iter_lines()))["done"] is False
     else:  # not streamed: the connection closes once the answer is running
-        body = json.dumps({"messages": prompt, "max_tokens": 400}).encode()
+        body = json.dumps({"messages": prompt, "max_tokens": 400, "temperature": 0}).encode()
         head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}"
         with socket.create_connection(_address(server.url), timeout=TIMEOUT) as s:
             s.sendall(head.encode() + b"\r\nContent-Type: application/json\r\n\r\n" + body)

@@ -54,6 +54,19 @@ ARCHS = {
     "mistral_window": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    # Local and global layers (a window of 4 within the 12-token prompt), a query scale
+    # other than head_dim's, the final logit softcap.
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=32,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=4,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=3.0,
+        ),
+    ),
 }
 
 # Mixtures of experts: 8 experts, top 2 or 3, expert widths a multiple of 32 (int4 g32).

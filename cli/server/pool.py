@@ -19,7 +19,13 @@ import anyio
 import torch
 
 from ... import InferError
-from ...runtime.loader import FITS_SHARE, LoadedModel, estimated_bytes, load_model
+from ...runtime.loader import (
+    FITS_SHARE,
+    LoadedModel,
+    estimated_bytes,
+    kv_cache_bytes,
+    load_model,
+)
 from ...runtime.registry import DEFAULT_MODEL, ResolvedModel, find_entry, resolve
 from ...runtime.scheduler import Scheduler
 from .errors import ApiError
@@ -32,7 +38,8 @@ class ServeSettings:
     ctx: int = 4096  # each slot's context (at most the model's)
     dtype: torch.dtype = torch.float32
     max_memory: int | None = None  # the process's budget (loader.load_model)
-    slots: int = 2  # KV caches per model, kept for prefix reuse
+    parallel: int = 4  # answers a model runs at once: its KV caches (slots), kept for reuse
+    prefill_chunk: int = 256  # prompt tokens prefilled between two decode passes
     keep_alive: float | None = 300.0  # seconds idle before unloading; None: never
     threads: int | None = None
 
@@ -177,12 +184,22 @@ class ModelPool:
         return loaded
 
     async def _load(self, name: str, resolved: ResolvedModel) -> Loaded:
+        from ...runtime.files.sources import open_source
+
         s = self.settings
-        await self._make_room(resolved)
+        source = open_source(resolved.path)
+        args = source.args
+        await self._make_room(estimated_bytes(source, s.dtype, s.ctx, s.parallel))
 
         def load() -> Loaded:
-            lm = load_model(resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=s.max_memory)
-            scheduler = Scheduler(lm.model, lm.tokenizer, s.slots, s.ctx, s.threads)
+            budget = s.max_memory
+            if budget is not None:  # the loader plans for one KV cache: room for the others
+                ctx = min(s.ctx, args.max_seq_len)
+                budget -= (s.parallel - 1) * kv_cache_bytes(args, s.dtype, ctx)
+            lm = load_model(resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=budget)
+            scheduler = Scheduler(
+                lm.model, lm.tokenizer, s.parallel, s.ctx, s.threads, s.prefill_chunk
+            )
             kv = sum(c.k.nbytes + c.v.nbytes for slot in scheduler.slots for c in slot.cache or ())
             size = lm.source.held_bytes(s.dtype) + kv
             return Loaded(name, resolved, lm, scheduler, size, s.keep_alive)
@@ -194,15 +211,14 @@ class ModelPool:
         self.loaded[resolved.path.resolve()] = loaded
         return loaded
 
-    async def _make_room(self, resolved: ResolvedModel) -> None:
-        """Unload idle models, least recently used first, while the new one would not fit."""
+    async def _make_room(self, need: int) -> None:
+        """Unload idle models, least recently used first, while `need` bytes (a model with
+        its slots' KV caches) would not fit."""
         import psutil
 
         from ...offload.stream import process_rss
-        from ...runtime.files.sources import open_source
 
         s = self.settings
-        need = estimated_bytes(open_source(resolved.path), s.dtype, s.ctx)
         while self.loaded:
             if s.max_memory is not None:
                 fits = process_rss() + need <= s.max_memory

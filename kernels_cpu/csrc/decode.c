@@ -1,9 +1,16 @@
-/* One decoded token through every block of a dense Llama-family model, in one call.
+/* Decoded tokens through every block of a dense Llama-family or Gemma 3 model, in one call:
+   R rows, each a token of its own sequence at its own position (several conversations
+   decoded together), or tokens of one sequence at consecutive positions (guessed tokens
+   checked at once). Every weight matrix is read once for all rows; each row computes
+   exactly what it would alone (the GEMVs run per row: q_gemv_many), and attends to its
+   own sequence's cache.
 
    The reference is runtime/model/llama.py: Block.forward for T = 1 (RMSNorm, q/k/v projections
    with optional bias, optional per-head q/k RMSNorm, rotate-half rope, KV cache write,
    grouped-query attention with an optional sliding window, o projection, residual, RMSNorm,
-   SiLU(gate) * up, down projection, residual). kernels_cpu/decode.py builds the plan from
+   SiLU(gate) * up, down projection, residual), and runtime/model/gemma3.py's Block (norms
+   after attention and after the MLP, tanh-GELU(gate) * up, its own attention scale, each
+   layer its rope table and window). kernels_cpu/decode.py builds the plan from
    the model's tensors and tests compare the two. Why it exists: at the default model's
    size a token is ~200 small matmuls and ~1,200 torch element-wise ops, whose Python and
    dispatch cost (`infer bench --roofline` shows it) rivals the matmuls themselves. Here the element-wise work is a few loops over vectors
@@ -11,20 +18,28 @@
 
    The plan is an int64 array (decode.py writes it, field order below): a header, then one
    row per layer. Pointers are addresses of tensors the model keeps alive; the plan is
-   rebuilt whenever the model's tensors or caches change.
+   rebuilt whenever the model's tensors change.
 
-   header:  n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, max_seq, window (0: none),
-            eps (float32 bits), rope_cos, rope_sin (float32 (max_seq, head_dim)),
-            scratch (float32, SCRATCH_FLOATS below), qk_norm_full (1: the q and k norms
-            are over the whole projection, as OLMoE's; 0: per head), HEADER = 13 words
-   layer:   attn_norm, ffn_norm, q_norm (0: none), k_norm, k_cache, v_cache
-            (float32 (n_kv_heads, max_seq, head_dim)), then 7 linears q k v o gate up down,
+   header:  n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, max_seq (the rope
+            tables' positions), eps (float32 bits), scratch (float32, scratch_floats below),
+            qk_norm_full (1: the q and k norms are over the whole projection, as OLMoE's;
+            0: per head), act (0: SiLU, 1: tanh GELU), attention scale (float32 bits; 0:
+            1/sqrt(head_dim)), rows (the most rows the scratch holds), HEADER = 13 words
+   layer:   attn_norm, ffn_norm, q_norm (0: none), k_norm, post_attn_norm, post_ffn_norm
+            (0: none), rope_cos, rope_sin (float32 (max_seq, head_dim)), window (0: none);
+            every norm weight w as out = w * normed x (Gemma's 1 + w already added), then
+            7 linears q k v o gate up down,
             each LIN = 8 words: kind (8 int8, 6 int6, 4 int4, -1..-4 = -bits for lut), qweight,
             scales, mins (0: none), bias (float32, 0: none), N, K, g
 
+   Each call also takes, per row, its position and its sequence's cache: seq (positions
+   the cache holds), then per layer k_cache, v_cache (float32 (n_kv_heads, seq, head_dim)),
+   CACHE_WORDS(n_layers) words a row. Rows of one sequence must come in position order:
+   every row's keys and values are written before any row attends.
+
    A mixture-of-experts layer has kind 0 in its gate, up and down words: decode_layers
-   stops there after the attention half, with the MoE input ffn_norm(x) in the scratch's
-   first `dim` floats, and returns the layer's index. The caller routes that input
+   stops there after the attention half, with the rows' MoE inputs ffn_norm(x) in the
+   scratch's first R * dim floats, and returns the layer's index. The caller routes that input
    (runtime/model/moe.py's MoE.route, in torch: the routing is the model's own), and
    decode_experts adds the chosen experts' weighted outputs (and a shared expert's) to x,
    as MoE.forward does for one token; then decode_layers goes on from the next layer.
@@ -38,25 +53,29 @@
 #include "binding.h"
 #include "kernels.h"
 
-enum { HEADER = 13, LIN = 8, LAYER = 6 + 7 * LIN };
+enum { HEADER = 13, LIN = 8, LAYER = 9 + 7 * LIN };
+#define CACHE_WORDS(n_layers) (1 + 2 * (n_layers))
 enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN };
 /* Attention splits the attended positions into blocks of this many (see attn_block). */
 enum { ATTN_BLOCK = 256 };
 
 typedef struct {
-    int64_t n_layers, dim, n_heads, n_kv, head_dim, hidden, max_seq, window;
-    float eps;
-    const float *cos, *sin;
-    float *xn, *q, *k, *v, *att, *scores, *gate, *up; /* scratch */
-    float *part; /* attention's per-block partials: (n_heads, blocks, head_dim + 2) */
-    int isa, nthreads, qk_norm_full;
+    int64_t n_layers, dim, n_heads, n_kv, head_dim, hidden, max_seq, max_rows;
+    float eps, attn_scale;
+    /* scratch, a row each: (rows, dim), (rows, n_heads * head_dim), ... */
+    float *xn, *q, *k, *v, *att, *gate, *up;
+    float *part; /* attention's per-block partials: (rows, n_heads, blocks, head_dim + 2) */
+    int isa, nthreads, qk_norm_full, act;
+    int64_t R; /* rows in this call */
 } model_t;
+
+static int64_t attn_blocks(int64_t positions) { return (positions + ATTN_BLOCK - 1) / ATTN_BLOCK; }
 
 /* Floats of scratch the plan's buffer must hold (decode.py's FusedDecode.prepare). */
 static int64_t scratch_floats(const model_t *m) {
-    const int64_t blocks = (m->max_seq + ATTN_BLOCK - 1) / ATTN_BLOCK;
-    return m->dim + 2 * m->n_heads * m->head_dim + 2 * m->n_kv * m->head_dim +
-           m->n_heads * m->max_seq + 2 * m->hidden + m->n_heads * blocks * (m->head_dim + 2);
+    const int64_t hd = m->n_heads * m->head_dim, kvd = m->n_kv * m->head_dim;
+    return m->max_rows * (m->dim + 2 * hd + 2 * kvd + 2 * m->hidden +
+                          m->n_heads * attn_blocks(m->max_seq) * (m->head_dim + 2));
 }
 
 static float bits_to_float(int64_t b) {
@@ -69,60 +88,44 @@ static float bits_to_float(int64_t b) {
 
 #define PTR(T, w) ((T)(intptr_t)(w))
 
-/* y = W x (+ bias) for one linear of the plan. Returns 0, or -1 when out of memory. */
-static int linear(const int64_t *L, const float *x, float *y, const model_t *m) {
-    const int64_t kind = L[0], N = L[5], K = L[6], g = L[7];
-    int rc;
-    if (kind == 8 || kind == 6 || kind == 4) {
-        qmat a = {.x = x, .qw = PTR(const void *, L[1]), .scales = PTR(const void *, L[2]),
-                  .mins = PTR(const uint16_t *, L[3]), .y = y, .M = 1, .N = N, .K = K, .g = g};
-        rc = q_matmul((int)kind, &a, m->isa, m->nthreads);
-    } else {
-        rc = lut_matmul(x, PTR(const uint8_t *, L[1]), PTR(const uint16_t *, L[2]),
-                        PTR(const uint16_t *, L[3]), y, 1, N, K, (int)-kind, (int)g, m->isa,
-                        m->nthreads);
-    }
-    const float *bias = PTR(const float *, L[4]);
-    if (bias)
-        for (int64_t i = 0; i < N; i++) y[i] += bias[i];
-    return rc;
-}
-
-/* y[i] = W_i x[i] (+ bias_i) for n <= Q_GEMV_MANY_MAX linears of the plan: one pool job
-   when all are int8/int6/int4 (q_gemv_many; linears sharing an x quantize it once) or all lut
-   (lut_gemv_many; linears sharing an x share its tables), else one after another. */
+/* y[i] = W_i x[i] (+ bias_i) for n <= Q_GEMV_MANY_MAX linears of the plan, x[i] (R, K_i)
+   and y[i] (R, N_i): one pool job when all are int8/int6/int4 (q_gemv_many; linears
+   sharing an x quantize it once) or all lut (lut_gemv_many; linears sharing an x share
+   its tables), else one such job a linear. Returns 0, or -1 when out of memory. */
 static int linears_each(int n, const int64_t *const *L, const float *const *x,
                         float *const *y, const model_t *m) {
     int bits[Q_GEMV_MANY_MAX];
     qmat a[Q_GEMV_MANY_MAX];
     lut_gemv la[Q_GEMV_MANY_MAX];
     const qmat *pa[Q_GEMV_MANY_MAX];
-    int all_q = n <= Q_GEMV_MANY_MAX, all_lut = all_q;
-    for (int i = 0; i < n && (all_q || all_lut); i++) {
-        all_q = all_q && (L[i][0] == 8 || L[i][0] == 6 || L[i][0] == 4);
+    int all_q = 1, all_lut = 1, rc = 0;
+    for (int i = 0; i < n; i++) {
+        all_q = all_q && L[i][0] > 0;
         all_lut = all_lut && L[i][0] < 0;
         bits[i] = (int)L[i][0];
         a[i] = (qmat){.x = x[i], .qw = PTR(const void *, L[i][1]),
                       .scales = PTR(const void *, L[i][2]), .mins = PTR(const uint16_t *, L[i][3]),
-                      .y = y[i], .M = 1, .N = L[i][5], .K = L[i][6], .g = L[i][7]};
+                      .y = y[i], .M = m->R, .N = L[i][5], .K = L[i][6], .g = L[i][7]};
         la[i] = (lut_gemv){x[i], PTR(const uint8_t *, L[i][1]), PTR(const uint16_t *, L[i][2]),
-                           PTR(const uint16_t *, L[i][3]), y[i], L[i][5], L[i][6],
+                           PTR(const uint16_t *, L[i][3]), y[i], m->R, L[i][5], L[i][6],
                            (int)-L[i][0], (int)L[i][7]};
         pa[i] = &a[i];
     }
-    int rc = 0;
     if (all_q) {
         rc = q_gemv_many(n, bits, pa, m->isa, m->nthreads);
     } else if (all_lut) {
         rc = lut_gemv_many(n, la, m->isa, m->nthreads);
     } else {
-        for (int i = 0; i < n; i++) rc |= linear(L[i], x[i], y[i], m);
-        return rc;
+        for (int i = 0; i < n; i++)
+            rc |= bits[i] > 0 ? q_gemv_many(1, &bits[i], &pa[i], m->isa, m->nthreads)
+                              : lut_gemv_many(1, &la[i], m->isa, m->nthreads);
     }
     for (int i = 0; i < n; i++) {
         const float *bias = PTR(const float *, L[i][4]);
+        const int64_t N = L[i][5];
         if (bias)
-            for (int64_t r = 0; r < L[i][5]; r++) y[i][r] += bias[r];
+            for (int64_t r = 0; r < m->R; r++)
+                for (int64_t j = 0; j < N; j++) y[i][r * N + j] += bias[j];
     }
     return rc;
 }
@@ -133,6 +136,10 @@ static int linears(int n, const int64_t *const *L, const float *x, float *const 
     const float *xs[Q_GEMV_MANY_MAX];
     for (int i = 0; i < n; i++) xs[i] = x;
     return linears_each(n, L, xs, y, m);
+}
+
+static int linear(const int64_t *L, const float *x, float *y, const model_t *m) {
+    return linears(1, &L, x, &y, m);
 }
 
 /* out = w * (x / sqrt(mean(x^2) + eps)), as RMSNorm.forward in float32 */
@@ -163,6 +170,16 @@ static void silu_mul(float *gate, const float *up, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         const float gi = gate[i];
         gate[i] = gi / (1.0f + expf(-gi)) * up[i];
+    }
+}
+
+/* gate[i] = GELU(gate[i]) * up[i] with the tanh approximation, in the order of torch's
+   F.gelu(approximate="tanh") on the CPU: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) */
+static void gelu_tanh_mul(float *gate, const float *up, int64_t n) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
+    for (int64_t i = 0; i < n; i++) {
+        const float x = gate[i], inner = beta * (x + kappa * (x * x * x));
+        gate[i] = 0.5f * x * (1.0f + tanhf(inner)) * up[i];
     }
 }
 
@@ -226,14 +243,17 @@ VI v16 exp16(v16 x) {
 
 typedef struct {
     const model_t *m;
-    const float *kc, *vc;
+    const float *q;       /* the row's queries (n_heads, head_dim) */
+    float *part, *out;    /* its partials (n_heads, blocks, head_dim + 2), output (n_heads, head_dim) */
+    const float *kc, *vc; /* its sequence's cache, (n_kv_heads, seq, head_dim) each */
+    int64_t seq;
     int64_t lo, hi; /* attended positions [lo, hi] */
     int64_t blocks; /* of ATTN_BLOCK positions from lo, the last one partial */
 } attn_job;
 
 /* One block b of positions for the query heads of key-value head g (a pool task), as
    flash-decoding splits it: the block's keys and values are read from memory once, for
-   all of the heads that share them. For each such head h it leaves in m->part
+   all of the heads that share them. For each such head h it leaves in J->part
    (h, b): the block's largest score mx, sum of e_t = exp(score_t - mx), and sum of e_t v_t
    (each element summed over t in order); attn_combine weighs the blocks together. */
 VI void attn_block(const attn_job *J, int64_t task) {
@@ -242,11 +262,12 @@ VI void attn_block(const attn_job *J, int64_t task) {
     const int64_t d = m->head_dim, d16 = d / 16 * 16;
     const int64_t lo = J->lo + b * ATTN_BLOCK;
     const int64_t hi = lo + ATTN_BLOCK - 1 < J->hi ? lo + ATTN_BLOCK - 1 : J->hi;
-    const float *kc = J->kc + g * m->max_seq * d, *vc = J->vc + g * m->max_seq * d;
-    const float scale = 1.0f / sqrtf((float)d);
+    const float *kc = J->kc + g * J->seq * d, *vc = J->vc + g * J->seq * d;
+    const float scale = m->attn_scale;
+    float s[ATTN_BLOCK]; /* the block's scores, then their exponentials: s[t - lo] */
     for (int64_t h = g * rep; h < (g + 1) * rep; h++) {
-        const float *q = m->q + h * d;
-        float *s = m->scores + h * m->max_seq, *part = m->part + (h * J->blocks + b) * (d + 2);
+        const float *q = J->q + h * d;
+        float *part = J->part + (h * J->blocks + b) * (d + 2);
         float mx = -INFINITY;
         for (int64_t t = lo; t <= hi; t++) {
             const float *k = kc + t * d;
@@ -255,23 +276,23 @@ VI void attn_block(const attn_job *J, int64_t task) {
             for (int64_t i = 0; i < d16; i += 16) acc += load16(q + i) * load16(k + i);
             float dot = hsum16(acc);
             for (int64_t i = d16; i < d; i++) dot += q[i] * k[i];
-            s[t] = dot * scale;
-            if (s[t] > mx) mx = s[t];
+            s[t - lo] = dot * scale;
+            if (s[t - lo] > mx) mx = s[t - lo];
         }
-        /* s[t] = exp(s[t] - mx), summed by lane; the last partial vector through a buffer */
+        /* each score s = exp(s - mx), summed by lane; the last partial vector through a buffer */
         v16 sum16 = {0};
         int64_t t = lo;
         for (; t + 16 <= hi + 1; t += 16) {
-            const v16 e = exp16(load16(s + t) - mx);
-            store16(s + t, e);
+            const v16 e = exp16(load16(s + (t - lo)) - mx);
+            store16(s + (t - lo), e);
             sum16 += e;
         }
         if (t <= hi) {
             float tail[16];
-            for (int i = 0; i < 16; i++) tail[i] = t + i <= hi ? s[t + i] - mx : -INFINITY;
+            for (int i = 0; i < 16; i++) tail[i] = t + i <= hi ? s[t - lo + i] - mx : -INFINITY;
             const v16 e = exp16(load16(tail));
             store16(tail, e);
-            for (int64_t i = 0; t + i <= hi; i++) s[t + i] = tail[i];
+            for (int64_t i = 0; t + i <= hi; i++) s[t - lo + i] = tail[i];
             sum16 += e;
         }
         part[0] = mx;
@@ -288,16 +309,16 @@ VI void attn_block(const attn_job *J, int64_t task) {
                     __builtin_prefetch(v + 8 * d + 16, 0, 3);
                     __builtin_prefetch(v + 8 * d + 32, 0, 3);
                     __builtin_prefetch(v + 8 * d + 48, 0, 3);
-                    a0 += load16(v) * s[t];
-                    a1 += load16(v + 16) * s[t];
-                    a2 += load16(v + 32) * s[t];
-                    a3 += load16(v + 48) * s[t];
+                    a0 += load16(v) * s[t - lo];
+                    a1 += load16(v + 16) * s[t - lo];
+                    a2 += load16(v + 32) * s[t - lo];
+                    a3 += load16(v + 48) * s[t - lo];
                 }
             } else {
                 for (t = lo; t <= hi; t++, v += d) {
-                    a0 += load16(v) * s[t];
-                    if (nv > 1) a1 += load16(v + 16) * s[t];
-                    if (nv > 2) a2 += load16(v + 32) * s[t];
+                    a0 += load16(v) * s[t - lo];
+                    if (nv > 1) a1 += load16(v + 16) * s[t - lo];
+                    if (nv > 2) a2 += load16(v + 32) * s[t - lo];
                 }
             }
             store16(out + i, a0);
@@ -307,7 +328,7 @@ VI void attn_block(const attn_job *J, int64_t task) {
         }
         for (int64_t i = d16; i < d; i++) {
             float acc = 0.0f;
-            for (t = lo; t <= hi; t++) acc += vc[t * d + i] * s[t];
+            for (t = lo; t <= hi; t++) acc += vc[t * d + i] * s[t - lo];
             out[i] = acc;
         }
     }
@@ -319,8 +340,8 @@ static void attn_combine(const attn_job *J) {
     const model_t *m = J->m;
     const int64_t d = m->head_dim, nb = J->blocks;
     for (int64_t h = 0; h < m->n_heads; h++) {
-        const float *part = m->part + h * nb * (d + 2);
-        float *out = m->att + h * d;
+        const float *part = J->part + h * nb * (d + 2);
+        float *out = J->out + h * d;
         float mx = -INFINITY, sum = 0.0f;
         for (int64_t b = 0; b < nb; b++)
             if (part[b * (d + 2)] > mx) mx = part[b * (d + 2)];
@@ -335,11 +356,20 @@ static void attn_combine(const attn_job *J) {
     }
 }
 
+/* Every row's attention as one pool job: row r's tasks are numbered after row r - 1's. */
+typedef struct {
+    attn_job row[GEMV_ROWS_MAX];
+    int64_t first[GEMV_ROWS_MAX + 1];
+} attn_rows;
+
 /* attn_block compiled for each instruction set */
 #define ATTN_TASK(NAME, TARGET)                                                                  \
     TARGET static void NAME(void *ctx, int64_t task, int tid) {                                 \
         (void)tid;                                                                              \
-        attn_block(ctx, task);                                                                  \
+        const attn_rows *A = ctx;                                                               \
+        int r = 0;                                                                              \
+        while (task >= A->first[r + 1]) r++;                                                    \
+        attn_block(&A->row[r], task - A->first[r]);                                             \
     }
 ATTN_TASK(attn_task, )
 #ifdef INFER_X86
@@ -356,107 +386,148 @@ static pool_fn attn_task_for(int isa) {
     return attn_task;
 }
 
-/* One block for the token at pos: x is the residual stream. Returns 0, -1 when out of
-   memory, or 1 after the attention half of a mixture-of-experts layer (m->xn then holds
-   its MoE input). */
-static int block(const model_t *m, const int64_t *P, float *x, int64_t pos) {
+/* One block for the call's R rows: x (R, dim) is their residual stream, pos[r] row r's
+   position, cache[r] its CACHE_WORDS (seq, then k and v per layer), l the layer. Returns
+   0, -1 when out of memory, or 1 after the attention half of a mixture-of-experts layer
+   (m->xn then holds the rows' MoE inputs). */
+static int block(const model_t *m, const int64_t *P, int64_t l, float *x, const int64_t *pos,
+                 const int64_t *cache) {
     const float *attn_norm = PTR(const float *, P[0]), *ffn_norm = PTR(const float *, P[1]);
     const float *q_norm = PTR(const float *, P[2]), *k_norm = PTR(const float *, P[3]);
-    float *kc = PTR(float *, P[4]), *vc = PTR(float *, P[5]);
-    const int64_t *lin = P + 6;
-    const int64_t d = m->head_dim, dim = m->dim;
-    const float *cos = m->cos + pos * d, *sin = m->sin + pos * d;
+    const float *post_attn = PTR(const float *, P[4]), *post_ffn = PTR(const float *, P[5]);
+    const float *cos_table = PTR(const float *, P[6]), *sin_table = PTR(const float *, P[7]);
+    const int64_t *lin = P + 9;
+    const int64_t d = m->head_dim, dim = m->dim, window = P[8], R = m->R;
+    const int64_t hd = m->n_heads * d, kvd = m->n_kv * d, hidden = lin[L_GATE * LIN + 5];
+    const int64_t cw = CACHE_WORDS(m->n_layers);
     int rc = 0;
 
-    rmsnorm(x, attn_norm, m->xn, dim, m->eps);
+    for (int64_t r = 0; r < R; r++) rmsnorm(x + r * dim, attn_norm, m->xn + r * dim, dim, m->eps);
     const int64_t *qkv[3] = {lin + L_Q * LIN, lin + L_K * LIN, lin + L_V * LIN};
     rc |= linears(3, qkv, m->xn, (float *const[]){m->q, m->k, m->v}, m);
-    if (q_norm && m->qk_norm_full) {
-        rmsnorm(m->q, q_norm, m->q, m->n_heads * d, m->eps);
-        rmsnorm(m->k, k_norm, m->k, m->n_kv * d, m->eps);
-    } else if (q_norm) {
-        for (int64_t h = 0; h < m->n_heads; h++)
-            rmsnorm(m->q + h * d, q_norm, m->q + h * d, d, m->eps);
-        for (int64_t h = 0; h < m->n_kv; h++)
-            rmsnorm(m->k + h * d, k_norm, m->k + h * d, d, m->eps);
+    attn_rows A;
+    A.first[0] = 0;
+    int64_t work = 0;
+    for (int64_t r = 0; r < R; r++) {
+        float *q = m->q + r * hd, *k = m->k + r * kvd, *v = m->v + r * kvd;
+        if (q_norm && m->qk_norm_full) {
+            rmsnorm(q, q_norm, q, hd, m->eps);
+            rmsnorm(k, k_norm, k, kvd, m->eps);
+        } else if (q_norm) {
+            for (int64_t h = 0; h < m->n_heads; h++) rmsnorm(q + h * d, q_norm, q + h * d, d, m->eps);
+            for (int64_t h = 0; h < m->n_kv; h++) rmsnorm(k + h * d, k_norm, k + h * d, d, m->eps);
+        }
+        const int64_t p = pos[r], seq = cache[r * cw];
+        rope(q, m->n_heads, d, cos_table + p * d, sin_table + p * d);
+        rope(k, m->n_kv, d, cos_table + p * d, sin_table + p * d);
+        float *kc = PTR(float *, cache[r * cw + 1 + 2 * l]);
+        float *vc = PTR(float *, cache[r * cw + 2 + 2 * l]);
+        for (int64_t h = 0; h < m->n_kv; h++) {
+            memcpy(kc + (h * seq + p) * d, k + h * d, (size_t)d * sizeof(float));
+            memcpy(vc + (h * seq + p) * d, v + h * d, (size_t)d * sizeof(float));
+        }
+        const int64_t lo = window && p >= window ? p - window + 1 : 0;
+        const int64_t blocks = attn_blocks(p - lo + 1);
+        A.row[r] = (attn_job){m, q, m->part + r * m->n_heads * attn_blocks(m->max_seq) * (d + 2),
+                              m->att + r * hd, kc, vc, seq, lo, p, blocks};
+        A.first[r + 1] = A.first[r] + m->n_kv * blocks;
+        work += (p - lo + 1) * hd;
     }
-    rope(m->q, m->n_heads, d, cos, sin);
-    rope(m->k, m->n_kv, d, cos, sin);
-    for (int64_t h = 0; h < m->n_kv; h++) {
-        memcpy(kc + (h * m->max_seq + pos) * d, m->k + h * d, (size_t)d * sizeof(float));
-        memcpy(vc + (h * m->max_seq + pos) * d, m->v + h * d, (size_t)d * sizeof(float));
-    }
-    const int64_t lo = m->window && pos >= m->window ? pos - m->window + 1 : 0;
-    attn_job J = {m, kc, vc, lo, pos, (pos - lo + ATTN_BLOCK) / ATTN_BLOCK};
-    /* short contexts: one thread, unless there is work to split */
-    pool_run((pos - lo + 1) * d * m->n_heads >= 1 << 16 ? m->nthreads : 1, m->n_kv * J.blocks,
-             attn_task_for(m->isa), &J);
-    attn_combine(&J);
+    /* every row's keys and values are in place: rows of one sequence see those before them */
+    pool_run(work >= 1 << 16 ? m->nthreads : 1, A.first[R], attn_task_for(m->isa), &A);
+    for (int64_t r = 0; r < R; r++) attn_combine(&A.row[r]);
     rc |= linear(lin + L_O * LIN, m->att, m->xn, m);
-    for (int64_t i = 0; i < dim; i++) x[i] += m->xn[i];
-
-    rmsnorm(x, ffn_norm, m->xn, dim, m->eps);
+    for (int64_t r = 0; r < R; r++) {
+        float *y = m->xn + r * dim, *xr = x + r * dim;
+        if (post_attn) rmsnorm(y, post_attn, y, dim, m->eps);
+        for (int64_t i = 0; i < dim; i++) xr[i] += y[i];
+        rmsnorm(xr, ffn_norm, y, dim, m->eps);
+    }
     if (lin[L_GATE * LIN] == 0) return rc ? rc : 1; /* mixture of experts: the caller's */
     const int64_t *gate_up[2] = {lin + L_GATE * LIN, lin + L_UP * LIN};
     rc |= linears(2, gate_up, m->xn, (float *const[]){m->gate, m->up}, m);
-    silu_mul(m->gate, m->up, lin[L_GATE * LIN + 5]);
+    for (int64_t r = 0; r < R; r++) {
+        if (m->act)
+            gelu_tanh_mul(m->gate + r * hidden, m->up + r * hidden, hidden);
+        else
+            silu_mul(m->gate + r * hidden, m->up + r * hidden, hidden);
+    }
     rc |= linear(lin + L_DOWN * LIN, m->gate, m->xn, m);
-    for (int64_t i = 0; i < dim; i++) x[i] += m->xn[i];
+    for (int64_t r = 0; r < R; r++) {
+        float *y = m->xn + r * dim, *xr = x + r * dim;
+        if (post_ffn) rmsnorm(y, post_ffn, y, dim, m->eps);
+        for (int64_t i = 0; i < dim; i++) xr[i] += y[i];
+    }
     return rc;
 }
 
-/* The model of a plan's header, its scratch laid out. Returns 0, or -1 with a ValueError
-   set when the plan, position or arguments are bad. */
-static int plan_model(const int64_t *H, long long n_words, long long scratch_n, int64_t pos,
-                      long long isa, long long threads, model_t *m) {
-    if (!H || n_words < HEADER) goto bad;
-    *m = (model_t){H[0], H[1], H[2], H[3], H[4], H[5], H[6], H[7], bits_to_float(H[8]),
-                   PTR(const float *, H[9]), PTR(const float *, H[10])};
+/* The model of a plan's header for R rows, its scratch laid out, after checking the
+   rows' positions and caches. Returns 0, or -1 with a ValueError set when the plan, the
+   rows or the arguments are bad. */
+static int plan_model(const int64_t *H, long long n_words, long long scratch_n, long long R,
+                      const int64_t *pos, const int64_t *cache, long long isa, long long threads,
+                      model_t *m) {
+    if (!H || n_words < HEADER || !pos || !cache) goto bad;
+    *m = (model_t){H[0], H[1], H[2], H[3], H[4], H[5], H[6], H[12], bits_to_float(H[7]),
+                   bits_to_float(H[11])};
     if (m->n_layers < 0 || n_words != HEADER + m->n_layers * LAYER || m->n_kv <= 0 ||
-        m->n_heads % m->n_kv || m->head_dim % 2 || pos < 0 || pos >= m->max_seq ||
-        scratch_n < scratch_floats(m) || !H[11] || (H[12] != 0 && H[12] != 1) || isa < 0 ||
-        isa >= ISA_COUNT || !isa_supported((int)isa))
+        m->n_heads % m->n_kv || m->head_dim % 2 || m->max_rows < 1 ||
+        m->max_rows > GEMV_ROWS_MAX || R < 1 || R > m->max_rows ||
+        scratch_n < scratch_floats(m) || !H[8] || (H[9] != 0 && H[9] != 1) ||
+        (H[10] != 0 && H[10] != 1) || isa < 0 || isa >= ISA_COUNT || !isa_supported((int)isa))
         goto bad;
-    m->qk_norm_full = (int)H[12];
-    float *s = PTR(float *, H[11]);
-    m->xn = s, s += m->dim;
-    m->q = s, s += m->n_heads * m->head_dim;
-    m->att = s, s += m->n_heads * m->head_dim;
-    m->k = s, s += m->n_kv * m->head_dim;
-    m->v = s, s += m->n_kv * m->head_dim;
-    m->scores = s, s += m->n_heads * m->max_seq;
-    m->gate = s, s += m->hidden;
-    m->up = s, s += m->hidden;
+    const int64_t cw = CACHE_WORDS(m->n_layers);
+    for (long long r = 0; r < R; r++) {
+        const int64_t seq = cache[r * cw];
+        if (pos[r] < 0 || pos[r] >= seq || seq > m->max_seq) goto bad;
+        for (int64_t w = 1; w < cw; w++)
+            if (!cache[r * cw + w]) goto bad;
+    }
+    m->R = R;
+    m->qk_norm_full = (int)H[9];
+    m->act = (int)H[10];
+    if (m->attn_scale == 0.0f) m->attn_scale = 1.0f / sqrtf((float)m->head_dim);
+    const int64_t rows = m->max_rows, hd = m->n_heads * m->head_dim, kvd = m->n_kv * m->head_dim;
+    float *s = PTR(float *, H[8]);
+    m->xn = s, s += rows * m->dim;
+    m->q = s, s += rows * hd;
+    m->att = s, s += rows * hd;
+    m->k = s, s += rows * kvd;
+    m->v = s, s += rows * kvd;
+    m->gate = s, s += rows * m->hidden;
+    m->up = s, s += rows * m->hidden;
     m->part = s;
     m->isa = (int)isa;
     m->nthreads = threads < 1 ? 1 : threads > 255 ? 255 : (int)threads;
     return 0;
 bad:
-    PyErr_SetString(PyExc_ValueError, "decode_layers: bad plan, position or arguments");
+    PyErr_SetString(PyExc_ValueError, "decode_layers: bad plan, rows or arguments");
     return -1;
 }
 
-/* decode_layers(plan, n_words, scratch_floats, x, pos, isa, threads, first, last): blocks
-   first .. last - 1 for the token at position pos, x (dim,) float32 the residual stream
-   entering layer `first`. Returns `last` when they all ran, or the index of the
-   mixture-of-experts layer it stopped at (see the top of the file). */
+/* decode_layers(plan, n_words, scratch_floats, x, rows, pos, cache, isa, threads, first,
+   last): blocks first .. last - 1 for `rows` tokens, x (rows, dim) float32 their residual
+   stream entering layer `first`, pos (rows,) int64 their positions, cache (rows,
+   CACHE_WORDS) int64 their sequences' caches. Returns `last` when they all ran, or the
+   index of the mixture-of-experts layer it stopped at (see the top of the file). */
 static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[9];
-    if (infer_parse_ints(args, nargs, 9, v, "decode_layers")) return NULL;
+    long long v[11];
+    if (infer_parse_ints(args, nargs, 11, v, "decode_layers")) return NULL;
     const int64_t *H = PTR(const int64_t *, v[0]);
+    const int64_t *pos = PTR(const int64_t *, v[5]), *cache = PTR(const int64_t *, v[6]);
     model_t m;
-    if (plan_model(H, v[1], v[2], v[4], v[5], v[6], &m)) return NULL;
-    if (!v[3] || v[7] < 0 || v[7] > v[8] || v[8] > m.n_layers) {
-        PyErr_SetString(PyExc_ValueError, "decode_layers: bad plan, position or arguments");
+    if (plan_model(H, v[1], v[2], v[4], pos, cache, v[7], v[8], &m)) return NULL;
+    if (!v[3] || v[9] < 0 || v[9] > v[10] || v[10] > m.n_layers) {
+        PyErr_SetString(PyExc_ValueError, "decode_layers: bad plan, rows or arguments");
         return NULL;
     }
     float *x = PTR(float *, v[3]);
-    int64_t l = v[7];
+    int64_t l = v[9];
     int rc = 0;
     Py_BEGIN_ALLOW_THREADS;
-    for (; l < v[8]; l++)
-        if ((rc = block(&m, H + HEADER + l * LAYER, x, v[4]))) break;
+    for (; l < v[10]; l++)
+        if ((rc = block(&m, H + HEADER + l * LAYER, l, x, pos, cache))) break;
     Py_END_ALLOW_THREADS;
     if (rc < 0) return PyErr_NoMemory();
     return PyLong_FromLongLong(l);
@@ -537,7 +608,7 @@ static PyObject *py_decode_experts(PyObject *self, PyObject *const *args, Py_ssi
             t[LIN + 6] != dim || t[2 * LIN + 6] != t[5] || t[2 * LIN + 5] != dim)
             goto bad;
     }
-    model_t m = {.dim = dim, .isa = (int)v[12]};
+    model_t m = {.dim = dim, .isa = (int)v[12], .R = 1};
     m.nthreads = v[13] < 1 ? 1 : v[13] > 255 ? 255 : (int)v[13];
     float *out = scratch, *h = scratch + dim;
     int rc = 0;
@@ -561,19 +632,20 @@ bad:
 
 static PyObject *py_decode_layout(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-    return Py_BuildValue("(iiiii)", HEADER, LAYER, LIN, (int)EXPERTS_AT_ONCE, (int)ATTN_BLOCK);
+    return Py_BuildValue("(iiiiii)", HEADER, LAYER, LIN, (int)EXPERTS_AT_ONCE, (int)ATTN_BLOCK,
+                         (int)GEMV_ROWS_MAX);
 }
 
 PyMethodDef infer_decode_methods[] = {
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL,
-     "decode_layers(plan, n_words, scratch_floats, x, pos, isa, threads, first, last): "
-     "blocks first..last-1 for one token, up to a mixture-of-experts layer (kernels_cpu/"
-     "decode.py builds the plan); returns where it stopped"},
+     "decode_layers(plan, n_words, scratch_floats, x, rows, pos, cache, isa, threads, first, "
+     "last): blocks first..last-1 for rows tokens, up to a mixture-of-experts layer "
+     "(runtime/model/fused_decode.py builds the plan); returns where it stopped"},
     {"decode_experts", (PyCFunction)(void (*)(void))py_decode_experts, METH_FASTCALL,
      "decode_experts(table, n_rows, ids, weights, k, shared_w, xn, x, dim, hidden, scratch, "
      "scratch_floats, isa, threads, phase): x += a mixture of experts' output for one token"},
     {"decode_layout", py_decode_layout, METH_NOARGS,
      "(header words, words per layer, words per linear, experts run at once, attention "
-     "block) of the decode plan"},
+     "block, most rows a call) of the decode plan"},
     {NULL, NULL, 0, NULL},
 };

@@ -132,7 +132,7 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * bits: sum_4 (q + 128) X must fit int32), the weights made unsigned by q ^ 0x80 and the
  * 128 * X that adds taken back per block of x: sum q X = sum (q + 128) X - 128 sum X.
  * 1 < M <= 4, or M <= 8 with K >= 768 (a prompt's tokens routed to one expert; a short
- * prompt) runs the GEMV once per row of x, task by task, so a task's weights come from
+ * prompt) runs the GEMV once per row of x (q_gemv_many), task by task, so a task's weights come from
  * memory once and from cache for the other rows: the same arithmetic as decode. Past
  * those bounds the GEMM is faster: a row's GEMV has work per output element besides its
  * dot product, which only long rows repay.
@@ -316,26 +316,31 @@ int q_matmul(int bits, const qmat *a, int isa, int nthreads);
 /* igemm.c: q_matmul's GEMM on the integer path (bits 8 or 4). Returns 0, -1 when out of
  * memory, or 1 when it does not apply (the path has none, or x has inf or NaN). */
 int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads);
-/* n GEMVs (M == 1 each, bits[i] 8, 6 or 4) as one pool job, e.g. q, k and v of a block, or
- * the gate and up projections of 8 experts: one wake-up of the pool instead of n, and
- * small matrices share the threads. Each output element is computed exactly as q_matmul
- * computes it. Returns 0, or -1 (out of memory, or n outside [1, Q_GEMV_MANY_MAX]). */
+/* n GEMVs (bits[i] 8, 6 or 4) as one pool job, e.g. q, k and v of a block, or the gate
+ * and up projections of 8 experts: one wake-up of the pool instead of n, and small
+ * matrices share the threads. Each has the same M rows of x, 1 <= M <= GEMV_ROWS_MAX
+ * (several sequences decoded together, or guessed tokens checked): every row is its own
+ * GEMV, each output element computed exactly as for that row alone (M == 1), while a
+ * task's weights are read from memory once for all rows. Returns 0, or -1 (out of
+ * memory, n outside [1, Q_GEMV_MANY_MAX], or M out of range or unequal). */
 #define Q_GEMV_MANY_MAX 16
+#define GEMV_ROWS_MAX 16
 int q_gemv_many(int n, const int *bits, const qmat *const *a, int isa, int nthreads);
 
 /* lut.c: y (M, N) = x (M, K) W^T for W in `bits` one-bit planes (see lut.c).
  * Returns 0, or -1 when out of memory. */
 int lut_matmul(const float *x, const uint8_t *qw, const uint16_t *scales, const uint16_t *mins,
                float *y, int64_t M, int64_t N, int64_t K, int bits, int g, int isa, int nthreads);
-/* n LUT GEMVs (M == 1 each) as one pool job, as q_gemv_many: matrices that share x share
- * its tables, built once. Each output element is computed exactly as lut_matmul computes
- * it. Returns 0, or -1 (out of memory, or n outside [1, Q_GEMV_MANY_MAX]). */
+/* n LUT GEMVs of the same M rows of x each as one pool job, as q_gemv_many: matrices
+ * that share x share its tables, built once per row. Each output element is computed
+ * exactly as lut_matmul computes it for its row alone. Returns 0, or -1 (out of memory,
+ * n outside [1, Q_GEMV_MANY_MAX], or M out of range or unequal). */
 typedef struct {
-    const float *x;
+    const float *x; /* (M, K) */
     const uint8_t *qw;
     const uint16_t *scales, *mins;
-    float *y;
-    int64_t N, K;
+    float *y; /* (M, N) */
+    int64_t M, N, K;
     int bits, g;
 } lut_gemv;
 int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads);

@@ -262,28 +262,31 @@ static void lut_many_task(void *ctx, int64_t t, int tid) {
 
 int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads) {
     if (n < 1 || n > Q_GEMV_MANY_MAX) return n == 0 ? 0 : -1;
+    const int64_t M = a[0].M; /* rows of x, each its own GEMV */
+    if (M < 1 || M > GEMV_ROWS_MAX) return -1;
     isa = lut_isa(isa);
     if (nthreads < 1) nthreads = 1;
     int64_t bytes = 0, ld = 0, table_bytes = 0, consts = 0;
     int owner[Q_GEMV_MANY_MAX]; /* the first matrix with the same x, K and g */
     for (int i = 0; i < n; i++) {
+        if (a[i].M != M) return -1;
         bytes += a[i].N * a[i].K * a[i].bits / 8;
         const int64_t l = scratch_ld(a[i].K, a[i].g);
         ld = l > ld ? l : ld;
         owner[i] = i;
         for (int k = 0; k < i && owner[i] == i; k++)
             if (a[k].x == a[i].x && a[k].K == a[i].K && a[k].g == a[i].g) owner[i] = k;
-        if (owner[i] == i) { /* its tables, c1 and asum */
-            table_bytes += (int64_t)tables_bytes(a[i].K);
-            consts += 2 * a[i].K / a[i].g;
+        if (owner[i] == i) { /* its tables, c1 and asum, per row */
+            table_bytes += M * (int64_t)tables_bytes(a[i].K);
+            consts += 2 * M * a[i].K / a[i].g;
         }
-        consts += a[i].K / a[i].g; /* c2 */
+        consts += M * a[i].K / a[i].g; /* c2 */
     }
     nthreads = gemv_threads(bytes, nthreads);
     int8_t *tables = aligned_alloc(64, (size_t)(table_bytes + 63) / 64 * 64);
     float *cbuf = malloc(sizeof(float) * (size_t)consts);
     char *scr = NULL;
-    lut_scratch *scratch = scratch_new(nthreads, ld, 4 * ld, &scr); /* one activation row */
+    lut_scratch *scratch = scratch_new(nthreads, ld, M * 4 * ld, &scr);
     int rc = 0;
     if (!tables || !cbuf || !scratch) {
         rc = -1;
@@ -294,19 +297,21 @@ int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads) {
     float *cp = cbuf;
     for (int i = 0; i < n; i++) {
         const int64_t K = a[i].K, ng = K / a[i].g, stride = (int64_t)tables_bytes(K);
-        lut_problem P = {1, K, a[i].N, a[i].bits, a[i].g, a[i].qw, a[i].scales, a[i].mins,
+        /* c1, c2 and asum (M, ng) each, as lut_matmul lays them out */
+        lut_problem P = {M, K, a[i].N, a[i].bits, a[i].g, a[i].qw, a[i].scales, a[i].mins,
                          NULL, stride, NULL, NULL, NULL, a[i].y};
         if (owner[i] == i) {
-            P.tables = tp, P.c1 = cp, P.asum = cp + ng, P.c2 = cp + 2 * ng;
-            tp += stride, cp += 3 * ng;
-            lut_tables_row(a[i].x, K, a[i].g, a[i].bits, isa, tp - stride, (float *)P.c1,
-                       (float *)P.c2, (float *)P.asum);
+            P.tables = tp, P.c1 = cp, P.c2 = cp + M * ng, P.asum = cp + 2 * M * ng;
+            for (int64_t r = 0; r < M; r++)
+                lut_tables_row(a[i].x + r * K, K, a[i].g, a[i].bits, isa, tp + r * stride,
+                               cp + r * ng, cp + (M + r) * ng, cp + (2 * M + r) * ng);
+            tp += M * stride, cp += 3 * M * ng;
         } else {
             const lut_problem *o = &m.jobs[owner[i]].P;
             P.tables = o->tables, P.c1 = o->c1, P.asum = o->asum, P.c2 = cp;
             const float half_levels = 0.5f * (float)((1 << a[i].bits) - 1);
-            for (int64_t G = 0; G < ng; G++) cp[G] = half_levels * o->asum[G];
-            cp += ng;
+            for (int64_t G = 0; G < M * ng; G++) cp[G] = half_levels * o->asum[G];
+            cp += M * ng;
         }
         const int64_t rows = task_rows(a[i].N, nthreads, GEMV_TASKS_PER_THREAD);
         m.jobs[i] = (lut_job){.P = P, .x = a[i].x, .isa = isa, .rows = rows, .scratch = scratch};

@@ -15,7 +15,7 @@ enum { TILE_N = 16, TILE_K = 512 };
  * read at the full bandwidth (streams broken every 64 KiB fall well short of it). */
 enum { GEMV_TASK_BYTES = 1024 * 1024 };
 /* A GEMM of at most SMALL_M rows, or WIDE_M rows of at least WIDE_K, runs one GEMV per row
- * over tasks of SMALL_TASK_BYTES of weights (gemv_rows; see kernels.h).
+ * over tasks of SMALL_TASK_BYTES of weights (q_gemv_many; see kernels.h).
  * A row's GEMV has work per output element besides the K-long dot product, so it pays
  * for more rows when rows are long. */
 enum { SMALL_M = 4, WIDE_M = 8, WIDE_K = 768, SMALL_TASK_BYTES = 128 * 1024 };
@@ -158,48 +158,68 @@ static int gemv(int bits, qmat *a, const kernel_table *kt, int nthreads) {
     return rc;
 }
 
-/* Several GEMVs as one pool job: tasks numbered across the matrices in order. */
+/* Several GEMVs of several rows each as one pool job (q_gemv_many): matrix i's tasks are
+   numbered after matrix i - 1's, and a task runs every row of x over its weight rows, so
+   the weights come from memory once and from cache for the other rows. */
 typedef struct {
     int n;
-    job_t jobs[Q_GEMV_MANY_MAX];
-    int64_t first[Q_GEMV_MANY_MAX + 1]; /* first task of each job; first[n] = all */
+    int64_t M;                                 /* rows of x per matrix */
+    job_t (*jobs)[GEMV_ROWS_MAX];              /* [matrix][row of x]: one GEMV each */
+    int64_t first[Q_GEMV_MANY_MAX + 1];        /* first task of each matrix; first[n] = all */
 } many_job;
 
 static void many_task(void *ctx, int64_t t, int tid) {
     const many_job *m = ctx;
     int i = 0;
     while (t >= m->first[i + 1]) i++;
-    gemv_task((void *)&m->jobs[i], t - m->first[i], tid);
+    for (int64_t r = 0; r < m->M; r++) gemv_task((void *)&m->jobs[i][r], t - m->first[i], tid);
 }
 
 int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nthreads) {
     const kernel_table *kt = kernels_for(isa);
     if (!kt || n < 1 || n > Q_GEMV_MANY_MAX) return n == 0 ? 0 : -1;
-    qmat a[Q_GEMV_MANY_MAX];
+    const int64_t M = a_in[0]->M;
+    if (M < 1 || M > GEMV_ROWS_MAX) return -1;
     int64_t bytes = 0;
     for (int i = 0; i < n; i++) {
-        a[i] = *a_in[i];
-        a[i].xq = NULL; /* set by gemv_prepare */
-        if (a[i].M != 1) return -1;
-        bytes += a[i].N * q_row_bytes(bits[i], a[i].K);
+        if (a_in[i]->M != M) return -1;
+        bytes += a_in[i]->N * q_row_bytes(bits[i], a_in[i]->K);
     }
     nthreads = gemv_threads(bytes, nthreads < 1 ? 1 : nthreads);
-    many_job m = {.n = n};
-    void *tmp[Q_GEMV_MANY_MAX][2] = {{0}};
-    int rc = 0;
+    /* per matrix and row: its qmat, its job and what gemv_prepare allocated */
+    qmat *a = malloc(sizeof(qmat) * (size_t)(n * M));
+    job_t(*jobs)[GEMV_ROWS_MAX] = malloc(sizeof *jobs * (size_t)n);
+    void **tmp = calloc((size_t)(2 * n * M), sizeof(void *));
+    many_job m = {.n = n, .M = M, .jobs = jobs};
+    int rc = a && jobs && tmp ? 0 : -1;
     for (int i = 0; i < n && !rc; i++) {
-        const void *xq = NULL; /* x's digits, when an earlier matrix of the layout had them */
-        for (int k = 0; k < i && !xq; k++)
-            if (a[k].x == a[i].x && a[k].K == a[i].K && (bits[k] == 4) == (bits[i] == 4))
-                xq = a[k].xq;
-        rc = gemv_prepare(bits[i], &a[i], kt, nthreads, &m.jobs[i], tmp[i], xq);
-        m.first[i + 1] = m.first[i] + (a[i].N + m.jobs[i].rows - 1) / m.jobs[i].rows;
+        const int64_t row_bytes = q_row_bytes(bits[i], a_in[i]->K);
+        for (int64_t r = 0; r < M && !rc; r++) {
+            qmat *ar = &a[i * M + r];
+            *ar = *a_in[i];
+            ar->x = a_in[i]->x + r * ar->K, ar->y = a_in[i]->y + r * ar->N, ar->M = 1;
+            ar->xq = NULL; /* set by gemv_prepare */
+            const void *xq = NULL; /* row r of an earlier matrix of the same x and layout */
+            for (int k = 0; k < i && !xq; k++)
+                if (a_in[k]->x == a_in[i]->x && a_in[k]->K == ar->K &&
+                    (bits[k] == 4) == (bits[i] == 4))
+                    xq = a[k * M + r].xq;
+            rc = gemv_prepare(bits[i], ar, kt, nthreads, &jobs[i][r], &tmp[2 * (i * M + r)], xq);
+        }
+        if (rc) break;
+        if (M > 1) { /* tasks small enough that their weights stay in L2 while rows pass */
+            int64_t rows = (SMALL_TASK_BYTES + row_bytes - 1) / row_bytes;
+            rows = rows < jobs[i][0].rows ? rows : jobs[i][0].rows;
+            for (int64_t r = 0; r < M; r++) jobs[i][r].rows = rows;
+        }
+        m.first[i + 1] = m.first[i] + (a_in[i]->N + jobs[i][0].rows - 1) / jobs[i][0].rows;
     }
     if (!rc) pool_run(nthreads, m.first[n], many_task, &m);
-    for (int i = 0; i < n; i++) {
-        free(tmp[i][0]);
-        free(tmp[i][1]);
-    }
+    if (tmp)
+        for (int64_t k = 0; k < 2 * n * M; k++) free(tmp[k]);
+    free(tmp);
+    free(jobs);
+    free(a);
     return rc;
 }
 
@@ -215,43 +235,6 @@ static int gemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     return 0;
 }
 
-/* A few rows of x (a prompt's tokens routed to one expert, a short prompt): each row's
- * GEMV over a task's weight rows in turn, so the weights come from memory once and from
- * cache for the other rows; the dequantized float tiles of gemm cost more than that. */
-typedef struct {
-    job_t job[WIDE_M]; /* one GEMV per row of x */
-    int64_t M;
-} rows_job;
-
-static void rows_task(void *ctx, int64_t t, int tid) {
-    const rows_job *r = ctx;
-    for (int64_t m = 0; m < r->M; m++) gemv_task((void *)&r->job[m], t, tid);
-}
-
-static int gemv_rows(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
-    const int64_t row_bytes = q_row_bytes(bits, a->K);
-    nthreads = gemv_threads(a->N * row_bytes, nthreads);
-    rows_job r = {.M = a->M};
-    qmat am[WIDE_M];
-    void *tmp[WIDE_M][2] = {{0}};
-    int rc = 0;
-    for (int64_t m = 0; m < a->M && !rc; m++) {
-        am[m] = *a;
-        am[m].x = a->x + m * a->K, am[m].y = a->y + m * a->N, am[m].M = 1;
-        rc = gemv_prepare(bits, &am[m], kt, nthreads, &r.job[m], tmp[m], NULL);
-    }
-    /* tasks small enough that their weights stay in L2 while every row passes */
-    int64_t rows = (SMALL_TASK_BYTES + row_bytes - 1) / row_bytes;
-    rows = rows < r.job[0].rows ? rows : r.job[0].rows; /* and at least GEMV_TASKS_PER_THREAD */
-    for (int64_t m = 0; m < a->M; m++) r.job[m].rows = rows;
-    if (!rc) pool_run(nthreads, (a->N + rows - 1) / rows, rows_task, &r);
-    for (int64_t m = 0; m < a->M; m++) {
-        free(tmp[m][0]);
-        free(tmp[m][1]);
-    }
-    return rc;
-}
-
 int q_matmul(int bits, const qmat *a_in, int isa, int nthreads) {
     qmat a = *a_in;
     const kernel_table *kt = kernels_for(isa);
@@ -259,7 +242,10 @@ int q_matmul(int bits, const qmat *a_in, int isa, int nthreads) {
     if (nthreads < 1) nthreads = 1;
     if (a.M == 1) return gemv(bits, &a, kt, nthreads);
     const int rows = a.M <= SMALL_M || (a.M <= WIDE_M && a.K >= WIDE_K);
-    if (rows) return gemv_rows(bits, &a, kt, nthreads);
+    if (rows) { /* a few rows (a short prompt, a prompt's tokens routed to one expert) */
+        const qmat *pa = &a;
+        return q_gemv_many(1, &bits, &pa, isa, nthreads);
+    }
     const int rc = a.M >= IGEMM_MIN_M && bits != 6 ? q_igemm(bits, &a, kt, nthreads) : 1;
     return rc <= 0 ? rc : gemm(bits, &a, kt, nthreads);
 }

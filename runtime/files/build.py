@@ -15,6 +15,7 @@ from torch import nn
 
 from ... import InferError
 from ...quant.formats.base import QuantEmbedding, QuantLinear
+from ..model.families import model_class
 from ..model.llama import Transformer
 from . import hugepages
 from .sources import Source
@@ -27,7 +28,7 @@ def build(
     the model's context). `dequantize`: see Source.weights."""
     args = source.args
     with torch.device("meta"):
-        model = Transformer(args)
+        model = model_class(args)(args)
     _check_shapes(source, model)
     arena = hugepages.Arena.of(source.placed_bytes(dtype, dequantize))
     weights = source.weights(dtype, arena.place if arena else torch.Tensor.contiguous, dequantize)

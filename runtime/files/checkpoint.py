@@ -68,6 +68,7 @@ from torch import nn
 from ... import InferError
 from ...quant.formats.base import FORMATS, QuantEmbedding, QuantLinear
 from ..model.config import ModelArgs, check_rope_freq_factors
+from ..model.families import model_args
 from ..model.llama import Transformer
 from . import hugepages
 from .safetensors import DTYPES, read_header, read_safetensors
@@ -114,7 +115,7 @@ class Checkpoint:
 
     @property
     def args(self) -> ModelArgs:
-        args = ModelArgs.from_dict(self.config, str(self.path / "config.json"))
+        args = model_args(self.config, str(self.path / "config.json"))
         factors = self.tensors.get(ROPE_FREQS)
         if factors is not None:
             args.rope_freq_factors = factors.float().reshape(-1).tolist()

@@ -59,9 +59,10 @@ SUPPORTED_ARCHS = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # GGUF architecture -> Hugging Face model_type, where they differ.
-_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 _FLOATS = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 _INTEGER_TYPES = tuple(GGMLQuantizationType[t] for t in ("I8", "I16", "I32", "I64"))
 # config.json key -> the GGUF key (after "<arch>.") it is read from
@@ -83,6 +84,9 @@ _CONFIG_KEYS = {
     "moe_intermediate_size": "expert_feed_forward_length",
     "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
     "norm_topk_prob": "expert_weights_norm",
+    "sliding_window": "attention.sliding_window",
+    "rope_local_base_freq": "rope.freq_base_swa",
+    "final_logit_softcapping": "final_logit_softcapping",
 }
 _TOKENIZER_KEYS = {
     "bos_token_id": "tokenizer.ggml.bos_token_id",
@@ -248,6 +252,18 @@ _BLOCK_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # a vector here, (1, dim) in HF
 }
+# Where an architecture's block names differ: Gemma 3's ffn_norm is the norm before the
+# MLP, its post-attention norm its own tensor.
+_ARCH_BLOCK_NAMES = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+}
+# llama.cpp's converter stores Gemma's RMSNorm weights plus one (conversion/gemma.py,
+# Gemma3Model.norm_shift); Hugging Face's (and ours) are without.
+_NORM_SHIFT = {"gemma3": 1.0}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _BLOCK_INDEX_RE = re.compile(r"blk\.(\d+)\.")
 # blk.N.<key>.weight stacks all experts, (n_expert, rows, cols) in torch order: expert E's
@@ -499,12 +515,43 @@ class GGUFFile:
             config["rope_scaling"] = rope_scaling
         if n_expert:
             config.update(self._moe_config(n_expert, n_layers))
+        if self.arch == "gemma3":
+            config.update(self._gemma3_config(n_layers, hidden, n_head))
         return config
 
     @property
     def config_keys(self) -> dict[str, str]:
         """config.json key -> the metadata key `config` took it from (for messages)."""
         return {hf: f"{self.arch}.{key}" for hf, key in _CONFIG_KEYS.items()} | _TOKENIZER_KEYS
+
+    def _gemma3_config(self, n_layers: int, hidden: Any, n_head: Any) -> dict:
+        """Gemma 3's keys, with llama.cpp's defaults (src/models/gemma3.cpp) for those a
+        file leaves out: every 6th layer global, a local rope base of 10000, queries
+        scaled by 1/sqrt(head_dim) (27B, 62 layers: 1/sqrt(hidden / heads))."""
+        window = self._key("attention.sliding_window", 0)
+        pattern = self._key("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+            # every pattern-th layer global; 0: none
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
+        elif isinstance(pattern, list) and [type(p) for p in pattern] == [bool] * n_layers:
+            sliding = pattern  # one bool per layer
+        else:
+            raise InferError(
+                f"{self.path}: {self.arch}.attention.sliding_window_pattern = {shown(pattern)}: "
+                f"must be a layer count or one true/false for each of {n_layers} layers"
+            )
+        config = {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": window or None,  # from_dict checks it
+            "layer_types": [
+                "sliding_attention" if s and window else "full_attention" for s in sliding
+            ],
+            "rope_local_base_freq": _short_float(self._key("rope.freq_base_swa", 10000.0)),
+            "final_logit_softcapping": _short_float(self._key("final_logit_softcapping")),
+        }
+        if n_layers == 62 and isinstance(hidden, int) and isinstance(n_head, int) and n_head > 0:
+            config["query_pre_attn_scalar"] = hidden // n_head  # else head_dim's
+        return config
 
     def _moe_config(self, n_expert: int, n_layers: int) -> dict:
         """The MoE keys of config.json. Which layers are sparse, and the expert widths,
@@ -571,11 +618,12 @@ class GGUFFile:
             return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
         if _stacked(gguf_name) is not None:
             raise InferError(f"{self.path}: {gguf_name!r} stacks experts: it has one name each")
+        names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(self.arch, {})}
         m = _BLOCK_RE.fullmatch(gguf_name)
-        if m is None or m.group(2) not in _BLOCK_NAMES:
+        if m is None or m.group(2) not in names:
             raise InferError(f"{self.path}: unsupported tensor {gguf_name!r}")
         layer, key, kind = m.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[key]}.{kind}"
+        return f"model.layers.{layer}.{names[key]}.{kind}"
 
     def hf_names(self, gguf_name: str) -> list[str]:
         """The Hugging Face names of a tensor of this file: one per expert for a stacked
@@ -684,11 +732,14 @@ class GGUFFile:
         Tensors already stored in `dtype` (e.g. F32 norms) share memory with the map.
         """
         self.config()  # fail early, with the list of supported architectures
+        shift = _NORM_SHIFT.get(self.arch)
         state = {}
         for name in self.tensors:
             for hf in self.hf_names(name):
                 if hf not in skip:
                     state[hf] = dequantize(self.hf_tensor(hf), dtype)
+                    if shift and hf.endswith("norm.weight"):
+                        state[hf] = state[hf] - shift
         return state
 
 

@@ -22,7 +22,7 @@ import torch
 from ... import InferError
 from ...quant.formats.base import FORMATS, QuantLinear
 from ..model.config import ModelArgs, check_rope_freq_factors
-from ..model.llama import Transformer
+from ..model.families import model_args, model_class
 from ..model.tokenizer import Tokenizer
 from .checkpoint import ROPE_FREQS, Checkpoint, is_checkpoint, read_checkpoint
 from .gguf import GGUFFile, is_gguf
@@ -135,7 +135,7 @@ class GGUFSource(Source):
         self.path = Path(path)
         self.gguf = GGUFFile(path)
         self.config = self.gguf.config()
-        self.args = ModelArgs.from_dict(self.config, str(self.path), self.gguf.config_keys)
+        self.args = model_args(self.config, str(self.path), self.gguf.config_keys)
         rope_freqs = self.gguf.tensors.get("rope_freqs.weight")
         if rope_freqs is not None:  # llama 3.1 rope scaling: a factor per frequency, read now
             n = self.args.head_dim // 2
@@ -170,7 +170,7 @@ class GGUFSource(Source):
         # A tied model's output layer is its table, whatever the file holds beside it.
         unused = {"lm_head.weight"} if self.args.tie_embeddings else set()
         sd = self.gguf.hf_state_dict(dtype, skip=blocks | unused)
-        sd = Transformer.sanitize(sd, self.args)
+        sd = model_class(self.args).sanitize(sd, self.args)
         for hf in sorted(blocks - unused):
             t = self.gguf.hf_tensor(hf)
             name = hf.removeprefix("model.").removesuffix(".weight")
@@ -210,7 +210,7 @@ class HFSource(Source):
             self.config = json.loads(file.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise InferError(f"{file}: invalid JSON ({e})") from None
-        self.args = ModelArgs.from_dict(self.config, str(file))
+        self.args = model_args(self.config, str(file))
         self.files = _safetensors_files(self.path)
         self.headers = {f: read_header(f)[0] for f in self.files}
         entries = {k: v for h in self.headers.values() for k, v in h.items() if k != "__metadata__"}
@@ -230,7 +230,7 @@ class HFSource(Source):
                 sd[name] = torch.empty(entry["shape"], device="meta")
         rope_freqs = sd.pop("rope_freqs.weight", None)  # sanitize would read its values
         try:
-            shapes = Transformer.sanitize(sd, dataclasses.replace(self.args))
+            shapes = model_class(self.args).sanitize(sd, dataclasses.replace(self.args))
         except (ValueError, TypeError, IndexError, RuntimeError) as e:  # a name it cannot split
             raise InferError(f"{self.path}: unexpected tensor names or shapes ({e})") from None
         if rope_freqs is not None:
@@ -243,7 +243,7 @@ class HFSource(Source):
             tensors, _ = read_safetensors(f)
             sd.update(tensors)
         sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-        return Transformer.sanitize(sd, self.args)
+        return model_class(self.args).sanitize(sd, self.args)
 
 
 def _safetensors_files(path: Path) -> list[Path]:

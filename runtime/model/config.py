@@ -92,39 +92,14 @@ class ModelArgs:
         Every number is checked (type, range, consistency) before anything is sized by
         it; a bad one fails as "<origin>: <key> = <value>: <problem>", `names` giving the
         file's own name for a key where it differs (a GGUF file's)."""
-        if not isinstance(cfg, dict):
-            raise InferError(f"{origin}: not a config object ({type(cfg).__name__})")
-        c = _Fields(cfg, origin, names or {})
+        c = config_fields(cfg, origin, names)
         model_type = cfg.get("model_type", "")
         if not isinstance(model_type, str) or model_type not in FAMILIES:
             name = model_type or cfg.get("architectures")
             raise InferError(
                 f"{origin}: unsupported architecture {shown(name)} (supported: {', '.join(FAMILIES)})"
             )
-        dim = c.int("hidden_size", 1, MAX_DIM)
-        n_heads = c.int("num_attention_heads", 1, MAX_HEADS)
-        n_kv_heads = c.int("num_key_value_heads", 1, n_heads, default=n_heads)
-        if n_heads % n_kv_heads:
-            raise c.fail("num_key_value_heads", n_kv_heads, f"does not divide {n_heads} heads")
-        if cfg.get("head_dim") is None and dim % n_heads:
-            raise c.fail("hidden_size", dim, f"is not a multiple of {n_heads} heads")
-        head_dim = c.int("head_dim", 2, MAX_HEAD_DIM, default=dim // n_heads)
-        if head_dim % 2:
-            raise c.fail("head_dim", head_dim, "is odd (rope rotates pairs)")
-        n_layers = c.int("num_hidden_layers", 1, MAX_LAYERS)
-        args = {
-            "model_type": model_type,
-            "vocab_size": c.int("vocab_size", 1, MAX_VOCAB),
-            "dim": dim,
-            "n_layers": n_layers,
-            "n_heads": n_heads,
-            "n_kv_heads": n_kv_heads,
-            "head_dim": head_dim,
-            "hidden_dim": c.int("intermediate_size", 1, MAX_HIDDEN),
-            "norm_eps": c.float("rms_norm_eps", *EPS_RANGE, default=1e-6, open_low=False),
-            "max_seq_len": c.int("max_position_embeddings", 1, MAX_CONTEXT, default=4096),
-            "tie_embeddings": c.bool("tie_word_embeddings", False),
-        }
+        args = {"model_type": model_type, **base_args(c)}
         if cfg.get("hidden_act", "silu") not in ("silu", "swish") or cfg.get("mlp_bias"):
             raise InferError(
                 f"{origin}: unsupported MLP (hidden_act={shown(cfg.get('hidden_act'))}, "
@@ -132,16 +107,17 @@ class ModelArgs:
             )
         # transformers >= 5 keeps rope settings in `rope_parameters`; older
         # configs have `rope_theta` and `rope_scaling` at the top level.
-        rope = c.dict("rope_parameters")
+        rope = c.sub("rope_parameters")
         theta = c.float("rope_theta", *ROPE_THETA_RANGE, default=10000.0, open_low=False)
-        rope_fields = _Fields(rope, origin, c.names, "rope_parameters.")
-        args["rope_theta"] = rope_fields.float(
+        args["rope_theta"] = rope.float(
             "rope_theta", *ROPE_THETA_RANGE, default=theta, open_low=False
         )
-        args["rope_scaling"] = _rope_scaling(c.dict("rope_scaling") or rope, c)
+        args["rope_scaling"] = rope_scaling(
+            c.sub("rope_scaling") if c.dict("rope_scaling") else rope
+        )
         args.update(FAMILIES[model_type])
         if model_type in MOE_FAMILIES:
-            args.update(_moe_args(c, model_type, n_layers))
+            args.update(_moe_args(c, model_type, args["n_layers"]))
         if "attention_bias" in cfg:
             args["attention_bias"] = c.bool("attention_bias", False)
         if "qkv_bias" in cfg:  # Qwen2-MoE's name for it
@@ -149,10 +125,6 @@ class ModelArgs:
         default_window = model_type in ("mistral", "mixtral")
         if cfg.get("sliding_window") and c.bool("use_sliding_window", default_window):
             args["sliding_window"] = c.int("sliding_window", 1, MAX_CONTEXT)
-        args["bos_token_id"] = c.int("bos_token_id", 0, MAX_VOCAB, default=None)
-        eos = cfg.get("eos_token_id")
-        eos = [] if eos is None else [eos] if not isinstance(eos, list) else eos
-        args["eos_token_id"] = [c.int_value("eos_token_id", e, 0, MAX_VOCAB) for e in eos]
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in args.items() if k in known})
 
@@ -189,6 +161,45 @@ class ModelArgs:
         return self.n_layers * (attn + norms) + mlps + embed + self.dim
 
 
+def config_fields(cfg: dict, origin: str = "config", names: dict | None = None) -> _Fields:
+    """`cfg`'s keys for checked reads, failing as "<origin>: <key> = <value>: <problem>"
+    (see ModelArgs.from_dict)."""
+    if not isinstance(cfg, dict):
+        raise InferError(f"{origin}: not a config object ({type(cfg).__name__})")
+    return _Fields(cfg, origin, names or {})
+
+
+def base_args(c: _Fields) -> dict:
+    """The ModelArgs fields every family's config.json spells the same way, checked."""
+    dim = c.int("hidden_size", 1, MAX_DIM)
+    n_heads = c.int("num_attention_heads", 1, MAX_HEADS)
+    n_kv_heads = c.int("num_key_value_heads", 1, n_heads, default=n_heads)
+    if n_heads % n_kv_heads:
+        raise c.fail("num_key_value_heads", n_kv_heads, f"does not divide {n_heads} heads")
+    if c.cfg.get("head_dim") is None and dim % n_heads:
+        raise c.fail("hidden_size", dim, f"is not a multiple of {n_heads} heads")
+    head_dim = c.int("head_dim", 2, MAX_HEAD_DIM, default=dim // n_heads)
+    if head_dim % 2:
+        raise c.fail("head_dim", head_dim, "is odd (rope rotates pairs)")
+    n_layers = c.int("num_hidden_layers", 1, MAX_LAYERS)
+    eos = c.cfg.get("eos_token_id")
+    eos = [] if eos is None else [eos] if not isinstance(eos, list) else eos
+    return {
+        "vocab_size": c.int("vocab_size", 1, MAX_VOCAB),
+        "dim": dim,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "hidden_dim": c.int("intermediate_size", 1, MAX_HIDDEN),
+        "norm_eps": c.float("rms_norm_eps", *EPS_RANGE, default=1e-6, open_low=False),
+        "max_seq_len": c.int("max_position_embeddings", 1, MAX_CONTEXT, default=4096),
+        "tie_embeddings": c.bool("tie_word_embeddings", False),
+        "bos_token_id": c.int("bos_token_id", 0, MAX_VOCAB, default=None),
+        "eos_token_id": [c.int_value("eos_token_id", e, 0, MAX_VOCAB) for e in eos],
+    }
+
+
 def _moe_args(c: _Fields, model_type: str, n_layers: int) -> dict:
     """The MoE fields of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE config.json, with
     transformers' defaults for keys a config leaves out."""
@@ -222,16 +233,17 @@ def _moe_args(c: _Fields, model_type: str, n_layers: int) -> dict:
     return moe
 
 
-def _rope_scaling(scaling: dict, c: _Fields) -> dict | None:
-    """The rope scaling a config asks for, its numbers checked (None for plain rope)."""
-    s = _Fields(scaling, c.origin, c.names, "rope_scaling.")
+def rope_scaling(s: _Fields) -> dict | None:
+    """The rope scaling a config's `rope_scaling` (or `rope_parameters`) object asks for,
+    its numbers checked; None for plain rope."""
+    scaling = s.cfg
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         if "factor" in scaling:  # a scaling that does not say which
             raise s.fail("factor", scaling["factor"], "given with no rope_type")
         return None
     if rope_type not in ("llama3", "linear"):
-        raise InferError(f"{c.origin}: unsupported rope scaling {shown(rope_type)}")
+        raise InferError(f"{s.origin}: unsupported rope scaling {shown(rope_type)}")
     # Every number is required, as transformers reads them: a default would be a guess.
     checked = dict(
         scaling,
@@ -309,6 +321,10 @@ class _Fields:
         if value is not None and not isinstance(value, dict):
             raise self.fail(key, value, "must be an object")
         return value or {}
+
+    def sub(self, key: str) -> _Fields:
+        """The object under `key` (empty if none), its keys named "<key>.<name>"."""
+        return _Fields(self.dict(key), self.origin, self.names, f"{self.prefix}{key}.")
 
     def list(self, key: str) -> list:
         value = self.cfg.get(key)

@@ -3,10 +3,17 @@
 In small models a token's matmuls are cheap and the many torch element-wise ops and
 Python calls around them are not. csrc/decode.c runs a whole Block for one token with
 the element-wise work in plain loops and the quantized matmuls called directly. Its
-definition is llama.py's Block.forward (tests compare them on every architecture variant).
+definition is llama.py's and gemma3.py's Block.forward (tests compare them on every
+architecture variant). A model tells it what its blocks differ in: each block's norm
+weights (`norm_weights`: Gemma's norms after attention and after the MLP), each layer's
+rope tables and window (`layer_rope`), the MLP activation (`mlp_act`) and the query
+scale (`attn_scale`).
 
-    step = FusedDecode.prepare(model, cache)  # None when the model is not one it runs
-    x = step(x, pos)                          # x (1, 1, dim) float32 -> after the last block
+    step = FusedDecode.prepare(model)      # None when the model is not one it runs
+    x = step(x, rows)                      # x (1, R, dim) float32 -> after the last block
+
+A call runs R rows (llama.Rows: each sequence's tokens at their positions, its cache),
+every weight read once for all of them; each row computes what it would alone.
 
 A dense model's blocks run in one C call. In a mixture-of-experts layer the C stops
 after attention; the block's router (MoE.route, in torch, so the experts chosen are the
@@ -24,10 +31,10 @@ They observe; an input a hook returns in place of the block's is not used.
 
 It runs models whose compute dtype is float32 and whose every block linear (each
 expert's included) is a quantized format with a C kernel (int8, int6, int4, lut1-4);
-routers stay float, in torch. The plan holds data pointers into the model's tensors and
-one sequence's KV cache, so a session builds it again whenever those change; a layer
-whose weights are not in place (streamed from disk: a placeholder) makes prepare return
-None.
+routers stay float, in torch. The plan holds data pointers into the model's tensors, so
+a session builds it again whenever those change; each call passes its rows' caches
+(`cache_words`). A layer whose weights are not in place (streamed from disk: a
+placeholder) makes prepare return None.
 """
 
 from __future__ import annotations
@@ -39,9 +46,11 @@ from torch import nn
 
 from ...kernels_cpu import decode as kernels
 from ...quant.formats.base import QuantLinear
+from .llama import LayerRows, Rows
 from .moe import MoE
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ACTS = {"silu": 0, "gelu_tanh": 1}  # the MLP's activation -> decode.c's act word
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -88,16 +97,28 @@ def _mlp_words(mlp: nn.Module) -> list[int] | None:
     return words
 
 
+def cache_words(cache: list) -> torch.Tensor:
+    """A sequence's cache (a KVCache per layer) as decode.c reads it: its positions, then
+    each layer's k and v pointers, int64."""
+    for c in cache:
+        if not (_f32(c.k) and _f32(c.v)):
+            raise ValueError("the fused decode step needs float32 contiguous caches")
+    words = [cache[0].k.shape[2]] + [p for c in cache for p in (c.k.data_ptr(), c.v.data_ptr())]
+    return torch.tensor(words, dtype=torch.int64)
+
+
 class FusedDecode:
-    def __init__(self, plan, scratch, keep: list, moe: dict, layers: list, cache: list):
-        self.plan, self.scratch = plan, scratch
-        self._layers, self._cos, self._sin = layers, keep[0], keep[1]
-        self._cache = cache  # the sequence's KVCache per layer, for the blocks' hooks
+    def __init__(self, plan, keep: list, moe: dict, layers: list, rope, row_floats: int):
+        self.plan = plan
+        self._layers, self._rope = layers, rope  # rope: each layer's (cos, sin) tables
         self._keep = keep  # tensors and modules whose data pointers the plan holds
         self._plan_ptr, self._words = plan.data_ptr(), plan.numel()
-        self._scratch_ptr, self._scratch_n = scratch.data_ptr(), scratch.numel()
         self._n_layers = int(plan[0])
         self._dim = int(plan[1])
+        self._row_floats = row_floats  # of scratch a row
+        self.max_rows = kernels.layout()[5]
+        self.scratch = None
+        self._grow(1)
         # layer -> (MoE block, its experts' table (rows, 3 * LIN) int64); one scratch
         self._moe = moe
         hidden = max((b.experts[0].gate_proj.out_features for b, _ in moe.values()), default=0)
@@ -109,37 +130,34 @@ class FusedDecode:
         self._experts_scratch = torch.empty(per * (2 * self._moe_hidden + self._dim) + self._dim)
 
     @classmethod
-    def prepare(cls, model: nn.Module, cache: list) -> FusedDecode | None:
-        """The fused step for `model` (a llama.Transformer) writing into `cache` (its
-        new_cache()), or None if it has parts the C does not run (float or
-        unknown-format linears, other dtypes, weights not in place)."""
-        if not kernels.available() or not hasattr(model, "rope_cos"):
+    def prepare(cls, model: nn.Module) -> FusedDecode | None:
+        """The fused step for `model` (a llama.Transformer or gemma3.Gemma3), or None if it
+        has parts the C does not run (float or unknown-format linears, other dtypes,
+        weights not in place)."""
+        if not kernels.available() or getattr(model, "mlp_act", None) not in _ACTS:
             return None
         args = model.args
-        cos, sin = model.rope_cos, model.rope_sin
-        if not (_f32(cos) and _f32(sin)) or args.head_dim % 2:
+        if args.head_dim % 2:
             return None
-        header_words, layer_words, lin_words, _, attn_block = kernels.layout()
-        rows, keep, moe, hidden = [], [cos, sin], {}, 0
+        header_words, layer_words, lin_words, _, attn_block, _ = kernels.layout()
+        rows, keep, moe, hidden, rope = [], [], {}, 0, []
         for i, block in enumerate(model.layers):
             attn = block.self_attn
-            norms = [block.input_layernorm, block.post_attention_layernorm]
-            if attn.q_norm is not None:
-                norms += [attn.q_norm, attn.k_norm]
-            weights = [n.weight for n in norms]
-            layer_cache = cache[i]
-            if not all(_f32(w) for w in weights):
+            # input, pre-MLP, q, k, after attention, after the MLP (None: none)
+            weights = block.norm_weights()
+            cos, sin, window = model.layer_rope(i)
+            if not all(_f32(w) for w in weights[:2] + (cos, sin)) or not all(
+                w is None or _f32(w) for w in weights[2:]
+            ):
                 return None
             # q/k norms per head, or over the whole projection (OLMoE: qk_norm_full)
             D = args.head_dim
             full = (args.n_heads * D, args.n_kv_heads * D) if args.qk_norm_full else (D, D)
-            if len(weights) == 4 and (weights[2].numel(), weights[3].numel()) != full:
+            if weights[2] is not None and (weights[2].numel(), weights[3].numel()) != full:
                 return None
-            if not (_f32(layer_cache.k) and _f32(layer_cache.v)):
-                return None
-            row = [weights[0].data_ptr(), weights[1].data_ptr()]
-            row += [weights[2].data_ptr(), weights[3].data_ptr()] if len(weights) == 4 else [0, 0]
-            row += [layer_cache.k.data_ptr(), layer_cache.v.data_ptr()]
+            row = [0 if w is None else w.data_ptr() for w in weights]
+            row += [cos.data_ptr(), sin.data_ptr(), window or 0]
+            rope.append((cos, sin))
             for name in _ATTENTION:
                 module = getattr(attn, name, None)
                 lin = _linear_words(module)
@@ -173,49 +191,64 @@ class FusedDecode:
                 hidden = max(hidden, mlp.gate_proj.out_features)
             assert len(row) == layer_words
             rows.append(row)
-            keep += weights + [layer_cache.k, layer_cache.v]
-        S = cache[0].k.shape[2]
+            keep += [w for w in weights if w is not None] + [cos, sin]
+        S = model.max_seq_len  # the rope tables' positions: every cache's at most
         dim, H, KV, D = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
         blocks = -(-S // attn_block)  # attention's per-block partials (decode.c)
-        scratch = torch.empty(
-            dim + 2 * H * D + 2 * KV * D + H * S + 2 * hidden + H * blocks * (D + 2)
-        )
+        row_floats = dim + 2 * H * D + 2 * KV * D + 2 * hidden + H * blocks * (D + 2)
         eps_bits = struct.unpack("<I", struct.pack("<f", args.norm_eps))[0]
-        header = [len(rows), dim, H, KV, D, hidden, S, args.sliding_window or 0, eps_bits,
-                  cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(),
-                  int(args.qk_norm_full)]  # fmt: skip
+        scale_bits = struct.unpack("<I", struct.pack("<f", model.attn_scale or 0.0))[0]
+        header = [len(rows), dim, H, KV, D, hidden, S, eps_bits, 0,
+                  int(args.qk_norm_full), _ACTS[model.mlp_act], scale_bits, 0]  # fmt: skip
         assert len(header) == header_words
         plan = torch.tensor(header + [w for row in rows for w in row], dtype=torch.int64)
-        return cls(plan, scratch, keep, moe, list(model.layers), cache)
+        return cls(plan, keep, moe, list(model.layers), rope, row_floats)
 
-    def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """x (1, 1, dim) float32 after the embedding -> the hidden state after every block.
-        Writes the token's keys and values into the caches at `pos`."""
+    def _grow(self, rows: int) -> None:
+        """Scratch for `rows` rows a call (the plan's words 8 and 12 say where and how many)."""
+        self.scratch = torch.empty(rows * self._row_floats)
+        self._scratch_n = self.scratch.numel()
+        self.plan[8], self.plan[12] = self.scratch.data_ptr(), rows
+
+    def __call__(self, x: torch.Tensor, rows: Rows, cache_words: torch.Tensor) -> torch.Tensor:
+        """x (1, R, dim) float32 after the embedding -> the hidden states after every block.
+        Writes the rows' keys and values into their caches at their positions; cache_words
+        (R, words) int64 are each row's sequence's cache_words()."""
+        R = x.shape[1]
+        if R > self.max_rows:
+            raise ValueError(f"the fused decode step runs at most {self.max_rows} rows a call")
+        if R > int(self.plan[12]):
+            self._grow(R)
         x = x.contiguous().clone()
+        pos = torch.tensor(rows.positions, dtype=torch.int64)
+        cache_words = cache_words.contiguous()
         layers, n = self._layers, self._n_layers
         layer = 0
         while layer < n:
             block = layers[layer]
             if block._forward_pre_hooks:  # as Block.__call__ would run them
-                rope = self._cos[pos : pos + 1], self._sin[pos : pos + 1]
+                cos, sin = self._rope[layer]
+                args = (x, None, cos[pos], sin[pos], LayerRows(rows.spans, layer))
                 for hook in list(block._forward_pre_hooks.values()):
-                    hook(block, (x, pos, *rope, self._cache[layer]))
+                    hook(block, args)
             last = layer + 1  # run on to the next block with hooks
             while last < n and not layers[last]._forward_pre_hooks:
                 last += 1
             layer = kernels.layers(
-                self._plan_ptr, self._words, self._scratch_n, x.data_ptr(), pos, layer, last
-            )
+                self._plan_ptr, self._words, self._scratch_n, x.data_ptr(), R, pos.data_ptr(),
+                cache_words.data_ptr(), layer, last,
+            )  # fmt: skip
             if layer < last:  # a mixture of experts
-                self._experts(layer, x)
+                for r in range(R):
+                    self._experts(layer, x[0, r], r)
                 layer += 1
         return x
 
-    def _experts(self, layer: int, x: torch.Tensor) -> None:
-        """x += the MoE block of `layer` on its input, which decode_layers left in the
-        scratch: MoE.forward for one token."""
+    def _experts(self, layer: int, x: torch.Tensor, r: int) -> None:
+        """x (dim,) += the MoE block of `layer` on row r's input, which decode_layers left
+        in the scratch: MoE.forward for one token."""
         block, table = self._moe[layer]
-        xn = self.scratch[: self._dim].view(1, 1, self._dim)
+        xn = self.scratch[r * self._dim : (r + 1) * self._dim].view(1, 1, self._dim)
         for hook in list(block._forward_pre_hooks.values()):  # as block(xn) would run them
             hook(block, (xn,))
         ids, weights = block.select(xn)

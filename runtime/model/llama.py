@@ -7,7 +7,8 @@ rope scaling, sliding window.
 
 The model holds weights and rope tables only: a conversation's keys and values are a
 cache (a list of KVCache, one per layer) passed to each forward call, so several
-conversations can share one model (runtime/session.py). Batch size is 1 per call.
+conversations can share one model (runtime/session.py). A call runs T tokens of one
+sequence, or T rows of several (`Rows`: each sequence's rows attend to its own cache).
 Shapes below use T = tokens in this call, S = positions visible to attention.
 """
 
@@ -58,6 +59,33 @@ class KVCache(nn.Module):
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+class Rows:
+    """The rows of one pass over several sequences, in place of one sequence's cache:
+    `spans` are (pos, n, cache): the next n rows continue the sequence of `cache` (a
+    KVCache per layer) from position pos. Iterated, it gives each layer's view, as a
+    cache list does."""
+
+    def __init__(self, spans: list[tuple[int, int, list[KVCache]]]):
+        self.spans = spans
+        self.positions = [p + j for p, n, _ in spans for j in range(n)]
+
+    def __iter__(self) -> Iterator[LayerRows]:
+        return (LayerRows(self.spans, i) for i in range(len(self.spans[0][2])))
+
+
+class LayerRows:
+    """One layer's view of Rows: (first row, end row, pos, the layer's KVCache) a span."""
+
+    def __init__(self, spans: list, layer: int):
+        self.spans, self.layer = spans, layer
+
+    def __iter__(self):
+        a = 0
+        for pos, n, cache in self.spans:
+            yield a, a + n, pos, cache[self.layer]
+            a += n
+
+
 class NoCache:
     """Stands in for a layer's KVCache in a pass over a whole sequence from position 0
     (calibration, training): attention sees this call's keys and values and nothing is
@@ -87,6 +115,26 @@ LARGE_ATTENTION = 1 << 26
 _LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
 
 
+def rope_rows(cos, sin, pos: int, T: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rope tables' rows for a pass: [pos, pos + T), or the Rows' positions."""
+    if isinstance(cache, Rows):
+        at = torch.tensor(cache.positions)
+        return cos[at], sin[at]
+    return cos[pos : pos + T], sin[pos : pos + T]
+
+
+# Rows the quantized kernels run as one GEMV each, computed as each row alone (kernels.h)
+GEMV_ROWS = 4
+
+
+def rows_apply(fn, x: torch.Tensor, cache) -> torch.Tensor:
+    """fn(x) for x (1, T, dim); for a pass of Rows a few rows at a time, so that each
+    row's output is that of the row alone (the output layer of a decode pass)."""
+    if not isinstance(cache, Rows):
+        return fn(x)
+    return torch.cat([fn(x[:, i : i + GEMV_ROWS]) for i in range(0, x.shape[1], GEMV_ROWS)], 1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rope (the HF layout). x: (1, H, T, D); cos, sin: (T, D)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -112,9 +160,25 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, pos: int, cos, sin, cache: KVCache) -> torch.Tensor:
+    scale = None  # of the scores: 1/sqrt(head_dim)
+
+    def forward(self, x, pos: int, cos, sin, cache: KVCache | LayerRows) -> torch.Tensor:
         T = x.shape[1]
-        # (1, T, H * D) -> (1, H, T, D)
+        q, k, v = self.project(x)  # (1, T, heads, D) each
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (1, H, T, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        if isinstance(cache, LayerRows):  # each sequence's rows attend to its own cache
+            parts = [self.attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], p, c)
+                     for a, b, p, c in cache]  # fmt: skip
+            out = torch.cat(parts, dim=2)
+        else:
+            out = self.attend(q, k, v, pos, cache)
+        return self.o_proj(out.transpose(1, 2).reshape(1, T, -1))
+
+    def project(self, x: torch.Tensor):
+        """q (1, T, H, D), k and v (1, T, n_kv, D) of x (1, T, dim), normed if need be."""
+        T = x.shape[1]
         q = self.q_proj(x).view(1, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(1, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(1, T, self.n_kv_heads, self.head_dim)
@@ -122,23 +186,25 @@ class Attention(nn.Module):
             q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        k, v = cache.update(pos, k, v.transpose(1, 2))  # (1, n_kv, S, D)
+        return q, k, v
 
+    def attend(self, q, k, v, pos: int, cache: KVCache) -> torch.Tensor:
+        """(1, H, T, D) attention output of one sequence's T rows at [pos, pos + T), whose
+        k and v (1, n_kv, T, D) go into its cache first."""
+        T = q.shape[2]
+        k, v = cache.update(pos, k, v)  # (1, n_kv, S, D)
         # GQA without copying K/V: fold each kv head's group of query heads into
         # the query length, (1, n_kv, n_rep * T, D), and attend to (1, n_kv, S, D).
         n_rep = self.n_heads // self.n_kv_heads
         q = q.reshape(1, self.n_kv_heads, n_rep * T, self.head_dim)
-        mask = self._mask(pos, T, k.shape[2], x.device)
+        mask = self._mask(pos, T, k.shape[2], q.device)
         if mask is not None:
             mask = mask.repeat(n_rep, 1)  # (n_rep * T, S), rows in q's folded order
         # A long prompt's attention, torch's one large op, gets every thread back.
         large = T * k.shape[2] * self.n_heads * self.head_dim >= LARGE_ATTENTION
         with threads.wide() if large else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = out.view(1, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(1, T, -1)
-        return self.o_proj(out)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return out.view(1, self.n_heads, T, self.head_dim)
 
     def _mask(self, pos: int, T: int, S: int, device) -> torch.Tensor | None:
         """Boolean (T, S) mask, True where attention is allowed; None when all are."""
@@ -177,8 +243,18 @@ class Block(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), pos, cos, sin, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def norm_weights(self) -> tuple:
+        """The fused step's norm weights w (out = w * normed x): input, pre-MLP, q, k, after
+        attention, after the MLP; None where the block has none."""
+        a = self.self_attn
+        qk = (a.q_norm.weight, a.k_norm.weight) if a.q_norm is not None else (None, None)
+        return (self.input_layernorm.weight, self.post_attention_layernorm.weight, *qk, None, None)
+
 
 class Transformer(nn.Module):
+    mlp_act = "silu"  # the fused step's activation
+    attn_scale = None  # queries scaled by 1/sqrt(head_dim)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -233,6 +309,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
 
+    def layer_rope(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """Layer i's rope tables and sliding window (the fused step's)."""
+        return self.rope_cos, self.rope_sin, self.args.sliding_window
+
     def new_cache(self, max_seq_len: int | None = None) -> list[KVCache]:
         """An empty KV cache for one sequence of up to `max_seq_len` positions (default and
         at most the rope tables'), in the compute dtype."""
@@ -249,14 +329,16 @@ class Transformer(nn.Module):
         return ops.available() and all(isinstance(m, QuantLinear) for m in linears)
 
     def forward(
-        self, tokens: torch.Tensor, pos: int, cache: list[KVCache], all_logits: bool = False,
-        blocks=None,
+        self, tokens: torch.Tensor, pos: int, cache: list[KVCache] | Rows,
+        all_logits: bool = False, blocks=None,
     ) -> torch.Tensor:  # fmt: skip
         """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab); writes
-        their keys and values into `cache`. `blocks`, when given, runs every block on
-        (x, pos) in place of the loop below, which is its definition (the fused step)."""
+        their keys and values into `cache`. With `cache` Rows, the tokens are rows of
+        several sequences at the Rows' positions (`pos` unused). `blocks`, when given,
+        runs every block on (x, pos) in place of the loop below, which is its definition
+        (the fused step)."""
         T = tokens.shape[1]
-        cos, sin = self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]
+        cos, sin = rope_rows(self.rope_cos, self.rope_sin, pos, T, cache)
         # .to(): a quantized embedding table dequantizes rows in float32.
         x = self.embed_tokens(tokens).to(cos.dtype)
         if blocks is not None:
@@ -266,4 +348,4 @@ class Transformer(nn.Module):
                 x = layer(x, pos, cos, sin, layer_cache)
         if not all_logits:
             x = x[:, -1:]  # generation needs only the last position's logits
-        return self.lm_head(self.norm(x))
+        return rows_apply(lambda h: self.lm_head(self.norm(h)), x, cache)

@@ -1,0 +1,267 @@
+"""Gemma 3 (text): the Llama block with Gemma's changes, as its own family.
+
+- RMSNorm scales by (1 + weight), in float32 before casting back;
+- four norms per block: before and after attention, before and after the MLP;
+- q/k RMSNorm per head; queries scaled by query_pre_attn_scalar ** -0.5;
+- layers alternate sliding-window (local) and full (global) attention, each kind with
+  its own rope base (and only the global one scaled);
+- GeGLU MLP with the tanh GELU; embeddings scaled by sqrt(dim); tied output layer;
+  an optional final logit softcap.
+
+Reference: transformers' models/gemma3/modeling_gemma3.py (Gemma3ForCausalLM), which
+tests/test_model.py checks this file against. The fused decode step (fused_decode.py)
+runs these blocks too, from what Block.norm_weights, layer_rope, mlp_act and attn_scale
+tell it; Block.forward is its definition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ... import InferError
+from ...kernels_cpu import ops
+from ...quant.formats.base import QuantLinear
+from . import llama
+from .config import (
+    MAX_CONTEXT,
+    MAX_DIM,
+    MAX_LAYERS,
+    ROPE_THETA_RANGE,
+    ModelArgs,
+    base_args,
+    config_fields,
+    rope_inv_freq,
+    rope_scaling,
+    shown,
+)
+from .llama import _LINEARS, KVCache, Rows, rope_rows, rows_apply
+
+LOCAL, GLOBAL = "sliding_attention", "full_attention"  # config.json's layer types
+MAX_SOFTCAP = 1e4  # final_logit_softcapping: Gemma 2's is 30
+
+
+@dataclass
+class Gemma3Args(ModelArgs):
+    model_type: str = "gemma3_text"
+    rope_local_theta: float = 10000.0  # the sliding layers' rope base (never scaled)
+    sliding_layers: list[bool] = field(default_factory=list)  # per layer: local attention
+    query_pre_attn_scalar: float = 256.0
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_dict(cls, cfg: dict, origin: str = "config", names: dict | None = None) -> Gemma3Args:
+        """From a Gemma3TextConfig dict: transformers 5's (`layer_types`, `rope_parameters`
+        per layer type) or the older hub form (`sliding_window_pattern`, `rope_theta`,
+        `rope_local_base_freq`, `rope_scaling`). Every number is checked, and a bad one
+        fails, as ModelArgs.from_dict says."""
+        c = config_fields(cfg, origin, names)
+        args = {"model_type": "gemma3_text", **base_args(c)}
+        act_key = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+        act = cfg.get(act_key)
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise c.fail(act_key, act, "unsupported (Gemma 3's MLP is the tanh GELU)")
+        if cfg.get("attn_logit_softcapping") or cfg.get("use_bidirectional_attention"):
+            raise InferError(
+                f"{origin}: unsupported Gemma 3 variant (attn_logit_softcapping="
+                f"{shown(cfg.get('attn_logit_softcapping'))}, use_bidirectional_attention="
+                f"{shown(cfg.get('use_bidirectional_attention'))})"
+            )
+        n = args["n_layers"]
+        if cfg.get("layer_types") is None:  # every pattern-th layer global
+            pattern = c.int("sliding_window_pattern", 1, MAX_LAYERS, default=6)
+            types = [LOCAL if (i + 1) % pattern else GLOBAL for i in range(n)]
+        else:
+            types = c.list("layer_types")
+            if len(types) != n:
+                raise c.fail("layer_types", types, f"has {len(types)} entries for {n} layers")
+            for t in types:
+                if t not in (LOCAL, GLOBAL):
+                    raise c.fail("layer_types", t, f"must be {LOCAL!r} or {GLOBAL!r}")
+        # transformers 5: one rope object per layer type; older configs: top-level keys.
+        rope = c.sub("rope_parameters")
+        full, local = rope.sub(GLOBAL), rope.sub(LOCAL)
+        theta = c.float("rope_theta", *ROPE_THETA_RANGE, default=1e6, open_low=False)
+        local_theta = c.float(
+            "rope_local_base_freq", *ROPE_THETA_RANGE, default=10000.0, open_low=False
+        )
+        if rope_scaling(local) is not None:
+            raise InferError(f"{origin}: unsupported rope scaling on Gemma 3's sliding layers")
+        window = c.int("sliding_window", 1, MAX_CONTEXT) if cfg.get("sliding_window") else None
+        scalar = c.float("query_pre_attn_scalar", 0.0, MAX_DIM, default=float(args["head_dim"]))
+        cap = c.float("final_logit_softcapping", 0.0, MAX_SOFTCAP, default=None, open_low=False)
+        args.update(
+            rope_theta=full.float("rope_theta", *ROPE_THETA_RANGE, default=theta, open_low=False),
+            rope_scaling=rope_scaling(c.sub("rope_scaling") if c.dict("rope_scaling") else full),
+            rope_local_theta=local.float(
+                "rope_theta", *ROPE_THETA_RANGE, default=local_theta, open_low=False
+            ),
+            sliding_window=window,
+            sliding_layers=[t == LOCAL for t in types],
+            qk_norm=True,
+            query_pre_attn_scalar=scalar,
+            final_logit_softcapping=cap or None,  # 0: no cap
+            tie_embeddings=c.bool("tie_word_embeddings", True),
+        )
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in args.items() if k in known})
+
+    def _count_params(self, experts: int) -> int:
+        # Llama's count plus the two extra norms a block has
+        return super()._count_params(experts) + 2 * self.n_layers * self.dim
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Attention(llama.Attention):
+    """llama.Attention with q/k norms per head, its own score scale and window per layer."""
+
+    def __init__(self, args: Gemma3Args, layer: int):
+        nn.Module.__init__(self)
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.sliding_window = args.sliding_window if args.sliding_layers[layer] else None
+        self.scale = args.query_pre_attn_scalar**-0.5
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+
+    def project(self, x: torch.Tensor):
+        """q (1, T, H, D), k and v (1, T, n_kv, D) of x (1, T, dim), q and k normed."""
+        T = x.shape[1]
+        q = self.q_norm(self.q_proj(x).view(1, T, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(1, T, self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(1, T, self.n_kv_heads, self.head_dim)
+        return q, k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, args: Gemma3Args):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: Gemma3Args, layer: int):
+        super().__init__()
+        self.sliding = args.sliding_layers[layer]
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args, layer)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+        self.post_feedforward_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, pos: int, cos, sin, cache: KVCache) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), pos, cos, sin, cache)
+        h = x + self.post_attention_layernorm(attn)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def norm_weights(self) -> tuple:
+        """The fused step's norm weights as llama.Block.norm_weights gives them: 1 + w,
+        in float32 as RMSNorm.forward adds it."""
+        a = self.self_attn
+        norms = (self.input_layernorm, self.pre_feedforward_layernorm, a.q_norm, a.k_norm,
+                 self.post_attention_layernorm, self.post_feedforward_layernorm)  # fmt: skip
+        return tuple(1.0 + n.weight.float() for n in norms)
+
+
+class Gemma3(nn.Module):
+    """The model: the same interface as llama.Transformer (forward, new_cache,
+    setup_rope, sanitize, runs_on_kernels)."""
+
+    mlp_act = "gelu_tanh"  # the fused step's activation
+
+    def __init__(self, args: Gemma3Args):
+        super().__init__()
+        self.args = args
+        self.attn_scale = args.query_pre_attn_scalar**-0.5
+        # Zeros, not a random init (see llama.Transformer); the checkpoint assigns it.
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.zeros(args.vocab_size, args.dim))
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.max_seq_len = 0
+
+    @staticmethod
+    def sanitize(state_dict: dict, args: Gemma3Args) -> dict:
+        """Checkpoint names onto ours: drop the `model.` prefix and rope buffers."""
+        sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        return {k: v for k, v in sd.items() if "rotary_emb" not in k}
+
+    def setup_rope(self, max_seq_len: int, dtype: torch.dtype) -> None:
+        """Rope tables for both layer kinds, (max_seq_len, head_dim) each."""
+        self.max_seq_len = max_seq_len
+        local = dataclasses.replace(
+            self.args, rope_theta=self.args.rope_local_theta, rope_scaling=None
+        )
+        for kind, a in (("global", self.args), ("local", local)):
+            angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), rope_inv_freq(a))
+            angles = torch.cat((angles, angles), dim=-1)
+            self.register_buffer(f"{kind}_cos", angles.cos().to(dtype), persistent=False)
+            self.register_buffer(f"{kind}_sin", angles.sin().to(dtype), persistent=False)
+
+    def layer_rope(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """Layer i's rope tables and sliding window (the fused step's)."""
+        if self.layers[i].sliding:
+            return self.local_cos, self.local_sin, self.args.sliding_window
+        return self.global_cos, self.global_sin, None
+
+    def new_cache(self, max_seq_len: int | None = None) -> list[KVCache]:
+        """An empty KV cache for one sequence (see llama.Transformer.new_cache)."""
+        n = min(max_seq_len or self.max_seq_len, self.max_seq_len)
+        a = self.args
+        return [KVCache(a.n_kv_heads, n, a.head_dim, self.global_cos.dtype) for _ in self.layers]
+
+    def runs_on_kernels(self) -> bool:
+        """Whether every projection and the output layer run on the C kernels."""
+        linears = [m for name, m in self.named_modules() if name.rpartition(".")[2] in _LINEARS]
+        return ops.available() and all(isinstance(m, QuantLinear) for m in linears)
+
+    def forward(
+        self, tokens: torch.Tensor, pos: int, cache: list[KVCache] | Rows,
+        all_logits: bool = False, blocks=None,
+    ) -> torch.Tensor:  # fmt: skip
+        """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab), as
+        llama.Transformer.forward."""
+        T = tokens.shape[1]
+        rope = {
+            False: rope_rows(self.global_cos, self.global_sin, pos, T, cache),
+            True: rope_rows(self.local_cos, self.local_sin, pos, T, cache),
+        }
+        dtype = self.global_cos.dtype
+        # The scale rounded to the compute dtype first, as transformers does.
+        x = self.embed_tokens(tokens).to(dtype) * torch.tensor(self.args.dim**0.5, dtype=dtype)
+        if blocks is not None:
+            x = blocks(x, pos)
+        else:
+            for layer, layer_cache in zip(self.layers, cache):
+                x = layer(x, pos, *rope[layer.sliding], layer_cache)
+        if not all_logits:
+            x = x[:, -1:]
+        logits = rows_apply(lambda h: self.lm_head(self.norm(h)), x, cache)
+        cap = self.args.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,195 @@
+"""One pass over several sequences (session.decode): each sequence's logits are those of
+decoding it alone, with sequences joining and leaving mid-way, for every format the fused
+step runs, for mixtures of experts, on the torch path and with streamed layers; and a run
+of guessed tokens checked in one pass equals decoding them one at a time."""
+
+import pytest
+import torch
+from test_offload import convert, make_hf, min_budget
+from tiny import make_hf_model
+
+from infer.kernels_cpu import ops
+from infer.offload.stream import load_streamed
+from infer.quant.formats.recipes import get_recipe
+from infer.quant.quantize import quantize_model
+from infer.runtime.files.checkpoint import read_checkpoint
+from infer.runtime.loader import load_model
+from infer.runtime.session import Session, decode
+
+PROMPTS = [
+    [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140],
+    [8, 19, 301, 44, 2],
+    [60, 61, 62, 7, 7, 7, 150, 151, 152],
+]
+# step at which each prompt's sequence joins the batch, and how many tokens it decodes
+JOIN, STEPS = [0, 2, 4], [8, 3, 5]
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="C extension not built")
+
+
+def alone(model, prompt: list[int], steps: int) -> torch.Tensor:
+    """Greedy decode after `prompt` by itself: each step's logits (steps, vocab)."""
+    session = Session(model)
+    logits = session.prefill(prompt)
+    out = []
+    for _ in range(steps):
+        logits = session.step(int(logits.argmax()))
+        out.append(logits)
+    return torch.stack(out)
+
+
+def batched(model, prompts=PROMPTS, join=JOIN, steps=STEPS) -> list[torch.Tensor]:
+    """The same sequences decoded together, one decode() a step; sequence i joins at step
+    join[i] and leaves after steps[i] tokens."""
+    sessions = [Session(model) for _ in prompts]
+    last = [None] * len(prompts)
+    out = [[] for _ in prompts]
+    t = 0
+    while any(len(o) < n for o, n in zip(out, steps)):
+        for i, p in enumerate(prompts):
+            if join[i] == t:
+                last[i] = sessions[i].prefill(p)
+        live = [i for i in range(len(prompts)) if last[i] is not None and len(out[i]) < steps[i]]
+        got = decode([sessions[i] for i in live], [[int(last[i].argmax())] for i in live])
+        for i, logits in zip(live, got):
+            last[i] = logits[-1]
+            out[i].append(logits[-1])
+        t += 1
+    return [torch.stack(o) for o in out]
+
+
+def assert_rows_equal_alone(model, exact: bool = True):
+    together = batched(model)
+    for prompt, n, got in zip(PROMPTS, STEPS, together):
+        ref = alone(model, prompt, n)
+        if exact:
+            assert torch.equal(got, ref)
+        else:
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+            assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batched")
+    for arch in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "olmoe"):
+        make_hf_model(arch, root / arch)
+    return root
+
+
+def quantized(hf_dirs, arch: str, recipe: str, **overrides):
+    model = load_model(hf_dirs / arch, max_seq_len=64).model
+    quantize_model(model, get_recipe(recipe, n_layers=model.args.n_layers, **overrides))
+    return model
+
+
+@pytest.mark.parametrize(
+    "arch, recipe, overrides",
+    [("llama", "int8", {}), ("llama", "int8", {"group_size": 0}),
+     ("llama", "int4", {"symmetric": True}), ("llama", "int4", {"symmetric": False}),
+     ("llama", "lut2", {"group_size": 32}), ("llama", "lut3", {}), ("llama", "lut2_m", {}),
+     ("qwen2", "int8", {}), ("qwen3", "int4", {}), ("mistral", "int8", {}),
+     ("mixtral", "int8", {}), ("qwen2_moe", "int4", {}), ("olmoe", "lut2_m", {})],
+)  # fmt: skip
+def test_rows_equal_alone_on_the_fused_step(hf_dirs, arch, recipe, overrides):
+    model = quantized(hf_dirs, arch, recipe, **overrides)
+    assert Session(model).fused is not None
+    assert_rows_equal_alone(model)
+
+
+def test_rows_equal_alone_int6(tmp_path):
+    make_hf_model("llama", tmp_path / "m", hidden_size=256, intermediate_size=512)
+    model = load_model(tmp_path / "m", max_seq_len=64).model
+    quantize_model(model, get_recipe("int6"))
+    assert Session(model).fused is not None
+    assert_rows_equal_alone(model)
+
+
+def test_rows_equal_alone_on_the_torch_path(hf_dirs):
+    model = load_model(hf_dirs / "qwen2_moe", max_seq_len=64).model  # float: no fused step
+    assert Session(model).fused is None
+    assert_rows_equal_alone(model, exact=False)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_guessed_tokens_in_one_pass_equal_one_at_a_time(hf_dirs, fused):
+    model = quantized(hf_dirs, "mistral", "int4")  # a window of 8: rows cross it
+    guesses = [41, 7, 233, 18, 90, 5, 5, 61, 2, 300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    one, together = Session(model), Session(model)
+    if not fused:
+        one.fused = together.fused = None
+    for s in (one, together):
+        s.prefill(PROMPTS[0])
+    ref = torch.stack([one.step(t) for t in guesses])
+    got = decode([together], [guesses])[0]  # 20 rows: more than one pass of the C step
+    assert together.tokens == one.tokens
+    if fused:
+        assert len(guesses) > together.fused.max_rows
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    # guesses that were not accepted go; the next pass writes their positions again
+    together.truncate(len(PROMPTS[0]) + 3)
+    one.truncate(len(PROMPTS[0]) + 3)
+    assert torch.equal(decode([together], [[77]])[0][-1], one.step(77)) or not fused
+
+
+def test_sequences_and_guesses_share_a_pass(hf_dirs):
+    """One session checking guesses beside others decoding a token each."""
+    model = quantized(hf_dirs, "qwen3", "int8")
+    a, b, c = (Session(model) for _ in range(3))
+    refs = [Session(model) for _ in range(3)]
+    for s, r, p in zip((a, b, c), refs, PROMPTS):
+        s.prefill(p)
+        r.prefill(p)
+    got = decode([a, b, c], [[1], [2, 3, 4, 5], [6]])
+    ref = [
+        torch.stack([r.step(t) for t in toks]) for r, toks in zip(refs, [[1], [2, 3, 4, 5], [6]])
+    ]
+    assert all(torch.equal(g, r) for g, r in zip(got, ref))
+
+
+def test_decode_refuses_bad_rows(hf_dirs):
+    model = quantized(hf_dirs, "llama", "int8")
+    s, other = Session(model), Session(quantized(hf_dirs, "llama", "int8"))
+    s.prefill([1, 2, 3])
+    with pytest.raises(ValueError, match="different models"):
+        decode([s, other], [[1], [2]])
+    with pytest.raises(ValueError, match="twice"):
+        decode([s, s], [[1], [2]])
+    with pytest.raises(ValueError, match="no tokens"):
+        decode([s], [[]])
+
+
+def test_streamed_layers_read_once_for_all_rows(tmp_path):
+    """A streamed model decodes its sequences together as alone, and a pass reads each
+    streamed layer once whatever its rows."""
+    ckpt = read_checkpoint(convert(make_hf(tmp_path / "hf"), tmp_path / "int8", "int8"))
+    budget, _ = min_budget(ckpt)
+    model, stream, plan = load_streamed(ckpt, torch.float32, 64, budget, process_bytes=0)
+    try:
+        assert plan.window == 1 and Session(model).fused is None
+        refs = [alone(model, p, n) for p, n in zip(PROMPTS, STEPS)]
+        stream.reset_stats()
+        sessions = [Session(model) for _ in PROMPTS]
+        last = [s.prefill(p) for s, p in zip(sessions, PROMPTS)]
+        prefill = stream.snapshot()
+        got = decode(sessions, [[int(x.argmax())] for x in last])
+        after = stream.snapshot()
+        assert after.passes - prefill.passes == 1
+        # the streamed layers once (reads run up to a window ahead of the pass), not per row
+        assert after.bytes_read - prefill.bytes_read < 1.5 * plan.streamed_bytes
+        for g, r in zip(got, refs):
+            assert torch.equal(g[-1], r[0])
+    finally:
+        stream.close()
+
+
+def test_default_model_greedy_tokens_batched_equal_alone(smollm2_gguf):
+    model = load_model(smollm2_gguf, max_seq_len=256).model
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 28, 638, 359, 346, 47], [1, 2]]
+    steps = [12, 12, 12]
+    together = batched(model, prompts, [0, 3, 5], steps)
+    for p, n, got in zip(prompts, steps, together):
+        assert torch.equal(got.argmax(-1), alone(model, p, n).argmax(-1))
+        assert torch.equal(got, alone(model, p, n))

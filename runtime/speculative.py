@@ -24,11 +24,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from .. import InferError
 from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
 from .sampling import Distribution, Sampler
-from .session import Session
+from .session import Session, decode
 
 
 @dataclass(frozen=True)
@@ -258,9 +260,11 @@ class LookupDrafter(Drafter):
 class ModelDrafter(Drafter):
     """Guesses from a smaller model of the same vocabulary, drawn with the target's own
     sampler settings (greedy when it is). Its Session follows the answer: before each
-    draft, prefill brings its cache to the accepted text (reusing the common prefix, so
-    the positions of refused guesses are written again). The draft applies no penalties
-    or grammar: any q is correct, these only cost acceptance."""
+    draft its cache is brought to the accepted text (the common prefix kept, so the
+    positions of refused guesses are written again). The draft applies no penalties or
+    grammar: any q is correct, these only cost acceptance."""
+
+    CATCH_UP = 8  # at most this many missing tokens go through the decode step, not prefill
 
     def __init__(
         self,
@@ -285,15 +289,27 @@ class ModelDrafter(Drafter):
         k = min(k, s.max_seq_len - len(history) + 1)
         if k <= 0:
             return []
-        logits = s.prefill(history)
         guesses = []
-        for i in range(k):
-            q = sampler.distribution(logits[: self.vocab_size])
-            x = sampler.draw(q)
-            guesses.append(Guess(x, None if sampler.greedy else q))
-            if i + 1 < k:
-                logits = s.step(x)
+        with s.threads.forward():  # the sampler's ops too: torch's workers must not spin
+            logits = self._follow(history)
+            for i in range(k):
+                q = sampler.distribution(logits[: self.vocab_size])
+                x = sampler.draw(q)
+                guesses.append(Guess(x, None if sampler.greedy else q))
+                if i + 1 < k:
+                    logits = s.step(x)
         return guesses
+
+    def _follow(self, history: list[int]) -> torch.Tensor:
+        """Bring the cache to hold `history`: the logits (vocab,) after its last token.
+        Usually one or two tokens are missing (the model's own token after the guesses
+        it kept); after a pause in guessing, more."""
+        s = self.session
+        n = s.reused_prefix(history)  # the last token is always computed
+        if len(history) - n > self.CATCH_UP:
+            return s.prefill(history)
+        s.truncate(n)
+        return decode([s], [history[n:]])[0][-1]
 
 
 def check_draft_tokenizer(draft: Tokenizer, target: Tokenizer, draft_name: str, name: str):

@@ -16,12 +16,12 @@ import torch
 from tiny import make_hf_model
 
 from infer import InferError
-from infer.runtime.answer import stream_answer
+from infer.runtime.answer import Answering, stream_answer
 from infer.runtime.bench_speculative import run_speculative_bench
 from infer.runtime.generate import Decoding, Penalties, generate, make_sampler
 from infer.runtime.loader import load_model
 from infer.runtime.sampling import Distribution, as_sampler
-from infer.runtime.session import Session
+from infer.runtime.session import Session, decode
 from infer.runtime.speculative import (
     Drafter,
     DraftLength,
@@ -144,6 +144,32 @@ def test_the_context_is_never_overrun(tiny, room):
     ):
         out = _run(tiny, prompt, 100, drafter, ctx=ctx)
         assert out == _run(tiny, prompt, 100, ctx=ctx) and len(out) == room + 1
+
+
+def test_answers_with_drafters_share_passes(tiny, other):
+    """Answerings stepped through one decode() pass, as the scheduler steps them, each
+    with its own drafter: every answer is its plain greedy answer."""
+    tok = tiny.tokenizer
+    prompts = [_prompt(tiny), _prompt(tiny, "x = [1, 2, 3]\ny = [1, 2, 3]\n" * 4)]
+    wants = [_run(tiny, p, 25) for p in prompts]
+    vocab = tiny.model.args.vocab_size
+    drafters = [LookupDrafter(k_max=4, adaptive=False), ModelDrafter(other.model, vocab)]
+    drafters[1].length = DraftLength(3, adaptive=False)
+    answers = [
+        Answering(Session(tiny.model), tok, p, make_sampler(0), 25, lambda _: None, drafter=d)
+        for p, d in zip(prompts, drafters)
+    ]
+    for a in answers:
+        while a.prefilling:
+            a.prefill()
+    while running := [a for a in answers if not a.done]:
+        logits = decode([a.session for a in running], [a.feed() for a in running])
+        for a, rows in zip(running, logits):
+            a.take(rows)
+    for a, want in zip(answers, wants):  # the plain answer, up to a stop token
+        stop = next((i for i, t in enumerate(want) if t in tok.stop_ids), len(want))
+        assert a.answer.tokens == want[:stop]
+    assert all(d.stats.guessed > 0 for d in drafters)
 
 
 def test_stop_token_inside_a_kept_run_ends_the_answer(tiny):

@@ -21,6 +21,7 @@ from .model.tokenizer import Tokenizer
 from .session import Session, decode
 
 if TYPE_CHECKING:
+    from .speculative import Drafter
     from .structured import Constraint
 
 
@@ -139,7 +140,8 @@ class Answering:
     `max_tokens` < 0 means until the context is full. `cancelled()` turning true ends
     the answer "cancelled" after the pass it is in; `finish(reason)` ends it from
     outside (Ctrl-C: "interrupted"). What was generated so far is kept. A `constraint`
-    (structured.py, one per answer) keeps the text to its grammar."""
+    (structured.py, one per answer) keeps the text to its grammar; a `drafter`
+    (speculative.py) makes feed() add guessed tokens, and take() keep those that hold."""
 
     def __init__(
         self,
@@ -153,6 +155,7 @@ class Answering:
         stop: Sequence[str] = (),
         cancelled: Callable[[], bool] = lambda: False,
         constraint: Constraint | None = None,
+        drafter: Drafter | None = None,
     ):
         self.session, self.prompt = session, prompt
         self.on_text, self.cancelled = on_text, cancelled
@@ -160,7 +163,7 @@ class Answering:
         max_tokens = room if max_tokens < 0 else min(max_tokens, room)
         ctx = session.max_seq_len
         self.answer = Answer(len(prompt), session.reused_prefix(prompt), context=ctx)
-        self.decoding = Decoding(sampler, max_tokens, prompt, penalties, constraint)
+        self.decoding = Decoding(sampler, max_tokens, prompt, penalties, constraint, drafter)
         self.decoder, self.stops = tok.stream_decoder(), StopStrings(stop)
         self.stop_ids = tok.stop_ids
         self.prefilling = max_tokens > 0
@@ -250,12 +253,14 @@ def stream_answer(
     cancelled: Callable[[], bool] = lambda: False,
     constraint: Constraint | None = None,
     prefill_chunk: int = 512,
+    drafter: Drafter | None = None,
 ) -> Answer:
     """Generate after `prompt` in `session` alone, calling `on_text` with each decoded
     piece (Answering's loop). Ctrl-C ends the answer "interrupted"."""
     a = Answering(
-        session, tok, prompt, sampler, max_tokens, on_text, penalties, stop, cancelled, constraint
-    )
+        session, tok, prompt, sampler, max_tokens, on_text, penalties, stop, cancelled,
+        constraint, drafter,
+    )  # fmt: skip
     try:
         while a.prefilling:
             a.prefill(prefill_chunk)

@@ -197,8 +197,8 @@ class Guessing(Decoding):
 
     known: ClassVar[dict[tuple[int, ...], list[int]]] = {}
 
-    def __init__(self, sampler, max_tokens, history, penalties=None, constraint=None):
-        super().__init__(sampler, max_tokens, history, penalties, constraint)
+    def __init__(self, sampler, max_tokens, history, penalties=None, constraint=None, drafter=None):
+        super().__init__(sampler, max_tokens, history, penalties, constraint, drafter)
         self.answer = self.known.get(tuple(history), [])
         self._fed: list[int] = []
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import InferError
 from .generate import Decoding, Penalties, Sampler
 from .model.tokenizer import Tokenizer
 from .session import Session, decode
@@ -157,6 +158,11 @@ class Answering:
         constraint: Constraint | None = None,
         drafter: Drafter | None = None,
     ):
+        if len(prompt) > session.max_seq_len:
+            raise InferError(
+                f"prompt is {len(prompt)} tokens, longer than the context of "
+                f"{session.max_seq_len} (raise --ctx)"
+            )
         self.session, self.prompt = session, prompt
         self.on_text, self.cancelled = on_text, cancelled
         room = session.max_seq_len - len(prompt) + 1  # the last token is never fed back

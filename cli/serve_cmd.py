@@ -15,7 +15,7 @@ import typer
 from .. import InferError
 from ..offload.budget import parse_size
 from .common import torch_dtype
-from .options import Ctx, Debug, DType, DTypeOpt, MaxMemory, Threads
+from .options import Ctx, Debug, DType, DTypeOpt, Lookup, MaxMemory, Threads
 
 DEFAULT_PORT = 11435  # beside ollama's 11434
 DEFAULT_HOST = "127.0.0.1"
@@ -86,6 +86,7 @@ def serve(
             "prompt pauses the running answers for one chunk at a time.",
         ),
     ] = 256,
+    lookup: Lookup = False,
     ctx: Ctx = None,
     dtype: DTypeOpt = DType.float32,
     max_memory: MaxMemory = None,
@@ -128,6 +129,7 @@ def serve(
         max_memory=budget,
         parallel=parallel,
         prefill_chunk=prefill_chunk,
+        lookup=lookup,
         keep_alive=keep,
         threads=n_threads,
     )

@@ -29,6 +29,7 @@ from .generate import Penalties, Sampler, make_sampler
 from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
 from .session import Session, decode
+from .speculative import LookupDrafter
 
 
 @dataclass
@@ -79,6 +80,8 @@ class SchedulerStats:
     generated_tokens: int = 0
     steps: int = 0  # decode passes
     batched: int = 0  # answers those passes advanced, summed: / steps is the mean batch
+    guessed: int = 0  # tokens guessed by prompt lookup (--lookup) and checked
+    accepted: int = 0  # of those, kept
 
 
 class Scheduler:
@@ -94,8 +97,12 @@ class Scheduler:
         context: int | None = None,
         threads: int | None = None,
         prefill_chunk: int = 256,
+        lookup: bool = False,
     ):
+        """`lookup`: every answer drafts guesses from its prompt and text (speculative
+        decoding's prompt lookup), checked in the same pass as the other answers."""
         self.model, self.tokenizer = model, tokenizer
+        self.lookup = lookup
         self.slots = [Session(model, context, threads) for _ in range(max(1, parallel))]
         self.context = self.slots[0].max_seq_len
         self.prefill_chunk = max(1, prefill_chunk)
@@ -223,6 +230,7 @@ class Scheduler:
             job.stop,
             cancelled=lambda: job.cancelled,
             constraint=job.constraint,
+            drafter=LookupDrafter() if self.lookup else None,
         )
         answering.answer.context = limit
         return answering
@@ -277,7 +285,11 @@ class Scheduler:
     def _leave(self, i: int, result: Answer | Exception) -> None:
         """The job in slot `i` leaves the batch, its slot free for the next."""
         with self._lock:
-            job, _ = self._active.pop(i)
+            job, answering = self._active.pop(i)
+        drafter = answering.decoding.drafter
+        if drafter is not None:
+            self.stats.guessed += drafter.stats.guessed
+            self.stats.accepted += drafter.stats.accepted
         self._end(job, result)
 
     def _end(self, job: Job, result: Answer | Exception) -> None:

@@ -257,9 +257,11 @@ def test_kv_caches_count_in_the_estimate(tiny):
     assert four - estimated_bytes(tiny.source, f32, 64, sessions=1) == 3 * one
 
 
-def test_default_model_batched_equals_alone(smollm2_gguf):
+@pytest.mark.parametrize("lookup", [False, True])
+def test_default_model_batched_equals_alone(smollm2_gguf, lookup):
     """The real model (quantized kernels, the fused step): chat prompts of different
-    lengths, joining and leaving, each answer equal to the answer alone."""
+    lengths, joining and leaving, each answer equal to the answer alone; with prompt
+    lookup, guesses checked in the same passes as the other answers' tokens."""
     lm = load_model(smollm2_gguf, max_seq_len=CTX * 4)
     tok = lm.tokenizer
     system = " ".join(f"Rule {i}: answer briefly." for i in range(20))
@@ -270,7 +272,9 @@ def test_default_model_batched_equals_alone(smollm2_gguf):
         [{"role": "user", "content": "Write a haiku about rain."}],
     ]
     ids = [tok.encode_chat(m) for m in chats]
-    scheduler = Scheduler(lm.model, tok, parallel=3, context=CTX * 4, prefill_chunk=64)
+    scheduler = Scheduler(
+        lm.model, tok, parallel=3, context=CTX * 4, prefill_chunk=64, lookup=lookup
+    )
     try:
         runs = [Run(scheduler, p, 12 + 4 * i) for i, p in enumerate(ids)]
         runs[0].when(2, runs[1].submit)
@@ -285,5 +289,6 @@ def test_default_model_batched_equals_alone(smollm2_gguf):
             assert r.wait().text == want.text and r.answer.tokens == want.tokens
         assert "Paris" in runs[0].answer.text
         assert scheduler.stats.batched > scheduler.stats.steps
+        assert (scheduler.stats.accepted > 0) == lookup  # "Count from 1 to 10" copies its prompt
     finally:
         scheduler.close()

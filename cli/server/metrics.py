@@ -121,6 +121,18 @@ class Metrics:
             "Answers those passes advanced (over decode_steps_total: the mean batch).",
             [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.batched) for m in models],
         )
+        metric(
+            "lookup_guessed_tokens_total",
+            "counter",
+            "Tokens guessed by prompt lookup (serve --lookup) and checked, by model.",
+            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.guessed) for m in models],
+        )
+        metric(
+            "lookup_accepted_tokens_total",
+            "counter",
+            "Of those, the tokens kept.",
+            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.accepted) for m in models],
+        )
         metric("models_loaded", "gauge", "Models in memory.", [("", len(models))])
         metric(
             "model_memory_bytes",

@@ -40,6 +40,7 @@ class ServeSettings:
     max_memory: int | None = None  # the process's budget (loader.load_model)
     parallel: int = 4  # answers a model runs at once: its KV caches (slots), kept for reuse
     prefill_chunk: int = 256  # prompt tokens prefilled between two decode passes
+    lookup: bool = False  # answers guess tokens from their prompts (speculative decoding)
     keep_alive: float | None = 300.0  # seconds idle before unloading; None: never
     threads: int | None = None
 
@@ -198,7 +199,7 @@ class ModelPool:
                 budget -= (s.parallel - 1) * kv_cache_bytes(args, s.dtype, ctx)
             lm = load_model(resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=budget)
             scheduler = Scheduler(
-                lm.model, lm.tokenizer, s.parallel, s.ctx, s.threads, s.prefill_chunk
+                lm.model, lm.tokenizer, s.parallel, s.ctx, s.threads, s.prefill_chunk, s.lookup
             )
             kv = sum(c.k.nbytes + c.v.nbytes for slot in scheduler.slots for c in slot.cache or ())
             size = lm.source.held_bytes(s.dtype) + kv

@@ -7,7 +7,6 @@ a file or model name.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 
 from ... import InferError
@@ -351,31 +350,3 @@ def check_rope_freq_factors(factors: list[float], head_dim: int, origin: str) ->
             raise InferError(
                 f"{origin}: rope_freqs[{i}] = {f}: must be more than 0 and at most {MAX_ROPE_FACTOR:g}"
             )
-
-
-def rope_inv_freq(args: ModelArgs):
-    """Inverse frequencies (head_dim // 2,), with llama3 or linear scaling applied."""
-    import torch
-
-    inv_freq = 1.0 / (
-        args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim)
-    )
-    if args.rope_freq_factors is not None:
-        return inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float64)
-    s = args.rope_scaling
-    if s is None:
-        return inv_freq
-    factor = float(s.get("factor", 1.0))
-    if s["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3 (Llama 3.1/3.2): keep high frequencies, divide low ones by `factor`,
-    # interpolate smoothly between (transformers' _compute_llama3_parameters).
-    low = float(s.get("low_freq_factor", 1.0))
-    high = float(s.get("high_freq_factor", 4.0))
-    old_ctx = float(s.get("original_max_position_embeddings", 8192))
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    out = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-    return torch.where(medium, smoothed, out)

@@ -249,7 +249,7 @@ def pull(
 
 def _local_model(path: Path) -> ResolvedModel | None:
     """A GGUF file (by its magic) or a folder holding config.json, else None."""
-    from .files.gguf import is_gguf  # imports torch: only when a path is given
+    from .files.gguf_header import is_gguf
 
     if is_gguf(path):
         return ResolvedModel(path.stem, path.resolve())

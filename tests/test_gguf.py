@@ -168,6 +168,28 @@ def test_metadata_value_types(tmp_path):
     assert f.arch == "llama" and f.tensors == {} and f.version == 3
 
 
+def test_type_tables_are_the_gguf_packages():
+    from infer.runtime.files.ggml_types import FILE_TYPES, GGML_BLOCKS, GGMLType
+
+    assert set(GGML_BLOCKS) == set(GGMLType)
+    for t in GGMLType:
+        assert T[t.name] == t and hash(T[t.name]) == hash(t)
+        assert gguf.GGML_QUANT_SIZES[T[t.name]] == GGML_BLOCKS[t], t.name
+    for value, name in FILE_TYPES.items():
+        assert gguf.LlamaFileType(value).name == name
+
+
+def test_short_float_is_numpys_shortest_float32():
+    from infer.runtime.files.gguf_meta import _short_float
+
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(2000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 2000)
+    values = [*values.astype(np.float32), np.float32(1e-5), np.float32(1e6), np.float32(0.1)]
+    for x in values:
+        assert _short_float(float(x)) == float(str(np.float32(x))), x
+    assert _short_float(float("inf")) == float("inf") and _short_float(7) == 7
+
+
 # ---------------------------------------------------------------------------------------
 # The real default model, against gguf.GGUFReader
 # ---------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ from ..model.config import ModelArgs, check_rope_freq_factors
 from ..model.families import model_args, model_class
 from ..model.tokenizer import Tokenizer
 from .checkpoint import ROPE_FREQS, Checkpoint, is_checkpoint, read_checkpoint
-from .gguf import GGUFFile, is_gguf
+from .gguf import GGUFFile
 from .gguf_blocks import ON_KERNELS, Place, kernel_weights, loaded_bytes, placed_bytes, to_kernels
+from .gguf_header import is_gguf
 from .gguf_tensor import dequantize
 from .safetensors import FLOAT_DTYPES, read_header, read_safetensors
 

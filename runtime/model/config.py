@@ -1,7 +1,7 @@
 """ModelArgs: the architecture numbers of a Llama-family checkpoint, dense or mixture-of-experts.
 
 Every number comes from the checkpoint (config.json, or GGUF metadata turned into
-a config.json-style dict by `files.gguf.GGUFFile.config`); nothing is guessed from
+a config.json-style dict by `files.gguf_meta.GGUFMeta.config`); nothing is guessed from
 a file or model name.
 """
 

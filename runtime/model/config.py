@@ -7,6 +7,7 @@ a file or model name.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from ... import InferError
@@ -142,22 +143,56 @@ class ModelArgs:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def _count_params(self, experts: int) -> int:
-        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        if self.attention_bias:
-            attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
-        norms = 2 * self.dim
-        if self.qk_norm:
-            norms += self.head_dim * (self.n_heads + self.n_kv_heads if self.qk_norm_full else 2)
-        mlps = 0
+        shapes = self.param_shapes()
+        if self.tie_embeddings:
+            del shapes["lm_head.weight"]
+        unused = (self.n_experts - experts) * 3 * self.dim * self.moe_hidden_dim
+        return sum(math.prod(s) for s in shapes.values()) - unused * self.n_moe_layers
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every parameter of the model these numbers build, by state-dict
+        name: what a checkpoint's tensors must be (the output layer's too, which a tied
+        model need not store). tests/test_model.py checks it against the modules."""
+        shapes = {"embed_tokens.weight": (self.vocab_size, self.dim)}
         for i in range(self.n_layers):
-            if not self.is_moe_layer(i):
-                mlps += 3 * self.dim * self.hidden_dim
-                continue
-            mlps += self.n_experts * self.dim + experts * 3 * self.dim * self.moe_hidden_dim
-            if self.shared_expert_dim:
-                mlps += self.dim + 3 * self.dim * self.shared_expert_dim
-        embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * (attn + norms) + mlps + embed + self.dim
+            shapes.update(self._layer_shapes(i, f"layers.{i}."))
+        shapes["norm.weight"] = (self.dim,)
+        shapes["lm_head.weight"] = (self.vocab_size, self.dim)
+        return shapes
+
+    def _layer_shapes(self, i: int, p: str) -> dict[str, tuple[int, ...]]:
+        d, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        shapes = {
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "post_attention_layernorm.weight": (d,),
+        }
+        if self.attention_bias:
+            for name, rows in (("q", q), ("k", kv), ("v", kv)):
+                shapes[f"{p}self_attn.{name}_proj.bias"] = (rows,)
+        if self.qk_norm:  # per head, or over the whole projection (qk_norm_full)
+            shapes[p + "self_attn.q_norm.weight"] = (q if self.qk_norm_full else self.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv if self.qk_norm_full else self.head_dim,)
+        if not self.is_moe_layer(i):
+            return shapes | _mlp_shapes(p + "mlp.", d, self.hidden_dim)
+        shapes[p + "mlp.gate.weight"] = (self.n_experts, d)
+        for e in range(self.n_experts):
+            shapes |= _mlp_shapes(f"{p}mlp.experts.{e}.", d, self.moe_hidden_dim)
+        if self.shared_expert_dim:
+            shapes |= _mlp_shapes(p + "mlp.shared_expert.", d, self.shared_expert_dim)
+            shapes[p + "mlp.shared_expert_gate.weight"] = (1, d)
+        return shapes
+
+
+def _mlp_shapes(p: str, dim: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    return {
+        p + "gate_proj.weight": (hidden, dim),
+        p + "up_proj.weight": (hidden, dim),
+        p + "down_proj.weight": (dim, hidden),
+    }
 
 
 def config_fields(cfg: dict, origin: str = "config", names: dict | None = None) -> _Fields:

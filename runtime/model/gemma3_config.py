@@ -87,6 +87,7 @@ class Gemma3Args(ModelArgs):
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in args.items() if k in known})
 
-    def _count_params(self, experts: int) -> int:
-        # Llama's count plus the two extra norms a block has
-        return super()._count_params(experts) + 2 * self.n_layers * self.dim
+    def _layer_shapes(self, i: int, p: str) -> dict[str, tuple[int, ...]]:
+        # Llama's, and the norms before and after the MLP
+        norms = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+        return super()._layer_shapes(i, p) | {p + n: (self.dim,) for n in norms}

@@ -629,6 +629,22 @@ def test_garbage_never_crashes(typed_file, tmp_path):
         GGUFFile(bad)
 
 
+def test_string_length_past_the_end(tmp_path):
+    """A vocabulary is stepped over, not decoded, when the header is read: a string length
+    that leads far past the end still fails as a truncated file (found by the fuzzer)."""
+    from infer.runtime.files.gguf_meta import GGUFMeta
+
+    path = write_gguf(tmp_path / "s.gguf", "llama", {}, [("add_array", "t.strs", ["a", "b"])])
+    data = path.read_bytes()
+    strings = struct.pack("<Q", 1) + b"a" + struct.pack("<Q", 1) + b"b"
+    for length in (2**63, 2**40, len(data)):
+        patched = struct.pack("<Q", length) + strings[8:]  # the next length lies past it
+        path.write_bytes(data.replace(strings, patched))
+        for read in (GGUFFile, GGUFMeta):
+            with pytest.raises(InferError, match="truncated GGUF file: value of 't.strs'"):
+                read(path)
+
+
 def _patch_tensor_offset(path: Path, name: str, value: int) -> None:
     """Overwrite the u64 data offset in the tensor info of `name` (the info's last field)."""
     data = bytearray(path.read_bytes())

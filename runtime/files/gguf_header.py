@@ -169,7 +169,7 @@ class _Cursor:
             try:
                 for _ in itertools.repeat(None, count):
                     pos += 8 + unpack(buf, pos)[0]
-            except struct.error:  # a length that leads past the end
+            except (struct.error, OverflowError):  # a length that leads past the end
                 raise self.truncated(what) from None
             if pos > self.size:
                 raise self.truncated(what)

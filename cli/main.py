@@ -195,7 +195,7 @@ def info(
     debug: Debug = False,
 ) -> None:
     """Describe a model from its metadata, without loading its weights."""
-    from ..runtime.files.sources import open_source
+    from ..runtime.files.model_file import open_model_file
     from ..runtime.registry import recorded_sha256, resolve
     from ..runtime.wheels import file_sha256
 
@@ -210,7 +210,7 @@ def info(
         else:
             print(f"{resolved.path}: sha256 ok ({actual})")
         return
-    mi = open_source(resolved.path)
+    mi = open_model_file(resolved.path)  # its headers alone: no torch
     a = mi.args
     data = {
         "name": resolved.name,

@@ -312,6 +312,28 @@ def test_info(smollm2_gguf):
     assert "Q4_1" in r.stdout and "layers" in r.stdout
 
 
+def test_list_and_info_import_neither_torch_nor_numpy(home_env):
+    """`infer list` and `infer info` read headers alone (runtime/files/model_file.py):
+    importing torch, or numpy, is most of the seconds they took."""
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print(sorted({'torch', 'numpy'} & sys.modules.keys())))\n"
+        "from infer.cli import main\n"
+        "main()\n"
+    )
+    for args in (["list"], ["list", "--all"], ["list", "--json"], ["info"], ["info", "--json"]):
+        r = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            env=home_env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines()[-1] == "[]", (args, r.stdout[-500:])
+
+
 @pytest.mark.slow
 def test_list_and_pull_from_cache(home, home_env, tmp_path):
     r = infer("list", env=home_env)

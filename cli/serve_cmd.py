@@ -15,7 +15,7 @@ import typer
 from .. import InferError
 from ..offload.budget import parse_size
 from .common import torch_dtype
-from .options import Ctx, Debug, DType, DTypeOpt, Lookup, MaxMemory, Threads
+from .options import Ctx, Debug, Draft, DType, DTypeOpt, Lookup, MaxMemory, Threads
 
 DEFAULT_PORT = 11435  # beside ollama's 11434
 DEFAULT_HOST = "127.0.0.1"
@@ -87,6 +87,7 @@ def serve(
         ),
     ] = 256,
     lookup: Lookup = False,
+    draft: Draft = None,
     ctx: Ctx = None,
     dtype: DTypeOpt = DType.float32,
     max_memory: MaxMemory = None,
@@ -118,7 +119,9 @@ def serve(
     from .common import set_threads
     from .server.app import serve as run_server
 
-    for name in models or []:
+    if lookup and draft is not None:
+        raise InferError("give --lookup or --draft, not both")
+    for name in [*(models or []), *([draft] if draft is not None else [])]:
         resolve(name, download=False)  # a wrong name fails before anything loads
     n_threads = set_threads(threads)
     settings = ServeSettings(
@@ -130,6 +133,7 @@ def serve(
         parallel=parallel,
         prefill_chunk=prefill_chunk,
         lookup=lookup,
+        draft=draft,
         keep_alive=keep,
         threads=n_threads,
     )

@@ -182,6 +182,8 @@ class Answering:
     @torch.inference_mode()
     def prefill(self, chunk: int = 512) -> None:
         """Compute the next `chunk` tokens of the prompt; after the last, the first token."""
+        if self.decoding.drafter is not None:
+            self.decoding.drafter.prefill(chunk)
         logits = self.session.prefill_chunk(self.prompt, chunk)
         if logits is not None:
             self.prefilling = False

@@ -29,7 +29,7 @@ from .generate import Penalties, Sampler, make_sampler
 from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
 from .session import Session, decode
-from .speculative import LookupDrafter
+from .speculative import Drafter, LookupDrafter, ModelDrafter
 
 
 @dataclass
@@ -80,7 +80,7 @@ class SchedulerStats:
     generated_tokens: int = 0
     steps: int = 0  # decode passes
     batched: int = 0  # answers those passes advanced, summed: / steps is the mean batch
-    guessed: int = 0  # tokens guessed by prompt lookup (--lookup) and checked
+    guessed: int = 0  # tokens guessed (prompt lookup or a draft model) and checked
     accepted: int = 0  # of those, kept
 
 
@@ -98,13 +98,19 @@ class Scheduler:
         threads: int | None = None,
         prefill_chunk: int = 256,
         lookup: bool = False,
+        draft: Transformer | None = None,
     ):
-        """`lookup`: every answer drafts guesses from its prompt and text (speculative
-        decoding's prompt lookup), checked in the same pass as the other answers."""
+        """Speculative decoding: every answer guesses tokens, checked in the same pass as
+        the other answers' tokens: from its prompt and text (`lookup`), or from the
+        `draft` model (of the same vocabulary), which then keeps a cache of its own
+        beside each slot."""
         self.model, self.tokenizer = model, tokenizer
         self.lookup = lookup
         self.slots = [Session(model, context, threads) for _ in range(max(1, parallel))]
         self.context = self.slots[0].max_seq_len
+        self.draft_slots = (
+            [Session(draft, self.context, threads) for _ in self.slots] if draft else []
+        )
         self.prefill_chunk = max(1, prefill_chunk)
         self._last_used = [0.0] * len(self.slots)
         self._queue: deque[Job] = deque()
@@ -230,10 +236,17 @@ class Scheduler:
             job.stop,
             cancelled=lambda: job.cancelled,
             constraint=job.constraint,
-            drafter=LookupDrafter() if self.lookup else None,
+            drafter=self._drafter(i),
         )
         answering.answer.context = limit
         return answering
+
+    def _drafter(self, i: int) -> Drafter | None:
+        """A new answer's drafter in slot `i` (its costs and acceptance are the answer's)."""
+        if self.draft_slots:
+            draft = self.draft_slots[i]
+            return ModelDrafter(draft.model, self.model.args.vocab_size, session=draft)
+        return LookupDrafter() if self.lookup else None
 
     def _sweep(self) -> None:
         """Cancelled jobs leave, running or queued."""

@@ -3,6 +3,7 @@ of them in one pass (`session.decode` over the last token and the guesses: one r
 logits after each) and keep the longest prefix it agrees with, plus one token of its own.
 
     drafter.start(prompt)                          # an answer begins
+    drafter.prefill(chunk)                         # with each chunk of the prompt's prefill
     guesses = drafter.guess(history, most, sampler)   # before a pass
     token, kept = verify(p, guess, sampler)        # per row, until a guess is refused
     drafter.checked(accepted)                      # after it
@@ -196,6 +197,10 @@ class Drafter:
     def start(self, prompt: list[int]) -> None:
         """An answer to `prompt` begins."""
 
+    def prefill(self, chunk: int) -> None:
+        """Work `chunk` tokens into the prompt, alongside the target's prefill (a server
+        runs the other answers between the chunks)."""
+
     def propose(self, history: list[int], k: int, sampler: Sampler) -> list[Guess]:
         """Up to `k` guesses of the tokens after `history` (prompt and answer so far)."""
         raise NotImplementedError
@@ -259,10 +264,12 @@ class LookupDrafter(Drafter):
 
 class ModelDrafter(Drafter):
     """Guesses from a smaller model of the same vocabulary, drawn with the target's own
-    sampler settings (greedy when it is). Its Session follows the answer: before each
-    draft its cache is brought to the accepted text (the common prefix kept, so the
-    positions of refused guesses are written again). The draft applies no penalties or
-    grammar: any q is correct, these only cost acceptance."""
+    sampler settings (greedy when it is). Its Session follows the answer: its prompt is
+    prefilled a chunk at a time beside the target's, and before each draft its cache is
+    brought to the accepted text (the common prefix kept, so the positions of refused
+    guesses are written again). The draft applies no penalties or grammar: any q is
+    correct, these only cost acceptance. A server gives each slot its draft `session`,
+    which keeps the slot's conversation as the slot does."""
 
     CATCH_UP = 8  # at most this many missing tokens go through the decode step, not prefill
 
@@ -274,17 +281,22 @@ class ModelDrafter(Drafter):
         threads: int | None = None,
         k_max: int = 8,
         adaptive: bool = True,
+        session: Session | None = None,
     ):
         super().__init__(k_max, adaptive)
-        self.session = Session(model, max_seq_len, threads)
+        self.session = session or Session(model, max_seq_len, threads)
         self.vocab_size = vocab_size  # the target's rows: a guess must be a token of it
+        self._prompt: list[int] | None = None  # still to prefill
 
     def start(self, prompt: list[int]) -> None:
-        if len(prompt) < self.session.max_seq_len:
-            self.session.prefill(prompt)
+        self._prompt = list(prompt) if len(prompt) < self.session.max_seq_len else None
+
+    def prefill(self, chunk: int) -> None:
+        if self._prompt is not None and self.session.prefill_chunk(self._prompt, chunk) is not None:
+            self._prompt = None
 
     def propose(self, history: list[int], k: int, sampler: Sampler) -> list[Guess]:
-        s = self.session
+        s, self._prompt = self.session, None  # _follow catches up on what prefill left
         # The cache holds the history and all guesses but the last.
         k = min(k, s.max_seq_len - len(history) + 1)
         if k <= 0:

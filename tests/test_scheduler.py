@@ -120,6 +120,45 @@ def test_batched_answers_equal_answers_alone(tiny):
         scheduler.close()
 
 
+def test_batched_answers_with_a_draft_model_equal_answers_alone(tiny, tmp_path):
+    """--draft: each slot's draft model keeps a cache of its own, prefilled a chunk at a
+    time beside the slot's; its guesses are checked in the passes the answers share,
+    and every answer is its plain answer alone."""
+    path = tmp_path / "draft"
+    make_hf_model("smollm2", path, seed=1, num_hidden_layers=1)  # same vocabulary, poor guesses
+    draft = load_model(path, max_seq_len=CTX)
+    scheduler = Scheduler(
+        tiny.model, tiny.tokenizer, parallel=2, context=CTX, prefill_chunk=8, draft=draft.model
+    )
+    chunks, draft_slot = [], scheduler.draft_slots[1]
+    prefill_chunk = draft_slot.prefill_chunk
+
+    def counted(ids, n):
+        chunks.append(n)
+        return prefill_chunk(ids, n)
+
+    draft_slot.prefill_chunk = counted
+    try:
+        specs = [(5, 24), (33, 20), (12, 16)]
+        runs = [Run(scheduler, prompt(n, seed), m) for seed, (n, m) in enumerate(specs)]
+        runs[0].when(2, runs[1].submit)
+        runs[1].when(1, runs[2].submit)
+        runs[0].submit()
+        for r in runs:
+            got = r.wait()
+            want = alone(tiny, r.ids, r.max_tokens, chunk=8)
+            assert got.tokens == want.tokens and got.text == want.text
+        st = scheduler.stats
+        assert st.guessed > 0 and st.batched > st.steps
+        assert chunks[:5] == [8] * 5  # the 33-token prompt, beside the slot's own chunks
+        # the draft cache follows its slot's conversation (all but guesses refused at the end)
+        for slot, draft in zip(scheduler.slots, scheduler.draft_slots):
+            last = next(r.ids for r in runs[::-1] if slot.tokens[: len(r.ids)] == r.ids)
+            assert draft.tokens[: len(last)] == last
+    finally:
+        scheduler.close()
+
+
 def test_queue_beyond_parallel_waits_its_turn(tiny):
     """Five jobs at once on two slots: two run, three wait, and they start in order of
     arrival."""
@@ -257,11 +296,12 @@ def test_kv_caches_count_in_the_estimate(tiny):
     assert four - estimated_bytes(tiny.source, f32, 64, sessions=1) == 3 * one
 
 
-@pytest.mark.parametrize("lookup", [False, True])
-def test_default_model_batched_equals_alone(smollm2_gguf, lookup):
+@pytest.mark.parametrize("guess", [None, "lookup", "draft"])
+def test_default_model_batched_equals_alone(smollm2_gguf, guess):
     """The real model (quantized kernels, the fused step): chat prompts of different
     lengths, joining and leaving, each answer equal to the answer alone; with prompt
-    lookup, guesses checked in the same passes as the other answers' tokens."""
+    lookup or a draft model (here the model itself), guesses checked in the same passes
+    as the other answers' tokens."""
     lm = load_model(smollm2_gguf, max_seq_len=CTX * 4)
     tok = lm.tokenizer
     system = " ".join(f"Rule {i}: answer briefly." for i in range(20))
@@ -273,8 +313,9 @@ def test_default_model_batched_equals_alone(smollm2_gguf, lookup):
     ]
     ids = [tok.encode_chat(m) for m in chats]
     scheduler = Scheduler(
-        lm.model, tok, parallel=3, context=CTX * 4, prefill_chunk=64, lookup=lookup
-    )
+        lm.model, tok, parallel=3, context=CTX * 4, prefill_chunk=64,
+        lookup=guess == "lookup", draft=lm.model if guess == "draft" else None,
+    )  # fmt: skip
     try:
         runs = [Run(scheduler, p, 12 + 4 * i) for i, p in enumerate(ids)]
         runs[0].when(2, runs[1].submit)
@@ -289,6 +330,7 @@ def test_default_model_batched_equals_alone(smollm2_gguf, lookup):
             assert r.wait().text == want.text and r.answer.tokens == want.tokens
         assert "Paris" in runs[0].answer.text
         assert scheduler.stats.batched > scheduler.stats.steps
-        assert (scheduler.stats.accepted > 0) == lookup  # "Count from 1 to 10" copies its prompt
+        # "Count from 1 to 10" copies its prompt; the model as its own draft guesses right
+        assert (scheduler.stats.accepted > 0) == (guess is not None)
     finally:
         scheduler.close()

@@ -131,8 +131,12 @@ def launched(home, files, tmp_path_factory):
             log / "main.log",
         ),
         # One slot (--slots: the old spelling of --parallel): a second answer waits.
+        # Its draft model is the same file under another name: loaded a second time.
         "keyed": Server(
-            [MODEL, "--ctx", str(CTX), "--api-key", KEY, "--slots", "1"], home, log / "keyed.log"
+            [MODEL, "--ctx", str(CTX), "--api-key", KEY, "--slots", "1"]
+            + ["--draft", str(files["outside"])],
+            home,
+            log / "keyed.log",
         ),
     }
     yield servers
@@ -673,6 +677,21 @@ def test_keep_alive_zero_unloads(http):
 
 
 # -- a server with an API key, stopped mid-answer ---------------------------------------
+
+
+def test_draft_model_answers_as_plain(launched, greedy):
+    """serve --draft: the slot's draft model guesses (here perfectly, being the model
+    itself), and the answer is the plain greedy one."""
+    s = launched["keyed"].ready()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT, headers=auth) as http:
+        body = {"messages": QUESTION, "max_tokens": 24, "temperature": 0}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == greedy(QUESTION, 24)
+        m = metrics(http)
+    guessed = m[f'infer_speculative_guessed_tokens_total{{model="{MODEL}"}}']
+    assert m[f'infer_speculative_accepted_tokens_total{{model="{MODEL}"}}'] == guessed > 0
 
 
 def test_api_key_and_sigterm_mid_stream(launched):

@@ -122,13 +122,13 @@ class Metrics:
             [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.batched) for m in models],
         )
         metric(
-            "lookup_guessed_tokens_total",
+            "speculative_guessed_tokens_total",
             "counter",
-            "Tokens guessed by prompt lookup (serve --lookup) and checked, by model.",
+            "Tokens guessed (serve --lookup or --draft) and checked, by model.",
             [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.guessed) for m in models],
         )
         metric(
-            "lookup_accepted_tokens_total",
+            "speculative_accepted_tokens_total",
             "counter",
             "Of those, the tokens kept.",
             [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.accepted) for m in models],

@@ -6,7 +6,7 @@
              guessing must stop, and the speed stay within 5 % of plain decoding's
 
     python benchmarks/speculative.py --model /work/models/qwen15/q15.gguf \\
-        --draft qwen2.5-coder-0.5b [--rounds 3] [--n-gen 200] [--json FILE]
+        --draft qwen2.5-coder-0.5b [--rounds 3] [--n-gen 200] [--only TASK] [--json FILE]
     python benchmarks/speculative.py --quick    # the default model as its own draft
 
 Each row is `infer bench --lookup / --draft` (runtime/bench_speculative.py): greedy
@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--file", type=Path, default=REWRITE_FILE, help="the file to rewrite")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n-gen", type=int, default=200)
+    ap.add_argument("--only", help="the tasks whose name holds this (e.g. 'code 1')")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--quick", action="store_true", help="the default model, 16 tokens, 1 round")
     args = ap.parse_args()
@@ -81,6 +82,8 @@ def main() -> None:
     print(f"{model.name}, drafts by prompt lookup or {draft.name}", file=sys.stderr)
     rows, results = [], []
     for case in cases(args.file):
+        if args.only and args.only not in case.name:
+            continue
         print(f"{case.name} ({'lookup' if case.lookup else draft.name}) ...", file=sys.stderr)
         r = run_speculative_bench(
             model.path,
@@ -108,6 +111,7 @@ def main() -> None:
                 "yes" if r.same_answer else "NO",
             ]
         )
+        print(f"  {' | '.join(rows[-1])}", file=sys.stderr)  # as it comes: runs are long
     head = ["task", "guesses by", "answer tok", "accepted", "tok/check", "checking/plain",
             "plain tok/s", "spec. tok/s", "speedup", "same"]  # fmt: skip
     print(f"| {' | '.join(head)} |")

@@ -167,6 +167,8 @@ def generate(
     # the sampler's ops (and a draft model's) must not leave torch's workers spinning
     with session.threads.forward():
         d = Decoding(sampler, max_tokens, prompt, penalties, constraint, drafter)
+        if drafter is not None:  # a draft model's prompt, before the first token too
+            drafter.prefill(len(prompt))
         new = d.choose(logits[None])
     while True:
         yield from new

@@ -22,6 +22,7 @@ and the answer is the one plain decoding gives.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -108,11 +109,14 @@ class DraftLength:
     that doubles each time (16 up to 256), then one guess probes again. Where guesses
     always fail that costs about one guess per doubling pause: a pass whose guesses cost
     as much as itself keeps 0.95 of plain decoding's speed over 200 tokens, 0.97 over 500.
-    Not `adaptive`: always k_max, as tests want.
+    Where a guess costs at least a plain pass (r + d >= t), no acceptance could pay, and
+    guessing stops for the rest of the drafter's life: a draft model's probe also costs
+    it the prefill of every token it skipped. Not `adaptive`: always k_max, as tests want.
     """
 
     DECAY = 0.8  # weight of the past in the running estimates
     PAUSE, MAX_PAUSE = 16, 256
+    MIN_CHECKS = 3  # checking passes measured before guessing may stop for good
     REFRESH = 32  # a plain pass every so many checking passes keeps t current
 
     def __init__(self, k_max: int = 8, adaptive: bool = True):
@@ -126,6 +130,7 @@ class DraftLength:
         self.pause_len = self.PAUSE
         self.since_plain = 0  # checking passes since the last plain one
         self.probing = False  # a pause ended: the next pass probes with one guess
+        self.checks = 0  # checking passes measured
 
     def next(self) -> int:
         """Tokens to guess at the next pass (0: a plain pass)."""
@@ -143,6 +148,8 @@ class DraftLength:
             return best
         self.pause_left = self.pause_len
         self.pause_len = min(2 * self.pause_len, self.MAX_PAUSE)
+        if self.row_s + self.draft_s >= self.plain_s and self.checks >= self.MIN_CHECKS:
+            self.pause_left = math.inf  # not even guesses always kept would pay: stop
         return 0
 
     def speedup(self, k: int) -> float:
@@ -162,6 +169,7 @@ class DraftLength:
             self.plain_s = self._mix(self.plain_s, pass_s)
             return
         self.since_plain += 1
+        self.checks += 1
         missed = accepted < guessed
         self.kept = self.DECAY * self.kept + accepted
         self.tries = self.DECAY * self.tries + accepted + missed

@@ -104,6 +104,17 @@ def test_greedy_other_draft_equals_plain(tiny, other):
     assert drafter.stats.accepted < drafter.stats.guessed  # a random model guesses badly
 
 
+def test_draft_prompt_is_prefilled_before_the_first_token(tiny, other):
+    """The draft model computes the prompt with the target's prefill (its time counts
+    in the time to first token, as a user waits for it), not in the first guess."""
+    prompt = _prompt(tiny)
+    drafter = ModelDrafter(other.model, tiny.model.args.vocab_size, k_max=3, adaptive=False)
+    tokens = generate(Session(tiny.model), prompt, make_sampler(0), 8, drafter=drafter)
+    next(tokens)
+    assert drafter.session.tokens == prompt
+    tokens.close()
+
+
 def test_greedy_with_penalties_equals_plain(tiny):
     prompt = _prompt(tiny)
     penalties = Penalties(repeat=1.3, frequency=0.2, last_n=16)
@@ -357,6 +368,24 @@ def test_guessing_pauses_when_it_does_not_pay(row, draft):
         seconds += 1.0 + (row + draft) * k
     assert 200 / seconds >= 0.95, passes
     assert passes[-1] == 0 and sum(1 for k in passes if k) <= 6
+
+
+def test_guessing_stops_for_good_where_no_acceptance_could_pay():
+    """A guess costing more than a plain pass (row + draft >= 1) loses even when every
+    guess is kept: after a few checks no probe comes (a draft model's would also prefill
+    every token it skipped). Cheaper guesses that fail keep probing."""
+
+    def checking_passes(row, draft, kept):
+        n = DraftLength(k_max=8)
+        passes = []
+        for _ in range(600):
+            k = n.next()
+            passes.append(k)
+            n.record(k, k if kept else 0, draft * k, 1.0 + row * k)
+        return [i for i, k in enumerate(passes) if k]
+
+    assert len(checking_passes(0.9, 0.33, kept=True)) <= DraftLength.MIN_CHECKS + 2
+    assert checking_passes(0.1, 0.33, kept=False)[-1] > 300  # still probing late
 
 
 def test_guessing_goes_on_while_it_pays():

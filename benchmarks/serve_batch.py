@@ -155,10 +155,13 @@ async def measure(url: str, args) -> dict:
             rounds = [await decode_round(client, n, args.max_tokens) for _ in range(args.rounds)]
             rows.append(max(rounds, key=lambda r: r["aggregate_tok_s"]))
             await wait_idle(client)
-        probes = {
-            busy: [await ttft(client, args.probe_tokens, busy) for _ in range(args.rounds)]
-            for busy in (False, True)
-        }
+        try:
+            probes = {
+                busy: [await ttft(client, args.probe_tokens, busy) for _ in range(args.rounds)]
+                for busy in (False, True)
+            }
+        except httpx.HTTPError as err:  # keep the decode figures (a server that crashed)
+            return {"decode": rows, "ttft": {"error": f"{type(err).__name__}: {err}"}}
     median = {busy: statistics.median(p["ttft_s"] for p in v) for busy, v in probes.items()}
     return {
         "decode": rows,
@@ -247,6 +250,9 @@ def main() -> None:
             f"{r['ttft_s']:.3f} s | {r['tokens']} |"
         )
     t = report["ttft"]
+    if "error" in t:
+        print(f"TTFT: not measured ({t['error']})")
+        return
     note = "" if t["others_decoding"] else " (the 3 had ended in some rounds: raise --max-tokens)"
     print(
         f"TTFT of a {args.probe_tokens}-token prompt: idle {t['idle_s']:.3f} s, "

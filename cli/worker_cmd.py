@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -64,6 +65,8 @@ def worker(
     to hold; hidden states then pass through them over torch.distributed (gloo). The
     links must be on a trusted network: gloo's traffic is not authenticated.
     """
+    # c10d logs every dropped connection with a C++ stack; the worker says it in one line.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read when torch loads
     from ..runtime.pipeline.handshake import read_token
     from ..runtime.pipeline.stage import WorkerSettings, serve_worker
 

@@ -88,12 +88,18 @@ class Sending:
             w.wait()
 
 
-class Receiving:
-    """The recv of the next pass from `src`, posted at once (see the module docstring)."""
+def buffer() -> torch.Tensor:
+    """Room for a pass's one message."""
+    return torch.empty(CAPACITY, dtype=torch.uint8)
 
-    def __init__(self, src: int):
+
+class Receiving:
+    """The recv of the next pass from `src`, posted at once (see the module docstring),
+    into `buf` (a new buffer by default); the pass's states are a view of it."""
+
+    def __init__(self, src: int, buf: torch.Tensor | None = None):
         self.src = src
-        self._buf = torch.empty(CAPACITY, dtype=torch.uint8)
+        self._buf = buffer() if buf is None else buf
         self._work = dist.irecv(self._buf, src)
 
     def wait(self, dim: int, dtype: torch.dtype) -> Pass:

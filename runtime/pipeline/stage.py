@@ -178,15 +178,17 @@ def _run(stage: Stage, rank: int, world: int) -> int:
     coordinator), until STOP. Returns how many passes ran."""
     prev, nxt = rank - 1, (rank + 1) % world
     dim, passes = stage.model.args.dim, 0
+    buffers = [link.buffer(), link.buffer()]  # one receives while the other is read
     with link.failures(f"stage {rank}"):
-        receiving = link.Receiving(prev)
+        receiving = link.Receiving(prev, buffers[0])
         while True:
             p = receiving.wait(dim, stage.dtype)
             if p.op is Op.STOP:
                 if nxt != 0:
                     link.Sending(p, nxt).wait()
                 return passes
-            receiving = link.Receiving(prev)  # posted before the work: see link.py
+            buffers.reverse()
+            receiving = link.Receiving(prev, buffers[0])  # posted before the work: link.py
             if p.op is not Op.PING:
                 p = Pass(p.op, p.spans, stage.forward(p))
                 passes += 1

@@ -1,19 +1,23 @@
 """Pipeline stages over worker processes on loopback (runtime/pipeline/): greedy output
 over 2 and 3 stages equals the single-process run for a dense and a MoE model, so does
-the batched step of several sequences; a killed worker, a wrong token and a differing
-model file each end with a one-line error. Every worker is killed at the end."""
+the batched step of several sequences, and `infer serve --workers` answers concurrent
+requests as one process does; a killed worker, a wrong token and a differing model file
+each end with a one-line error. Every worker is killed at the end."""
 
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+import httpx
 import pytest
 import torch
 from test_cli import assert_one_line_error
+from test_server import Server
 from tiny import make_hf_model
 
 from infer.runtime.generate import generate, make_sampler
@@ -24,6 +28,7 @@ from infer.runtime.session import Session, decode
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
 TOKEN = b"a shared secret of the test, 32B"
 TIMEOUT = 60  # seconds for any one subprocess or wait
+STARTUP = 180  # seconds for a process to start (torch's import, on a busy shared box)
 
 
 def _env() -> dict:
@@ -35,11 +40,19 @@ def _infer(*args) -> list[str]:
     return [sys.executable, "-m", "infer.cli.main", *map(str, args)]
 
 
+# Run argv[1:] with SIGKILL set to come when the test process ends, however it ends
+# (PR_SET_PDEATHSIG, Linux; kept across exec): no worker outlives the tests.
+DIE_WITH_PARENT = (
+    "import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); os.execv(sys.executable, sys.argv[1:])"
+)
+
+
 class Worker:
     """An `infer worker` subprocess on a free loopback port; its stderr lines collected."""
 
     def __init__(self, token_file, *args):
         cmd = _infer("worker", "--port", 0, "--token-file", token_file, "--threads", 1, *args)
+        cmd = [sys.executable, "-c", DIE_WITH_PARENT, *cmd]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True, env=_env(),
@@ -47,14 +60,14 @@ class Worker:
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        self.port = int(self.wait_for("listening on").rpartition(":")[2])
+        self.port = int(self.wait_for("listening on", STARTUP).rpartition(":")[2])
 
     def _read(self):
         for line in self.proc.stderr:
             self.lines.put(line.rstrip("\n"))
 
-    def wait_for(self, text: str) -> str:
-        deadline = time.monotonic() + TIMEOUT
+    def wait_for(self, text: str, timeout: float = TIMEOUT) -> str:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 line = self.lines.get(timeout=0.5)
@@ -64,7 +77,7 @@ class Worker:
             self.log.append(line)
             if text in line:
                 return line
-        raise AssertionError(f"no {text!r} from the worker in {TIMEOUT} s: {self.log}")
+        raise AssertionError(f"no {text!r} from the worker in {timeout} s: {self.log}")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -183,9 +196,11 @@ def test_killed_worker_ends_the_run_with_one_line(models, token_file):
         # Until the context is full: long enough to be killed in the middle.
         proc = _run(models / "dense", token_file, [w.address for w in pair], "Hello", "-n", -1)
         try:
-            assert proc.stdout.read(1)  # the first piece of the answer
+            # the first piece of the answer (bounded: a coordinator that hangs fails here)
+            assert select.select([proc.stdout], [], [], STARTUP)[0], "no answer began"
+            assert proc.stdout.read(1)
             pair[1].kill()
-            _, err = proc.communicate(timeout=TIMEOUT)
+            _, err = proc.communicate(timeout=STARTUP)
         finally:
             proc.kill()
         r = subprocess.CompletedProcess(proc.args, proc.returncode, "", err.decode())
@@ -201,7 +216,7 @@ def test_wrong_token_is_refused_on_both_sides(models, workers, tmp_path):
     wrong.write_bytes(b"not the secret the workers hold")
     wrong.chmod(0o600)
     proc = _run(models / "dense", wrong, [workers[0].address], "Hello", "-n", 2)
-    out, err = proc.communicate(timeout=TIMEOUT)
+    out, err = proc.communicate(timeout=STARTUP)
     r = subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
     assert_one_line_error(r, 2, "wrong token")
     assert "wrong token" in workers[0].wait_for("wrong token")
@@ -211,9 +226,44 @@ def test_a_differing_model_file_is_refused(models, token_file):
     (worker,) = _start(1, token_file, "--model", models / "other")
     try:
         proc = _run(models / "dense", token_file, [worker.address], "Hello", "-n", 2)
-        out, err = proc.communicate(timeout=TIMEOUT)
+        out, err = proc.communicate(timeout=STARTUP)
         r = subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
         assert_one_line_error(r, 2, "model refused", "sha256")
         worker.wait_for("model refused")
     finally:
         worker.kill()
+
+
+def test_serve_answers_concurrent_requests_through_the_stages(
+    models, workers, token_file, tmp_path
+):
+    """Three greedy completions at once (the batched step, micro-batches over two
+    stages): each the answer one process gives alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from infer.runtime.answer import stream_answer
+
+    path = models / "dense"
+    addresses = ",".join(f"{h}:{p}" for h, p in (w.address for w in workers[:2]))
+    args = [str(path), "--workers", addresses, "--token-file", str(token_file), "--parallel", "3"]
+    server = Server(args, tmp_path, tmp_path / "serve.log").ready(STARTUP)
+    prompts = ["Once upon", "The capital of", "1, 2, 3,"]
+    try:
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+
+            def complete(prompt: str) -> str:
+                body = {"model": str(path), "prompt": prompt, "max_tokens": 12, "temperature": 0}
+                r = http.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                got = list(pool.map(complete, prompts))
+    finally:
+        code, _ = server.stop()
+    assert code == 0, server.log.read_text()
+    lm = load_model(path, max_seq_len=128)
+    for prompt, text in zip(prompts, got):
+        ids = lm.tokenizer.encode(prompt)
+        want = stream_answer(Session(lm.model), lm.tokenizer, ids, make_sampler(0), 12, print)
+        assert text == want.text

@@ -31,6 +31,7 @@ from .link import LinkError, Op, Pass
 
 STEP_TIMEOUT = 120.0  # seconds any wait on a stage may take (a prompt chunk's included)
 STAGE_LOAD_TIMEOUT = 3600.0  # seconds a worker may take to load its blocks
+CHECK_TIMEOUT = 600.0  # seconds a worker may take to find and hash its copy of the model
 
 
 @dataclass
@@ -88,7 +89,7 @@ class Pipeline:
                     handshake.prove_coordinator(w.sock, token)
                     ask = {"model": model, "sha256": sha, "dtype": dtype_name, "ctx": ctx}
                     handshake.send(w.sock, ask)
-                    w.memory = int(handshake.receive(w.sock)["memory"])
+                    w.memory = int(handshake.receive(w.sock, CHECK_TIMEOUT)["memory"])
             ranges = assign_layers(args.n_layers, [w.memory for w in workers])
             world = len(workers) + 1
             for rank, (w, layers) in enumerate(zip(workers, ranges), 1):

@@ -27,7 +27,7 @@ from .handshake import Refused
 from .link import Op, Pass
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LOAD_TIMEOUT = 3600.0  # seconds a worker waits for the rest to load their blocks
+LOAD_TIMEOUT = 3600.0  # seconds a worker waits for the others to check and load the model
 
 
 class Stage:
@@ -152,7 +152,7 @@ def _load(conn: socket.socket, s: WorkerSettings, held: dict, log) -> tuple[Stag
         )
     dtype, ctx = DTYPES[ask["dtype"]], int(ask["ctx"])
     handshake.send(conn, {"memory": s.budget})
-    plan = handshake.receive(conn)
+    plan = handshake.receive(conn, timeout=LOAD_TIMEOUT)  # after every worker's check
     layers = range(*plan["layers"])
     need = stage_bytes(path, dtype, ctx, layers)
     if need > s.budget:

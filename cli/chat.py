@@ -215,7 +215,8 @@ class LocalModel:
     def __init__(self, name: str, lm: LoadedModel, drafter: Drafter | None = None):
         from ..runtime.session import Session
 
-        self.name, self.lm, self.session = name, lm, Session(lm.model)
+        self.name, self.lm = name, lm
+        self.session = Session(lm.model, stages=lm.stages)
         self.drafter = drafter
 
     def answer(self, messages, settings, on_text):

@@ -54,6 +54,7 @@ from .options import (
 from .quantize_cmd import quantize
 from .run_cmd import run
 from .serve_cmd import serve
+from .worker_cmd import worker
 
 app = typer.Typer(
     name="infer",
@@ -473,6 +474,7 @@ def _replay(path: Path, json_out: bool) -> None:
 app.command("eval")(eval_model)
 app.command()(quantize)
 app.command()(serve)
+app.command()(worker)
 
 
 # ------------------------------------------------------------------------------------------

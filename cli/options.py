@@ -241,3 +241,28 @@ Draft = Annotated[
         rich_help_panel=SPECULATIVE,
     ),
 ]
+
+# --- pipeline stages on other machines ----------------------------------------------------
+
+Workers = Annotated[
+    str | None,
+    typer.Option(
+        "--workers",
+        metavar="HOST:PORT,...",
+        help="Run the model's blocks on these `infer worker`s, in order, each given layers "
+        "in proportion to the memory it offers; this process keeps the embeddings, the "
+        "output layer and the sampler. Needs --token-file. The links must be on a "
+        "trusted network: the hidden states travel unencrypted and unauthenticated.",
+        show_default=False,
+    ),
+]
+TokenFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--token-file",
+        metavar="FILE",
+        help="The secret shared with the workers (the same file on each machine, "
+        "readable by its owner only, e.g. `head -c 32 /dev/urandom | base64 > F; chmod 600 F`).",
+        show_default=False,
+    ),
+]

@@ -46,10 +46,12 @@ from .options import (
     Seed,
     Temperature,
     Threads,
+    TokenFile,
     TopK,
     TopP,
     TraceOut,
     Verbose,
+    Workers,
 )
 
 DEFAULT_CTX = 4096
@@ -143,6 +145,8 @@ def run(
             show_default=False,
         ),
     ] = None,
+    workers: Workers = None,
+    token_file: TokenFile = None,
     debug: Debug = False,
 ) -> None:
     """Answer a prompt, or chat when run on a terminal without one.
@@ -172,6 +176,14 @@ def run(
     if lookup and draft is not None:
         raise InferError("give --lookup or --draft, not both")
     schema = read_format(fmt)  # a bad file fails before the model loads
+    if workers is not None:
+        if (max_memory, expert_policy, expert_prediction, trace) != (None,) * 4:
+            raise InferError(
+                "--workers takes none of --max-memory, --expert-*, --trace "
+                "(each worker has its own --max-memory)"
+            )
+        if token_file is None:
+            raise InferError("--workers needs --token-file: the secret the workers share")
 
     budget = parse_size(max_memory) if max_memory is not None else None
     from .chat import ChatSettings, LocalModel, chat_loop
@@ -183,8 +195,8 @@ def run(
     )  # fmt: skip
     show = (lambda _: None) if json_out else _write
     loads_here = (
-        threads, max_memory, expert_policy, expert_prediction, trace, draft
-    ) != (None,) * 6 or dtype != DType.float32 or lookup  # fmt: skip
+        threads, max_memory, expert_policy, expert_prediction, trace, draft, workers
+    ) != (None,) * 7 or dtype != DType.float32 or lookup  # fmt: skip
     chat_model = None if local or loads_here else _server_model(host, model, ctx, interactive)
     if chat_model is not None and not interactive:
         from .client import NotServed
@@ -207,7 +219,12 @@ def run(
             drafts = resolve(draft) if draft is not None else None
         n_threads = set_threads(threads)
         with status(f"loading {resolved.name}"):
-            lm = _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace)
+            if workers is not None:
+                lm = _load_pipelined(model, resolved, workers, token_file, dtype, ctx)
+            else:
+                lm = _load_here(
+                    resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace
+                )
         drafter = _drafter(lm, resolved, lookup, drafts, dtype, ctx, threads)
         if verbose:
             print(
@@ -218,6 +235,8 @@ def run(
             for plan in (lm.plan, lm.experts and lm.experts.plan):
                 if plan is not None:
                     print(f"memory: {plan.describe()}", file=sys.stderr)
+            if lm.stages is not None:
+                print(f"stages: {lm.stages.describe()}", file=sys.stderr)
         chat_model = LocalModel(resolved.name, lm, drafter)
     try:
         if interactive:
@@ -230,6 +249,8 @@ def run(
     finally:
         if lm is not None:
             _save_trace(lm, trace)
+            if lm.stages is not None:
+                lm.stages.close()
 
 
 def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace):
@@ -252,6 +273,20 @@ def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, t
             file=sys.stderr,
         )
     return lm
+
+
+def _load_pipelined(model, resolved, workers: str, token_file, dtype, ctx):
+    """The embeddings and output layer here, the blocks on the workers."""
+    from ..runtime.pipeline.coordinator import load_pipelined
+    from ..runtime.pipeline.handshake import read_token
+    from ..runtime.registry import DEFAULT_MODEL
+    from .worker_cmd import parse_workers
+
+    addresses, token = parse_workers(workers), read_token(token_file)
+    reference = model or DEFAULT_MODEL
+    return load_pipelined(
+        reference, resolved.path, addresses, token, torch_dtype(dtype), ctx or DEFAULT_CTX
+    )
 
 
 def _drafter(lm, resolved, lookup: bool, drafts, dtype, ctx, threads):

@@ -15,7 +15,18 @@ import typer
 from .. import InferError
 from ..offload.budget import parse_size
 from .common import torch_dtype
-from .options import Ctx, Debug, Draft, DType, DTypeOpt, Lookup, MaxMemory, Threads
+from .options import (
+    Ctx,
+    Debug,
+    Draft,
+    DType,
+    DTypeOpt,
+    Lookup,
+    MaxMemory,
+    Threads,
+    TokenFile,
+    Workers,
+)
 
 DEFAULT_PORT = 11435  # beside ollama's 11434
 DEFAULT_HOST = "127.0.0.1"
@@ -92,6 +103,8 @@ def serve(
     dtype: DTypeOpt = DType.float32,
     max_memory: MaxMemory = None,
     threads: Threads = None,
+    workers: Workers = None,
+    token_file: TokenFile = None,
     debug: Debug = False,
 ) -> None:
     """Serve models over HTTP: the OpenAI API (/v1/...) and the ollama API (/api/...).
@@ -123,6 +136,16 @@ def serve(
         raise InferError("give --lookup or --draft, not both")
     for name in [*(models or []), *([draft] if draft is not None else [])]:
         resolve(name, download=False)  # a wrong name fails before anything loads
+    addresses = token = None
+    if workers is not None:
+        from ..runtime.pipeline.handshake import read_token
+        from .worker_cmd import parse_workers
+
+        if len(models or []) != 1 or max_memory is not None or draft is not None:
+            raise InferError("--workers serves one MODEL, without --max-memory or --draft")
+        if token_file is None:
+            raise InferError("--workers needs --token-file: the secret the workers share")
+        addresses, token = parse_workers(workers), read_token(token_file)
     n_threads = set_threads(threads)
     settings = ServeSettings(
         models=list(models or []),
@@ -136,6 +159,8 @@ def serve(
         draft=draft,
         keep_alive=keep,
         threads=n_threads,
+        workers=addresses,
+        token=token,
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_server(settings, host, port, api_key)

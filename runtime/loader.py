@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from .model.config import ModelArgs
 from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from .pipeline.coordinator import Pipeline
+
 
 @dataclass
 class LoadedModel:
@@ -54,6 +58,9 @@ class LoadedModel:
     experts: ExpertStore | None = None
     # What the MoE blocks routed, when asked for (--trace): save with .trace().save(path).
     routing: TraceRecorder | None = None
+    # The blocks held by workers on other machines (pipeline/coordinator.py): `model`
+    # then holds the embeddings and the output layer only.
+    stages: Pipeline | None = None
 
     @property
     def args(self) -> ModelArgs:

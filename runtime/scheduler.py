@@ -22,6 +22,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .. import InferError
 from .answer import Answer, Answering
@@ -30,6 +31,9 @@ from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
 from .session import Session, decode
 from .speculative import Drafter, LookupDrafter, ModelDrafter
+
+if TYPE_CHECKING:
+    from .pipeline.coordinator import Pipeline
 
 
 @dataclass
@@ -99,14 +103,17 @@ class Scheduler:
         prefill_chunk: int = 256,
         lookup: bool = False,
         draft: Transformer | None = None,
+        stages: Pipeline | None = None,
     ):
         """Speculative decoding: every answer guesses tokens, checked in the same pass as
         the other answers' tokens: from its prompt and text (`lookup`), or from the
         `draft` model (of the same vocabulary), which then keeps a cache of its own
-        beside each slot."""
+        beside each slot. `stages`: the model's blocks run on workers (pipeline/), which
+        keep the slots' caches; each pass of the batched step goes through them."""
         self.model, self.tokenizer = model, tokenizer
         self.lookup = lookup
-        self.slots = [Session(model, context, threads) for _ in range(max(1, parallel))]
+        slots = range(max(1, parallel))
+        self.slots = [Session(model, context, threads, stages) for _ in slots]
         self.context = self.slots[0].max_seq_len
         self.draft_slots = (
             [Session(draft, self.context, threads) for _ in self.slots] if draft else []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,16 +25,27 @@ from ..kernels_cpu.threads import ThreadPolicy
 from .model.fused_decode import FusedDecode, cache_words
 from .model.llama import Rows, Transformer
 
+if TYPE_CHECKING:
+    from .pipeline.coordinator import Pipeline
+
 
 class Session:
     def __init__(
-        self, model: Transformer, max_seq_len: int | None = None, threads: int | None = None
+        self,
+        model: Transformer,
+        max_seq_len: int | None = None,
+        threads: int | None = None,
+        stages: Pipeline | None = None,
     ):
         """`max_seq_len`: the cache's positions (default and at most the model's);
-        `threads`: the kernels' threads (default torch.get_num_threads() at each pass)."""
-        self.model = model
-        self.cache = model.new_cache(max_seq_len)
-        self.max_seq_len = self.cache[0].k.shape[2] if self.cache else model.max_seq_len
+        `threads`: the kernels' threads (default torch.get_num_threads() at each pass).
+        `stages`: the blocks run on other machines (pipeline/coordinator.py), which
+        keep the sequence's cache; the model here holds none."""
+        self.model, self.stages = model, stages
+        self.cache = model.new_cache(max_seq_len) if stages is None else []
+        self.sequence = stages.new_sequence() if stages is not None else None
+        n = min(max_seq_len or model.max_seq_len, model.max_seq_len)
+        self.max_seq_len = self.cache[0].k.shape[2] if self.cache else n
         self.tokens: list[int] = []  # ids whose keys and values the cache holds, in order
         self._threads = threads
         self.rebuild()
@@ -55,8 +67,11 @@ class Session:
         (a prompt's chunk); their keys and values go into the cache, and `self.tokens`
         becomes what the cache holds."""
         ids = torch.tensor([tokens])
+        blocks = None
+        if self.stages is not None:
+            blocks = self.stages.blocks([(self.sequence, pos, len(tokens))], rows=False)
         with self.threads.forward():
-            logits = self.model(ids, pos, self.cache, all_logits)
+            logits = self.model(ids, pos, self.cache, all_logits, blocks=blocks)
         del self.tokens[pos:]
         self.tokens.extend(tokens)
         return logits[0]
@@ -142,7 +157,10 @@ def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[tor
         ids, spans = torch.tensor([[t for _, t in rows]]), Rows(spans)
         with sessions[0].threads.forward():  # torch's own ops on one thread too
             blocks = None
-            if fused is not None:
+            if sessions[0].stages is not None:
+                seqs = [(sessions[i].sequence, p, n) for i, (p, n, _) in zip(owners, spans.spans)]
+                blocks = sessions[0].stages.blocks(seqs, rows=True)
+            elif fused is not None:
                 words = torch.stack([sessions[i].cache_words for i, _ in rows])
                 blocks = functools.partial(_fused_rows, fused, spans, words)
             logits = model(ids, None, spans, all_logits=True, blocks=blocks)[0]

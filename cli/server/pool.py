@@ -45,6 +45,9 @@ class ServeSettings:
     draft: str | None = None  # or from this model, for the models of its vocabulary
     keep_alive: float | None = 300.0  # seconds idle before unloading; None: never
     threads: int | None = None
+    # The blocks on these `infer worker`s (runtime/pipeline/), proving `token`: one model
+    workers: list[tuple[str, int]] | None = None
+    token: bytes | None = None
 
 
 @dataclass
@@ -191,6 +194,8 @@ class ModelPool:
         from ...runtime.files.sources import open_source
 
         s = self.settings
+        if s.workers is not None and resolved.path != self._named[s.models[0]].path:
+            raise ApiError(404, f"{name}: with --workers this server serves {s.models[0]} only")
         source = open_source(resolved.path)
         args = source.args
         draft = (
@@ -207,11 +212,17 @@ class ModelPool:
             if budget is not None:  # the loader plans for one KV cache: room for the others
                 ctx = min(s.ctx, args.max_seq_len)
                 budget -= (s.parallel - 1) * kv_cache_bytes(args, s.dtype, ctx) + (draft_bytes or 0)
-            lm = load_model(resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=budget)
+            if s.workers is not None:
+                from ...runtime.pipeline.coordinator import load_pipelined
+
+                ref = s.models[0]  # as the workers are to find it
+                lm = load_pipelined(ref, resolved.path, s.workers, s.token, s.dtype, s.ctx)
+            else:
+                lm = load_model(resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=budget)
             draft_lm = self._load_draft(lm, name, draft_source)
             scheduler = Scheduler(
                 lm.model, lm.tokenizer, s.parallel, s.ctx, s.threads, s.prefill_chunk,
-                s.lookup, draft_lm and draft_lm.model,
+                s.lookup, draft_lm and draft_lm.model, lm.stages,
             )  # fmt: skip
             slots = scheduler.slots + scheduler.draft_slots
             kv = sum(c.k.nbytes + c.v.nbytes for slot in slots for c in slot.cache or ())
@@ -266,6 +277,8 @@ class ModelPool:
     async def unload(self, loaded: Loaded) -> None:
         self.loaded.pop(loaded.resolved.path.resolve(), None)
         await anyio.to_thread.run_sync(loaded.scheduler.close)
+        if loaded.lm.stages is not None:  # the workers wait for their next coordinator
+            await anyio.to_thread.run_sync(loaded.lm.stages.close)
         del loaded
         gc.collect()
 
@@ -286,4 +299,6 @@ class ModelPool:
     def close(self) -> None:
         for m in list(self.loaded.values()):
             m.scheduler.close(timeout=5)
+            if m.lm.stages is not None:
+                m.lm.stages.close()
         self.loaded.clear()

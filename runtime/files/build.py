@@ -9,6 +9,8 @@ copied for the kernels (a GGUF file's blocks) go into one huge-page arena (hugep
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,17 +23,42 @@ from ..model.llama import Transformer
 from . import hugepages
 from .sources import Source
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Part:
+    """The weights one stage of a pipeline holds (runtime/pipeline/): the blocks of
+    `layers`, and with `ends` the embeddings, the final norm and the output layer."""
+
+    layers: range
+    ends: bool
+
+    def holds(self, name: str) -> bool:
+        """Whether the tensor or module `name` (ours or a Hugging Face name) is held."""
+        if "rope_freqs" in name:  # every stage builds rope tables
+            return True
+        m = _LAYER.search(name)
+        return int(m[1]) in self.layers if m else self.ends
+
 
 def build(
-    source: Source, dtype: torch.dtype, max_seq_len: int | None = None, *, dequantize=False
+    source: Source,
+    dtype: torch.dtype,
+    max_seq_len: int | None = None,
+    *,
+    dequantize=False,
+    part: Part | None = None,
 ) -> Transformer:
     """`source`'s model in `dtype`, ready to run over `max_seq_len` positions (default:
-    the model's context). `dequantize`: see Source.weights."""
+    the model's context). `dequantize`: see Source.weights. `part`: only those weights
+    are read; the rest of the model stays on the meta device (a pipeline stage)."""
     args = source.args
     with torch.device("meta"):
         model = model_class(args)(args)
     arena = hugepages.Arena.of(source.placed_bytes(dtype, dequantize))
-    weights = source.weights(dtype, arena.place if arena else torch.Tensor.contiguous, dequantize)
+    place = arena.place if arena else torch.Tensor.contiguous
+    weights = source.weights(dtype, place, dequantize, keep=part and part.holds)
     if arena:
         arena.close()
     floats = {k: v for k, v in weights.items() if not isinstance(v, QuantLinear)}
@@ -60,7 +87,11 @@ def build(
         lines = str(e).strip().splitlines()
         detail = lines[1].strip() if len(lines) > 1 else lines[0]
         raise InferError(f"{source.path}: weights do not match the config: {detail}") from None
-    missing = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    missing = [
+        n
+        for n, t in (*model.named_parameters(), *model.named_buffers())
+        if t.is_meta and (part is None or part.holds(n))
+    ]
     if result.unexpected_keys or missing:
         detail = (
             f"no place for {result.unexpected_keys[0]!r}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,6 +39,8 @@ from .safetensors_header import FLOAT_DTYPES
 
 # name -> a tensor, or a QuantLinear under its module name (see the module docstring)
 Weights = dict[str, "torch.Tensor | QuantLinear"]
+# Whether a tensor, by name (ours or its Hugging Face name), is to be read
+Keep = Callable[[str], bool]
 
 
 class Source(ModelFile):
@@ -47,10 +50,15 @@ class Source(ModelFile):
         return _fits(Tokenizer.from_hf_dir(self.path), self)
 
     def weights(
-        self, dtype: torch.dtype, place: Place = torch.Tensor.contiguous, dequantize=False
+        self,
+        dtype: torch.dtype,
+        place: Place = torch.Tensor.contiguous,
+        dequantize=False,
+        keep: Keep | None = None,
     ) -> Weights:
         """The model's tensors; weights copied for the kernels go where `place` puts them.
-        `dequantize`: a GGUF file's blocks in `dtype` too, the exact float reference."""
+        `dequantize`: a GGUF file's blocks in `dtype` too, the exact float reference.
+        `keep`: only the tensors whose name it accepts are read (build.Part.holds)."""
         raise NotImplementedError
 
     def placed_bytes(self, dtype: torch.dtype, dequantize=False) -> int:
@@ -106,10 +114,13 @@ class GGUFSource(GGUFModelFile, Source):
     def _on_kernels(self, dtype: torch.dtype, dequantize: bool) -> bool:
         return dtype == torch.float32 and not dequantize
 
-    def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False) -> Weights:
+    def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False, keep=None) -> Weights:
         blocks = kernel_weights(self.gguf) if self._on_kernels(dtype, dequantize) else set()
         # A tied model's output layer is its table, whatever the file holds beside it.
         unused = {"lm_head.weight"} if self.args.tie_embeddings else set()
+        if keep is not None:
+            names = {hf for name in self.gguf.tensors for hf in self.gguf.hf_names(name)}
+            unused |= {hf for hf in names if not keep(hf)}
         sd = self.gguf.hf_state_dict(dtype, skip=blocks | unused)
         sd = model_class(self.args).sanitize(sd, self.args)
         for hf in sorted(blocks - unused):
@@ -162,12 +173,16 @@ class HFSource(HFModelFile, Source):
             shapes["rope_freqs.weight"] = rope_freqs
         return {k: tuple(v.shape) for k, v in shapes.items()}
 
-    def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False) -> Weights:
+    def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False, keep=None) -> Weights:
         sd = {}
         for f in self.files:
             tensors, _ = read_safetensors(f, self.headers[f])
             sd.update(tensors)
-        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        sd = {
+            k: v.to(dtype) if v.is_floating_point() else v
+            for k, v in sd.items()
+            if keep is None or keep(k)
+        }
         return model_class(self.args).sanitize(sd, self.args)
 
 
@@ -183,16 +198,19 @@ class CheckpointSource(CheckpointFile, Source):
         self.checkpoint = checkpoint
         super().__init__(checkpoint)
 
-    def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False) -> Weights:
+    def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False, keep=None) -> Weights:
         ckpt = self.checkpoint
-        sd, parts = {}, {name: {} for name in ckpt.quant}
+        quant = {k: v for k, v in ckpt.quant.items() if keep is None or keep(k)}
+        sd, parts = {}, {name: {} for name in quant}
         for name, t in ckpt.tensors.items():
+            if keep is not None and not keep(name):
+                continue
             owner, _, suffix = name.rpartition(".")
             if owner in parts:
                 parts[owner][suffix] = t
             elif name != ROPE_FREQS:  # in args already
                 sd[name] = t.to(dtype) if t.is_floating_point() else t
-        for name, entry in ckpt.quant.items():
+        for name, entry in quant.items():
             params = {k: v for k, v in entry.items() if k != "format"}
             bias = parts[name].pop("bias", None)
             try:

@@ -1,0 +1,256 @@
+"""The coordinator's end of a pipeline: it holds the embeddings, the output layer and
+the sampler; the workers, in order, hold every block.
+
+    pipeline = Pipeline.connect([("h1", 7070), ("h2", 7070)], token, name, path, ...)
+    session = Session(model, stages=pipeline)   # the model built with no blocks
+    logits = session.prefill(prompt)            # hidden states round the ring
+
+A model's forward takes a `blocks` callable in place of its loop over blocks; `blocks`
+here sends the states to the first worker and waits for the last one's. A pass of rows
+of several sequences (the batched step) goes as micro-batches, sequences kept whole,
+so that while one stage works on one micro-batch the previous stage works on the next.
+
+A worker that dies or a link that drops fails the pass in progress (or the idle ping)
+with a LinkError, and every later pass with the same error: the group is not formed
+again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ... import InferError
+from . import handshake, link
+from .link import LinkError, Op, Pass
+
+STEP_TIMEOUT = 120.0  # seconds any wait on a stage may take (a prompt chunk's included)
+STAGE_LOAD_TIMEOUT = 3600.0  # seconds a worker may take to load its blocks
+CHECK_TIMEOUT = 600.0  # seconds a worker may take to find and hash its copy of the model
+
+
+@dataclass
+class Worker:
+    host: str
+    port: int
+    sock: object  # the control connection, open while the group is
+    memory: int = 0  # bytes it offers
+    layers: range = range(0)
+
+    @property
+    def name(self) -> str:
+        return f"worker {self.host}:{self.port}"
+
+
+def assign_layers(n_layers: int, memories: list[int]) -> list[range]:
+    """Contiguous layer ranges in proportion to each worker's memory, one layer at least."""
+    k = len(memories)
+    if n_layers < k:
+        raise InferError(f"{k} workers for a model of {n_layers} layers: give at most {n_layers}")
+    total, acc, bounds = sum(memories), 0, [0]
+    for i, m in enumerate(memories, 1):
+        acc += m
+        bound = round(n_layers * acc / total) if total else n_layers * i // k
+        bounds.append(min(max(bound, bounds[-1] + 1), n_layers - (k - i)))
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+class Pipeline:
+    def __init__(self, workers: list[Worker], dim: int, dtype: torch.dtype, timeout: float):
+        self.workers, self.dim, self.dtype, self.timeout = workers, dim, dtype, timeout
+        self._sequences = 0
+        self._lock = threading.Lock()  # one pass on the ring at a time (and the pings)
+        self._failed: str | None = None
+        self._used = time.monotonic()
+        self._closed = threading.Event()
+        self._pinger = threading.Thread(target=self._ping_while_idle, daemon=True)
+        self._pinger.start()
+
+    @classmethod
+    def connect(
+        cls, addresses: list[tuple[str, int]], token: bytes, model: str, path, args,
+        dtype: torch.dtype, ctx: int, timeout: float = STEP_TIMEOUT,
+    ) -> Pipeline:  # fmt: skip
+        """Prove the token to each worker, have it check the model (`model` names it,
+        `path` is this side's copy) and load its layers, then form the group."""
+        sha = handshake.model_sha256(path)
+        dtype_name = str(dtype).removeprefix("torch.")
+        workers = []
+        try:
+            for host, port in addresses:
+                w = Worker(host, port, handshake.connect(host, port))
+                workers.append(w)
+                with _about(w):
+                    handshake.prove_coordinator(w.sock, token)
+                    ask = {"model": model, "sha256": sha, "dtype": dtype_name, "ctx": ctx}
+                    handshake.send(w.sock, ask)
+                    w.memory = int(handshake.receive(w.sock, CHECK_TIMEOUT)["memory"])
+            ranges = assign_layers(args.n_layers, [w.memory for w in workers])
+            world = len(workers) + 1
+            for rank, (w, layers) in enumerate(zip(workers, ranges), 1):
+                w.layers = layers
+                plan = {"layers": [layers.start, layers.stop], "rank": rank,
+                        "world_size": world, "timeout": timeout}  # fmt: skip
+                with _about(w):
+                    handshake.send(w.sock, plan)
+            for w in workers:
+                with _about(w):
+                    handshake.receive(w.sock, timeout=STAGE_LOAD_TIMEOUT)
+            address = workers[0].sock.getsockname()[0]  # this end of the first link
+            link.use_interface(address)
+            store, port = link.host_group(address, world, timeout)
+            for w in workers:
+                with _about(w):
+                    handshake.send(w.sock, {"rendezvous": [address, port]})
+            link.join_group(0, world, timeout, store=store)
+        except BaseException:
+            for w in workers:
+                w.sock.close()
+            raise
+        return cls(workers, args.dim, dtype, timeout)
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"{w.host}:{w.port} layers {w.layers.start}-{w.layers.stop - 1}" for w in self.workers
+        )
+
+    def new_sequence(self) -> int:
+        """An id for a new sequence: each worker keeps a KV cache under it."""
+        self._sequences += 1
+        return self._sequences
+
+    def blocks(self, spans: list[tuple[int, int, int]], rows: bool):
+        """The model's `blocks` for a pass: `spans` (sequence, pos, n) in row order; one
+        sequence's chunk, or `rows` of several (llama.Rows)."""
+        return lambda x, _pos: self.run(x, spans, rows)
+
+    def run(self, x: torch.Tensor, spans: list[tuple[int, int, int]], rows: bool):
+        """x (1, T, dim) after every block, each stage in turn."""
+        op = Op.ROWS if rows else Op.CHUNK
+        passes = [Pass(op, s, x[:, a:b]) for s, a, b in _micro(spans, rows, len(self.workers))]
+        with self._lock:
+            self._check()
+            try:
+                with link.failures("a pipeline stage failed (a worker died or a link dropped)"):
+                    out = self._round(passes)
+            except LinkError as e:
+                self._failed = str(e)
+                raise
+            finally:
+                self._used = time.monotonic()
+        return out
+
+    def _round(self, passes: list[Pass]) -> torch.Tensor:
+        """Send every micro-batch to the first stage, then take each back from the last:
+        the recvs posted first, so that no send waits for one (link.py)."""
+        first, last = 1, len(self.workers)
+        receiving = [link.Receiving(last) for _ in passes]
+        sending = [link.Sending(p, first) for p in passes]
+        out = [r.wait(self.dim, self.dtype).x for r in receiving]
+        for s in sending:
+            s.wait()
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise LinkError(self._failed)
+        if self._closed.is_set():
+            raise InferError("the pipeline is closed")
+
+    def _ping_while_idle(self) -> None:
+        """A ping round the ring whenever it has been idle a quarter of the timeout: a
+        worker's wait for the next pass is bounded too, and a dead one is found early."""
+        interval = self.timeout / 4
+        while not self._closed.wait(interval / 4):
+            if time.monotonic() - self._used < interval or self._failed is not None:
+                continue
+            with self._lock:
+                if self._closed.is_set() or self._failed is not None:
+                    return
+                try:
+                    with link.failures("a pipeline stage failed while idle"):
+                        receiving = link.Receiving(len(self.workers))
+                        link.Sending(Pass(Op.PING), 1).wait()
+                        receiving.wait(self.dim, self.dtype)
+                except LinkError as e:
+                    self._failed = str(e)
+                self._used = time.monotonic()
+
+    def close(self) -> None:
+        """Tell the workers to leave the group (each then waits for its next
+        coordinator), and leave it."""
+        if self._closed.is_set():
+            return
+        with self._lock:
+            self._closed.set()
+            if self._failed is None:
+                try:
+                    with link.failures("stopping the pipeline"):
+                        link.Sending(Pass(Op.STOP), 1).wait()
+                except LinkError as e:
+                    print(f"warning: {e}", file=sys.stderr)
+            link.leave_group()
+            for w in self.workers:
+                w.sock.close()
+
+
+def _micro(spans, rows: bool, stages: int):
+    """A pass's micro-batches: (spans, first row, end row), a sequence's rows kept in
+    one; as many as there are stages (fewer with fewer sequences), of similar rows."""
+    if not rows or len(spans) < 2 or stages < 2:
+        return [(spans, 0, sum(n for _, _, n in spans))]
+    total = sum(n for _, _, n in spans)
+    k = min(stages, len(spans))
+    batches, current, a, done = [], [], 0, 0
+    for s in spans:
+        current.append(s)
+        done += s[2]
+        if done * k >= total * (len(batches) + 1) and len(batches) < k - 1:
+            batches.append((current, a, done))
+            current, a = [], done
+    if current:
+        batches.append((current, a, done))
+    return batches
+
+
+class _about:
+    """Errors of the handshake with one worker, named after it: "worker h:p: ..."."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if isinstance(e, InferError) and not str(e).startswith("worker "):
+            raise type(e)(f"{self.worker.name}: {e}") from None
+        if isinstance(e, OSError):
+            raise InferError(f"{self.worker.name}: connection failed ({e})") from None
+        return False
+
+
+def load_pipelined(
+    reference: str, path, workers: list[tuple[str, int]], token: bytes, dtype, ctx: int,
+    timeout: float = STEP_TIMEOUT,
+):  # fmt: skip
+    """The coordinator's model at `path` (the embeddings, the output layer: no blocks)
+    as a LoadedModel whose `stages` is the pipeline over `workers`, which find the model
+    by `reference` (a name or a path) unless told its path."""
+    from ..files.build import Part, build
+    from ..files.sources import open_source
+    from ..loader import LoadedModel
+
+    t0 = time.perf_counter()
+    source = open_source(path)
+    model = build(source, dtype, ctx, part=Part(range(0), ends=True))
+    tokenizer = source.tokenizer()
+    ctx = model.max_seq_len
+    pipeline = Pipeline.connect(workers, token, reference, path, source.args, dtype, ctx, timeout)
+    load_s = time.perf_counter() - t0
+    return LoadedModel(model, tokenizer, source, dtype, load_s, stages=pipeline)

@@ -1,0 +1,213 @@
+"""A worker: a contiguous range of a model's blocks, and the loop that serves them.
+
+`infer worker` listens on the address it is given, for one coordinator at a time. With
+each: the handshake (handshake.py: the token, the model's sha256, its layers), then the
+process group, then passes from the previous rank run through its blocks and on to the
+next, until the coordinator stops or a link fails; then it waits for the next one. The
+blocks loaded stay loaded for a coordinator that asks for the same ones.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ... import InferError
+from ...kernels_cpu.threads import ThreadPolicy
+from ..files.build import Part, build
+from ..files.sources import open_source
+from ..model.llama import KVCache, Rows, rope_rows
+from . import handshake, link
+from .handshake import Refused
+from .link import Op, Pass
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LOAD_TIMEOUT = 3600.0  # seconds a worker waits for the others to check and load the model
+
+
+class Stage:
+    """Blocks [layers.start, layers.stop) of `model` (the rest of it on the meta device)
+    and each sequence's KV cache for them, made on its first pass."""
+
+    def __init__(self, model, layers: range, dtype: torch.dtype, threads: int | None = None):
+        self.model, self.layers, self.dtype = model, layers, dtype
+        self.caches: dict[int, list[KVCache]] = {}
+        self.threads = ThreadPolicy(threads, kernels=model.runs_on_kernels())
+
+    def cache(self, sequence: int) -> list[KVCache]:
+        if sequence not in self.caches:
+            a, n = self.model.args, self.model.max_seq_len
+            self.caches[sequence] = [
+                KVCache(a.n_kv_heads, n, a.head_dim, self.dtype) for _ in self.layers
+            ]
+        return self.caches[sequence]
+
+    @torch.inference_mode()
+    def forward(self, p: Pass) -> torch.Tensor:
+        """The blocks over a pass's states, as the model's own loop runs them: a chunk
+        of one sequence from its position, or Rows of several."""
+        x, T = p.x, p.x.shape[1]
+        if p.op is Op.CHUNK:
+            ((sequence, pos, _),) = p.spans
+            caches = self.cache(sequence)
+        else:
+            pos, caches = None, Rows([(q, n, self.cache(s)) for s, q, n in p.spans])
+        rope = {}  # a table's rows, by table (Gemma's local and global layers)
+        with self.threads.forward():
+            for i, layer_cache in zip(self.layers, caches):
+                cos, sin, _ = self.model.layer_rope(i)
+                if id(cos) not in rope:
+                    rope[id(cos)] = rope_rows(cos, sin, pos, T, caches)
+                x = self.model.layers[i](x, pos, *rope[id(cos)], layer_cache)
+        return x
+
+
+def load_stage(path: Path, dtype: torch.dtype, ctx: int, layers: range, threads=None) -> Stage:
+    """The blocks `layers` of the model at `path`, read from it alone."""
+    source = open_source(path)
+    model = build(source, dtype, ctx, part=Part(layers, ends=False))
+    return Stage(model, layers, dtype, threads)
+
+
+def stage_bytes(path: Path, dtype: torch.dtype, ctx: int, layers: range) -> int:
+    """An estimate of what blocks `layers` hold: their share of the weights, and one
+    sequence's KV cache for them."""
+    source = open_source(path)
+    a = source.args
+    weights = source.held_bytes(dtype) * len(layers) // a.n_layers
+    return weights + 2 * len(layers) * a.n_kv_heads * ctx * a.head_dim * dtype.itemsize
+
+
+# ------------------------------------------------------------------------------------------
+# The worker's loop
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerSettings:
+    host: str
+    port: int
+    token: bytes
+    budget: int  # bytes offered to the coordinator, and the most its blocks may hold
+    model: Path | None = None  # the model file here; default: as the coordinator names it
+    threads: int | None = None
+
+
+def serve_worker(s: WorkerSettings, log: Callable[[str], None], ready=None) -> None:
+    """Serve coordinators one at a time, until interrupted. `ready(port)` is called once
+    listening (the port chosen, when s.port is 0)."""
+    server = handshake.listen(s.host, s.port)
+    link.use_interface(s.host)
+    port = server.getsockname()[1]
+    log(f"listening on {s.host}:{port}")
+    if ready is not None:
+        ready(port)
+    held: dict = {}  # the blocks last loaded, by what they are
+    with server:
+        while True:
+            conn, peer = server.accept()
+            with conn:
+                try:
+                    _serve_coordinator(conn, s, held, log)
+                except InferError as e:
+                    log(f"coordinator {peer[0]}:{peer[1]}: {e}")
+                except OSError as e:
+                    log(f"coordinator {peer[0]}:{peer[1]}: connection failed ({e})")
+
+
+def _serve_coordinator(conn: socket.socket, s: WorkerSettings, held: dict, log) -> None:
+    handshake.prove_worker(conn, s.token)
+    try:
+        stage, plan = _load(conn, s, held, log)
+    except Refused:
+        raise
+    except InferError as e:  # told to the coordinator too, on its one line
+        handshake.send(conn, {"error": str(e)})
+        raise
+    handshake.send(conn, {"loaded": True})
+    host, port = handshake.receive(conn, timeout=LOAD_TIMEOUT)["rendezvous"]
+    rank, world = int(plan["rank"]), int(plan["world_size"])
+    link.join_group(rank, world, float(plan["timeout"]), rendezvous=(str(host), int(port)))
+    try:
+        passes = _run(stage, rank, world)
+    finally:
+        link.leave_group()
+    log(f"coordinator done: {passes} passes")
+
+
+def _load(conn: socket.socket, s: WorkerSettings, held: dict, log) -> tuple[Stage, dict]:
+    """The model check, the offer and the plan: the blocks to serve, loaded."""
+    ask = handshake.receive(conn)
+    path = _model_path(s, str(ask.get("model")))
+    sha = _sha256(path, held)
+    if sha != ask.get("sha256"):
+        raise InferError(
+            f"model refused: the worker's {path.name} differs from the coordinator's "
+            f"(sha256 {sha[:12]}, not {str(ask.get('sha256'))[:12]})"
+        )
+    dtype, ctx = DTYPES[ask["dtype"]], int(ask["ctx"])
+    handshake.send(conn, {"memory": s.budget})
+    plan = handshake.receive(conn, timeout=LOAD_TIMEOUT)  # after every worker's check
+    layers = range(*plan["layers"])
+    need = stage_bytes(path, dtype, ctx, layers)
+    if need > s.budget:
+        raise InferError(
+            f"layers {layers.start}-{layers.stop - 1} need about {need / 1e9:.2f} GB, "
+            f"more than this worker's {s.budget / 1e9:.2f} GB"
+        )
+    key = (path, sha, layers, dtype, ctx)
+    if held.get("key") != key:
+        held.pop("stage", None)
+        t0 = time.perf_counter()
+        held["stage"] = load_stage(path, dtype, ctx, layers, s.threads)
+        held["key"] = key
+        log(f"loaded layers {layers.start}-{layers.stop - 1} of {path.name} in "
+            f"{time.perf_counter() - t0:.2f} s")  # fmt: skip
+    stage = held["stage"]
+    stage.caches.clear()  # a new coordinator's sequences
+    return stage, plan
+
+
+def _run(stage: Stage, rank: int, world: int) -> int:
+    """Passes from rank - 1 through the blocks to rank + 1 (the last back to the
+    coordinator), until STOP. Returns how many passes ran."""
+    prev, nxt = rank - 1, (rank + 1) % world
+    dim, passes = stage.model.args.dim, 0
+    buffers = [link.buffer(), link.buffer()]  # one receives while the other is read
+    with link.failures(f"stage {rank}"):
+        receiving = link.Receiving(prev, buffers[0])
+        while True:
+            p = receiving.wait(dim, stage.dtype)
+            if p.op is Op.STOP:
+                if nxt != 0:
+                    link.Sending(p, nxt).wait()
+                return passes
+            buffers.reverse()
+            receiving = link.Receiving(prev, buffers[0])  # posted before the work: link.py
+            if p.op is not Op.PING:
+                p = Pass(p.op, p.spans, stage.forward(p))
+                passes += 1
+            link.Sending(p, nxt).wait()
+
+
+def _model_path(s: WorkerSettings, name: str) -> Path:
+    if s.model is not None:
+        return s.model
+    from ..registry import resolve
+
+    return resolve(name, download=False).path
+
+
+def _sha256(path: Path, held: dict) -> str:
+    """The model's sha256, computed once a version of its files (a worker serves many
+    runs): a version is each file's size and modification time."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    key = (path, *((f, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    if held.get("sha_key") != key:
+        held["sha"], held["sha_key"] = handshake.model_sha256(path), key
+    return held["sha"]

@@ -1,0 +1,269 @@
+"""Pipeline stages over worker processes on loopback (runtime/pipeline/): greedy output
+over 2 and 3 stages equals the single-process run for a dense and a MoE model, so does
+the batched step of several sequences, and `infer serve --workers` answers concurrent
+requests as one process does; a killed worker, a wrong token and a differing model file
+each end with a one-line error. Every worker is killed at the end."""
+
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from test_cli import assert_one_line_error
+from test_server import Server
+from tiny import make_hf_model
+
+from infer.runtime.generate import generate, make_sampler
+from infer.runtime.loader import load_model
+from infer.runtime.pipeline.coordinator import assign_layers, load_pipelined
+from infer.runtime.session import Session, decode
+
+PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
+TOKEN = b"a shared secret of the test, 32B"
+TIMEOUT = 60  # seconds for any one subprocess or wait
+STARTUP = 180  # seconds for a process to start (torch's import, on a busy shared box)
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "INFER_DEBUG"}
+    return {**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _infer(*args) -> list[str]:
+    return [sys.executable, "-m", "infer.cli.main", *map(str, args)]
+
+
+# Run argv[1:] with SIGKILL set to come when the test process ends, however it ends
+# (PR_SET_PDEATHSIG, Linux; kept across exec): no worker outlives the tests.
+DIE_WITH_PARENT = (
+    "import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); os.execv(sys.executable, sys.argv[1:])"
+)
+
+
+class Worker:
+    """An `infer worker` subprocess on a free loopback port; its stderr lines collected."""
+
+    def __init__(self, token_file, *args):
+        cmd = _infer("worker", "--port", 0, "--token-file", token_file, "--threads", 1, *args)
+        cmd = [sys.executable, "-c", DIE_WITH_PARENT, *cmd]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, env=_env(),
+        )  # fmt: skip
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.port = int(self.wait_for("listening on", STARTUP).rpartition(":")[2])
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_for(self, text: str, timeout: float = TIMEOUT) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                assert self.proc.poll() is None, f"worker exited: {self.log}"
+                continue
+            self.log.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"no {text!r} from the worker in {timeout} s: {self.log}")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.port)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("token") / "token"
+    path.write_bytes(TOKEN)
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A dense and a MoE model of 3 layers (one to three stages), and the dense one's twin
+    of another seed."""
+    root = tmp_path_factory.mktemp("models")
+    make_hf_model("llama", root / "dense", num_hidden_layers=3)
+    make_hf_model("mixtral", root / "moe", num_hidden_layers=3)
+    make_hf_model("llama", root / "other", seed=1, num_hidden_layers=3)
+    return root
+
+
+def _start(n: int, token_file, *args) -> list[Worker]:
+    workers = []
+    try:
+        for _ in range(n):
+            workers.append(Worker(token_file, *args))
+    except BaseException:
+        for w in workers:
+            w.kill()
+        raise
+    return workers
+
+
+@pytest.fixture(scope="module")
+def workers(token_file):
+    """Three workers that find each model by the path the coordinator names."""
+    started = _start(3, token_file)
+    yield started
+    for w in started:
+        w.kill()
+
+
+def _greedy_alone(path, n: int) -> list[int]:
+    lm = load_model(path, max_seq_len=128)
+    return list(generate(Session(lm.model), PROMPT, make_sampler(temperature=0), n))
+
+
+def _pipelined(path, workers):
+    addresses = [w.address for w in workers]
+    return load_pipelined(str(path), path, addresses, TOKEN, torch.float32, 128, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("arch", ["dense", "moe"])
+def test_greedy_over_stages_equals_one_process(models, workers, arch, stages):
+    path = models / arch
+    lm = _pipelined(path, workers[:stages])
+    try:
+        assert [w.layers for w in lm.stages.workers] == assign_layers(3, [1] * stages)
+        session = Session(lm.model, stages=lm.stages)
+        got = list(generate(session, PROMPT, make_sampler(temperature=0), 24))
+    finally:
+        lm.stages.close()
+    assert got == _greedy_alone(path, 24)
+
+
+def test_batched_step_over_stages(models, workers):
+    """Several sequences in one pass (micro-batches, one a stage) give each sequence's
+    logits of the single-process batched step."""
+    path = models / "moe"
+    prompts = [PROMPT, PROMPT[:5], PROMPT[3:]]
+
+    def run(model, stages=None):
+        sessions = [Session(model, 128, stages=stages) for _ in prompts]
+        firsts = [int(s.prefill(p).argmax()) for s, p in zip(sessions, prompts)]
+        return decode(sessions, [[t] for t in firsts]) + decode(sessions, [[1, 2], [3], [4, 5]])
+
+    want = run(load_model(path, max_seq_len=128).model)
+    lm = _pipelined(path, workers)
+    try:
+        got = run(lm.model, lm.stages)
+    finally:
+        lm.stages.close()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_assign_layers_follows_memory():
+    assert assign_layers(8, [1, 1]) == [range(4), range(4, 8)]
+    assert assign_layers(8, [3, 1]) == [range(6), range(6, 8)]
+    assert assign_layers(3, [100, 1, 1]) == [range(1), range(1, 2), range(2, 3)]
+
+
+def _run(path, token_file, addresses, *args) -> subprocess.Popen:
+    workers = ",".join(f"{h}:{p}" for h, p in addresses)
+    cmd = _infer("run", path, "--no-chat", "--temp", 0, "--workers", workers,
+                 "--token-file", token_file, *args)  # fmt: skip
+    return subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=_env(),
+    )  # fmt: skip
+
+
+def test_killed_worker_ends_the_run_with_one_line(models, token_file):
+    pair = _start(2, token_file)
+    try:
+        # Until the context is full: long enough to be killed in the middle.
+        proc = _run(models / "dense", token_file, [w.address for w in pair], "Hello", "-n", -1)
+        try:
+            # the first piece of the answer (bounded: a coordinator that hangs fails here)
+            assert select.select([proc.stdout], [], [], STARTUP)[0], "no answer began"
+            assert proc.stdout.read(1)
+            pair[1].kill()
+            _, err = proc.communicate(timeout=STARTUP)
+        finally:
+            proc.kill()
+        r = subprocess.CompletedProcess(proc.args, proc.returncode, "", err.decode())
+        assert_one_line_error(r, 2, "pipeline stage failed")
+        pair[0].wait_for("coordinator")  # the other worker left the group, and waits
+    finally:
+        for w in pair:
+            w.kill()
+
+
+def test_wrong_token_is_refused_on_both_sides(models, workers, tmp_path):
+    wrong = tmp_path / "wrong"
+    wrong.write_bytes(b"not the secret the workers hold")
+    wrong.chmod(0o600)
+    proc = _run(models / "dense", wrong, [workers[0].address], "Hello", "-n", 2)
+    out, err = proc.communicate(timeout=STARTUP)
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
+    assert_one_line_error(r, 2, "wrong token")
+    assert "wrong token" in workers[0].wait_for("wrong token")
+
+
+def test_a_differing_model_file_is_refused(models, token_file):
+    (worker,) = _start(1, token_file, "--model", models / "other")
+    try:
+        proc = _run(models / "dense", token_file, [worker.address], "Hello", "-n", 2)
+        out, err = proc.communicate(timeout=STARTUP)
+        r = subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
+        assert_one_line_error(r, 2, "model refused", "sha256")
+        worker.wait_for("model refused")
+    finally:
+        worker.kill()
+
+
+def test_serve_answers_concurrent_requests_through_the_stages(
+    models, workers, token_file, tmp_path
+):
+    """Three greedy completions at once (the batched step, micro-batches over two
+    stages): each the answer one process gives alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from infer.runtime.answer import stream_answer
+
+    path = models / "dense"
+    addresses = ",".join(f"{h}:{p}" for h, p in (w.address for w in workers[:2]))
+    args = [str(path), "--workers", addresses, "--token-file", str(token_file), "--parallel", "3"]
+    server = Server(args, tmp_path, tmp_path / "serve.log").ready(STARTUP)
+    prompts = ["Once upon", "The capital of", "1, 2, 3,"]
+    try:
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+
+            def complete(prompt: str) -> str:
+                body = {"model": str(path), "prompt": prompt, "max_tokens": 12, "temperature": 0}
+                r = http.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                got = list(pool.map(complete, prompts))
+    finally:
+        code, _ = server.stop()
+    assert code == 0, server.log.read_text()
+    lm = load_model(path, max_seq_len=128)
+    for prompt, text in zip(prompts, got):
+        ids = lm.tokenizer.encode(prompt)
+        want = stream_answer(Session(lm.model), lm.tokenizer, ids, make_sampler(0), 12, print)
+        assert text == want.text

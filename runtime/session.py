@@ -25,12 +25,17 @@ from .model.llama import Rows, Transformer
 
 class Session:
     def __init__(
-        self, model: Transformer, max_seq_len: int | None = None, threads: int | None = None
+        self,
+        model: Transformer,
+        max_seq_len: int | None = None,
+        threads: int | None = None,
+        kv_cache: str | None = None,
     ):
         """`max_seq_len`: the cache's positions (default and at most the model's);
-        `threads`: the kernels' threads (default torch.get_num_threads() at each pass)."""
+        `threads`: the kernels' threads (default torch.get_num_threads() at each pass);
+        `kv_cache`: the cache's format (model/kvcache.py; default the model's new_cache's)."""
         self.model = model
-        self.cache = model.new_cache(max_seq_len)
+        self.cache = model.new_cache(max_seq_len, kv_cache)
         self.max_seq_len = self.cache[0].k.shape[2] if self.cache else model.max_seq_len
         self.tokens: list[int] = []  # ids whose keys and values the cache holds, in order
         self._threads = threads
@@ -135,7 +140,10 @@ def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[tor
         blocks = None
         if fused is not None:
             words = torch.stack([sessions[i].cache_words for i, _ in rows])
-            blocks = lambda x, _pos: fused(x, spans, words)  # noqa: E731
+
+            def blocks(x, _pos, spans=spans, words=words):
+                return fused(x, spans, words)
+
         with sessions[0].threads.forward():
             logits = model(ids, None, spans, all_logits=True, blocks=blocks)[0]
         for r, (i, t) in enumerate(rows):

@@ -32,10 +32,16 @@
             each LIN = 8 words: kind (8 int8, 6 int6, 4 int4, -1..-4 = -bits for lut), qweight,
             scales, mins (0: none), bias (float32, 0: none), N, K, g
 
-   Each call also takes, per row, its position and its sequence's cache: seq (positions
-   the cache holds), then per layer k_cache, v_cache (float32 (n_kv_heads, seq, head_dim)),
-   CACHE_WORDS(n_layers) words a row. Rows of one sequence must come in position order:
-   every row's keys and values are written before any row attends.
+   Each call also takes, per row, its position and its sequence's cache (runtime/model/
+   kvcache.py has the formats), CACHE_WORDS(n_layers) words a row: seq (positions the
+   cache holds), kind (KV_F32, KV_BF16, KV_INT8), group (int8: values per scale), then
+   per layer k_cache, v_cache ((n_kv_heads, seq, head_dim) of float32, bf16 or int8),
+   k_scales, v_scales (int8: float16 (n_kv_heads, seq, head_dim / group); else unused).
+   Rows of one sequence must come in position order: every row's keys and values are
+   written before any row attends. A row's keys and values are written in its cache's
+   format (kv_store); attention reads a bf16 or int8 block of positions converted to
+   float32 in its thread's buffer, then as a float32 cache, so those formats differ from
+   float32 only in the values stored.
 
    A mixture-of-experts layer has kind 0 in its gate, up and down words: decode_layers
    stops there after the attention half, with the rows' MoE inputs ffn_norm(x) in the
@@ -48,13 +54,15 @@
 */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "binding.h"
 #include "kernels.h"
 
 enum { HEADER = 13, LIN = 8, LAYER = 9 + 7 * LIN };
-#define CACHE_WORDS(n_layers) (1 + 2 * (n_layers))
+#define CACHE_WORDS(n_layers) (3 + 4 * (n_layers))
+enum { KV_F32, KV_BF16, KV_INT8 }; /* a cache's kind (its second word) */
 enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN };
 /* Attention splits the attended positions into blocks of this many (see attn_block). */
 enum { ATTN_BLOCK = 256 };
@@ -65,6 +73,7 @@ typedef struct {
     /* scratch, a row each: (rows, dim), (rows, n_heads * head_dim), ... */
     float *xn, *q, *k, *v, *att, *gate, *up;
     float *part; /* attention's per-block partials: (rows, n_heads, blocks, head_dim + 2) */
+    float *kv_buf; /* bf16 and int8 blocks as float32: (threads, 2, ATTN_BLOCK, head_dim) */
     int isa, nthreads, qk_norm_full, act;
     int64_t R; /* rows in this call */
 } model_t;
@@ -183,6 +192,54 @@ static void gelu_tanh_mul(float *gate, const float *up, int64_t n) {
     }
 }
 
+/* float32 -> float16, rounding to nearest even as torch's .to(torch.float16). */
+static uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+    if (ax > 0x7f800000) return (uint16_t)(sign | 0x7e00);       /* NaN */
+    if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00);      /* rounds past 65504 */
+    if (ax < 0x38800000)                                          /* below 2^-14: subnormal */
+        return (uint16_t)(sign | (uint32_t)rintf(fabsf(f) * 16777216.0f)); /* in 2^-24s */
+    uint32_t h = (ax - 0x38000000) >> 13; /* exponent rebiased, 10 bits of mantissa */
+    const uint32_t rest = ax & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++; /* a carry moves the exponent on */
+    return (uint16_t)(sign | h);
+}
+
+/* float32 -> bfloat16, rounding to nearest even as torch's .to(torch.bfloat16). */
+static uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffff) > 0x7f800000) return 0x7fc0; /* NaN */
+    return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
+
+/* n values of x (a multiple of g) into a cache of `kind` from element `at` (int8: its
+   scales from at / g), as kvcache.py's KVCache.update and Int8KVCache.update store them:
+   int8 per run of g, d = max |x| / 127 as float16, q = x * (1 / d) rounded to even. */
+static void kv_store(int kind, int64_t g, const float *x, int64_t n, void *cache,
+                     uint16_t *scales, int64_t at) {
+    if (kind == KV_F32) {
+        memcpy((float *)cache + at, x, (size_t)n * sizeof *x);
+    } else if (kind == KV_BF16) {
+        uint16_t *y = (uint16_t *)cache + at;
+        for (int64_t i = 0; i < n; i++) y[i] = float_to_bf16(x[i]);
+    } else {
+        int8_t *q = (int8_t *)cache + at;
+        for (int64_t j = 0; j < n / g; j++, x += g, q += g) {
+            float amax = 0.0f;
+            for (int64_t i = 0; i < g; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+            const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+            scales[at / g + j] = float_to_half(d);
+            for (int64_t i = 0; i < g; i++) {
+                const float r = rintf(x[i] * inv); /* NaN: 0 */
+                q[i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r == r ? r : 0.0f);
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------------------
  * Attention for one token, on 16-float vectors (GCC vector extensions): one source the
  * compiler turns into AVX-512, AVX2, or SSE2 / NEON code, chosen by the plan's
@@ -243,26 +300,64 @@ VI v16 exp16(v16 x) {
 
 typedef struct {
     const model_t *m;
-    const float *q;       /* the row's queries (n_heads, head_dim) */
-    float *part, *out;    /* its partials (n_heads, blocks, head_dim + 2), output (n_heads, head_dim) */
-    const float *kc, *vc; /* its sequence's cache, (n_kv_heads, seq, head_dim) each */
-    int64_t seq;
+    const float *q;    /* the row's queries (n_heads, head_dim) */
+    float *part, *out; /* its partials (n_heads, blocks, head_dim + 2), output (n_heads, head_dim) */
+    const void *kc, *vc;       /* its sequence's cache, (n_kv_heads, seq, head_dim) each */
+    const uint16_t *ks, *vs;   /* int8: their scales, (n_kv_heads, seq, head_dim / group) */
+    int64_t seq, kind, group;  /* the cache's positions, kind and (int8) group */
     int64_t lo, hi; /* attended positions [lo, hi] */
     int64_t blocks; /* of ATTN_BLOCK positions from lo, the last one partial */
 } attn_job;
 
+typedef int8_t v16b __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+/* n values of a bf16 or int8 cache from element `at` as float32 in out: each value one
+   exact conversion (int8: q times its float16 scale, one product), whatever the path. */
+VI void kv_float(const attn_job *J, const void *cache, const uint16_t *scales, int64_t at,
+                 int64_t n, float *out) {
+    if (J->kind == KV_BF16) {
+        const uint16_t *h = (const uint16_t *)cache + at;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            v16h v;
+            memcpy(&v, h + i, sizeof v);
+            store16(out + i, (v16)(__builtin_convertvector(v, v16u) << 16));
+        }
+        for (; i < n; i++) {
+            const uint32_t u = (uint32_t)h[i] << 16;
+            memcpy(out + i, &u, sizeof u);
+        }
+        return;
+    }
+    const int64_t g = J->group;
+    const int8_t *q = (const int8_t *)cache + at;
+    const uint16_t *s = scales + at / g;
+    for (int64_t j = 0; j < n / g; j++, q += g, out += g) {
+        const float d = half_to_float(s[j]);
+        int64_t i = 0;
+        for (; i + 16 <= g; i += 16) {
+            v16b v;
+            memcpy(&v, q + i, sizeof v);
+            store16(out + i, __builtin_convertvector(v, v16) * d);
+        }
+        for (; i < g; i++) out[i] = (float)q[i] * d;
+    }
+}
+
 /* One block b of positions for the query heads of key-value head g (a pool task), as
    flash-decoding splits it: the block's keys and values are read from memory once, for
-   all of the heads that share them. For each such head h it leaves in J->part
+   all of the heads that share them. kb and vb are the block's first rows, float32
+   (hi - lo + 1, head_dim) each. For each such head h it leaves in J->part
    (h, b): the block's largest score mx, sum of e_t = exp(score_t - mx), and sum of e_t v_t
    (each element summed over t in order); attn_combine weighs the blocks together. */
-VI void attn_block(const attn_job *J, int64_t task) {
+VI void attn_block(const attn_job *J, int64_t g, int64_t b, const float *kb, const float *vb) {
     const model_t *m = J->m;
-    const int64_t g = task / J->blocks, b = task % J->blocks, rep = m->n_heads / m->n_kv;
+    const int64_t rep = m->n_heads / m->n_kv;
     const int64_t d = m->head_dim, d16 = d / 16 * 16;
     const int64_t lo = J->lo + b * ATTN_BLOCK;
     const int64_t hi = lo + ATTN_BLOCK - 1 < J->hi ? lo + ATTN_BLOCK - 1 : J->hi;
-    const float *kc = J->kc + g * J->seq * d, *vc = J->vc + g * J->seq * d;
     const float scale = m->attn_scale;
     float s[ATTN_BLOCK]; /* the block's scores, then their exponentials: s[t - lo] */
     for (int64_t h = g * rep; h < (g + 1) * rep; h++) {
@@ -270,7 +365,7 @@ VI void attn_block(const attn_job *J, int64_t task) {
         float *part = J->part + (h * J->blocks + b) * (d + 2);
         float mx = -INFINITY;
         for (int64_t t = lo; t <= hi; t++) {
-            const float *k = kc + t * d;
+            const float *k = kb + (t - lo) * d;
             for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(k + 8 * d + i, 0, 3);
             v16 acc = {0};
             for (int64_t i = 0; i < d16; i += 16) acc += load16(q + i) * load16(k + i);
@@ -302,7 +397,7 @@ VI void attn_block(const attn_job *J, int64_t task) {
         for (int64_t i = 0; i < d16; i += 64) {
             const int64_t nv = d16 - i < 64 ? (d16 - i) / 16 : 4;
             v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            const float *v = vc + lo * d + i;
+            const float *v = vb + i;
             if (nv == 4) {
                 for (t = lo; t <= hi; t++, v += d) {
                     __builtin_prefetch(v + 8 * d, 0, 3);
@@ -328,7 +423,7 @@ VI void attn_block(const attn_job *J, int64_t task) {
         }
         for (int64_t i = d16; i < d; i++) {
             float acc = 0.0f;
-            for (t = lo; t <= hi; t++) acc += vc[t * d + i] * s[t - lo];
+            for (t = lo; t <= hi; t++) acc += vb[(t - lo) * d + i] * s[t - lo];
             out[i] = acc;
         }
     }
@@ -362,14 +457,30 @@ typedef struct {
     int64_t first[GEMV_ROWS_MAX + 1];
 } attn_rows;
 
-/* attn_block compiled for each instruction set */
+/* Task `task` of row r: a block of positions of one key-value head, read in place from a
+   float32 cache, else converted into thread tid's buffer first. */
+VI void attn_task_run(const attn_job *J, int64_t task, int tid) {
+    const int64_t g = task / J->blocks, b = task % J->blocks, d = J->m->head_dim;
+    const int64_t lo = J->lo + b * ATTN_BLOCK;
+    const int64_t n = (lo + ATTN_BLOCK - 1 < J->hi ? ATTN_BLOCK : J->hi - lo + 1) * d;
+    const int64_t at = (g * J->seq + lo) * d; /* the block's first element in the cache */
+    if (J->kind == KV_F32) {
+        attn_block(J, g, b, (const float *)J->kc + at, (const float *)J->vc + at);
+        return;
+    }
+    float *kb = J->m->kv_buf + (int64_t)tid * 2 * ATTN_BLOCK * d, *vb = kb + ATTN_BLOCK * d;
+    kv_float(J, J->kc, J->ks, at, n, kb);
+    kv_float(J, J->vc, J->vs, at, n, vb);
+    attn_block(J, g, b, kb, vb);
+}
+
+/* attn_task_run compiled for each instruction set */
 #define ATTN_TASK(NAME, TARGET)                                                                  \
     TARGET static void NAME(void *ctx, int64_t task, int tid) {                                 \
-        (void)tid;                                                                              \
         const attn_rows *A = ctx;                                                               \
         int r = 0;                                                                              \
         while (task >= A->first[r + 1]) r++;                                                    \
-        attn_block(&A->row[r], task - A->first[r]);                                             \
+        attn_task_run(&A->row[r], task - A->first[r], tid);                                     \
     }
 ATTN_TASK(attn_task, )
 #ifdef INFER_X86
@@ -387,7 +498,7 @@ static pool_fn attn_task_for(int isa) {
 }
 
 /* One block for the call's R rows: x (R, dim) is their residual stream, pos[r] row r's
-   position, cache[r] its CACHE_WORDS (seq, then k and v per layer), l the layer. Returns
+   position, cache[r] its CACHE_WORDS (the top of the file), l the layer. Returns
    0, -1 when out of memory, or 1 after the attention half of a mixture-of-experts layer
    (m->xn then holds the rows' MoE inputs). */
 static int block(const model_t *m, const int64_t *P, int64_t l, float *x, const int64_t *pos,
@@ -417,19 +528,20 @@ static int block(const model_t *m, const int64_t *P, int64_t l, float *x, const 
             for (int64_t h = 0; h < m->n_heads; h++) rmsnorm(q + h * d, q_norm, q + h * d, d, m->eps);
             for (int64_t h = 0; h < m->n_kv; h++) rmsnorm(k + h * d, k_norm, k + h * d, d, m->eps);
         }
-        const int64_t p = pos[r], seq = cache[r * cw];
+        const int64_t *c = cache + r * cw, p = pos[r], seq = c[0], kind = c[1], group = c[2];
         rope(q, m->n_heads, d, cos_table + p * d, sin_table + p * d);
         rope(k, m->n_kv, d, cos_table + p * d, sin_table + p * d);
-        float *kc = PTR(float *, cache[r * cw + 1 + 2 * l]);
-        float *vc = PTR(float *, cache[r * cw + 2 + 2 * l]);
+        const int64_t *layer = c + 3 + 4 * l; /* k, v, k_scales, v_scales */
+        void *kc = PTR(void *, layer[0]), *vc = PTR(void *, layer[1]);
+        uint16_t *ks = PTR(uint16_t *, layer[2]), *vs = PTR(uint16_t *, layer[3]);
         for (int64_t h = 0; h < m->n_kv; h++) {
-            memcpy(kc + (h * seq + p) * d, k + h * d, (size_t)d * sizeof(float));
-            memcpy(vc + (h * seq + p) * d, v + h * d, (size_t)d * sizeof(float));
+            kv_store((int)kind, group, k + h * d, d, kc, ks, (h * seq + p) * d);
+            kv_store((int)kind, group, v + h * d, d, vc, vs, (h * seq + p) * d);
         }
         const int64_t lo = window && p >= window ? p - window + 1 : 0;
         const int64_t blocks = attn_blocks(p - lo + 1);
         A.row[r] = (attn_job){m, q, m->part + r * m->n_heads * attn_blocks(m->max_seq) * (d + 2),
-                              m->att + r * hd, kc, vc, seq, lo, p, blocks};
+                              m->att + r * hd, kc, vc, ks, vs, seq, kind, group, lo, p, blocks};
         A.first[r + 1] = A.first[r] + m->n_kv * blocks;
         work += (p - lo + 1) * hd;
     }
@@ -478,10 +590,13 @@ static int plan_model(const int64_t *H, long long n_words, long long scratch_n, 
         goto bad;
     const int64_t cw = CACHE_WORDS(m->n_layers);
     for (long long r = 0; r < R; r++) {
-        const int64_t seq = cache[r * cw];
-        if (pos[r] < 0 || pos[r] >= seq || seq > m->max_seq) goto bad;
-        for (int64_t w = 1; w < cw; w++)
-            if (!cache[r * cw + w]) goto bad;
+        const int64_t *c = cache + r * cw, seq = c[0], kind = c[1], group = c[2];
+        if (pos[r] < 0 || pos[r] >= seq || seq > m->max_seq || kind < KV_F32 || kind > KV_INT8 ||
+            (kind == KV_INT8 && (group < 1 || m->head_dim % group)))
+            goto bad;
+        for (int64_t l = 0; l < m->n_layers; l++)
+            for (int w = 0; w < (kind == KV_INT8 ? 4 : 2); w++)
+                if (!c[3 + 4 * l + w]) goto bad;
     }
     m->R = R;
     m->qk_norm_full = (int)H[9];
@@ -525,12 +640,36 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     float *x = PTR(float *, v[3]);
     int64_t l = v[9];
     int rc = 0;
+    for (long long r = 0; r < v[4]; r++) /* a bf16 or int8 cache: each thread's buffer */
+        if (cache[r * CACHE_WORDS(m.n_layers) + 1] != KV_F32 && !m.kv_buf) {
+            m.kv_buf = malloc((size_t)(m.nthreads * 2 * ATTN_BLOCK * m.head_dim) * sizeof(float));
+            if (!m.kv_buf) return PyErr_NoMemory();
+        }
     Py_BEGIN_ALLOW_THREADS;
     for (; l < v[10]; l++)
         if ((rc = block(&m, H + HEADER + l * LAYER, l, x, pos, cache))) break;
     Py_END_ALLOW_THREADS;
+    free(m.kv_buf);
     if (rc < 0) return PyErr_NoMemory();
     return PyLong_FromLongLong(l);
+}
+
+/* decode_kv_store(x, n, kind, group, cache, scales): n float32 values of x into a cache of
+   `kind` from its first element, as the fused step writes keys and values (for tests
+   against kvcache.py). */
+static PyObject *py_decode_kv_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[6];
+    if (infer_parse_ints(args, nargs, 6, v, "decode_kv_store")) return NULL;
+    const long long n = v[1], kind = v[2], g = v[3];
+    if (!v[0] || !v[4] || n < 0 || kind < KV_F32 || kind > KV_INT8 ||
+        (kind == KV_INT8 && (g < 1 || n % g || !v[5]))) {
+        PyErr_SetString(PyExc_ValueError, "decode_kv_store: bad arguments");
+        return NULL;
+    }
+    kv_store((int)kind, g, PTR(const float *, v[0]), n, PTR(void *, v[4]),
+             PTR(uint16_t *, v[5]), 0);
+    Py_RETURN_NONE;
 }
 
 /* Chosen experts are run this many at a time: their gate and up GEMVs (2 per expert) as
@@ -644,6 +783,8 @@ PyMethodDef infer_decode_methods[] = {
     {"decode_experts", (PyCFunction)(void (*)(void))py_decode_experts, METH_FASTCALL,
      "decode_experts(table, n_rows, ids, weights, k, shared_w, xn, x, dim, hidden, scratch, "
      "scratch_floats, isa, threads, phase): x += a mixture of experts' output for one token"},
+    {"decode_kv_store", (PyCFunction)(void (*)(void))py_decode_kv_store, METH_FASTCALL,
+     "decode_kv_store(x, n, kind, group, cache, scales): n floats into a KV cache's format"},
     {"decode_layout", py_decode_layout, METH_NOARGS,
      "(header words, words per layer, words per linear, experts run at once, attention "
      "block, most rows a call) of the decode plan"},

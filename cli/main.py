@@ -42,6 +42,7 @@ from .options import (
     ExpertPredictionOpt,
     Json,
     JsonList,
+    KVCacheOpt,
     MaxMemory,
     ModelArg,
     RequiredModelArg,
@@ -283,6 +284,7 @@ def bench(
     ] = 3,
     threads: Threads = None,
     dtype: DTypeOpt = DType.float32,
+    kv_cache: KVCacheOpt = None,
     roofline: Annotated[
         bool,
         typer.Option(
@@ -340,6 +342,7 @@ def bench(
             expert_policy=expert_policy and expert_policy.value,
             trace=trace,
             expert_prediction=expert_prediction and expert_prediction.value,
+            kv_cache=kv_cache and kv_cache.value,
         )
     if json_out:
         print_json(asdict(result))

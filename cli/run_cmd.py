@@ -35,6 +35,7 @@ from .options import (
     ExpertPredictionOpt,
     Format,
     Json,
+    KVCacheOpt,
     MaxMemory,
     MaxTokens,
     MinP,
@@ -111,6 +112,7 @@ def run(
     threads: Threads = None,
     ctx: Ctx = None,
     dtype: DTypeOpt = DType.float32,
+    kv_cache: KVCacheOpt = None,
     max_memory: MaxMemory = None,
     expert_policy: ExpertPolicyOpt = None,
     expert_prediction: ExpertPredictionOpt = None,
@@ -124,7 +126,7 @@ def run(
             "--local",
             metavar=FLAG,
             help="Load the model in this process even when a server is running. "
-            "Implied by --threads, --dtype, --max-memory, --trace and --expert-*.",
+            "Implied by --threads, --dtype, --kv-cache, --max-memory, --trace and --expert-*.",
         ),
     ] = False,
     host: Annotated[
@@ -175,8 +177,8 @@ def run(
     )  # fmt: skip
     show = (lambda _: None) if json_out else _write
     loads_here = (
-        threads, max_memory, expert_policy, expert_prediction, trace
-    ) != (None,) * 5 or dtype != DType.float32  # fmt: skip
+        threads, max_memory, expert_policy, expert_prediction, trace, kv_cache
+    ) != (None,) * 6 or dtype != DType.float32  # fmt: skip
     chat_model = None if local or loads_here else _server_model(host, model, ctx, interactive)
     if chat_model is not None and not interactive:
         from .client import NotServed
@@ -198,7 +200,9 @@ def run(
             resolved = resolve(model)
         n_threads = set_threads(threads)
         with status(f"loading {resolved.name}"):
-            lm = _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace)
+            lm = _load_here(
+                resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace, kv_cache
+            )
         if verbose:
             print(
                 f"loaded {resolved.name} in {lm.load_seconds:.2f} s "
@@ -222,7 +226,7 @@ def run(
             _save_trace(lm, trace)
 
 
-def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace):
+def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace, kv_cache):
     """Load the model in this process, warning when --ctx is past its training."""
     from ..runtime.loader import load_model
 
@@ -234,6 +238,7 @@ def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, t
         expert_policy=expert_policy and expert_policy.value,
         record_routing=trace is not None,
         expert_prediction=expert_prediction and expert_prediction.value,
+        kv_cache=kv_cache and kv_cache.value,
     )
     if ctx is not None and ctx > lm.model.max_seq_len:  # the loader clamped it
         print(

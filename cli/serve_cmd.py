@@ -15,7 +15,7 @@ import typer
 from .. import InferError
 from ..offload.budget import parse_size
 from .common import torch_dtype
-from .options import Ctx, Debug, DType, DTypeOpt, MaxMemory, Threads
+from .options import Ctx, Debug, DType, DTypeOpt, KVCacheOpt, MaxMemory, Threads
 
 DEFAULT_PORT = 11435  # beside ollama's 11434
 DEFAULT_HOST = "127.0.0.1"
@@ -75,6 +75,7 @@ def serve(
     ] = 2,
     ctx: Ctx = None,
     dtype: DTypeOpt = DType.float32,
+    kv_cache: KVCacheOpt = None,
     max_memory: MaxMemory = None,
     threads: Threads = None,
     debug: Debug = False,
@@ -112,6 +113,7 @@ def serve(
         model_dirs=list(models_dir or []),
         ctx=ctx or 4096,
         dtype=torch_dtype(dtype),
+        kv_cache=kv_cache and kv_cache.value,
         max_memory=budget,
         slots=slots,
         keep_alive=keep,

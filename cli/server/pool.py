@@ -31,6 +31,7 @@ class ServeSettings:
     model_dirs: list[Path] = field(default_factory=list)  # files under these may be named
     ctx: int = 4096  # each slot's context (at most the model's)
     dtype: torch.dtype = torch.float32
+    kv_cache: str | None = None  # the slots' KV cache format (default the dtype's)
     max_memory: int | None = None  # the process's budget (loader.load_model)
     slots: int = 2  # KV caches per model, kept for prefix reuse
     keep_alive: float | None = 300.0  # seconds idle before unloading; None: never
@@ -181,9 +182,12 @@ class ModelPool:
         await self._make_room(resolved)
 
         def load() -> Loaded:
-            lm = load_model(resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=s.max_memory)
+            lm = load_model(
+                resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=s.max_memory,
+                kv_cache=s.kv_cache,
+            )  # fmt: skip
             scheduler = Scheduler(lm.model, lm.tokenizer, s.slots, s.ctx, s.threads)
-            kv = sum(c.k.nbytes + c.v.nbytes for slot in scheduler.slots for c in slot.cache or ())
+            kv = sum(c.nbytes for slot in scheduler.slots for c in slot.cache or ())
             size = lm.source.held_bytes(s.dtype) + kv
             return Loaded(name, resolved, lm, scheduler, size, s.keep_alive)
 
@@ -202,7 +206,7 @@ class ModelPool:
         from ...runtime.files.sources import open_source
 
         s = self.settings
-        need = estimated_bytes(open_source(resolved.path), s.dtype, s.ctx)
+        need = estimated_bytes(open_source(resolved.path), s.dtype, s.ctx, s.kv_cache, s.slots)
         while self.loaded:
             if s.max_memory is not None:
                 fits = process_rss() + need <= s.max_memory

@@ -39,9 +39,9 @@
    k_scales, v_scales (int8: float16 (n_kv_heads, seq, head_dim / group); else unused).
    Rows of one sequence must come in position order: every row's keys and values are
    written before any row attends. A row's keys and values are written in its cache's
-   format (kv_store); attention reads a bf16 or int8 block of positions converted to
-   float32 in its thread's buffer, then as a float32 cache, so those formats differ from
-   float32 only in the values stored.
+   format (kv_store); attention converts a bf16 or int8 sub-block of positions to float32
+   in the task's buffer and reads it as it reads a float32 cache in place, so the formats
+   differ from float32 only in the values stored.
 
    A mixture-of-experts layer has kind 0 in its gate, up and down words: decode_layers
    stops there after the attention half, with the rows' MoE inputs ffn_norm(x) in the
@@ -54,7 +54,6 @@
 */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "binding.h"
@@ -73,7 +72,6 @@ typedef struct {
     /* scratch, a row each: (rows, dim), (rows, n_heads * head_dim), ... */
     float *xn, *q, *k, *v, *att, *gate, *up;
     float *part; /* attention's per-block partials: (rows, n_heads, blocks, head_dim + 2) */
-    float *kv_buf; /* bf16 and int8 blocks as float32: (threads, 2, ATTN_BLOCK, head_dim) */
     int isa, nthreads, qk_norm_full, act;
     int64_t R; /* rows in this call */
 } model_t;
@@ -309,122 +307,177 @@ typedef struct {
     int64_t blocks; /* of ATTN_BLOCK positions from lo, the last one partial */
 } attn_job;
 
-typedef int8_t v16b __attribute__((vector_size(16)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
+/* float16 -> float32 for 16 lanes, exact (as half_to_float): the bits moved into a
+   float's place and scaled by 2^112, normal and subnormal alike; inf and NaN given an
+   all-ones exponent. Each lane takes the 32-bit word holding its half, shifted: a
+   16-lane __builtin_convertvector from uint16 becomes scalar code in GCC 12. */
+VI v16 half16_to_float(const uint16_t *p) {
+    uint32_t a[8];
+    memcpy(a, p, sizeof a);
+    const v16u w = {a[0], a[0], a[1], a[1], a[2], a[2], a[3], a[3],
+                    a[4], a[4], a[5], a[5], a[6], a[6], a[7], a[7]};
+    const v16u down = {0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16};
+    const v16u u = (w >> down) & 0xffff;
+    const v16u f = (v16u)((v16)((u & 0x7fff) << 13) * 0x1p112f);
+    const v16u inf_nan = (v16u)((u & 0x7c00) == 0x7c00) & 0x7f800000;
+    return (v16)(f | inf_nan | (u & 0x8000) << 16);
+}
+
 /* n values of a bf16 or int8 cache from element `at` as float32 in out: each value one
-   exact conversion (int8: q times its float16 scale, one product), whatever the path. */
+   exact conversion (int8: q times its float16 scale, one product), whatever the path.
+   Plain loops: GCC's vectorizer widens int8 and uint16 in a few instructions (vpmovsx,
+   vpmovzx), where a 16-lane __builtin_convertvector from them becomes scalar code (GCC
+   12). */
 VI void kv_float(const attn_job *J, const void *cache, const uint16_t *scales, int64_t at,
-                 int64_t n, float *out) {
-    if (J->kind == KV_BF16) {
-        const uint16_t *h = (const uint16_t *)cache + at;
-        int64_t i = 0;
-        for (; i + 16 <= n; i += 16) {
-            v16h v;
-            memcpy(&v, h + i, sizeof v);
-            store16(out + i, (v16)(__builtin_convertvector(v, v16u) << 16));
-        }
-        for (; i < n; i++) {
+                 int64_t n, float *restrict out) {
+    if (J->kind == KV_BF16) { /* the bits of a float32's high half */
+        const uint16_t *restrict h = (const uint16_t *)cache + at;
+        for (int64_t i = 0; i < n; i++) {
             const uint32_t u = (uint32_t)h[i] << 16;
             memcpy(out + i, &u, sizeof u);
         }
         return;
     }
-    const int64_t g = J->group;
-    const int8_t *q = (const int8_t *)cache + at;
+    const int64_t g = J->group, groups = n / g;
+    const int8_t *restrict q = (const int8_t *)cache + at;
     const uint16_t *s = scales + at / g;
-    for (int64_t j = 0; j < n / g; j++, q += g, out += g) {
-        const float d = half_to_float(s[j]);
-        int64_t i = 0;
-        for (; i + 16 <= g; i += 16) {
-            v16b v;
-            memcpy(&v, q + i, sizeof v);
-            store16(out + i, __builtin_convertvector(v, v16) * d);
-        }
-        for (; i < g; i++) out[i] = (float)q[i] * d;
+    for (int64_t j = 0; j < groups; j += 16) { /* 16 groups' scales at a time */
+        const int64_t m = groups - j < 16 ? groups - j : 16;
+        float d[16];
+        if (m == 16)
+            store16(d, half16_to_float(s + j));
+        else
+            for (int64_t k = 0; k < m; k++) d[k] = half_to_float(s[j + k]);
+        for (int64_t k = 0; k < m; k++, q += g, out += g)
+            for (int64_t i = 0; i < g; i++) out[i] = (float)q[i] * d[k];
     }
+}
+
+/* A task's query heads at once (more share a key-value head: several passes), and the
+   floats of a sub-block of rows: converted from bf16 or int8, it stays in L1 while every
+   head reads it. */
+enum { ATTN_HEADS = 16, ATTN_SUB_FLOATS = 4096 };
+
+/* n floats of a cache from element `at`: in place when float32, else converted into buf. */
+VI const float *kv_rows(const attn_job *J, const void *cache, const uint16_t *scales,
+                        int64_t at, int64_t n, float *buf) {
+    if (J->kind == KV_F32) return (const float *)cache + at;
+    kv_float(J, cache, scales, at, n, buf);
+    return buf;
 }
 
 /* One block b of positions for the query heads of key-value head g (a pool task), as
    flash-decoding splits it: the block's keys and values are read from memory once, for
-   all of the heads that share them. kb and vb are the block's first rows, float32
-   (hi - lo + 1, head_dim) each. For each such head h it leaves in J->part
-   (h, b): the block's largest score mx, sum of e_t = exp(score_t - mx), and sum of e_t v_t
-   (each element summed over t in order); attn_combine weighs the blocks together. */
-VI void attn_block(const attn_job *J, int64_t g, int64_t b, const float *kb, const float *vb) {
+   all of the heads that share them, a sub-block of rows at a time. For each such head h
+   it leaves in J->part (h, b): the block's largest score mx, sum of e_t = exp(score_t -
+   mx), and sum of e_t v_t (each element summed over t in order); attn_combine weighs the
+   blocks together. */
+VI void attn_block(const attn_job *J, int64_t task) {
     const model_t *m = J->m;
-    const int64_t rep = m->n_heads / m->n_kv;
+    const int64_t g = task / J->blocks, b = task % J->blocks, rep = m->n_heads / m->n_kv;
     const int64_t d = m->head_dim, d16 = d / 16 * 16;
+    const int64_t sub = ATTN_SUB_FLOATS / d < 1 ? 1 : ATTN_SUB_FLOATS / d > 64 ? 64 : ATTN_SUB_FLOATS / d;
     const int64_t lo = J->lo + b * ATTN_BLOCK;
-    const int64_t hi = lo + ATTN_BLOCK - 1 < J->hi ? lo + ATTN_BLOCK - 1 : J->hi;
+    const int64_t n = (lo + ATTN_BLOCK - 1 < J->hi ? lo + ATTN_BLOCK - 1 : J->hi) - lo + 1;
+    const int64_t at = (g * J->seq + lo) * d; /* row lo's first element in the cache */
+    const int prefetch = J->kind == KV_F32;   /* rows read from memory in place */
     const float scale = m->attn_scale;
-    float s[ATTN_BLOCK]; /* the block's scores, then their exponentials: s[t - lo] */
-    for (int64_t h = g * rep; h < (g + 1) * rep; h++) {
-        const float *q = J->q + h * d;
-        float *part = J->part + (h * J->blocks + b) * (d + 2);
-        float mx = -INFINITY;
-        for (int64_t t = lo; t <= hi; t++) {
-            const float *k = kb + (t - lo) * d;
-            for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(k + 8 * d + i, 0, 3);
-            v16 acc = {0};
-            for (int64_t i = 0; i < d16; i += 16) acc += load16(q + i) * load16(k + i);
-            float dot = hsum16(acc);
-            for (int64_t i = d16; i < d; i++) dot += q[i] * k[i];
-            s[t - lo] = dot * scale;
-            if (s[t - lo] > mx) mx = s[t - lo];
-        }
-        /* each score s = exp(s - mx), summed by lane; the last partial vector through a buffer */
-        v16 sum16 = {0};
-        int64_t t = lo;
-        for (; t + 16 <= hi + 1; t += 16) {
-            const v16 e = exp16(load16(s + (t - lo)) - mx);
-            store16(s + (t - lo), e);
-            sum16 += e;
-        }
-        if (t <= hi) {
-            float tail[16];
-            for (int i = 0; i < 16; i++) tail[i] = t + i <= hi ? s[t - lo + i] - mx : -INFINITY;
-            const v16 e = exp16(load16(tail));
-            store16(tail, e);
-            for (int64_t i = 0; t + i <= hi; i++) s[t - lo + i] = tail[i];
-            sum16 += e;
-        }
-        part[0] = mx;
-        part[1] = hsum16(sum16);
-        float *out = part + 2;
-        /* up to 64 elements at a time, so each row of V is read once (not once per 16) */
-        for (int64_t i = 0; i < d16; i += 64) {
-            const int64_t nv = d16 - i < 64 ? (d16 - i) / 16 : 4;
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            const float *v = vb + i;
-            if (nv == 4) {
-                for (t = lo; t <= hi; t++, v += d) {
-                    __builtin_prefetch(v + 8 * d, 0, 3);
-                    __builtin_prefetch(v + 8 * d + 16, 0, 3);
-                    __builtin_prefetch(v + 8 * d + 32, 0, 3);
-                    __builtin_prefetch(v + 8 * d + 48, 0, 3);
-                    a0 += load16(v) * s[t - lo];
-                    a1 += load16(v + 16) * s[t - lo];
-                    a2 += load16(v + 32) * s[t - lo];
-                    a3 += load16(v + 48) * s[t - lo];
-                }
-            } else {
-                for (t = lo; t <= hi; t++, v += d) {
-                    a0 += load16(v) * s[t - lo];
-                    if (nv > 1) a1 += load16(v + 16) * s[t - lo];
-                    if (nv > 2) a2 += load16(v + 32) * s[t - lo];
+    float s[ATTN_HEADS][ATTN_BLOCK]; /* each head's scores, then their exponentials */
+    float buf[ATTN_SUB_FLOATS];      /* a converted sub-block */
+    for (int64_t h0 = g * rep; h0 < (g + 1) * rep; h0 += ATTN_HEADS) {
+        const int64_t nh = (g + 1) * rep - h0 < ATTN_HEADS ? (g + 1) * rep - h0 : ATTN_HEADS;
+        float mx[ATTN_HEADS];
+        for (int64_t j = 0; j < nh; j++) mx[j] = -INFINITY;
+        for (int64_t t0 = 0; t0 < n; t0 += sub) {
+            const int64_t nt = n - t0 < sub ? n - t0 : sub;
+            const float *kb = kv_rows(J, J->kc, J->ks, at + t0 * d, nt * d, buf);
+            for (int64_t j = 0; j < nh; j++) {
+                const float *q = J->q + (h0 + j) * d;
+                for (int64_t t = 0; t < nt; t++) {
+                    const float *k = kb + t * d;
+                    if (prefetch)
+                        for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(k + 8 * d + i, 0, 3);
+                    v16 acc = {0};
+                    for (int64_t i = 0; i < d16; i += 16) acc += load16(q + i) * load16(k + i);
+                    float dot = hsum16(acc);
+                    for (int64_t i = d16; i < d; i++) dot += q[i] * k[i];
+                    s[j][t0 + t] = dot * scale;
+                    if (s[j][t0 + t] > mx[j]) mx[j] = s[j][t0 + t];
                 }
             }
-            store16(out + i, a0);
-            if (nv > 1) store16(out + i + 16, a1);
-            if (nv > 2) store16(out + i + 32, a2);
-            if (nv > 3) store16(out + i + 48, a3);
         }
-        for (int64_t i = d16; i < d; i++) {
-            float acc = 0.0f;
-            for (t = lo; t <= hi; t++) acc += vb[(t - lo) * d + i] * s[t - lo];
-            out[i] = acc;
+        for (int64_t j = 0; j < nh; j++) {
+            /* each score s = exp(s - mx), summed by lane; the last partial vector through a buffer */
+            float *sj = s[j], *part = J->part + ((h0 + j) * J->blocks + b) * (d + 2);
+            v16 sum16 = {0};
+            int64_t t = 0;
+            for (; t + 16 <= n; t += 16) {
+                const v16 e = exp16(load16(sj + t) - mx[j]);
+                store16(sj + t, e);
+                sum16 += e;
+            }
+            if (t < n) {
+                float tail[16];
+                for (int i = 0; i < 16; i++) tail[i] = t + i < n ? sj[t + i] - mx[j] : -INFINITY;
+                const v16 e = exp16(load16(tail));
+                store16(tail, e);
+                for (int64_t i = 0; t + i < n; i++) sj[t + i] = tail[i];
+                sum16 += e;
+            }
+            part[0] = mx[j];
+            part[1] = hsum16(sum16);
+        }
+        for (int64_t t0 = 0; t0 < n; t0 += sub) {
+            const int64_t nt = n - t0 < sub ? n - t0 : sub;
+            const float *vb = kv_rows(J, J->vc, J->vs, at + t0 * d, nt * d, buf);
+            for (int64_t j = 0; j < nh; j++) {
+                const float *e = s[j] + t0;
+                float *out = J->part + ((h0 + j) * J->blocks + b) * (d + 2) + 2;
+                /* up to 64 elements at a time, so each row of V is read once (not once per 16),
+                   the sums carried from the sub-block before */
+                for (int64_t i = 0; i < d16; i += 64) {
+                    const int64_t nv = d16 - i < 64 ? (d16 - i) / 16 : 4;
+                    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    if (t0) {
+                        a0 = load16(out + i);
+                        if (nv > 1) a1 = load16(out + i + 16);
+                        if (nv > 2) a2 = load16(out + i + 32);
+                        if (nv > 3) a3 = load16(out + i + 48);
+                    }
+                    const float *v = vb + i;
+                    if (nv == 4) {
+                        for (int64_t t = 0; t < nt; t++, v += d) {
+                            if (prefetch) {
+                                __builtin_prefetch(v + 8 * d, 0, 3);
+                                __builtin_prefetch(v + 8 * d + 16, 0, 3);
+                                __builtin_prefetch(v + 8 * d + 32, 0, 3);
+                                __builtin_prefetch(v + 8 * d + 48, 0, 3);
+                            }
+                            a0 += load16(v) * e[t];
+                            a1 += load16(v + 16) * e[t];
+                            a2 += load16(v + 32) * e[t];
+                            a3 += load16(v + 48) * e[t];
+                        }
+                    } else {
+                        for (int64_t t = 0; t < nt; t++, v += d) {
+                            a0 += load16(v) * e[t];
+                            if (nv > 1) a1 += load16(v + 16) * e[t];
+                            if (nv > 2) a2 += load16(v + 32) * e[t];
+                        }
+                    }
+                    store16(out + i, a0);
+                    if (nv > 1) store16(out + i + 16, a1);
+                    if (nv > 2) store16(out + i + 32, a2);
+                    if (nv > 3) store16(out + i + 48, a3);
+                }
+                for (int64_t i = d16; i < d; i++) {
+                    float acc = t0 ? out[i] : 0.0f;
+                    for (int64_t t = 0; t < nt; t++) acc += vb[t * d + i] * e[t];
+                    out[i] = acc;
+                }
+            }
         }
     }
 }
@@ -457,30 +510,14 @@ typedef struct {
     int64_t first[GEMV_ROWS_MAX + 1];
 } attn_rows;
 
-/* Task `task` of row r: a block of positions of one key-value head, read in place from a
-   float32 cache, else converted into thread tid's buffer first. */
-VI void attn_task_run(const attn_job *J, int64_t task, int tid) {
-    const int64_t g = task / J->blocks, b = task % J->blocks, d = J->m->head_dim;
-    const int64_t lo = J->lo + b * ATTN_BLOCK;
-    const int64_t n = (lo + ATTN_BLOCK - 1 < J->hi ? ATTN_BLOCK : J->hi - lo + 1) * d;
-    const int64_t at = (g * J->seq + lo) * d; /* the block's first element in the cache */
-    if (J->kind == KV_F32) {
-        attn_block(J, g, b, (const float *)J->kc + at, (const float *)J->vc + at);
-        return;
-    }
-    float *kb = J->m->kv_buf + (int64_t)tid * 2 * ATTN_BLOCK * d, *vb = kb + ATTN_BLOCK * d;
-    kv_float(J, J->kc, J->ks, at, n, kb);
-    kv_float(J, J->vc, J->vs, at, n, vb);
-    attn_block(J, g, b, kb, vb);
-}
-
-/* attn_task_run compiled for each instruction set */
+/* attn_block compiled for each instruction set */
 #define ATTN_TASK(NAME, TARGET)                                                                  \
     TARGET static void NAME(void *ctx, int64_t task, int tid) {                                 \
+        (void)tid;                                                                              \
         const attn_rows *A = ctx;                                                               \
         int r = 0;                                                                              \
         while (task >= A->first[r + 1]) r++;                                                    \
-        attn_task_run(&A->row[r], task - A->first[r], tid);                                     \
+        attn_block(&A->row[r], task - A->first[r]);                                             \
     }
 ATTN_TASK(attn_task, )
 #ifdef INFER_X86
@@ -640,16 +677,10 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     float *x = PTR(float *, v[3]);
     int64_t l = v[9];
     int rc = 0;
-    for (long long r = 0; r < v[4]; r++) /* a bf16 or int8 cache: each thread's buffer */
-        if (cache[r * CACHE_WORDS(m.n_layers) + 1] != KV_F32 && !m.kv_buf) {
-            m.kv_buf = malloc((size_t)(m.nthreads * 2 * ATTN_BLOCK * m.head_dim) * sizeof(float));
-            if (!m.kv_buf) return PyErr_NoMemory();
-        }
     Py_BEGIN_ALLOW_THREADS;
     for (; l < v[10]; l++)
         if ((rc = block(&m, H + HEADER + l * LAYER, l, x, pos, cache))) break;
     Py_END_ALLOW_THREADS;
-    free(m.kv_buf);
     if (rc < 0) return PyErr_NoMemory();
     return PyLong_FromLongLong(l);
 }

@@ -6,9 +6,10 @@ ModelArgs fields: qkv bias (Qwen2), q/k RMSNorm (Qwen3), GQA, tied embeddings,
 rope scaling, sliding window.
 
 The model holds weights and rope tables only: a conversation's keys and values are a
-cache (a list of KVCache, one per layer) passed to each forward call, so several
-conversations can share one model (runtime/session.py); kvcache.py has its formats. A call runs T tokens of one
-sequence, or T rows of several (`Rows`: each sequence's rows attend to its own cache).
+cache (a KVCache per layer, in one of kvcache.py's formats) passed to each forward call,
+so several conversations can share one model (runtime/session.py). A call runs T tokens
+of one sequence, or T rows of several (`Rows`: each sequence's rows attend to its own
+cache).
 Shapes below use T = tokens in this call, S = positions visible to attention.
 """
 

@@ -166,9 +166,9 @@ async def prefix(url: str, model: str | None, n_tokens: int, rounds: int = 3) ->
     return {"rounds": out, "median_ratio": statistics.median(o["ratio"] for o in out)}
 
 
-def start_server(model: str | None, log: Path) -> tuple[subprocess.Popen, str]:
-    """`infer serve MODEL --port 0`, its stderr in `log`; (process, its URL)."""
-    cmd = [sys.executable, "-m", "infer.cli.main", "serve", *([model] if model else [])]
+def start_server(model: str | None, log: Path, extra=()) -> tuple[subprocess.Popen, str]:
+    """`infer serve MODEL --port 0 EXTRA...`, its stderr in `log`; (process, its URL)."""
+    cmd = [sys.executable, "-m", "infer.cli.main", "serve", *([model] if model else []), *extra]
     with log.open("w") as stderr:
         proc = subprocess.Popen([*cmd, "--port", "0"], stderr=stderr, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 300

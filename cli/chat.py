@@ -18,6 +18,7 @@ from .common import human_count, print_table
 
 if TYPE_CHECKING:
     from ..runtime.loader import LoadedModel
+    from ..runtime.speculative import Drafter
 
 
 def stream_line(lm: LoadedModel) -> str | None:
@@ -208,12 +209,14 @@ class ChatModel(Protocol):
 
 
 class LocalModel:
-    """A model loaded here, one Session keeping the conversation's KV cache."""
+    """A model loaded here, one Session keeping the conversation's KV cache; answers
+    guess tokens with `drafter` (runtime/speculative.py) if given."""
 
-    def __init__(self, name: str, lm: LoadedModel):
+    def __init__(self, name: str, lm: LoadedModel, drafter: Drafter | None = None):
         from ..runtime.session import Session
 
         self.name, self.lm, self.session = name, lm, Session(lm.model)
+        self.drafter = drafter
 
     def answer(self, messages, settings, on_text):
         from ..runtime.conversation import answer_turn
@@ -222,7 +225,7 @@ class LocalModel:
         penalties = Penalties(repeat=settings.repeat_penalty)
         return answer_turn(
             self.session, self.lm.tokenizer, messages, settings.sampler, settings.max_tokens,
-            on_text, penalties, constraint=self._constraint(settings),
+            on_text, penalties, constraint=self._constraint(settings), drafter=self.drafter,
         )  # fmt: skip
 
     def complete(self, prompt: str, settings, on_text):
@@ -234,7 +237,7 @@ class LocalModel:
         penalties = Penalties(repeat=settings.repeat_penalty)
         return stream_answer(
             self.session, self.lm.tokenizer, ids, settings.sampler, settings.max_tokens,
-            on_text, penalties, constraint=self._constraint(settings),
+            on_text, penalties, constraint=self._constraint(settings), drafter=self.drafter,
         )  # fmt: skip
 
     def _constraint(self, settings):

@@ -31,10 +31,13 @@ from .common import (
     sigterm_unwinds,
     status,
     torch_dtype,
+    utf8_arg,
+    utf8_text,
 )
 from .eval_cmd import eval_model
 from .options import (
     FLAG,
+    SPECULATIVE,
     Debug,
     DType,
     DTypeOpt,
@@ -193,7 +196,7 @@ def info(
     debug: Debug = False,
 ) -> None:
     """Describe a model from its metadata, without loading its weights."""
-    from ..runtime.files.sources import open_source
+    from ..runtime.files.model_file import open_model_file
     from ..runtime.registry import recorded_sha256, resolve
     from ..runtime.wheels import file_sha256
 
@@ -208,7 +211,7 @@ def info(
         else:
             print(f"{resolved.path}: sha256 ok ({actual})")
         return
-    mi = open_source(resolved.path)
+    mi = open_model_file(resolved.path)  # its headers alone: no torch
     a = mi.args
     data = {
         "name": resolved.name,
@@ -310,12 +313,68 @@ def bench(
             show_default=False,
         ),
     ] = None,
+    lookup: Annotated[
+        bool,
+        typer.Option(
+            "--lookup",
+            metavar=FLAG,
+            help="Measure speculative decoding by prompt lookup instead: acceptance, tokens "
+            "per checking pass, and decode speed against plain decoding, in alternating "
+            "rounds (-r) of a greedy answer of up to -n tokens to --prompt.",
+            rich_help_panel=SPECULATIVE,
+        ),
+    ] = False,
+    draft: Annotated[
+        str | None,
+        typer.Option(
+            "--draft",
+            metavar="DRAFT",
+            help="The same as --lookup, the guesses from the model DRAFT.",
+            show_default=False,
+            rich_help_panel=SPECULATIVE,
+        ),
+    ] = None,
+    prompt: Annotated[
+        str | None,
+        typer.Option(
+            "--prompt",
+            metavar="TEXT",
+            help="With --lookup or --draft: the chat prompt. Default: a copy task (check "
+            "the spelling of a paragraph).",
+            show_default=False,
+            rich_help_panel=SPECULATIVE,
+        ),
+    ] = None,
+    prompt_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompt-file",
+            metavar="FILE",
+            help="With --lookup or --draft: FILE's text follows --prompt after a blank line "
+            "(as `infer run` reads stdin): e.g. --prompt 'Add docstrings' --prompt-file x.py.",
+            show_default=False,
+            rich_help_panel=SPECULATIVE,
+        ),
+    ] = None,
     json_out: Json = False,
     debug: Debug = False,
 ) -> None:
-    """Measure load time, prefill and decode speed, memory and bandwidth."""
+    """Measure load time, prefill and decode speed, memory and bandwidth; or, with
+    --lookup or --draft, what speculative decoding gains."""
     from dataclasses import asdict
 
+    if lookup or draft is not None:
+        if replay or roofline or max_memory or trace:
+            raise InferError(
+                "--lookup and --draft take none of --replay, --roofline, --max-memory, --trace"
+            )
+        text = _bench_prompt(prompt, prompt_file)
+        _speculative_bench(
+            model, lookup, draft, text, n_gen, repeats, threads, dtype, kv_cache, json_out
+        )
+        return
+    if prompt is not None or prompt_file is not None:
+        raise InferError("--prompt and --prompt-file go with --lookup or --draft")
     if replay is not None:
         if model is not None:
             raise InferError("--replay takes a trace, not a model: drop MODEL")
@@ -348,6 +407,51 @@ def bench(
         print_json(asdict(result))
         return
     print_table(["METRIC", "VALUE"], result.rows(), title=f"infer bench: {resolved.name}")
+
+
+def _bench_prompt(prompt: str | None, path: Path | None) -> str | None:
+    """--prompt, then a blank line and --prompt-file's text: the speculative bench's prompt."""
+    text = utf8_arg(prompt, "--prompt")
+    if path is not None:
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise InferError(f"--prompt-file {path}: cannot read it ({e.strerror})") from None
+        text = "\n\n".join(p for p in (text, utf8_text(data, str(path)).rstrip()) if p)
+    return text
+
+
+def _speculative_bench(
+    model, lookup, draft, text, n_gen, repeats, threads, dtype, kv_cache, json_out
+):
+    """bench --lookup / --draft: speculative against plain decoding."""
+    if lookup and draft is not None:
+        raise InferError("give --lookup or --draft, not both")
+    from ..runtime.registry import resolve
+
+    resolved = resolve(model)
+    drafts = resolve(draft) if draft is not None else None
+    from ..runtime.bench_speculative import COPY_TASK, run_speculative_bench
+
+    set_threads(threads)
+    with status(f"benchmarking {resolved.name}"):
+        result = run_speculative_bench(
+            resolved.path,
+            lookup=lookup,
+            draft=drafts and drafts.path,
+            prompt=text or COPY_TASK,
+            n_gen=n_gen,
+            rounds=repeats,
+            dtype=torch_dtype(dtype),
+            name=resolved.name,
+            draft_name=drafts and drafts.name,
+            kv_cache=kv_cache and kv_cache.value,
+        )
+    if json_out:
+        print_json(result.as_dict())
+        return
+    title = f"infer bench: {resolved.name}, speculative"
+    print_table(["METRIC", "VALUE"], result.rows(), title=title)
 
 
 def _replay(path: Path, json_out: bool) -> None:

@@ -225,7 +225,36 @@ Seed = Annotated[
     typer.Option(
         "--seed",
         "-s",  # as llama.cpp
-        help="Random seed, for reproducible sampling.",
+        help="Random seed, for reproducible sampling (not with --lookup or --draft: how "
+        "many tokens they guess follows measured times).",
         rich_help_panel=_SAMPLING,
+    ),
+]
+
+# --- speculative decoding --------------------------------------------------------------
+
+SPECULATIVE = "Speculative decoding"  # a help panel
+Lookup = Annotated[
+    bool,
+    typer.Option(
+        "--lookup",
+        metavar=FLAG,
+        help="Guess the next tokens by prompt lookup (what followed the last few tokens "
+        "where they occurred before, in the prompt or the answer) and check them in one "
+        "pass: faster where the answer copies the prompt (edit this file). The same "
+        "answers (greedy: the same text; sampling: the same distribution).",
+        rich_help_panel=SPECULATIVE,
+    ),
+]
+Draft = Annotated[
+    str | None,
+    typer.Option(
+        "--draft",
+        metavar="DRAFT",
+        help="Guess the next tokens with DRAFT, a smaller model of the same tokenizer, and "
+        "check them in one pass; the answers as --lookup's. Either way guessing stops "
+        "while it does not pay.",
+        show_default=False,
+        rich_help_panel=SPECULATIVE,
     ),
 ]

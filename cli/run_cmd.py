@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from dataclasses import asdict
 from typing import Annotated
 
 import typer
@@ -29,6 +30,7 @@ from .options import (
     FLAG,
     Ctx,
     Debug,
+    Draft,
     DType,
     DTypeOpt,
     ExpertPolicyOpt,
@@ -36,6 +38,7 @@ from .options import (
     Format,
     Json,
     KVCacheOpt,
+    Lookup,
     MaxMemory,
     MaxTokens,
     MinP,
@@ -118,6 +121,8 @@ def run(
     expert_prediction: ExpertPredictionOpt = None,
     trace: TraceOut = None,
     fmt: Format = None,
+    lookup: Lookup = False,
+    draft: Draft = None,
     json_out: Json = False,
     verbose: Verbose = False,
     local: Annotated[
@@ -126,7 +131,8 @@ def run(
             "--local",
             metavar=FLAG,
             help="Load the model in this process even when a server is running. "
-            "Implied by --threads, --dtype, --kv-cache, --max-memory, --trace and --expert-*.",
+            "Implied by --threads, --dtype, --kv-cache, --max-memory, --trace, --expert-*, "
+            "--lookup and --draft.",
         ),
     ] = False,
     host: Annotated[
@@ -165,6 +171,8 @@ def run(
         raise InferError("--json needs a prompt: give PROMPT or pipe text to stdin")
     if interactive and fmt is not None:
         raise InferError("--format needs a prompt: give PROMPT or pipe text to stdin")
+    if lookup and draft is not None:
+        raise InferError("give --lookup or --draft, not both")
     schema = read_format(fmt)  # a bad file fails before the model loads
 
     budget = parse_size(max_memory) if max_memory is not None else None
@@ -177,8 +185,8 @@ def run(
     )  # fmt: skip
     show = (lambda _: None) if json_out else _write
     loads_here = (
-        threads, max_memory, expert_policy, expert_prediction, trace, kv_cache
-    ) != (None,) * 6 or dtype != DType.float32  # fmt: skip
+        threads, max_memory, expert_policy, expert_prediction, trace, draft, kv_cache
+    ) != (None,) * 7 or dtype != DType.float32 or lookup  # fmt: skip
     chat_model = None if local or loads_here else _server_model(host, model, ctx, interactive)
     if chat_model is not None and not interactive:
         from .client import NotServed
@@ -192,17 +200,19 @@ def run(
         else:
             _finish(answer, chat_model, answer.load_s, json_out, verbose)
             return
-    lm = None
+    lm = drafter = None
     if chat_model is None:
         from ..runtime.registry import resolve
 
         with sigterm_unwinds():  # before importing torch: a wrong name fails at once
             resolved = resolve(model)
+            drafts = resolve(draft) if draft is not None else None
         n_threads = set_threads(threads)
         with status(f"loading {resolved.name}"):
             lm = _load_here(
                 resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace, kv_cache
             )
+        drafter = _drafter(lm, resolved, lookup, drafts, dtype, ctx, threads, kv_cache)
         if verbose:
             print(
                 f"loaded {resolved.name} in {lm.load_seconds:.2f} s "
@@ -212,7 +222,7 @@ def run(
             for plan in (lm.plan, lm.experts and lm.experts.plan):
                 if plan is not None:
                     print(f"memory: {plan.describe()}", file=sys.stderr)
-        chat_model = LocalModel(resolved.name, lm)
+        chat_model = LocalModel(resolved.name, lm, drafter)
     try:
         if interactive:
             if is_tty():
@@ -220,7 +230,7 @@ def run(
             chat_loop(chat_model, settings)
         else:
             answer = _answer_once(chat_model, prompt, no_chat, settings, show)
-            _finish(answer, chat_model, lm.load_seconds, json_out, verbose)
+            _finish(answer, chat_model, lm.load_seconds, json_out, verbose, drafter)
     finally:
         if lm is not None:
             _save_trace(lm, trace)
@@ -247,6 +257,27 @@ def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, t
             file=sys.stderr,
         )
     return lm
+
+
+def _drafter(lm, resolved, lookup: bool, drafts, dtype, ctx, threads, kv_cache):
+    """The drafter of --lookup or --draft (speculative decoding), or None; a draft model's
+    cache is of --kv-cache's format too. A draft of another tokenizer fails before its
+    weights load."""
+    from ..runtime.files.sources import open_source
+    from ..runtime.speculative import LookupDrafter, ModelDrafter, check_draft_tokenizer
+
+    if lookup:
+        return LookupDrafter()
+    if drafts is None:
+        return None
+    if drafts.path == resolved.path:  # a model as its own draft: one copy of the weights
+        draft_lm = lm
+    else:
+        tokenizer = open_source(drafts.path).tokenizer()
+        check_draft_tokenizer(tokenizer, lm.tokenizer, drafts.name, resolved.name)
+        with status(f"loading {drafts.name}"):
+            draft_lm = _load_here(drafts, dtype, ctx, None, None, None, None, kv_cache)
+    return ModelDrafter(draft_lm.model, lm.model.args.vocab_size, threads=threads)
 
 
 def _write(piece: str) -> None:
@@ -286,7 +317,7 @@ def _answer_once(chat_model, prompt: str, raw: bool, settings, show):
     return answer
 
 
-def _finish(answer, chat_model, load_s: float, json_out: bool, verbose: bool) -> None:
+def _finish(answer, chat_model, load_s, json_out: bool, verbose: bool, drafter=None) -> None:
     """What `run` prints after a one-shot answer, and its exit status."""
     if answer.finish_reason == "interrupted":
         if not json_out:
@@ -307,6 +338,7 @@ def _finish(answer, chat_model, load_s: float, json_out: bool, verbose: bool) ->
                     "decode_s": round(answer.decode_s, 4),
                     "decode_tok_s": round(answer.decode_tok_s, 2),
                 },
+                **({"speculation": asdict(drafter.stats)} if drafter is not None else {}),
             }
         )
     else:
@@ -317,3 +349,5 @@ def _finish(answer, chat_model, load_s: float, json_out: bool, verbose: bool) ->
         print(answer.stats_line(), file=sys.stderr)
         if line := chat_model.stream_line():
             print(line, file=sys.stderr)
+        if drafter is not None:
+            print(drafter.stats.describe(), file=sys.stderr)

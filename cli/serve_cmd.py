@@ -15,7 +15,7 @@ import typer
 from .. import InferError
 from ..offload.budget import parse_size
 from .common import torch_dtype
-from .options import Ctx, Debug, DType, DTypeOpt, KVCacheOpt, MaxMemory, Threads
+from .options import Ctx, Debug, Draft, DType, DTypeOpt, KVCacheOpt, Lookup, MaxMemory, Threads
 
 DEFAULT_PORT = 11435  # beside ollama's 11434
 DEFAULT_HOST = "127.0.0.1"
@@ -65,14 +65,29 @@ def serve(
             show_default=False,
         ),
     ] = None,
-    slots: Annotated[
+    parallel: Annotated[
         int,
         typer.Option(
+            "--parallel",
+            "-np",
             "--slots",
             min=1,
-            help="KV caches per model: conversations whose prompts stay cached for reuse.",
+            help="Answers each model runs at once, in one batched decode step; as many "
+            "KV caches (slots) of --ctx positions, which keep their conversations' "
+            "prompts for reuse. Requests beyond them wait their turn.",
         ),
-    ] = 2,
+    ] = 4,
+    prefill_chunk: Annotated[
+        int,
+        typer.Option(
+            "--prefill-chunk",
+            min=1,
+            help="Prompt tokens computed between two decode steps: a new request's "
+            "prompt pauses the running answers for one chunk at a time.",
+        ),
+    ] = 256,
+    lookup: Lookup = False,
+    draft: Draft = None,
     ctx: Ctx = None,
     dtype: DTypeOpt = DType.float32,
     kv_cache: KVCacheOpt = None,
@@ -105,7 +120,9 @@ def serve(
     from .common import set_threads
     from .server.app import serve as run_server
 
-    for name in models or []:
+    if lookup and draft is not None:
+        raise InferError("give --lookup or --draft, not both")
+    for name in [*(models or []), *([draft] if draft is not None else [])]:
         resolve(name, download=False)  # a wrong name fails before anything loads
     n_threads = set_threads(threads)
     settings = ServeSettings(
@@ -115,7 +132,10 @@ def serve(
         dtype=torch_dtype(dtype),
         kv_cache=kv_cache and kv_cache.value,
         max_memory=budget,
-        slots=slots,
+        parallel=parallel,
+        prefill_chunk=prefill_chunk,
+        lookup=lookup,
+        draft=draft,
         keep_alive=keep,
         threads=n_threads,
     )

@@ -29,10 +29,11 @@ def layers(plan, words, scratch_floats, x, rows, pos, cache, first: int, last: i
     )  # fmt: skip
 
 
-def experts(table, n_rows, ids, weights, k, shared_w, xn, x, dim, hidden, scratch, n, phase):
-    """x += the chosen experts' weighted outputs on xn (MoE.forward for one token)."""
+def experts(table, n_rows, ids, weights, k, shared_w, xn, x, rows, dim, sums, n, phase):
+    """x += the chosen experts' weighted outputs on xn, each of `rows` rows as MoE.forward
+    for one token (pointers, into tensors the caller keeps)."""
     ops._C.decode_experts(
-        table, n_rows, ids, weights, k, shared_w, xn, x, dim, hidden, scratch, n,
+        table, n_rows, ids, weights, k, shared_w, xn, x, rows, dim, sums, n,
         ops._default_isa(), ops.get_num_threads(), phase,
     )  # fmt: skip
 

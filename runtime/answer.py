@@ -1,8 +1,10 @@
 """One answer as a caller sees it: text streamed as tokens come, stopped at the model's
 end-of-turn tokens or the caller's stop strings, timed, and cancellable.
 
-`stream_answer` drives `generate.generate`; printing (CLI) or sending (server) is the
-caller's `on_text` callback. Both the CLI and the server answer through it.
+`Answering` is one answer stepped a pass at a time: its prompt in chunks, then its
+tokens, from logits its caller computes. `stream_answer` is its loop for one session
+(the CLI); the server's scheduler steps many through one decode pass. Printing (CLI)
+or sending (server) is the caller's `on_text` callback.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .generate import Penalties, Sampler, generate
+import torch
+
+from .. import InferError
+from .generate import Decoding, Penalties, Sampler
 from .model.tokenizer import Tokenizer
-from .session import Session
+from .session import Session, decode
 
 if TYPE_CHECKING:
+    from .speculative import Drafter
     from .structured import Constraint
 
 
@@ -29,9 +35,9 @@ class Answer:
     # "stop" (end of turn or a stop string) | "length" | "interrupted" (Ctrl-C) |
     # "cancelled" (the caller's `cancelled()` said so: a client went away)
     finish_reason: str = "length"
-    ttft_s: float = 0.0  # prefill + first sample
+    ttft_s: float = 0.0  # prefill (between other answers' passes, on a server) + first sample
     decode_s: float = 0.0  # first token to last token
-    n_decoded: int = 0  # forward passes in decode_s
+    n_decoded: int = 0  # tokens chosen in decode_s (after the first)
     context: int = 0  # the session's positions; a "length" answer may have filled them
 
     @property
@@ -122,6 +128,127 @@ def answer_room(context: int, max_tokens: int) -> int:
     return min(max_tokens if max_tokens > 0 else context, context // 4)
 
 
+class Answering:
+    """One answer after `prompt` in `session`, a pass at a time:
+
+        a = Answering(session, tok, prompt, sampler, max_tokens, on_text)
+        while a.prefilling:
+            a.prefill(chunk)              # the prompt, a chunk a call; then the first token
+        while not a.done:
+            a.take(decode([session], [a.feed()])[0])   # or one pass over many answers
+        a.answer                          # text, tokens, finish reason, timings
+
+    `max_tokens` < 0 means until the context is full. `cancelled()` turning true ends
+    the answer "cancelled" after the pass it is in; `finish(reason)` ends it from
+    outside (Ctrl-C: "interrupted"). What was generated so far is kept. A `constraint`
+    (structured.py, one per answer) keeps the text to its grammar; a `drafter`
+    (speculative.py) makes feed() add guessed tokens, and take() keep those that hold."""
+
+    def __init__(
+        self,
+        session: Session,
+        tok: Tokenizer,
+        prompt: list[int],
+        sampler: Sampler,
+        max_tokens: int,
+        on_text: Callable[[str], None],
+        penalties: Penalties | None = None,
+        stop: Sequence[str] = (),
+        cancelled: Callable[[], bool] = lambda: False,
+        constraint: Constraint | None = None,
+        drafter: Drafter | None = None,
+    ):
+        if len(prompt) > session.max_seq_len:
+            raise InferError(
+                f"prompt is {len(prompt)} tokens, longer than the context of "
+                f"{session.max_seq_len} (raise --ctx)"
+            )
+        self.session, self.prompt = session, prompt
+        self.on_text, self.cancelled = on_text, cancelled
+        room = session.max_seq_len - len(prompt) + 1  # the last token is never fed back
+        max_tokens = room if max_tokens < 0 else min(max_tokens, room)
+        ctx = session.max_seq_len
+        self.answer = Answer(len(prompt), session.reused_prefix(prompt), context=ctx)
+        self.decoding = Decoding(sampler, max_tokens, prompt, penalties, constraint, drafter)
+        self.decoder, self.stops = tok.stream_decoder(), StopStrings(stop)
+        self.stop_ids = tok.stop_ids
+        self.prefilling = max_tokens > 0
+        self.done = not self.prefilling
+        self._start = 0  # the session's length before the pass in flight
+        self._t0 = time.perf_counter()
+        self._t_first = self._t_last = 0.0
+        self._chosen = 0
+
+    @torch.inference_mode()
+    def prefill(self, chunk: int = 512) -> None:
+        """Compute the next `chunk` tokens of the prompt; after the last, the first token."""
+        if self.decoding.drafter is not None:
+            self.decoding.drafter.prefill(chunk)
+        logits = self.session.prefill_chunk(self.prompt, chunk)
+        if logits is not None:
+            self.prefilling = False
+            self._chose(self._choose(logits[None]))
+
+    def feed(self) -> list[int]:
+        """The tokens the next pass runs for this answer."""
+        self._start = len(self.session.tokens)
+        return self.decoding.feed()
+
+    @torch.inference_mode()
+    def take(self, logits: torch.Tensor) -> None:
+        """The pass's logits (len(feed()), vocab): choose, keep in the cache only the fed
+        tokens that stay valid, stream the text."""
+        new = self._choose(logits)
+        self.session.truncate(self._start + len(new))
+        self._chose(new)
+
+    def _choose(self, logits: torch.Tensor) -> list[int]:
+        # the sampler's ops must not leave torch's workers spinning
+        with self.session.threads.forward():
+            return self.decoding.choose(logits)
+
+    def _chose(self, new: list[int]) -> None:
+        self._t_last = time.perf_counter()
+        self._t_first = self._t_first or self._t_last
+        for token in new:
+            self._chosen += 1
+            if token in self.stop_ids:
+                return self.finish("stop")
+            self.answer.tokens.append(token)
+            shown, stopped = self.stops.push(self.decoder.push(token))
+            self._emit(shown)
+            if stopped:
+                return self._end("stop", flush=False)  # the rest is the stop string's
+        if self.cancelled():
+            self.finish("cancelled")
+        elif self.decoding.done:
+            self.finish("length")
+
+    def finish(self, reason: str) -> None:
+        """End the answer, if it has not ended, with `reason`."""
+        if not self.done:
+            self._end(reason, flush=True)
+
+    def _end(self, reason: str, flush: bool) -> None:
+        self.done, self.prefilling = True, False
+        a = self.answer
+        a.finish_reason = reason
+        if flush:  # what the detokenizer and the stop strings still hold back
+            shown, stopped = self.stops.push(self.decoder.flush())
+            self._emit(shown if stopped else shown + self.stops.flush())
+            if stopped:
+                a.finish_reason = "stop"
+        if self._t_first:
+            a.ttft_s = self._t_first - self._t0
+            a.decode_s = self._t_last - self._t_first
+            a.n_decoded = self._chosen - 1
+
+    def _emit(self, piece: str) -> None:
+        if piece:
+            self.answer.text += piece
+            self.on_text(piece)
+
+
 def stream_answer(
     session: Session,
     tok: Tokenizer,
@@ -133,59 +260,20 @@ def stream_answer(
     stop: Sequence[str] = (),
     cancelled: Callable[[], bool] = lambda: False,
     constraint: Constraint | None = None,
+    prefill_chunk: int = 512,
+    drafter: Drafter | None = None,
 ) -> Answer:
-    """Generate after `prompt`, calling `on_text` with each decoded piece.
-
-    `max_tokens` < 0 means until the context is full. Ctrl-C ends the answer with
-    finish_reason "interrupted", `cancelled()` turning true with "cancelled"; what was
-    generated so far is kept in both cases. A `constraint` (structured.py, one per
-    answer) keeps the text to its grammar.
-    """
-    if max_tokens < 0:
-        max_tokens = session.max_seq_len  # generate() stops when the context is full
-    answer = Answer(len(prompt), session.reused_prefix(prompt), context=session.max_seq_len)
-    if max_tokens == 0:
-        return answer
-    decoder, stops = tok.stream_decoder(), StopStrings(stop)
-    stop_ids = tok.stop_ids
-    tokens = generate(session, prompt, sampler, max_tokens, penalties, constraint=constraint)
-    t0 = time.perf_counter()
-    t_first = t_last = None
-
-    def emit(piece: str) -> None:
-        if piece:
-            answer.text += piece
-            on_text(piece)
-
-    by_stop_string = False
+    """Generate after `prompt` in `session` alone, calling `on_text` with each decoded
+    piece (Answering's loop). Ctrl-C ends the answer "interrupted"."""
+    a = Answering(
+        session, tok, prompt, sampler, max_tokens, on_text, penalties, stop, cancelled,
+        constraint, drafter,
+    )  # fmt: skip
     try:
-        for n, token in enumerate(tokens):
-            t_last = time.perf_counter()
-            if t_first is None:
-                t_first = t_last
-            answer.n_decoded = n
-            if token in stop_ids:
-                answer.finish_reason = "stop"
-                break
-            answer.tokens.append(token)
-            shown, stopped = stops.push(decoder.push(token))
-            emit(shown)
-            if stopped:
-                answer.finish_reason, by_stop_string = "stop", True
-                break
-            if cancelled():
-                answer.finish_reason = "cancelled"
-                break
+        while a.prefilling:
+            a.prefill(prefill_chunk)
+        while not a.done:
+            a.take(decode([session], [a.feed()])[0])
     except KeyboardInterrupt:
-        answer.finish_reason = "interrupted"
-    finally:
-        tokens.close()
-    if not by_stop_string:  # what the decoder and the stop strings still hold back
-        shown, stopped = stops.push(decoder.flush())
-        emit(shown if stopped else shown + stops.flush())
-        if stopped:
-            answer.finish_reason = "stop"
-    if t_first is not None:
-        answer.ttft_s = t_first - t0
-        answer.decode_s = t_last - t_first
-    return answer
+        a.finish("interrupted")
+    return a.answer

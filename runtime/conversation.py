@@ -23,6 +23,7 @@ from .model.tokenizer import Tokenizer
 from .session import Session
 
 if TYPE_CHECKING:
+    from .speculative import Drafter
     from .structured import Constraint
 
 
@@ -62,16 +63,19 @@ def answer_turn(
     on_text: Callable[[str], None],
     penalties: Penalties | None = None,
     constraint: Constraint | None = None,
+    drafter: Drafter | None = None,
 ) -> tuple[ChatAnswer, int]:
     """Answer the chat `messages` (edited in place as messages are dropped) in `session`,
     streaming the text to `on_text`. Returns the answer and how many messages were
     dropped before it began (those dropped on the way are the answer's `dropped`).
-    `max_tokens` < 0 stops when the context is full, as stream_answer does."""
+    `max_tokens` < 0 stops when the context is full, as stream_answer does. `drafter`
+    guesses tokens (speculative decoding) all along."""
     ctx = session.max_seq_len
     ids, dropped = fit_chat(tok, messages, ctx - answer_room(ctx, max_tokens))
     first = stream_answer(
-        session, tok, ids, sampler, max_tokens, on_text, penalties, constraint=constraint
-    )
+        session, tok, ids, sampler, max_tokens, on_text, penalties, constraint=constraint,
+        drafter=drafter,
+    )  # fmt: skip
     answer = ChatAnswer(**{f.name: getattr(first, f.name) for f in dataclasses.fields(first)})
     keep = 1 if messages and messages[0]["role"] == "system" else 0
     while answer.context_full and max_tokens > 0 and len(messages) - keep > 1:
@@ -85,7 +89,7 @@ def answer_turn(
         messages[:] = kept
         more = stream_answer(
             session, tok, ids + answer.tokens, sampler, left, on_text, penalties,
-            constraint=constraint,
+            constraint=constraint, drafter=drafter,
         )  # fmt: skip
         answer.shifts, answer.dropped = answer.shifts + 1, answer.dropped + n
         answer.freed += before - len(ids)

@@ -11,50 +11,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .sampling import Distribution, Sampler, as_sampler, make_sampler
 from .session import Session, decode
+from .speculative import Drafter, Guess, verify
 
 if TYPE_CHECKING:
     from .structured import Constraint
 
-Sampler = Callable[[torch.Tensor], int]
-
-
-def make_sampler(
-    temperature: float = 0.8,
-    top_k: int = 40,
-    top_p: float = 0.95,
-    min_p: float = 0.05,
-    seed: int | None = None,
-) -> Sampler:
-    """Return logits (vocab,) -> token id. Temperature 0 is greedy and deterministic."""
-    if temperature <= 0:
-        return lambda logits: int(torch.argmax(logits))
-    generator = torch.Generator()
-    if seed is not None:
-        generator.manual_seed(seed)
-    else:
-        generator.seed()
-
-    def sample(logits: torch.Tensor) -> int:
-        logits = logits.float()
-        if 0 < top_k < logits.shape[-1]:
-            logits, ids = torch.topk(logits, top_k)  # sorted, descending
-        else:
-            logits, ids = torch.sort(logits, descending=True)
-        # In float64 from the top logit: a tiny temperature (1e-300) gives -inf, never nan.
-        probs = torch.softmax((logits.double() - logits[0]) / temperature, dim=-1)
-        keep = torch.ones_like(probs, dtype=torch.bool)
-        if top_p < 1.0:
-            # Keep the smallest prefix whose mass reaches top_p (always the first token).
-            keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p
-        if min_p > 0.0:
-            keep &= probs >= min_p * probs[0]
-        keep[0] = True  # top_p 0 keeps the likeliest token, as llama.cpp
-        probs = torch.where(keep, probs, 0.0)
-        choice = torch.multinomial(probs, 1, generator=generator)
-        return int(ids[choice])
-
-    return sample
+__all__ = ["Decoding", "Penalties", "Sampler", "generate", "make_sampler"]
 
 
 @dataclass(frozen=True)
@@ -101,75 +65,116 @@ class Decoding:
     `choose` returns the tokens chosen from a pass; as many of the fed tokens' keys and
     values stay valid in the cache as it returns tokens (the caller truncates the rest).
     A `constraint` (structured.py) masks the logits after the penalties and follows
-    each token."""
+    each token. With a `drafter` (speculative.py), feed() adds guesses of the next tokens
+    after the last one, and choose() keeps those the model agrees with, row by row.
+    """
 
     def __init__(
         self,
-        sampler: Sampler,
+        sampler: Sampler | Callable[[torch.Tensor], int],
         max_tokens: int,
         history: list[int],
         penalties: Penalties | None = None,
         constraint: Constraint | None = None,
+        drafter: Drafter | None = None,
     ):
-        self.sampler, self.penalties, self.constraint = sampler, penalties, constraint
+        self.sampler, self.penalties, self.constraint = as_sampler(sampler), penalties, constraint
         self.history = list(history)  # prompt and answer so far (the penalties' window)
         self.remaining = max_tokens
         self.tokens: list[int] = []  # chosen so far
+        self.drafter = drafter
+        self._guesses: list[Guess] | None = None  # fed after the last token, to be checked
+        if drafter is not None:
+            drafter.start(self.history)
 
     @property
     def done(self) -> bool:
         return self.remaining <= 0
 
     def feed(self) -> list[int]:
-        """The tokens the next pass must run: the last chosen one."""
-        return self.tokens[-1:]
+        """The tokens the next pass must run: the last chosen one, and the guesses."""
+        self._guesses = []
+        if self.drafter is not None:
+            # A pass gives at most one token more than it has guesses: max_tokens holds,
+            # and with it the context (the caller fits max_tokens to it).
+            self._guesses = self.drafter.guess(self.history, self.remaining - 1, self.sampler)
+        return self.tokens[-1:] + [g.token for g in self._guesses]
 
     def choose(self, logits: torch.Tensor) -> list[int]:
         """New tokens from a pass's logits (len(feed()), vocab), the prefill's (1, vocab)
-        for the first."""
-        logits = logits[-1]
+        for the first. Row j's distribution follows the tokens chosen before it (the
+        penalties' history, the grammar's state): greedy, the tokens are those of plain
+        decoding. The grammar only ever moves by a chosen token, so guesses need no
+        rollback (a guess it forbids has probability 0 and is refused)."""
+        guesses, self._guesses = self._guesses, None
+        fed = guesses is not None  # else the prefill's logits: no pass to account for
+        guesses = guesses or []
+        if len(logits) != len(guesses) + 1:
+            raise ValueError(f"choose: {len(logits)} rows of logits for {len(guesses)} guesses")
+        new = []
+        for j, row in enumerate(logits):
+            p = self._distribution(row)
+            if j < len(guesses):
+                token, kept = verify(p, guesses[j], self.sampler)
+            else:
+                token, kept = self.sampler.draw(p), False
+            self._take(token)
+            new.append(token)
+            if not kept:
+                break
+        if fed and self.drafter is not None:
+            self.drafter.checked(len(new) - 1)
+        return new
+
+    def _distribution(self, logits: torch.Tensor) -> Distribution:
         if self.penalties is not None:
             logits = self.penalties.apply(logits, self.history)
         if self.constraint is not None:
             logits = self.constraint.mask(logits)
-        token = self.sampler(logits)
+        return self.sampler.distribution(logits)
+
+    def _take(self, token: int) -> None:
         if self.constraint is not None:
             self.constraint.advance(token)
         self.history.append(token)
         self.tokens.append(token)
         self.remaining -= 1
-        return [token]
 
 
 @torch.inference_mode()
 def generate(
     session: Session,
     prompt: list[int],
-    sampler: Sampler,
+    sampler: Sampler | Callable[[torch.Tensor], int],
     max_tokens: int,
     penalties: Penalties | None = None,
     prefill_chunk: int = 512,
     constraint: Constraint | None = None,
+    drafter: Drafter | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_tokens` sampled token ids following `prompt` in `session`.
 
     Stops early only when the context is full; the caller stops at end-of-turn
     tokens by closing the generator. The KV cache always matches `session.tokens`,
-    so a stopped or interrupted answer can be continued.
+    so a stopped or interrupted answer can be continued. A `drafter` makes the
+    decoding speculative (speculative.py): the same answer when greedy, the same
+    distribution when sampling.
     """
     logits = session.prefill(prompt, prefill_chunk)
     max_tokens = min(max_tokens, session.max_seq_len - len(prompt) + 1)
     if max_tokens <= 0:
         return
-    d = Decoding(sampler, max_tokens, prompt, penalties, constraint)
-    # the sampler's ops must not leave torch's workers spinning
+    # the sampler's ops (and a draft model's) must not leave torch's workers spinning
     with session.threads.forward():
+        d = Decoding(sampler, max_tokens, prompt, penalties, constraint, drafter)
         new = d.choose(logits[None])
     while True:
         yield from new
         if d.done:
             break
-        start, fed = len(session.tokens), d.feed()
+        start = len(session.tokens)
+        with session.threads.forward():
+            fed = d.feed()
         logits = decode([session], [fed])[0]
         with session.threads.forward():
             new = d.choose(logits)

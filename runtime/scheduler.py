@@ -1,30 +1,35 @@
-"""The scheduler: the one place that decides which request a model works on.
+"""The scheduler: the one place that decides which requests a model works on.
 
-A `Job` is one answer to produce (prompt ids, sampling, limits); the
-`Scheduler` of a loaded model runs jobs on its own thread over a few `Session` slots,
-each slot a KV cache that keeps the tokens of its last conversation. A job goes to the
-slot that already holds the longest prefix of its prompt (the same system prompt, the
+A `Job` is one answer to produce (prompt ids, sampling, limits); the `Scheduler` of a
+loaded model runs jobs on its own thread over `parallel` `Session` slots, each slot a
+KV cache that keeps the tokens of its last conversation. A job takes the free slot
+that already holds the longest prefix of its prompt (the same system prompt, the
 earlier turns of a chat), so only the rest is prefilled: that is the prefix cache.
 
-Jobs run one at a time, in order of arrival; a job hands its text and its end to its
-`on_event` callback from the scheduler's thread. A batched decode step would step
-every running job's slot at once here, behind the same `submit`.
+Continuous batching: every running job advances in the same decode pass
+(session.decode), one pass a step. Between two steps one chunk of a new job's prompt
+is prefilled, so the running answers pause for a chunk at most. A job that ends (done,
+cancelled, its client gone) leaves the batch at once and frees its slot for the next
+queued job, in order of arrival. A job hands its text and its end to its `on_event`
+callback from the scheduler's thread.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .. import InferError
-from .answer import Answer, stream_answer
+from .answer import Answer, Answering
 from .generate import Penalties, Sampler, make_sampler
 from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
-from .session import Session
+from .session import Session, decode
+from .speculative import Drafter, LookupDrafter, ModelDrafter
 
 
 @dataclass
@@ -54,11 +59,11 @@ class Job:
     context: int | None = None  # the request's own context limit (ollama's num_ctx)
     constraint: object | None = None  # structured.Constraint: the answer keeps to a grammar
     submitted: float = field(default_factory=time.perf_counter)
-    started: float | None = None  # when a slot took it
+    started: float | None = None  # when a slot took it (its prefill began)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def cancel(self) -> None:
-        """Stop at the next token (or before starting); the answer so far is kept."""
+        """Stop after the pass it is in (or before starting); the answer so far is kept."""
         self._cancel.set()
 
     @property
@@ -73,27 +78,47 @@ class SchedulerStats:
     cached_tokens: int = 0  # prompt tokens whose KV a slot already held
     prefix_hits: int = 0  # jobs that reused at least one cached token
     generated_tokens: int = 0
+    steps: int = 0  # decode passes
+    batched: int = 0  # answers those passes advanced, summed: / steps is the mean batch
+    guessed: int = 0  # tokens guessed (prompt lookup or a draft model) and checked
+    accepted: int = 0  # of those, kept
 
 
 class Scheduler:
-    """Runs the jobs of one model, on a thread of its own, over `slots` KV caches of
-    `context` positions each."""
+    """Runs the jobs of one model, on a thread of its own: up to `parallel` at once, each
+    in a KV cache (slot) of `context` positions, in the model's cache format (new_cache's
+    default: the loader's kv_cache); prompts prefilled `prefill_chunk` tokens between two
+    decode passes."""
 
     def __init__(
         self,
         model: Transformer,
         tokenizer: Tokenizer,
-        slots: int = 2,
+        parallel: int = 4,
         context: int | None = None,
         threads: int | None = None,
+        prefill_chunk: int = 256,
+        lookup: bool = False,
+        draft: Transformer | None = None,
     ):
+        """Speculative decoding: every answer guesses tokens, checked in the same pass as
+        the other answers' tokens: from its prompt and text (`lookup`), or from the
+        `draft` model (of the same vocabulary), which then keeps a cache of its own
+        beside each slot."""
         self.model, self.tokenizer = model, tokenizer
-        self.slots = [Session(model, context, threads) for _ in range(max(1, slots))]
+        self.lookup = lookup
+        self.slots = [Session(model, context, threads) for _ in range(max(1, parallel))]
         self.context = self.slots[0].max_seq_len
+        self.draft_slots = (
+            [Session(draft, self.context, threads) for _ in self.slots] if draft else []
+        )
+        self.prefill_chunk = max(1, prefill_chunk)
         self._last_used = [0.0] * len(self.slots)
-        self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._running: Job | None = None
-        self._lock = threading.Lock()  # between a submit and a stop
+        self._queue: deque[Job] = deque()
+        # Running jobs by slot, in order of arrival; changed by the thread, under the lock.
+        self._active: dict[int, tuple[Job, Answering]] = {}
+        self._lock = threading.Condition()
+        self._closing = False
         self.stopped = False  # cancel_all was called: no job runs any more
         self.stats = SchedulerStats()
         self._thread = threading.Thread(target=self._work, name="infer-scheduler", daemon=True)
@@ -103,64 +128,95 @@ class Scheduler:
         """Queue `job`; once stopped, it ends at once, cancelled."""
         with self._lock:
             if not self.stopped:
-                self._queue.put(job)
+                self._queue.append(job)
+                self._lock.notify()
                 return
         job.cancel()
         job.on_event("done", Answer(len(job.prompt), finish_reason="cancelled"))
 
     @property
     def waiting(self) -> int:
-        """Jobs queued behind the running one."""
-        return self._queue.qsize()
+        """Jobs queued for a slot."""
+        return len(self._queue)
 
     @property
     def running(self) -> int:
-        """Jobs running now (one at a time: a batched step would run several)."""
-        return int(self._running is not None)
+        """Jobs in a slot: prefilling or decoding."""
+        return len(self._active)
 
     @property
     def busy(self) -> bool:
-        return self._running is not None or not self._queue.empty()
+        with self._lock:
+            return bool(self._active or self._queue)
 
     def cancel_all(self) -> None:
-        """Stop: cancel the running job, every queued one and every one submitted later
+        """Stop: cancel the running jobs, every queued one and every one submitted later
         (their callers get "done"). For a server that is stopping or unloading the model."""
         with self._lock:
             self.stopped = True
-            jobs = [self._running, *self._queue.queue]
+            jobs = [*self._queue, *(job for job, _ in self._active.values())]
+            self._lock.notify()
         for job in jobs:
-            if job is not None:
-                job.cancel()
+            job.cancel()
 
     def close(self, timeout: float | None = None) -> None:
         """Cancel everything and stop the thread; the slots' caches go with the object."""
         self.cancel_all()
-        self._queue.put(None)
+        with self._lock:
+            self._closing = True
+            self._lock.notify()
         self._thread.join(timeout)
 
-    def slot_for(self, prompt: list[int]) -> int:
-        """The slot holding the longest prefix of `prompt`; else the least recently used."""
-        reuse = [s.reused_prefix(prompt) for s in self.slots]
-        best = max(range(len(self.slots)), key=lambda i: (reuse[i], -self._last_used[i]))
-        return best
+    def slots_for(self, prompts: Sequence[list[int]], free: Sequence[int]) -> list[int]:
+        """A slot of `free` for each prompt: the longest cached prefixes first (so that a
+        prompt that matches nothing does not take the slot holding another's), then the
+        least recently used."""
+        reuse = {
+            (k, i): self.slots[i].reused_prefix(p) for k, p in enumerate(prompts) for i in free
+        }
+        chosen: dict[int, int] = {}
+        for k, i in sorted(reuse, key=lambda ki: (-reuse[ki], self._last_used[ki[1]])):
+            if k not in chosen and i not in chosen.values():
+                chosen[k] = i
+        return [chosen[k] for k in range(len(prompts))]
 
     # -- the thread -----------------------------------------------------------------------
 
     def _work(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self._running = job
-            if self.stopped:  # taken from the queue as cancel_all looked at it
-                job.cancel()
-            try:
-                self._run(job)
-            except Exception as err:  # noqa: BLE001  (InferError: 4xx; a bug: 500, and serving goes on)
-                job.on_event("error", err)
-            finally:
-                self._running = None
+        while self._admit():
+            self._sweep()
+            self._prefill()
+            self._step()
 
-    def _run(self, job: Job) -> None:
+    def _admit(self) -> bool:
+        """Wait for work; move queued jobs into free slots, first come first served.
+        False once closed and nothing is left."""
+        ended: list[tuple[Job, Answer | Exception]] = []
+        with self._lock:
+            while not (self._queue or self._active or self._closing):
+                self._lock.wait()
+            if self._closing and not (self._queue or self._active):
+                return False
+            free = [i for i in range(len(self.slots)) if i not in self._active]
+            jobs = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+            for job, i in zip(jobs, self.slots_for([j.prompt for j in jobs], free)):
+                try:
+                    answering = self._start(job, i)
+                except Exception as err:  # noqa: BLE001  (InferError: 4xx; a bug: 500)
+                    ended.append((job, err))
+                    continue
+                if job.cancelled or self.stopped:
+                    job.cancel()
+                    answering.finish("cancelled")
+                    ended.append((job, answering.answer))
+                    continue
+                self._active[i] = (job, answering)
+        for job, result in ended:
+            self._end(job, result)
+        return True
+
+    def _start(self, job: Job, i: int) -> Answering:
         job.started = time.perf_counter()
-        i = self.slot_for(job.prompt)
         session = self.slots[i]
         self._last_used[i] = job.started
         limit = min(job.context or session.max_seq_len, session.max_seq_len)
@@ -170,26 +226,102 @@ class Scheduler:
             )
         room = limit - len(job.prompt) + 1  # the last token is sampled, never fed back
         max_tokens = room if job.max_tokens < 0 else min(job.max_tokens, room)
-        if job.cancelled:
-            answer = Answer(len(job.prompt), context=limit, finish_reason="cancelled")
-        else:
-            answer = stream_answer(
-                session,
-                self.tokenizer,
-                job.prompt,
-                job.sampling.sampler(),
-                max_tokens,
-                lambda piece: job.on_event("text", piece),
-                job.penalties,
-                job.stop,
-                cancelled=lambda: job.cancelled,
-                constraint=job.constraint,
-            )
-            answer.context = limit
+        answering = Answering(
+            session,
+            self.tokenizer,
+            job.prompt,
+            job.sampling.sampler(),
+            max_tokens,
+            lambda piece: job.on_event("text", piece),
+            job.penalties,
+            job.stop,
+            cancelled=lambda: job.cancelled,
+            constraint=job.constraint,
+            drafter=self._drafter(i),
+        )
+        answering.answer.context = limit
+        return answering
+
+    def _drafter(self, i: int) -> Drafter | None:
+        """A new answer's drafter in slot `i` (its costs and acceptance are the answer's)."""
+        if self.draft_slots:
+            draft = self.draft_slots[i]
+            return ModelDrafter(draft.model, self.model.args.vocab_size, session=draft)
+        return LookupDrafter() if self.lookup else None
+
+    def _sweep(self) -> None:
+        """Cancelled jobs leave, running or queued."""
+        with self._lock:
+            gone = [job for job in self._queue if job.cancelled]
+            for job in gone:
+                self._queue.remove(job)
+        for job in gone:
+            self._end(job, Answer(len(job.prompt), finish_reason="cancelled"))
+        for i, (job, answering) in list(self._active.items()):
+            if job.cancelled:
+                self._run(i, lambda a=answering: a.finish("cancelled"))
+
+    def _prefill(self) -> None:
+        """One chunk of the earliest job still prefilling."""
+        for i, (_, answering) in list(self._active.items()):
+            if answering.prefilling:
+                self._run(i, lambda a=answering: a.prefill(self.prefill_chunk))
+                return
+
+    def _step(self) -> None:
+        """One decode pass over every job past its prefill."""
+        batch = [(i, a) for i, (_, a) in self._active.items() if not a.prefilling]
+        if not batch:
+            return
+        try:
+            logits = decode([a.session for _, a in batch], [a.feed() for _, a in batch])
+        except Exception as err:  # noqa: BLE001  (every answer of the pass fails with it)
+            for i, _ in batch:
+                self._leave(i, err)
+            return
+        self.stats.steps += 1
+        self.stats.batched += len(batch)
+        for (i, a), rows in zip(batch, logits):
+            self._run(i, lambda a=a, rows=rows: a.take(rows))
+
+    def _run(self, i: int, action: Callable[[], None]) -> None:
+        """Do `action` for the job in slot `i`; if it ends the job, or fails, the job
+        leaves its slot."""
+        try:
+            action()
+        except Exception as err:  # noqa: BLE001  (InferError: 4xx; a bug: 500, serving goes on)
+            self._leave(i, err)
+            return
+        answering = self._active[i][1]
+        if answering.done:
+            self._leave(i, answering.answer)
+
+    def _leave(self, i: int, result: Answer | Exception) -> None:
+        """The job in slot `i` leaves the batch, its slot free for the next."""
+        with self._lock:
+            job, answering = self._active.pop(i)
+        drafter = answering.decoding.drafter
+        if drafter is not None:
+            self.stats.guessed += drafter.stats.guessed
+            self.stats.accepted += drafter.stats.accepted
+        self._end(job, result)
+
+    def _end(self, job: Job, result: Answer | Exception) -> None:
+        """Tell the job's caller how it ended: its Answer ("done") or an error."""
+        if not isinstance(result, Answer):
+            _tell(job, "error", result)
+            return
         st = self.stats
         st.jobs += 1
-        st.prompt_tokens += answer.prompt_tokens
-        st.cached_tokens += answer.cached_tokens
-        st.prefix_hits += answer.cached_tokens > 0
-        st.generated_tokens += len(answer.tokens)
-        job.on_event("done", answer)
+        st.prompt_tokens += result.prompt_tokens
+        st.cached_tokens += result.cached_tokens
+        st.prefix_hits += result.cached_tokens > 0
+        st.generated_tokens += len(result.tokens)
+        _tell(job, "done", result)
+
+
+def _tell(job: Job, kind: str, value: object) -> None:
+    try:
+        job.on_event(kind, value)
+    except Exception:  # noqa: BLE001  (the caller's bug: the thread and the other jobs go on)
+        traceback.print_exc()

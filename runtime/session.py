@@ -7,12 +7,14 @@ can share one model, each with its own cache.
 
     session = Session(model)               # context up to the model's rope tables
     logits = session.prefill(prompt_ids)   # (vocab,) after the last prompt token
+    session.prefill_chunk(prompt_ids, 256) # the same a chunk a call: None until the last
     logits = session.step(token)           # one token on: the fused step where it runs
     out = decode([s1, s2], [[t1], [t2, t3]])  # several sequences in one pass: logits per row
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -69,6 +71,14 @@ class Session:
 
         The cache keeps the longest common prefix with what it already holds (a chat
         turn re-sends the whole conversation; only the new part is computed)."""
+        while (logits := self.prefill_chunk(prompt, chunk)) is None:
+            pass
+        return logits
+
+    def prefill_chunk(self, prompt: list[int], chunk: int = 512) -> torch.Tensor | None:
+        """One step of `prefill`: compute the next `chunk` tokens of `prompt` the cache
+        lacks. Returns the logits (vocab,) after its last token once the cache holds all
+        of it, else None (a server runs other sequences between the chunks)."""
         if not prompt:
             raise InferError("empty prompt")
         if len(prompt) > self.max_seq_len:
@@ -77,10 +87,8 @@ class Session:
                 f"{self.max_seq_len} (raise --ctx)"
             )
         n = self.reused_prefix(prompt)
-        logits = None
-        for start in range(n, len(prompt), chunk):
-            logits = self.forward(prompt[start : start + chunk], start)
-        return logits[-1]
+        logits = self.forward(prompt[n : n + chunk], n)
+        return logits[-1] if n + chunk >= len(prompt) else None
 
     def reused_prefix(self, prompt: list[int]) -> int:
         """How many of `prompt`'s first tokens the cache already holds (at least one token
@@ -124,7 +132,7 @@ def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[tor
     flat = [(i, t) for i, toks in enumerate(tokens) for t in toks]  # rows in order
     fused = sessions[0].fused
     per_pass = fused.max_rows if fused is not None else len(flat)
-    out: list[list[torch.Tensor]] = [[] for _ in sessions]
+    out: list[list[torch.Tensor]] = [[] for _ in sessions]  # each session's row slices
     for start in range(0, len(flat), per_pass):
         rows = flat[start : start + per_pass]
         spans, owners = [], []  # runs of one sequence's rows: (pos, n, cache)
@@ -137,16 +145,21 @@ def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[tor
                 spans.append((len(s.tokens), 1, s.cache))
                 owners.append(i)
         ids, spans = torch.tensor([[t for _, t in rows]]), Rows(spans)
-        blocks = None
-        if fused is not None:
-            words = torch.stack([sessions[i].cache_words for i, _ in rows])
-
-            def blocks(x, _pos, spans=spans, words=words):
-                return fused(x, spans, words)
-
-        with sessions[0].threads.forward():
+        with sessions[0].threads.forward():  # torch's own ops on one thread too
+            blocks = None
+            if fused is not None:
+                words = torch.stack([sessions[i].cache_words for i, _ in rows])
+                blocks = functools.partial(_fused_rows, fused, spans, words)
             logits = model(ids, None, spans, all_logits=True, blocks=blocks)[0]
-        for r, (i, t) in enumerate(rows):
-            sessions[i].tokens.append(t)
-            out[i].append(logits[r])
-    return [torch.stack(rows) for rows in out]
+        a = 0
+        for i, (_, n, _) in zip(owners, spans.spans):
+            sessions[i].tokens.extend(t for _, t in rows[a : a + n])
+            out[i].append(logits[a : a + n])
+            a += n
+    with sessions[0].threads.forward():
+        return [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in out]
+
+
+def _fused_rows(fused: FusedDecode, rows: Rows, words: torch.Tensor, x, _pos) -> torch.Tensor:
+    """The model's `blocks` for a pass of rows: the fused step over their caches."""
+    return fused(x, rows, words)

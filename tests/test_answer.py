@@ -90,7 +90,7 @@ def _run(scheduler: Scheduler, **job_fields) -> tuple[str, dict]:
 
 def test_scheduler_reuses_the_slot_holding_the_prefix(tiny):
     greedy = Sampling(temperature=0)
-    scheduler = Scheduler(tiny.model, tiny.tokenizer, slots=2, context=64)
+    scheduler = Scheduler(tiny.model, tiny.tokenizer, parallel=2, context=64)
     try:
         a = tiny.tokenizer.encode("the same long system prompt, then one question")
         b = tiny.tokenizer.encode("something else entirely")
@@ -110,7 +110,7 @@ def test_scheduler_reuses_the_slot_holding_the_prefix(tiny):
 
 
 def test_scheduler_reports_errors_and_goes_on(tiny):
-    scheduler = Scheduler(tiny.model, tiny.tokenizer, slots=1, context=16)
+    scheduler = Scheduler(tiny.model, tiny.tokenizer, parallel=1, context=16)
     try:
         _, r = _run(scheduler, prompt=list(range(3, 40)), max_tokens=2)
         assert "longer than the context of 16" in str(r["error"])
@@ -121,7 +121,7 @@ def test_scheduler_reports_errors_and_goes_on(tiny):
 
 
 def test_a_cancelled_job_stops(tiny):
-    scheduler = Scheduler(tiny.model, tiny.tokenizer, slots=1, context=128)
+    scheduler = Scheduler(tiny.model, tiny.tokenizer, parallel=1, context=128)
     try:
         job_text = []
         done = threading.Event()
@@ -190,7 +190,7 @@ def test_server_pool_unloads_the_least_recently_used(tmp_path, monkeypatch):
     )
 
     async def scenario():
-        pool = ModelPool(ServeSettings(model_dirs=[tmp_path], ctx=64, slots=1))
+        pool = ModelPool(ServeSettings(model_dirs=[tmp_path], ctx=64, parallel=1))
         try:
             a = await pool.get(str(tmp_path / "a"))
             b = await pool.get(str(tmp_path / "b"))

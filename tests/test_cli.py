@@ -312,6 +312,28 @@ def test_info(smollm2_gguf):
     assert "Q4_1" in r.stdout and "layers" in r.stdout
 
 
+def test_list_and_info_import_neither_torch_nor_numpy(home_env):
+    """`infer list` and `infer info` read headers alone (runtime/files/model_file.py):
+    importing torch, or numpy, is most of the seconds they took."""
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print(sorted({'torch', 'numpy'} & sys.modules.keys())))\n"
+        "from infer.cli import main\n"
+        "main()\n"
+    )
+    for args in (["list"], ["list", "--all"], ["list", "--json"], ["info"], ["info", "--json"]):
+        r = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            env=home_env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines()[-1] == "[]", (args, r.stdout[-500:])
+
+
 @pytest.mark.slow
 def test_list_and_pull_from_cache(home, home_env, tmp_path):
     r = infer("list", env=home_env)
@@ -480,6 +502,10 @@ def test_every_command_that_runs_a_model_takes_kv_cache():
 def test_run_with_an_int8_kv_cache(smollm2_gguf):
     r = infer("run", smollm2_gguf, "Say hi.", *GREEDY, "-n", "6", "--kv-cache", "int8")
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    # with the model as its own draft (a cache of the same format): the same greedy answer
+    d = infer("run", smollm2_gguf, "Say hi.", *GREEDY, "-n", "6", "--kv-cache", "int8",
+              "--draft", smollm2_gguf)  # fmt: skip
+    assert d.returncode == 0 and d.stdout == r.stdout, d.stderr
 
 
 @pytest.mark.slow  # a child process per case

@@ -133,7 +133,7 @@ def test_chat_template_renders_in_the_sandbox():
 
 
 # HF name -> llama.cpp's GGUF name for a Gemma 3 block (conversion/gemma.py, gguf-py's
-# tensor_mapping): the inverse of the GGUF name map in runtime/files/gguf.py.
+# tensor_mapping): the inverse of the GGUF name map in runtime/files/gguf_meta.py.
 _GGUF_BLOCK = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",

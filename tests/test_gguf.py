@@ -168,6 +168,28 @@ def test_metadata_value_types(tmp_path):
     assert f.arch == "llama" and f.tensors == {} and f.version == 3
 
 
+def test_type_tables_are_the_gguf_packages():
+    from infer.runtime.files.ggml_types import FILE_TYPES, GGML_BLOCKS, GGMLType
+
+    assert set(GGML_BLOCKS) == set(GGMLType)
+    for t in GGMLType:
+        assert T[t.name] == t and hash(T[t.name]) == hash(t)
+        assert gguf.GGML_QUANT_SIZES[T[t.name]] == GGML_BLOCKS[t], t.name
+    for value, name in FILE_TYPES.items():
+        assert gguf.LlamaFileType(value).name == name
+
+
+def test_short_float_is_numpys_shortest_float32():
+    from infer.runtime.files.gguf_meta import _short_float
+
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(2000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 2000)
+    values = [*values.astype(np.float32), np.float32(1e-5), np.float32(1e6), np.float32(0.1)]
+    for x in values:
+        assert _short_float(float(x)) == float(str(np.float32(x))), x
+    assert _short_float(float("inf")) == float("inf") and _short_float(7) == 7
+
+
 # ---------------------------------------------------------------------------------------
 # The real default model, against gguf.GGUFReader
 # ---------------------------------------------------------------------------------------
@@ -605,6 +627,22 @@ def test_garbage_never_crashes(typed_file, tmp_path):
     bad.write_bytes(b"GGUF" + rng.integers(0, 256, 5000, dtype=np.uint8).tobytes())
     with pytest.raises(InferError):
         GGUFFile(bad)
+
+
+def test_string_length_past_the_end(tmp_path):
+    """A vocabulary is stepped over, not decoded, when the header is read: a string length
+    that leads far past the end still fails as a truncated file (found by the fuzzer)."""
+    from infer.runtime.files.gguf_meta import GGUFMeta
+
+    path = write_gguf(tmp_path / "s.gguf", "llama", {}, [("add_array", "t.strs", ["a", "b"])])
+    data = path.read_bytes()
+    strings = struct.pack("<Q", 1) + b"a" + struct.pack("<Q", 1) + b"b"
+    for length in (2**63, 2**40, len(data)):
+        patched = struct.pack("<Q", length) + strings[8:]  # the next length lies past it
+        path.write_bytes(data.replace(strings, patched))
+        for read in (GGUFFile, GGUFMeta):
+            with pytest.raises(InferError, match="truncated GGUF file: value of 't.strs'"):
+                read(path)
 
 
 def _patch_tensor_offset(path: Path, name: str, value: int) -> None:

@@ -68,11 +68,14 @@ def test_fused_step_writes_the_reference_bytes():
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mistral_window"])
 def test_fused_attends_the_cache_as_blocks_do(hf_dirs, arch, kind):
-    """The C step reads bf16 and int8 caches as torch's attention over their update()."""
+    """The C step reads bf16 and int8 caches as torch's attention over their update().
+    The two compute a step's keys and values a float32 ulp or so apart, and such a value
+    may round to the next bf16 one (about one in a thousand): 1e-5 of the logits' scale each."""
     model = int8_model(hf_dirs / arch, max_seq_len=64)
     ref = decode_logits(model, kind, fused=False)
     got = decode_logits(model, kind, fused=True)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    atol = (5e-5 if kind == "bf16" else 1e-5) * ref.abs().max().item()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=atol)
     f32 = decode_logits(model, "f32", fused=True)
     assert not torch.equal(got, f32)  # the cache's format is what was read
 
@@ -148,7 +151,7 @@ def test_memory_of_each_format(hf_dirs):
     from infer.runtime.files.sources import open_source
 
     source = open_source(hf_dirs / "qwen3")
-    f32, int8 = (estimated_bytes(source, torch.float32, 64, k) for k in ("f32", "int8"))
+    f32, int8 = (estimated_bytes(source, torch.float32, 64, kv_cache=k) for k in ("f32", "int8"))
     assert f32 - int8 == sizes["f32"] - sizes["int8"]
     lm = load_model(hf_dirs / "qwen3", max_seq_len=64, kv_cache="int8")
     assert Session(lm.model).cache[0].kind == "int8"  # the loader's format is the default

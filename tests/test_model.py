@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from tiny import ARCHS, make_hf_model
+from tiny import ARCHS, COMMON, MOE_ARCHS, make_hf_model
 
 from infer.runtime.files.build import build
 from infer.runtime.files.sources import open_source
+from infer.runtime.model.families import model_args, model_class
 from infer.runtime.session import Session
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
@@ -61,3 +62,23 @@ def test_bfloat16_close_to_float32(tmp_path):
         a = f32(torch.tensor([PROMPT]), 0, f32.new_cache(), all_logits=True)
         b = bf16(torch.tensor([PROMPT]), 0, bf16.new_cache(), all_logits=True).float()
     assert (a - b).abs().max() < 0.1 * a.abs().max()
+
+
+@pytest.mark.parametrize("arch", sorted({**ARCHS, **MOE_ARCHS}))
+@pytest.mark.parametrize("tied", [True, False])
+def test_param_shapes_are_the_modules(arch, tied):
+    """ModelArgs.param_shapes (what `infer info` checks a file against, without torch) is
+    every parameter of the model built on the meta device, and n_params their sum."""
+    import math
+
+    import transformers
+
+    cls_name, extra = {**ARCHS, **MOE_ARCHS}[arch]
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **extra, "tie_word_embeddings": tied})
+    args = model_args(cfg.to_dict(), arch)
+    with torch.device("meta"):
+        model = model_class(args)(args)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert args.param_shapes() == {k: tuple(v.shape) for k, v in params.items()}
+    stored = [v for k, v in params.items() if not (tied and k == "lm_head.weight")]
+    assert args.n_params == sum(math.prod(v.shape) for v in stored)

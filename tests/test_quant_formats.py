@@ -16,7 +16,7 @@ from infer import InferError
 from infer.kernels_cpu import ops
 from infer.kernels_cpu.reference import lut_table_error_bound, unpack_int6
 from infer.quant.formats.base import FORMATS
-from infer.quant.formats.fit import GroupSizeError
+from infer.quant.formats.fit import GroupSizeError, importance
 from infer.quant.formats.int4 import pack_nibbles, unpack_nibbles
 from infer.quant.formats.int6 import pack_blocks
 from infer.quant.formats.lut import pack_planes, unpack_planes
@@ -184,14 +184,41 @@ def test_error_within_half_step(fmt, params, kind):
 
 @pytest.mark.parametrize(("fmt", "params"), CASES, ids=IDS)
 @pytest.mark.parametrize("kind", ["random", "outliers", "negative"])
-def test_clipping_search_never_worse(fmt, params, kind):
+def test_search_never_worse(fmt, params, kind):
+    """By the error the search minimizes (squared, weighted by fit.importance)."""
     w = weights(kind)
     base = FORMATS[fmt].from_float(w, search=False, **params)
     best = FORMATS[fmt].from_float(w, search=True, **params)
-    sse = lambda q: group_view(q, q.dequantize() - w).square().sum(-1)
+    imp = importance(group_view(base, w))
+    sse = lambda q: (group_view(q, q.dequantize() - w).square() * imp).sum(-1)
     assert (sse(best) <= sse(base) * (1 + 1e-6)).all()
     if kind == "random" and fmt != "int8":
         assert sse(best).sum() < 0.97 * sse(base).sum()  # and it does find something
+
+
+def q4_0_rounding(w: torch.Tensor) -> torch.Tensor:
+    """ggml's Q4_0 without an importance matrix (quantize_row_q4_0_ref), dequantized: each
+    block's largest-magnitude element at code -8, the others rounded to nearest."""
+    x = w.view(w.shape[0], -1, 32)
+    top = x.gather(-1, x.abs().argmax(-1, keepdim=True))
+    d = top / -8
+    c = torch.where(d == 0, 0.0, x / d).round().clamp(-8, 7)
+    return (c * d.half().float()).view_as(w)
+
+
+@pytest.mark.parametrize("kind", ["random", "heavy_tailed"])
+def test_int4_fit_beats_q4_0_rounding(kind):
+    """The search's int4 g32 symmetric has less error than Q4_0's plain rounding, by the
+    error it minimizes and by the plain squared error."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 512, generator=g)
+    if kind == "heavy_tailed":  # Student's t with 3 degrees of freedom
+        w = w / (torch.randn(64, 512, 3, generator=g).square().mean(-1)).sqrt()
+    q = FORMATS["int4"].from_float(w, group_size=32, symmetric=True).dequantize()
+    ref = q4_0_rounding(w)
+    imp = importance(w.view(64, -1, 32)).view_as(w)
+    assert ((q - w).square() * imp).sum() < 0.99 * ((ref - w).square() * imp).sum()
+    assert (q - w).square().sum() < 0.99 * (ref - w).square().sum()
 
 
 @pytest.mark.parametrize(("fmt", "params"), CASES, ids=IDS)

@@ -126,9 +126,24 @@ def launched(home, files, tmp_path_factory):
     log = tmp_path_factory.mktemp("log")
     servers = {
         "main": Server(
-            [MODEL, "--ctx", str(CTX), "--models-dir", str(files["dir"])], home, log / "main.log"
+            [MODEL, "--ctx", str(CTX), "--models-dir", str(files["dir"]), "--parallel", "2"],
+            home,
+            log / "main.log",
         ),
-        "keyed": Server([MODEL, "--ctx", str(CTX), "--api-key", KEY], home, log / "keyed.log"),
+        # One slot (--slots: the old spelling of --parallel): a second answer waits.
+        # Its draft model is the same file under another name: loaded a second time.
+        "keyed": Server(
+            [MODEL, "--ctx", str(CTX), "--api-key", KEY, "--slots", "1"]
+            + ["--draft", str(files["outside"])],
+            home,
+            log / "keyed.log",
+        ),
+        # Two slots of int8 KV caches.
+        "int8": Server(
+            [MODEL, "--ctx", str(CTX), "--parallel", "2", "--kv-cache", "int8"],
+            home,
+            log / "int8.log",
+        ),
     }
     yield servers
     for s in servers.values():
@@ -336,7 +351,8 @@ def test_prefix_cache(oai, http, greedy):
 
 
 def test_concurrent_requests(oai, greedy):
-    """Answers queued behind each other and spread over the slots do not mix."""
+    """Answers decoded together on the two slots, and one queued behind them, do not
+    mix: each is the answer alone."""
     from concurrent.futures import ThreadPoolExecutor
 
     questions = ["What is the capital of Italy?", "Name a fruit.", "What is 3 times 3?"]
@@ -349,6 +365,36 @@ def test_concurrent_requests(oai, greedy):
     with ThreadPoolExecutor(len(questions)) as pool:
         answers = list(pool.map(ask, questions))
     assert answers == [greedy([{"role": "user", "content": q}], 8) for q in questions]
+
+
+def test_answers_run_together(http, server):
+    """Two streams at once both run (one decode pass for both), the /metrics gauges say
+    so, and closing them frees both slots."""
+    prompt = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
+    running = f'infer_answers_running{{model="{MODEL}"}}'
+    cancelled = _finished(http, "cancelled")
+    # Greedy: it counts on for 400 tokens (sampled, it may stop after a few).
+    body = {"messages": prompt, "max_tokens": 400, "stream": True, "temperature": 0}
+    ollama_body = {"messages": prompt, "options": {"num_predict": 400, "temperature": 0}}
+    with (
+        http.stream("POST", "/v1/chat/completions", json=body) as first,
+        http.stream("POST", "/api/chat", json=ollama_body) as second,
+    ):
+        data = (line for line in first.iter_lines() if line.startswith("data: "))
+        next(data), next(data)  # the role, then the first token
+        lines = second.iter_lines()  # one iterator: a dropped one closes the stream
+        assert json.loads(next(lines))["done"] is False
+        m = metrics(http)
+        assert m[running] == 2 and m[f'infer_queue_depth{{model="{MODEL}"}}'] == 0
+        # From here on every pass runs both: more answers advanced than passes.
+        steps, batched = (
+            f'infer_decode_{k}_total{{model="{MODEL}"}}' for k in ("steps", "batched")
+        )
+        wait_for(lambda: metrics(http)[batched] >= m[batched] + 4, what="two passes")
+        now = metrics(http)
+        assert now[batched] - m[batched] > now[steps] - m[steps]
+    wait_for(lambda: _finished(http, "cancelled") == cancelled + 2, what="both cancelled")
+    assert metrics(http)[running] == 0 and generates(http)
 
 
 # -- the ollama API ---------------------------------------------------------------------
@@ -568,17 +614,18 @@ def test_disconnect_frees_the_slot(http, server, api):
     prompt = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
     cancelled = _finished(http, "cancelled")
     running = f'infer_answers_running{{model="{MODEL}"}}'
+    # Greedy, it counts on for 400 tokens; sampled, it may stop before the client goes.
     if api == "openai":
-        body = {"messages": prompt, "max_tokens": 400, "stream": True}
+        body = {"messages": prompt, "max_tokens": 400, "stream": True, "temperature": 0}
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
             data = (line for line in r.iter_lines() if line.startswith("data: "))
             next(data), next(data)  # the role, then the first token
     elif api == "ollama":
-        body = {"messages": prompt, "options": {"num_predict": 400}}
+        body = {"messages": prompt, "options": {"num_predict": 400, "temperature": 0}}
         with http.stream("POST", "/api/chat", json=body) as r:
             assert json.loads(next(r.iter_lines()))["done"] is False
     else:  # not streamed: the connection closes once the answer is running
-        body = json.dumps({"messages": prompt, "max_tokens": 400}).encode()
+        body = json.dumps({"messages": prompt, "max_tokens": 400, "temperature": 0}).encode()
         head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}"
         with socket.create_connection(_address(server.url), timeout=TIMEOUT) as s:
             s.sendall(head.encode() + b"\r\nContent-Type: application/json\r\n\r\n" + body)
@@ -636,6 +683,66 @@ def test_keep_alive_zero_unloads(http):
 
 
 # -- a server with an API key, stopped mid-answer ---------------------------------------
+
+
+def test_draft_model_answers_as_plain(launched, greedy):
+    """serve --draft: the slot's draft model guesses (here perfectly, being the model
+    itself), and the answer is the plain greedy one."""
+    s = launched["keyed"].ready()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT, headers=auth) as http:
+        body = {"messages": QUESTION, "max_tokens": 24, "temperature": 0}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == greedy(QUESTION, 24)
+        m = metrics(http)
+    guessed = m[f'infer_speculative_guessed_tokens_total{{model="{MODEL}"}}']
+    assert m[f'infer_speculative_accepted_tokens_total{{model="{MODEL}"}}'] == guessed > 0
+
+
+def test_int8_kv_cache_on_parallel_slots(launched, smollm2_gguf):
+    """serve --kv-cache int8 --parallel 2: two answers run together on int8 slots, each
+    the greedy answer of an int8 cache in this process, and /api/ps counts the two slots'
+    caches at int8's size."""
+    import torch
+
+    from infer.runtime.answer import stream_answer
+    from infer.runtime.generate import make_sampler
+    from infer.runtime.loader import kv_cache_bytes, load_model
+    from infer.runtime.session import Session
+
+    s = launched["int8"].ready()
+    lm = load_model(smollm2_gguf, max_seq_len=CTX, kv_cache="int8")
+    count = [{"role": "user", "content": "Count from 1 to 50, one number per line."}]
+    asks = [(count, 120), (QUESTION, 16)]
+
+    def alone(messages: list[dict], n: int) -> str:
+        ids, sampler = lm.tokenizer.encode_chat(messages), make_sampler(0)
+        session = Session(lm.model, CTX)  # int8: the loader's kv_cache
+        return stream_answer(session, lm.tokenizer, ids, sampler, n, lambda _: None).text
+
+    def piece(line: str) -> str:
+        return json.loads(line)["message"]["content"]
+
+    running = f'infer_answers_running{{model="{MODEL}"}}'
+    bodies = [{"messages": m, "options": {"num_predict": n, "temperature": 0}} for m, n in asks]
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as http:
+        with (
+            http.stream("POST", "/api/chat", json=bodies[0]) as first,
+            http.stream("POST", "/api/chat", json=bodies[1]) as second,
+        ):
+            lines = [first.iter_lines(), second.iter_lines()]
+            texts = [piece(next(lines[0])), piece(next(lines[1]))]
+            assert metrics(http)[running] == 2
+            texts = [t + "".join(piece(x) for x in it if x) for t, it in zip(texts, lines)]
+        ps = http.get("/api/ps").json()["models"]
+    assert texts == [alone(m, n) for m, n in asks]
+    caches = 2 * kv_cache_bytes(lm.model.args, torch.float32, CTX, "int8")
+    assert ps[0]["size"] == lm.source.held_bytes(torch.float32) + caches
+    float_caches = 2 * kv_cache_bytes(lm.model.args, torch.float32, CTX)
+    assert float_caches / caches == pytest.approx(4 * 32 / 34)  # 34 bytes per 32 values
+    code, _ = s.stop()
+    assert code == 0 and "Traceback" not in s.log.read_text()
 
 
 def test_api_key_and_sigterm_mid_stream(launched):

@@ -14,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from infer import InferError
+from infer.runtime.files.model_file import open_model_file
 from infer.runtime.loader import load_model
 from infer.runtime.model import chat_template
 from infer.runtime.model.chat_template import ChatTemplate
@@ -76,6 +77,16 @@ def assert_fails(path, *words: str, seconds: float = 5.0) -> None:
     assert time.monotonic() - t0 < seconds
 
 
+# A tensor whose shape disagrees with the config, in a file consistent otherwise.
+SHAPES = [
+    (reshape("blk.0.attn_q.weight", (32, 64)), ["q_proj.weight' has shape (32, 64)", "(64, 64)"]),
+    (reshape("blk.1.ffn_norm.weight", (65,)), ["post_attention_layernorm", "(65,)"]),
+    (reshape("token_embd.weight", (100, 64)), ["embed_tokens", "(100, 64)", "(262, 64)"]),
+    (reshape("rope_freqs.weight", (4,)), ["rope_freqs.weight has shape (4,)", "needs (8,)"]),
+    (reshape("blk.1.attn_k.weight", (16, 2, 64)), ["k_proj.weight' has shape (16, 2, 64)"]),
+]
+
+
 @pytest.mark.parametrize(
     ("edit", "words"),
     [
@@ -96,14 +107,7 @@ def assert_fails(path, *words: str, seconds: float = 5.0) -> None:
         (set_kv("llama.context_length", 2**40, fz.U64), ["context_length = 1099511627776"]),
         (set_kv("llama.rope.scaling.type", "linear", fz.STR), []),  # no factor: no scaling
         (set_kv("general.alignment", 48), ["power of two"]),
-        # A tensor whose shape disagrees with the config, in a file consistent otherwise.
-        (
-            reshape("blk.0.attn_q.weight", (32, 64)),
-            ["q_proj.weight' has shape (32, 64)", "(64, 64)"],
-        ),
-        (reshape("blk.1.ffn_norm.weight", (65,)), ["post_attention_layernorm", "(65,)"]),
-        (reshape("token_embd.weight", (100, 64)), ["embed_tokens", "(100, 64)", "(262, 64)"]),
-        (reshape("rope_freqs.weight", (4,)), ["rope_freqs.weight has shape (4,)", "needs (8,)"]),
+        *SHAPES,
         # Retyped with the data kept: fewer bytes than the tensors' layout holds.
         (retype("blk.0.attn_norm.weight", T.F16, keep_data=True), ["no tensor holds"]),
         (retype("blk.1.attn_q.weight", T.Q4_0, keep_data=True), ["no tensor holds"]),
@@ -117,6 +121,14 @@ def test_bad_gguf_fails_before_building(tmp_path, edit, words):
         load_model(path, max_seq_len=32)
         return
     assert_fails(path, *words)
+
+
+@pytest.mark.parametrize(("edit", "words"), SHAPES)
+def test_bad_shapes_fail_on_the_header_alone(tmp_path, edit, words):
+    """What `infer info` reads (model_file.py, no torch) refuses them as loading does."""
+    with pytest.raises(InferError) as err:
+        open_model_file(gguf_file(tmp_path, edit))
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), err.value
 
 
 def test_gguf_data_past_the_end_and_bad_rope_factors(tmp_path):
@@ -387,3 +399,5 @@ def test_damaged_file_is_one_line_through_the_cli(tmp_path):
     assert_one_line_error(infer("info", path), 2, *words)
     path = gguf_file(tmp_path, retype("blk.0.attn_norm.weight", T.F16, keep_data=True))
     assert_one_line_error(infer("info", path), 2, "no tensor holds")
+    path = gguf_file(tmp_path, reshape("blk.0.attn_q.weight", (32, 64)))
+    assert_one_line_error(infer("info", path), 2, "q_proj.weight' has shape (32, 64)")

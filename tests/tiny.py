@@ -20,52 +20,52 @@ CHATML = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 320  # 256 byte tokens + specials, rounded up
 
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    bos_token_id=0,
-    eos_token_id=2,
-)
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 112,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+}
 
 # name -> (transformers config class name, extra config fields)
 ARCHS = {
-    "llama": ("LlamaConfig", dict(rope_theta=10000.0)),
+    "llama": ("LlamaConfig", {"rope_theta": 10000.0}),
     "llama3": (
         "LlamaConfig",
-        dict(
-            rope_theta=500000.0,
-            rope_scaling=dict(
-                rope_type="llama3",
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=64,
-            ),
-        ),
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
     ),
-    "smollm2": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=100000.0)),
-    "mistral": ("MistralConfig", dict(sliding_window=None)),
-    "mistral_window": ("MistralConfig", dict(sliding_window=8)),
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    "smollm2": ("LlamaConfig", {"tie_word_embeddings": True, "rope_theta": 100000.0}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "mistral_window": ("MistralConfig", {"sliding_window": 8}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}),
     # Local and global layers (a window of 4 within the 12-token prompt), a query scale
     # other than head_dim's, the final logit softcap.
     "gemma3": (
         "Gemma3TextConfig",
-        dict(
-            head_dim=32,
-            num_hidden_layers=3,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            sliding_window=4,
-            query_pre_attn_scalar=24,
-            final_logit_softcapping=3.0,
-        ),
+        {
+            "head_dim": 32,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "sliding_window": 4,
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 3.0,
+        },
     ),
 }
 
@@ -73,38 +73,38 @@ ARCHS = {
 MOE_ARCHS = {
     "mixtral": (
         "MixtralConfig",
-        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64},
     ),
     # Layer 1 dense through mlp_only_layers; a shared expert; norm_topk_prob false.
     "qwen2_moe": (
         "Qwen2MoeConfig",
-        dict(
-            num_hidden_layers=3,
-            num_experts=8,
-            num_experts_per_tok=3,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=96,
-            mlp_only_layers=[1],
-        ),
+        {
+            "num_hidden_layers": 3,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 96,
+            "mlp_only_layers": [1],
+        },
     ),
     # Every second layer sparse (decoder_sparse_step 2), renormalised top k.
     "qwen3_moe": (
         "Qwen3MoeConfig",
-        dict(
-            head_dim=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            norm_topk_prob=True,
-            decoder_sparse_step=2,
-            num_hidden_layers=4,
-        ),
+        {
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 2,
+            "num_hidden_layers": 4,
+        },
     ),
     "qwen3_moe_nonorm": (
         "Qwen3MoeConfig",
-        dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
+        {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
     ),
-    "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=3, intermediate_size=64)),
+    "olmoe": ("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 3, "intermediate_size": 64}),
 }
 
 
@@ -120,12 +120,12 @@ def write_tokenizer(path: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
     tok.save(str(path / "tokenizer.json"))
-    config = dict(
-        bos_token=None,
-        eos_token="<|im_end|>",
-        chat_template=CHATML,
-        tokenizer_class="PreTrainedTokenizerFast",
-    )
+    config = {
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "chat_template": CHATML,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 

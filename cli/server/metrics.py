@@ -82,7 +82,8 @@ class Metrics:
         metric(
             "decode_tokens_per_second",
             "gauge",
-            "Tokens generated per second of decoding, over all answers.",
+            "Tokens generated per second of decoding, per answer (answers decoded "
+            "together each count the time).",
             [("", round(rate, 3))],
         )
         buckets, total = [], 0
@@ -107,6 +108,30 @@ class Metrics:
             "gauge",
             "Answers being generated, by model.",
             [(f'{{model="{_label(m.name)}"}}', m.scheduler.running) for m in models],
+        )
+        metric(
+            "decode_steps_total",
+            "counter",
+            "Decode passes, by loaded model.",
+            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.steps) for m in models],
+        )
+        metric(
+            "decode_batched_total",
+            "counter",
+            "Answers those passes advanced (over decode_steps_total: the mean batch).",
+            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.batched) for m in models],
+        )
+        metric(
+            "speculative_guessed_tokens_total",
+            "counter",
+            "Tokens guessed (serve --lookup or --draft) and checked, by model.",
+            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.guessed) for m in models],
+        )
+        metric(
+            "speculative_accepted_tokens_total",
+            "counter",
+            "Of those, the tokens kept.",
+            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.accepted) for m in models],
         )
         metric("models_loaded", "gauge", "Models in memory.", [("", len(models))])
         metric(

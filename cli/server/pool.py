@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -19,7 +20,13 @@ import anyio
 import torch
 
 from ... import InferError
-from ...runtime.loader import FITS_SHARE, LoadedModel, estimated_bytes, load_model
+from ...runtime.loader import (
+    FITS_SHARE,
+    LoadedModel,
+    estimated_bytes,
+    kv_cache_bytes,
+    load_model,
+)
 from ...runtime.registry import DEFAULT_MODEL, ResolvedModel, find_entry, resolve
 from ...runtime.scheduler import Scheduler
 from .errors import ApiError
@@ -33,7 +40,10 @@ class ServeSettings:
     dtype: torch.dtype = torch.float32
     kv_cache: str | None = None  # the slots' KV cache format (default the dtype's)
     max_memory: int | None = None  # the process's budget (loader.load_model)
-    slots: int = 2  # KV caches per model, kept for prefix reuse
+    parallel: int = 4  # answers a model runs at once: its KV caches (slots), kept for reuse
+    prefill_chunk: int = 256  # prompt tokens prefilled between two decode passes
+    lookup: bool = False  # answers guess tokens from their prompts (speculative decoding)
+    draft: str | None = None  # or from this model, for the models of its vocabulary
     keep_alive: float | None = 300.0  # seconds idle before unloading; None: never
     threads: int | None = None
 
@@ -113,6 +123,7 @@ class ModelPool:
         dirs = [Path(os.path.abspath(Path(p).expanduser())) for p in settings.model_dirs]
         self._allowed = list(dict.fromkeys([*dirs, *(d.resolve() for d in dirs)]))
         self._named: dict[str, ResolvedModel] = {}
+        self._draft = resolve(settings.draft, download=False) if settings.draft else None
         for name in settings.models:
             r = resolve(name, download=False)
             self._named[name] = r
@@ -178,17 +189,41 @@ class ModelPool:
         return loaded
 
     async def _load(self, name: str, resolved: ResolvedModel) -> Loaded:
+        from ...runtime.files.sources import open_source
+
         s = self.settings
-        await self._make_room(resolved)
+        source = open_source(resolved.path)
+        args = source.args
+        draft = (
+            self._draft if self._draft is not None and self._draft.path != resolved.path else None
+        )
+        draft_source = open_source(draft.path) if draft is not None else None
+        draft_bytes = draft_source and estimated_bytes(
+            draft_source, s.dtype, s.ctx, s.parallel, s.kv_cache
+        )
+        need = estimated_bytes(source, s.dtype, s.ctx, s.parallel, s.kv_cache)
+        await self._make_room(need + (draft_bytes or 0))
 
         def load() -> Loaded:
+            budget = s.max_memory
+            if budget is not None:  # the loader plans for one KV cache: room for the others
+                ctx = min(s.ctx, args.max_seq_len)
+                one = kv_cache_bytes(args, s.dtype, ctx, s.kv_cache)
+                budget -= (s.parallel - 1) * one + (draft_bytes or 0)
             lm = load_model(
-                resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=s.max_memory,
+                resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=budget,
                 kv_cache=s.kv_cache,
             )  # fmt: skip
-            scheduler = Scheduler(lm.model, lm.tokenizer, s.slots, s.ctx, s.threads)
-            kv = sum(c.nbytes for slot in scheduler.slots for c in slot.cache or ())
+            draft_lm = self._load_draft(lm, name, draft_source)
+            scheduler = Scheduler(
+                lm.model, lm.tokenizer, s.parallel, s.ctx, s.threads, s.prefill_chunk,
+                s.lookup, draft_lm and draft_lm.model,
+            )  # fmt: skip
+            slots = scheduler.slots + scheduler.draft_slots
+            kv = sum(c.nbytes for slot in slots for c in slot.cache or ())
             size = lm.source.held_bytes(s.dtype) + kv
+            if draft_lm is not None and draft_lm is not lm:
+                size += draft_lm.source.held_bytes(s.dtype)
             return Loaded(name, resolved, lm, scheduler, size, s.keep_alive)
 
         try:
@@ -198,15 +233,32 @@ class ModelPool:
         self.loaded[resolved.path.resolve()] = loaded
         return loaded
 
-    async def _make_room(self, resolved: ResolvedModel) -> None:
-        """Unload idle models, least recently used first, while the new one would not fit."""
+    def _load_draft(self, lm: LoadedModel, name: str, source) -> LoadedModel | None:
+        """The draft model for `lm` (--draft), loaded (itself when it is the draft), or
+        None: no --draft, or one of another vocabulary (the model answers without it, and
+        the server says so once)."""
+        from ...runtime.speculative import check_draft_tokenizer
+
+        if self._draft is None:
+            return None
+        if source is None:
+            return lm
+        try:
+            check_draft_tokenizer(source.tokenizer(), lm.tokenizer, self._draft.name, name)
+        except InferError as err:
+            print(f"warning: {err}: {name} answers without it", file=sys.stderr)
+            return None
+        s = self.settings
+        return load_model(self._draft.path, s.dtype, max_seq_len=s.ctx, kv_cache=s.kv_cache)
+
+    async def _make_room(self, need: int) -> None:
+        """Unload idle models, least recently used first, while `need` bytes (a model with
+        its slots' KV caches) would not fit."""
         import psutil
 
         from ...offload.stream import process_rss
-        from ...runtime.files.sources import open_source
 
         s = self.settings
-        need = estimated_bytes(open_source(resolved.path), s.dtype, s.ctx, s.kv_cache, s.slots)
         while self.loaded:
             if s.max_memory is not None:
                 fits = process_rss() + need <= s.max_memory

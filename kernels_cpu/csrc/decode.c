@@ -95,12 +95,12 @@ static float bits_to_float(int64_t b) {
 
 #define PTR(T, w) ((T)(intptr_t)(w))
 
-/* y[i] = W_i x[i] (+ bias_i) for n <= Q_GEMV_MANY_MAX linears of the plan, x[i] (R, K_i)
-   and y[i] (R, N_i): one pool job when all are int8/int6/int4 (q_gemv_many; linears
+/* y[i] = W_i x[i] (+ bias_i) for n <= Q_GEMV_MANY_MAX linears of the plan, x[i] (M_i, K_i)
+   and y[i] (M_i, N_i), M_i = rows[i] (rows NULL: the call's R rows each): one pool job when all are int8/int6/int4 (q_gemv_many; linears
    sharing an x quantize it once) or all lut (lut_gemv_many; linears sharing an x share
    its tables), else one such job a linear. Returns 0, or -1 when out of memory. */
 static int linears_each(int n, const int64_t *const *L, const float *const *x,
-                        float *const *y, const model_t *m) {
+                        float *const *y, const int64_t *rows, const model_t *m) {
     int bits[Q_GEMV_MANY_MAX];
     qmat a[Q_GEMV_MANY_MAX];
     lut_gemv la[Q_GEMV_MANY_MAX];
@@ -112,9 +112,10 @@ static int linears_each(int n, const int64_t *const *L, const float *const *x,
         bits[i] = (int)L[i][0];
         a[i] = (qmat){.x = x[i], .qw = PTR(const void *, L[i][1]),
                       .scales = PTR(const void *, L[i][2]), .mins = PTR(const uint16_t *, L[i][3]),
-                      .y = y[i], .M = m->R, .N = L[i][5], .K = L[i][6], .g = L[i][7]};
+                      .y = y[i], .M = rows ? rows[i] : m->R, .N = L[i][5], .K = L[i][6],
+                      .g = L[i][7]};
         la[i] = (lut_gemv){x[i], PTR(const uint8_t *, L[i][1]), PTR(const uint16_t *, L[i][2]),
-                           PTR(const uint16_t *, L[i][3]), y[i], m->R, L[i][5], L[i][6],
+                           PTR(const uint16_t *, L[i][3]), y[i], a[i].M, L[i][5], L[i][6],
                            (int)-L[i][0], (int)L[i][7]};
         pa[i] = &a[i];
     }
@@ -131,7 +132,7 @@ static int linears_each(int n, const int64_t *const *L, const float *const *x,
         const float *bias = PTR(const float *, L[i][4]);
         const int64_t N = L[i][5];
         if (bias)
-            for (int64_t r = 0; r < m->R; r++)
+            for (int64_t r = 0; r < a[i].M; r++)
                 for (int64_t j = 0; j < N; j++) y[i][r * N + j] += bias[j];
     }
     return rc;
@@ -142,7 +143,7 @@ static int linears(int n, const int64_t *const *L, const float *x, float *const 
                    const model_t *m) {
     const float *xs[Q_GEMV_MANY_MAX];
     for (int i = 0; i < n; i++) xs[i] = x;
-    return linears_each(n, L, xs, y, m);
+    return linears_each(n, L, xs, y, NULL, m);
 }
 
 static int linear(const int64_t *L, const float *x, float *y, const model_t *m) {
@@ -707,45 +708,95 @@ static PyObject *py_decode_kv_store(PyObject *self, PyObject *const *args, Py_ss
    one pool job, then their down GEMVs as another. */
 enum { EXPERTS_AT_ONCE = Q_GEMV_MANY_MAX / 2 };
 
-/* out[i] = sum over the n experts of w_e * down_e(SiLU(gate_e(x)) * up_e(x)), added in
-   the given order (each product rounded, then added, as MoE.forward's out += y * w).
-   T: rows of 3 LIN words; h: scratch for EXPERTS_AT_ONCE * (2 * hidden + dim) floats. */
-static int experts_sum(const int64_t *const *T, const float *w, int n, const float *x,
-                       float *out, int64_t dim, int64_t hidden, float *h, const model_t *m) {
-    int rc = 0;
-    for (int c = 0; c < n; c += EXPERTS_AT_ONCE) {
-        const int nc = n - c < EXPERTS_AT_ONCE ? n - c : EXPERTS_AT_ONCE;
-        const int64_t *gu[Q_GEMV_MANY_MAX], *down[EXPERTS_AT_ONCE];
-        float *gu_out[Q_GEMV_MANY_MAX], *down_out[EXPERTS_AT_ONCE];
-        const float *down_in[EXPERTS_AT_ONCE];
-        for (int e = 0; e < nc; e++) {
-            float *g = h + e * (2 * hidden + dim);
-            gu[2 * e] = T[c + e], gu[2 * e + 1] = T[c + e] + LIN;
-            gu_out[2 * e] = g, gu_out[2 * e + 1] = g + hidden;
-            down[e] = T[c + e] + 2 * LIN, down_in[e] = g, down_out[e] = g + 2 * hidden;
-        }
-        rc |= linears(2 * nc, gu, x, gu_out, m);
-        for (int e = 0; e < nc; e++) silu_mul(gu_out[2 * e], gu_out[2 * e + 1], gu[2 * e][5]);
-        rc |= linears_each(nc, down, down_in, down_out, m);
-        for (int e = 0; e < nc; e++) {
-            const float we = w[c + e], *y = down_out[e];
-            for (int64_t i = 0; i < dim; i++) {
-                const float t = y[i] * we;
-                out[i] += t;
-            }
-        }
+/* out[r] += sum over the experts row r chose of w * down_e(SiLU(gate_e(x[r])) * up_e(x[r])),
+   for R rows: each row's experts added in ascending id order (each product rounded,
+   then added, as MoE.forward's out += y * w), each expert run once on the rows that chose
+   it (its GEMVs over those rows: each row computed as alone). T[e]: expert e's 3 LIN
+   words; ids, w (R, k) the rows' choices, each row's in ascending id order; x and out
+   (R, dim). Returns 0, or -1 when out of memory. */
+static int experts_rows(const int64_t *const *T, int64_t n_experts, int R, int k,
+                        const int64_t *ids, const float *w, const float *x, float *out,
+                        int64_t dim, const model_t *m) {
+    /* who chose each expert: members[first[e] .. first[e + 1]) = (row, weight), rows ascending */
+    int64_t *first = calloc((size_t)n_experts + 1, sizeof *first);
+    int64_t *member = malloc(sizeof *member * (size_t)(R * k));
+    float *member_w = malloc(sizeof *member_w * (size_t)(R * k));
+    int64_t most = 0; /* the widest expert's hidden size */
+    int rc = first && member && member_w ? 0 : -1;
+    for (int64_t i = 0; !rc && i < R * k; i++) first[ids[i] + 1]++;
+    for (int64_t e = 0; !rc && e < n_experts; e++) {
+        first[e + 1] += first[e];
+        if (first[e + 1] > first[e] && T[e][5] > most) most = T[e][5];
     }
+    int64_t *fill = rc ? NULL : malloc(sizeof *fill * (size_t)n_experts);
+    float *buf = rc ? NULL : malloc(sizeof *buf * (size_t)(R * k) * (size_t)(2 * dim + 2 * most));
+    if (!fill || !buf) rc = -1;
+    for (int64_t e = 0; !rc && e < n_experts; e++) fill[e] = first[e];
+    for (int r = 0; !rc && r < R; r++)
+        for (int i = 0; i < k; i++) {
+            const int64_t e = ids[r * k + i];
+            member[fill[e]] = r, member_w[fill[e]++] = w[r * k + i];
+        }
+    int64_t e = 0;
+    while (!rc && e < n_experts) {
+        /* the next EXPERTS_AT_ONCE chosen experts, their rows gathered */
+        int64_t chosen[EXPERTS_AT_ONCE], rows[Q_GEMV_MANY_MAX], down_rows[EXPERTS_AT_ONCE];
+        const int64_t *gu[Q_GEMV_MANY_MAX], *down[EXPERTS_AT_ONCE];
+        const float *gu_in[Q_GEMV_MANY_MAX], *down_in[EXPERTS_AT_ONCE];
+        float *gu_out[Q_GEMV_MANY_MAX], *down_out[EXPERTS_AT_ONCE];
+        int nc = 0;
+        float *b = buf;
+        for (; e < n_experts && nc < EXPERTS_AT_ONCE; e++) {
+            const int64_t M = first[e + 1] - first[e], hidden = T[e][5];
+            if (!M) continue;
+            float *xg = b, *g = xg + M * dim, *u = g + M * hidden, *y = u + M * hidden;
+            b = y + M * dim;
+            for (int64_t j = 0; j < M; j++)
+                memcpy(xg + j * dim, x + member[first[e] + j] * dim, (size_t)dim * sizeof *x);
+            chosen[nc] = e;
+            gu[2 * nc] = T[e], gu[2 * nc + 1] = T[e] + LIN;
+            gu_in[2 * nc] = gu_in[2 * nc + 1] = xg;
+            gu_out[2 * nc] = g, gu_out[2 * nc + 1] = u;
+            rows[2 * nc] = rows[2 * nc + 1] = down_rows[nc] = M;
+            down[nc] = T[e] + 2 * LIN, down_in[nc] = g, down_out[nc] = y;
+            nc++;
+        }
+        if (!nc) break;
+        rc |= linears_each(2 * nc, gu, gu_in, gu_out, rows, m);
+        for (int c = 0; c < nc; c++)
+            for (int64_t j = 0; j < rows[2 * c]; j++) {
+                const int64_t h = gu[2 * c][5];
+                silu_mul(gu_out[2 * c] + j * h, gu_out[2 * c + 1] + j * h, h);
+            }
+        rc |= linears_each(nc, down, down_in, down_out, down_rows, m);
+        for (int c = 0; c < nc; c++) /* ascending experts: each row's sum in its order */
+            for (int64_t j = 0; j < down_rows[c]; j++) {
+                const int64_t at = first[chosen[c]] + j;
+                const float we = member_w[at], *y = down_out[c] + j * dim;
+                float *o = out + member[at] * dim;
+                for (int64_t i = 0; i < dim; i++) {
+                    const float t = y[i] * we;
+                    o[i] += t;
+                }
+            }
+    }
+    free(first);
+    free(member);
+    free(member_w);
+    free(fill);
+    free(buf);
     return rc;
 }
 
-/* decode_experts(table, n_rows, ids, weights, k, shared_w, xn, x, dim, hidden, scratch,
-   scratch_floats, isa, threads, phase): x (dim,) += the mixture of experts' output for its
-   input xn (dim,), as MoE.forward for one token: the k experts ids (int64) with weights
-   (float32) from the router, in ascending id order, then the shared expert (the table's
-   last row) scaled by *shared_w (float32; 0: none). table: int64 (n_rows, 3 * LIN).
-   The sum is kept in the scratch's first dim floats, so a token's experts may come in
-   several calls, in ascending order: phase bit 0 starts the sum, bit 1 ends it (the
-   shared expert, then x += the sum); one call for all of them is phase 3. */
+/* decode_experts(table, n_rows, ids, weights, k, shared_w, xn, x, rows, dim, sums,
+   sums_floats, isa, threads, phase): x (rows, dim) += the mixture of experts' output for
+   its input xn (rows, dim), as MoE.forward for each row alone: row r's k experts
+   ids[r] (int64 (rows, k)) with weights[r] (float32) from the router, added in ascending
+   id order, then the shared expert (the table's last row) scaled by shared_w[r] (float32
+   (rows,); 0: none). table: int64 (n_rows, 3 * LIN). Each chosen expert runs once, on
+   the rows that chose it. The sums are kept in `sums` (rows, dim), so a token's experts
+   may come in several calls (rows == 1), in ascending order: phase bit 0 starts the
+   sums, bit 1 ends them (the shared expert, then x += the sums); one call is phase 3. */
 static PyObject *py_decode_experts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[15];
@@ -753,46 +804,40 @@ static PyObject *py_decode_experts(PyObject *self, PyObject *const *args, Py_ssi
     const int64_t *table = PTR(const int64_t *, v[0]), *ids = PTR(const int64_t *, v[2]);
     const float *weights = PTR(const float *, v[3]), *shared_w = PTR(const float *, v[5]);
     const float *xn = PTR(const float *, v[6]);
-    float *x = PTR(float *, v[7]), *scratch = PTR(float *, v[10]);
-    const long long n_rows = v[1], k = v[4], dim = v[8], hidden = v[9];
+    float *x = PTR(float *, v[7]), *sums = PTR(float *, v[10]);
+    const long long n_rows = v[1], k = v[4], R = v[8], dim = v[9];
     const long long routed = n_rows - (shared_w != NULL);
-    if (!table || !ids || !weights || !xn || !x || !scratch || k < 1 || k > routed ||
-        dim < 1 || hidden < 1 || v[11] < EXPERTS_AT_ONCE * (2 * hidden + dim) + dim ||
-        v[12] < 0 || v[12] >= ISA_COUNT || !isa_supported((int)v[12]) || v[14] < 0 ||
-        v[14] > 3)
+    if (!table || !ids || !weights || !xn || !x || !sums || k < 1 || k > routed || R < 1 ||
+        R > GEMV_ROWS_MAX || dim < 1 || v[11] < R * dim || v[12] < 0 || v[12] >= ISA_COUNT ||
+        !isa_supported((int)v[12]) || v[14] < 0 || v[14] > 3)
         goto bad;
-    int64_t order[256];
-    float w[256];
-    if (k > 256) goto bad;
-    for (int i = 0; i < k; i++) { /* insertion sort by id: MoE.forward's ascending order */
-        int j = i;
+    for (long long i = 0; i < R * k; i++)
         if (ids[i] < 0 || ids[i] >= routed) goto bad;
-        for (; j > 0 && order[j - 1] > ids[i]; j--) order[j] = order[j - 1], w[j] = w[j - 1];
-        order[j] = ids[i], w[j] = weights[i];
-    }
-    const int64_t *rows[257];
-    for (int i = 0; i < k; i++) rows[i] = table + order[i] * 3 * LIN;
-    for (long long r = 0; r < n_rows; r++) { /* every expert's widths fit the scratch */
-        const int64_t *t = table + r * 3 * LIN;
-        if (t[0] == 0 || t[5] > hidden || t[6] != dim || t[LIN + 5] != t[5] ||
-            t[LIN + 6] != dim || t[2 * LIN + 6] != t[5] || t[2 * LIN + 5] != dim)
+    const int64_t **T = malloc(sizeof *T * (size_t)n_rows);
+    if (!T) return PyErr_NoMemory();
+    for (long long r = 0; r < n_rows; r++) { /* (gate, up, down) of matching widths */
+        const int64_t *t = T[r] = table + r * 3 * LIN;
+        if (t[0] == 0 || t[5] < 1 || t[6] != dim || t[LIN + 5] != t[5] || t[LIN + 6] != dim ||
+            t[2 * LIN + 6] != t[5] || t[2 * LIN + 5] != dim) {
+            free(T);
             goto bad;
+        }
     }
-    model_t m = {.dim = dim, .isa = (int)v[12], .R = 1};
+    model_t m = {.dim = dim, .isa = (int)v[12], .R = R};
     m.nthreads = v[13] < 1 ? 1 : v[13] > 255 ? 255 : (int)v[13];
-    float *out = scratch, *h = scratch + dim;
     int rc = 0;
     Py_BEGIN_ALLOW_THREADS;
-    if (v[14] & 1) memset(out, 0, (size_t)dim * sizeof *out);
-    rc |= experts_sum(rows, w, (int)k, xn, out, dim, hidden, h, &m);
+    if (v[14] & 1) memset(sums, 0, (size_t)(R * dim) * sizeof *sums);
+    rc |= experts_rows(T, routed, (int)R, (int)k, ids, weights, xn, sums, dim, &m);
     if (v[14] & 2) {
         if (shared_w) {
-            const int64_t *shared = table + routed * 3 * LIN;
-            rc |= experts_sum(&shared, shared_w, 1, xn, out, dim, hidden, h, &m);
+            int64_t zeros[GEMV_ROWS_MAX] = {0};
+            rc |= experts_rows(T + routed, 1, (int)R, 1, zeros, shared_w, xn, sums, dim, &m);
         }
-        for (int64_t i = 0; i < dim; i++) x[i] += out[i];
+        for (int64_t i = 0; i < R * dim; i++) x[i] += sums[i];
     }
     Py_END_ALLOW_THREADS;
+    free(T);
     if (rc) return PyErr_NoMemory();
     Py_RETURN_NONE;
 bad:
@@ -812,8 +857,8 @@ PyMethodDef infer_decode_methods[] = {
      "last): blocks first..last-1 for rows tokens, up to a mixture-of-experts layer "
      "(runtime/model/fused_decode.py builds the plan); returns where it stopped"},
     {"decode_experts", (PyCFunction)(void (*)(void))py_decode_experts, METH_FASTCALL,
-     "decode_experts(table, n_rows, ids, weights, k, shared_w, xn, x, dim, hidden, scratch, "
-     "scratch_floats, isa, threads, phase): x += a mixture of experts' output for one token"},
+     "decode_experts(table, n_rows, ids, weights, k, shared_w, xn, x, rows, dim, sums, "
+     "sums_floats, isa, threads, phase): x += a mixture of experts' output for each row"},
     {"decode_kv_store", (PyCFunction)(void (*)(void))py_decode_kv_store, METH_FASTCALL,
      "decode_kv_store(x, n, kind, group, cache, scales): n floats into a KV cache's format"},
     {"decode_layout", py_decode_layout, METH_NOARGS,

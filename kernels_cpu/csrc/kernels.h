@@ -318,11 +318,11 @@ int q_matmul(int bits, const qmat *a, int isa, int nthreads);
 int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads);
 /* n GEMVs (bits[i] 8, 6 or 4) as one pool job, e.g. q, k and v of a block, or the gate
  * and up projections of 8 experts: one wake-up of the pool instead of n, and small
- * matrices share the threads. Each has the same M rows of x, 1 <= M <= GEMV_ROWS_MAX
- * (several sequences decoded together, or guessed tokens checked): every row is its own
- * GEMV, each output element computed exactly as for that row alone (M == 1), while a
- * task's weights are read from memory once for all rows. Returns 0, or -1 (out of
- * memory, n outside [1, Q_GEMV_MANY_MAX], or M out of range or unequal). */
+ * matrices share the threads. Each has its M rows of x, 1 <= M <= GEMV_ROWS_MAX
+ * (several sequences decoded together, guessed tokens checked, the tokens routed to an
+ * expert): every row is its own GEMV, each output element computed exactly as for that
+ * row alone (M == 1), while a task's weights are read from memory once for all rows.
+ * Returns 0, or -1 (out of memory, n outside [1, Q_GEMV_MANY_MAX], or M out of range). */
 #define Q_GEMV_MANY_MAX 16
 #define GEMV_ROWS_MAX 16
 int q_gemv_many(int n, const int *bits, const qmat *const *a, int isa, int nthreads);
@@ -331,10 +331,10 @@ int q_gemv_many(int n, const int *bits, const qmat *const *a, int isa, int nthre
  * Returns 0, or -1 when out of memory. */
 int lut_matmul(const float *x, const uint8_t *qw, const uint16_t *scales, const uint16_t *mins,
                float *y, int64_t M, int64_t N, int64_t K, int bits, int g, int isa, int nthreads);
-/* n LUT GEMVs of the same M rows of x each as one pool job, as q_gemv_many: matrices
- * that share x share its tables, built once per row. Each output element is computed
- * exactly as lut_matmul computes it for its row alone. Returns 0, or -1 (out of memory,
- * n outside [1, Q_GEMV_MANY_MAX], or M out of range or unequal). */
+/* n LUT GEMVs of M rows of x each as one pool job, as q_gemv_many: matrices that share x
+ * share its tables, built once per row. Each output element is computed exactly as
+ * lut_matmul computes it for its row alone. Returns 0, or -1 (out of memory, n outside
+ * [1, Q_GEMV_MANY_MAX], or M out of range). */
 typedef struct {
     const float *x; /* (M, K) */
     const uint8_t *qw;

@@ -262,20 +262,21 @@ static void lut_many_task(void *ctx, int64_t t, int tid) {
 
 int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads) {
     if (n < 1 || n > Q_GEMV_MANY_MAX) return n == 0 ? 0 : -1;
-    const int64_t M = a[0].M; /* rows of x, each its own GEMV */
-    if (M < 1 || M > GEMV_ROWS_MAX) return -1;
     isa = lut_isa(isa);
     if (nthreads < 1) nthreads = 1;
-    int64_t bytes = 0, ld = 0, table_bytes = 0, consts = 0;
-    int owner[Q_GEMV_MANY_MAX]; /* the first matrix with the same x, K and g */
+    int64_t bytes = 0, ld = 0, table_bytes = 0, consts = 0, M_most = 1;
+    int owner[Q_GEMV_MANY_MAX]; /* the first matrix with the same x, M, K and g */
     for (int i = 0; i < n; i++) {
-        if (a[i].M != M) return -1;
+        const int64_t M = a[i].M; /* rows of x, each its own GEMV */
+        if (M < 1 || M > GEMV_ROWS_MAX) return -1;
+        M_most = M > M_most ? M : M_most;
         bytes += a[i].N * a[i].K * a[i].bits / 8;
         const int64_t l = scratch_ld(a[i].K, a[i].g);
         ld = l > ld ? l : ld;
         owner[i] = i;
         for (int k = 0; k < i && owner[i] == i; k++)
-            if (a[k].x == a[i].x && a[k].K == a[i].K && a[k].g == a[i].g) owner[i] = k;
+            if (a[k].x == a[i].x && a[k].M == M && a[k].K == a[i].K && a[k].g == a[i].g)
+                owner[i] = k;
         if (owner[i] == i) { /* its tables, c1 and asum, per row */
             table_bytes += M * (int64_t)tables_bytes(a[i].K);
             consts += 2 * M * a[i].K / a[i].g;
@@ -286,7 +287,7 @@ int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads) {
     int8_t *tables = aligned_alloc(64, (size_t)(table_bytes + 63) / 64 * 64);
     float *cbuf = malloc(sizeof(float) * (size_t)consts);
     char *scr = NULL;
-    lut_scratch *scratch = scratch_new(nthreads, ld, M * 4 * ld, &scr);
+    lut_scratch *scratch = scratch_new(nthreads, ld, M_most * 4 * ld, &scr);
     int rc = 0;
     if (!tables || !cbuf || !scratch) {
         rc = -1;
@@ -296,7 +297,7 @@ int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads) {
     int8_t *tp = tables;
     float *cp = cbuf;
     for (int i = 0; i < n; i++) {
-        const int64_t K = a[i].K, ng = K / a[i].g, stride = (int64_t)tables_bytes(K);
+        const int64_t K = a[i].K, ng = K / a[i].g, stride = (int64_t)tables_bytes(K), M = a[i].M;
         /* c1, c2 and asum (M, ng) each, as lut_matmul lays them out */
         lut_problem P = {M, K, a[i].N, a[i].bits, a[i].g, a[i].qw, a[i].scales, a[i].mins,
                          NULL, stride, NULL, NULL, NULL, a[i].y};

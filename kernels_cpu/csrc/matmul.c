@@ -163,7 +163,7 @@ static int gemv(int bits, qmat *a, const kernel_table *kt, int nthreads) {
    the weights come from memory once and from cache for the other rows. */
 typedef struct {
     int n;
-    int64_t M;                                 /* rows of x per matrix */
+    int64_t M[Q_GEMV_MANY_MAX];                /* rows of x of each matrix */
     job_t (*jobs)[GEMV_ROWS_MAX];              /* [matrix][row of x]: one GEMV each */
     int64_t first[Q_GEMV_MANY_MAX + 1];        /* first task of each matrix; first[n] = all */
 } many_job;
@@ -172,45 +172,44 @@ static void many_task(void *ctx, int64_t t, int tid) {
     const many_job *m = ctx;
     int i = 0;
     while (t >= m->first[i + 1]) i++;
-    for (int64_t r = 0; r < m->M; r++) gemv_task((void *)&m->jobs[i][r], t - m->first[i], tid);
+    for (int64_t r = 0; r < m->M[i]; r++) gemv_task((void *)&m->jobs[i][r], t - m->first[i], tid);
 }
 
 int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nthreads) {
     const kernel_table *kt = kernels_for(isa);
     if (!kt || n < 1 || n > Q_GEMV_MANY_MAX) return n == 0 ? 0 : -1;
-    const int64_t M = a_in[0]->M;
-    if (M < 1 || M > GEMV_ROWS_MAX) return -1;
     int64_t bytes = 0;
     for (int i = 0; i < n; i++) {
-        if (a_in[i]->M != M) return -1;
+        if (a_in[i]->M < 1 || a_in[i]->M > GEMV_ROWS_MAX) return -1;
         bytes += a_in[i]->N * q_row_bytes(bits[i], a_in[i]->K);
     }
     nthreads = gemv_threads(bytes, nthreads < 1 ? 1 : nthreads);
     /* per matrix and row: its qmat, its job and what gemv_prepare allocated */
+    const int64_t M = GEMV_ROWS_MAX;
     qmat *a = malloc(sizeof(qmat) * (size_t)(n * M));
     job_t(*jobs)[GEMV_ROWS_MAX] = malloc(sizeof *jobs * (size_t)n);
     void **tmp = calloc((size_t)(2 * n * M), sizeof(void *));
-    many_job m = {.n = n, .M = M, .jobs = jobs};
+    many_job m = {.n = n, .jobs = jobs};
     int rc = a && jobs && tmp ? 0 : -1;
     for (int i = 0; i < n && !rc; i++) {
-        const int64_t row_bytes = q_row_bytes(bits[i], a_in[i]->K);
-        for (int64_t r = 0; r < M && !rc; r++) {
+        const int64_t row_bytes = q_row_bytes(bits[i], a_in[i]->K), Mi = m.M[i] = a_in[i]->M;
+        for (int64_t r = 0; r < Mi && !rc; r++) {
             qmat *ar = &a[i * M + r];
             *ar = *a_in[i];
             ar->x = a_in[i]->x + r * ar->K, ar->y = a_in[i]->y + r * ar->N, ar->M = 1;
             ar->xq = NULL; /* set by gemv_prepare */
             const void *xq = NULL; /* row r of an earlier matrix of the same x and layout */
             for (int k = 0; k < i && !xq; k++)
-                if (a_in[k]->x == a_in[i]->x && a_in[k]->K == ar->K &&
+                if (a_in[k]->x == a_in[i]->x && a_in[k]->K == ar->K && a_in[k]->M == Mi &&
                     (bits[k] == 4) == (bits[i] == 4))
                     xq = a[k * M + r].xq;
             rc = gemv_prepare(bits[i], ar, kt, nthreads, &jobs[i][r], &tmp[2 * (i * M + r)], xq);
         }
         if (rc) break;
-        if (M > 1) { /* tasks small enough that their weights stay in L2 while rows pass */
+        if (Mi > 1) { /* tasks small enough that their weights stay in L2 while rows pass */
             int64_t rows = (SMALL_TASK_BYTES + row_bytes - 1) / row_bytes;
             rows = rows < jobs[i][0].rows ? rows : jobs[i][0].rows;
-            for (int64_t r = 0; r < M; r++) jobs[i][r].rows = rows;
+            for (int64_t r = 0; r < Mi; r++) jobs[i][r].rows = rows;
         }
         m.first[i + 1] = m.first[i] + (a_in[i]->N + jobs[i][0].rows - 1) / jobs[i][0].rows;
     }

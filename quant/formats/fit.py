@@ -1,5 +1,6 @@
 """Fitting shared by every group-quantized format: parameter checks, and a per-group
-search of scale (and offset) that minimizes the squared error of the rounded codes.
+search of scale (and offset) that minimizes the squared error of the rounded codes,
+each element's weighted by its importance (importance()).
 
     codes, d, m = fit_groups(w, group_size, lo, hi, affine=...)
 """
@@ -63,13 +64,17 @@ def check_weight(fmt: str, weight: torch.Tensor, group_size: int) -> torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------
-# Group fitting: codes, scales (and mins) minimizing the squared error of each group
+# Group fitting: codes, scales (and mins) minimizing the weighted squared error per group
 # ---------------------------------------------------------------------------------------
 
-# Range shrink factors tried per group by the clipping search (1.0 = no clipping), and
-# rounds of refitting after it. More factors reduce the error little for their time.
-SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
+# The search's step sizes, as factors of the step that puts each group's largest-magnitude
+# element (symmetric) or whole range (affine) exactly on the end codes: from 11 % finer
+# (that element clipped) to 11 % coarser, as llama.cpp's make_qx_quants tries for Q4_0
+# with an importance matrix. Then rounds of refitting the best so far.
+STEPS = tuple(1 + 0.0125 * i for i in range(-9, 10))
 REFINE = 2
+# GPTQ's clipping search (gptq.py) tries the range shrunk by each of these factors.
+SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 # Rows fitted at once: bounds the temporaries to a few tens of MB for any tensor.
 _CHUNK_ELEMENTS = 1 << 21
 
@@ -95,28 +100,37 @@ def nearest_codes(w, d, m, lo: int, hi: int) -> torch.Tensor:
     return c.clamp_(lo, hi)
 
 
-def _group_sse(w, c, d, m) -> torch.Tensor:
-    """Squared error per group of the float32 dequantization c * d (+ m)."""
+def importance(w: torch.Tensor) -> torch.Tensor:
+    """How much each element's squared error counts, w (..., g): its group's RMS plus its
+    own magnitude (llama.cpp's weighting for K-quants without an importance matrix).
+    Large weights then keep nearly their value: clipping them for a smaller plain squared
+    error costs more KL on held-out text than rounding the many small ones coarser."""
+    return w.square().mean(-1, keepdim=True).sqrt_() + w.abs()
+
+
+def _group_sse(w, imp, c, d, m) -> torch.Tensor:
+    """Squared error per group of the float32 dequantization c * d (+ m), each element's
+    weighted by imp."""
     r = c * d if m is None else c * d + m
-    return (r - w).square_().sum(-1, keepdim=True)
+    return (r - w).square_().mul_(imp).sum(-1, keepdim=True)
 
 
-def _least_squares(w, c, d, m, dtype):
-    """The d (and m) minimizing the squared error of c * d (+ m) against w per group,
-    rounded to `dtype`; groups whose codes cannot determine them keep d (and m)."""
-    s_cc = c.square().sum(-1, keepdim=True)
-    s_cw = (c * w).sum(-1, keepdim=True)
+def _least_squares(w, imp, c, d, m, dtype):
+    """The d (and m) minimizing the imp-weighted squared error of c * d (+ m) against w
+    per group, rounded to `dtype`; groups whose codes cannot determine them keep d (and m)."""
+    s_cc = (imp * c * c).sum(-1, keepdim=True)
+    s_cw = (imp * c * w).sum(-1, keepdim=True)
     if m is None:
-        d_ls = torch.where(s_cc > 0, s_cw / s_cc.clamp(min=1), d)
+        d_ls = torch.where(s_cc > 0, s_cw / s_cc.clamp(min=1e-30), d)
         return d_ls.to(dtype).float(), None
-    # Normal equations of w ~ c * d + m over the g elements of each group, in float32:
-    # rounding here can only make a contender worse, and each one's error is measured.
-    g = w.shape[-1]
-    s_c, s_w = c.sum(-1, keepdim=True), w.sum(-1, keepdim=True)
-    det = g * s_cc - s_c * s_c
-    ok = det > 0
+    # Weighted normal equations of w ~ c * d + m over each group, in float32: rounding
+    # here can only make a contender worse, and each one's error is measured.
+    s_1 = imp.sum(-1, keepdim=True)
+    s_c, s_w = (imp * c).sum(-1, keepdim=True), (imp * w).sum(-1, keepdim=True)
+    det = s_1 * s_cc - s_c * s_c
+    ok = det > 1e-6 * s_1 * s_cc  # codes not all equal
     det = torch.where(ok, det, 1.0)
-    d_ls = torch.where(ok, (g * s_cw - s_c * s_w) / det, d)
+    d_ls = torch.where(ok, (s_1 * s_cw - s_c * s_w) / det, d)
     m_ls = torch.where(ok, (s_cc * s_w - s_c * s_cw) / det, m)
     return d_ls.to(dtype).float(), m_ls.to(dtype).float()
 
@@ -150,36 +164,40 @@ def _fit_chunk(w, lo, hi, affine, dtype, search):
     if not search:
         return c, d, m
 
-    # Clipping search. Each contender assigns codes somehow, refits d (and m) to them by
-    # least squares, rounds to `dtype`, re-assigns nearest codes and measures the error;
-    # each group keeps its best. The baseline is the first, so the result is never worse
-    # than no search. Contenders: the range shrunk by each factor toward the group mean
-    # (a lone outlier's side shrinks most), then rounds of refitting the best so far.
-    # (llama.cpp's make_qkx2_quants and make_qx_quants search scales much the same way.)
-    best = _group_sse(w, c, d, m)
-    d0 = d
-    if affine:
-        mean = w.mean(-1, keepdim=True)
-        wmin, wmax = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    # Weighted search. Each contender assigns codes at some step, refits d (and m) to them
+    # by weighted least squares, rounds to `dtype`, re-assigns nearest codes and measures
+    # the weighted error (importance()); each group keeps its best. The baseline is the
+    # first, so the result is never worse than no search by that error. Contenders: each
+    # step of STEPS (symmetric: the largest-magnitude element at the end code lo, as
+    # ggml's Q4_0 puts it; affine: the range from the group's minimum), then rounds of
+    # refitting the best so far. (llama.cpp's make_qx_quants and make_qkx2_quants search
+    # scales much the same way.)
+    imp = importance(w)
+    best = _group_sse(w, imp, c, d, m)
 
     def contend(c_try):
         nonlocal best, c, d, m
-        d_a, m_a = _least_squares(w, c_try, d, m, dtype)
+        d_a, m_a = _least_squares(w, imp, c_try, d, m, dtype)
         good = torch.isfinite(d_a) if m_a is None else torch.isfinite(d_a) & torch.isfinite(m_a)
         c_a = nearest_codes(w, d_a, m_a, lo, hi)
-        sse = _group_sse(w, c_a, d_a, m_a)
+        sse = _group_sse(w, imp, c_a, d_a, m_a)
         better = good & (sse < best)
         best = torch.where(better, sse, best)
         c, d = torch.where(better, c_a, c), torch.where(better, d_a, d)
         if affine:
             m = torch.where(better, m_a, m)
 
-    for alpha in SHRINK:
+    if affine:
+        wmin = w.amin(-1, keepdim=True)
+        d_end = (w.amax(-1, keepdim=True) - wmin) / hi
+    else:
+        top = w.gather(-1, w.abs().argmax(-1, keepdim=True))  # signed, largest |w|
+        d_end = top / lo
+    for f in STEPS:
         if affine:
-            lo_a = mean + (wmin - mean) * alpha
-            contend(nearest_codes(w, (mean + (wmax - mean) * alpha - lo_a) / hi, lo_a, 0, hi))
+            contend(nearest_codes(w, d_end / f, wmin, 0, hi))
         else:
-            contend(nearest_codes(w, d0 * alpha, None, lo, hi))
+            contend(nearest_codes(w, d_end / f, None, lo, hi))
     for _ in range(REFINE):
         contend(c)
     return c, d, m

@@ -1,9 +1,10 @@
 """Build a Transformer from a source (sources.py): the one way every model is made.
 
-The model is built on the meta device and the source's tensors are assigned into it, so
-weights exist once: mapped straight from the file where the dtype already matches,
-converted (or dequantized, for GGUF blocks) exactly once otherwise. Weights copied for
-the kernels (a GGUF file's blocks) go into one huge-page arena (hugepages.py).
+The source checked its tensors' shapes against the config when it was opened
+(model_file.py). The model is built on the meta device and those tensors are assigned
+into it, so weights exist once: mapped straight from the file where the dtype already
+matches, converted (or dequantized, for GGUF blocks) exactly once otherwise. Weights
+copied for the kernels (a GGUF file's blocks) go into one huge-page arena (hugepages.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ def build(
     args = source.args
     with torch.device("meta"):
         model = model_class(args)(args)
-    _check_shapes(source, model)
     arena = hugepages.Arena.of(source.placed_bytes(dtype, dequantize))
     weights = source.weights(dtype, arena.place if arena else torch.Tensor.contiguous, dequantize)
     if arena:
@@ -72,32 +72,6 @@ def build(
         model.lm_head.weight = model.embed_tokens.weight
     model.setup_rope(min(max_seq_len or args.max_seq_len, args.max_seq_len), dtype)
     return model.eval().requires_grad_(False)
-
-
-def _check_shapes(source: Source, model: Transformer) -> None:
-    """Every tensor of the source has a place in the model the config describes, of its
-    shape, and every place a tensor (the output layer may be the table): checked on the
-    file's header before a weight is read."""
-    shapes = source.shapes()
-    if shapes is None:
-        return  # checked as the weights are put in place
-    args = source.args
-    want = {k: tuple(v.shape) for k, v in model.named_parameters()}
-    want["rope_freqs.weight"] = (args.head_dim // 2,)  # optional, as the output layer
-    for name, shape in shapes.items():
-        if name not in want:
-            raise InferError(
-                f"{source.path}: weights do not match the config: no place for {name!r}"
-            )
-        if tuple(shape) != want[name]:
-            raise InferError(
-                f"{source.path}: {name!r} has shape {tuple(shape)}, the config says {want[name]}"
-            )
-    missing = want.keys() - shapes.keys() - {"lm_head.weight", "rope_freqs.weight"}
-    if missing:
-        raise InferError(
-            f"{source.path}: weights do not match the config: missing {min(missing)!r}"
-        )
 
 
 def _place(model: Transformer, name: str, module: QuantLinear, path: Path) -> None:

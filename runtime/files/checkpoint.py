@@ -49,6 +49,7 @@ check each unit as it reads it: one read, one crc32.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -56,7 +57,6 @@ import re
 import shutil
 import struct
 import zlib
-from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -67,29 +67,24 @@ from torch import nn
 
 from ... import InferError
 from ...quant.formats.base import FORMATS, QuantEmbedding, QuantLinear
-from ..model.config import ModelArgs, check_rope_freq_factors
-from ..model.families import model_args
 from ..model.llama import Transformer
 from . import hugepages
-from .safetensors import DTYPES, read_header, read_safetensors
-
-FORMAT = "infer"
-FORMAT_VERSION = "1"
-WEIGHTS = "model.safetensors"
-ALIGN = 4096  # every unit starts on a page boundary: one aligned read per unit
-PAD = "__pad__."
-GLOBALS = "globals"
-ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 GGUF rope factors (see Transformer.sanitize)
+from .checkpoint_header import (
+    ALIGN,
+    FORMAT,
+    FORMAT_VERSION,
+    GLOBALS,
+    PAD,
+    ROPE_FREQS,
+    WEIGHTS,
+    CheckpointHeader,
+    is_checkpoint,
+    read_checkpoint_header,
+    unit_of,
+)
+from .safetensors import DTYPES, read_safetensors
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-# "layers.N", or a future MoE expert "layers.N.<...>.experts.E", followed by a dot.
-_UNIT_RE = re.compile(r"layers\.\d+(?:\.\w+)*?\.experts\.\d+(?=\.)|layers\.\d+(?=\.)")
-
-
-def unit_of(name: str) -> str:
-    """The unit (name prefix) tensor `name` is stored in."""
-    m = _UNIT_RE.match(name)
-    return m.group(0) if m else GLOBALS
 
 
 def _unit_order(unit: str) -> tuple:
@@ -100,38 +95,11 @@ def _unit_order(unit: str) -> tuple:
 
 
 @dataclass
-class Checkpoint:
-    """An opened checkpoint: metadata plus every tensor mapped from the file."""
+class Checkpoint(CheckpointHeader):
+    """An opened checkpoint: its header (checkpoint_header.py) plus every tensor mapped
+    from the file."""
 
-    path: Path  # the directory
-    file: Path  # its model.safetensors
-    config: dict
-    quant: dict[str, dict]  # module -> {"format": name, **params}
-    ranges: dict[str, tuple[int, int]]  # unit -> absolute byte range [begin, end)
-    crc32: dict[str, int]  # unit -> crc32 of its range
-    source: dict
     tensors: dict[str, torch.Tensor]  # name -> view of the map (padding left out)
-    units: dict[str, list[str]]  # unit -> its tensor names in file order
-
-    @property
-    def args(self) -> ModelArgs:
-        args = model_args(self.config, str(self.path / "config.json"))
-        factors = self.tensors.get(ROPE_FREQS)
-        if factors is not None:
-            args.rope_freq_factors = factors.float().reshape(-1).tolist()
-            check_rope_freq_factors(args.rope_freq_factors, args.head_dim, str(self.file))
-        return args
-
-    @property
-    def quantization(self) -> str:
-        """The weight format: "int4", "mixed: int4, int8" (most used first), or the float
-        dtype ("BF16") when nothing is quantized."""
-        formats = Counter(entry["format"] for entry in self.quant.values())
-        if not formats:
-            dtypes = Counter(_DTYPE_NAMES[t.dtype] for t in self.tensors.values() if t.dim() == 2)
-            return dtypes.most_common(1)[0][0] if dtypes else "?"
-        names = [name for name, _ in formats.most_common()]
-        return names[0] if len(names) == 1 else "mixed: " + ", ".join(names)
 
     def is_mapped(self, t: torch.Tensor) -> bool:
         """Whether `t`'s bytes lie inside this checkpoint's file map (no copy was made)."""
@@ -387,103 +355,19 @@ def _replace(tmp: Path, dest: Path) -> None:
 # -- reading ------------------------------------------------------------------------------
 
 
-def is_checkpoint(path: Path) -> bool:
-    """Whether `path` is our format: config.json + model.safetensors marked format=infer."""
-    path = Path(path)
-    if not (path / "config.json").is_file() or not (path / WEIGHTS).is_file():
-        return False
-    try:
-        header, _ = read_header(path / WEIGHTS)
-    except InferError:
-        return False
-    metadata = header.get("__metadata__")
-    return isinstance(metadata, dict) and metadata.get("format") == FORMAT
-
-
 def read_checkpoint(path: Path) -> Checkpoint:
     """Open a checkpoint: metadata checked, tensors mapped (no weight is read yet)."""
-    path = Path(path)
-    file = path / WEIGHTS
-    if not (path / "config.json").is_file() or not file.is_file():
-        raise InferError(f"{path}: not an infer checkpoint (needs config.json and {WEIGHTS})")
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise InferError(f"{path / 'config.json'}: invalid JSON ({e})") from None
-    header, data_start = read_header(file)
-    metadata = header.get("__metadata__")
-    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
-        raise InferError(f"{file}: no infer metadata (not written by `infer quantize`)")
-    version = metadata.get("format_version")
-    if version != FORMAT_VERSION:
-        raise InferError(
-            f"{file}: format version {version!r}; this infer reads version {FORMAT_VERSION}"
-        )
-    quant, ranges, crc32, source = (
-        _metadata_json(metadata, key, file) for key in ("quant", "ranges", "crc32", "source")
-    )
-    size = file.stat().st_size
-    try:
-        ranges = {u: (int(b), int(e)) for u, (b, e) in ranges.items()}
-        crc32 = {u: int(crc32[u], 16) for u in ranges}
-        formats = {name: entry["format"] for name, entry in quant.items()}
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise InferError(f"{file}: corrupt infer metadata") from None
-    for unit, (b, e) in ranges.items():
-        if not 0 <= b <= e <= size:
-            raise InferError(
-                f"{file}: unit '{unit}' [{b}, {e}) lies outside the file ({size} bytes): truncated?"
-            )
-        if b % ALIGN:
-            raise InferError(f"{file}: unit '{unit}' does not start on a {ALIGN}-byte boundary")
-    for name, fmt in formats.items():
-        if not isinstance(fmt, str) or fmt not in FORMATS:
+    header = read_checkpoint_header(path)
+    for name, entry in header.quant.items():
+        if entry["format"] not in FORMATS:
             known = ", ".join(sorted(FORMATS)) or "none"
             raise InferError(
-                f"{file}: module '{name}' has unknown quantization format '{fmt}' "
-                f"(this infer knows: {known})"
+                f"{header.file}: module '{name}' has unknown quantization format "
+                f"'{entry['format']}' (this infer knows: {known})"
             )
-    units = _check_units(file, header, data_start, ranges)
-    tensors, _ = read_safetensors(file)
-    tensors = {k: v for k, v in tensors.items() if not k.startswith(PAD)}
-    return Checkpoint(path, file, config, quant, ranges, crc32, source, tensors, units)
-
-
-def _metadata_json(metadata: dict, key: str, file: Path) -> dict:
-    try:
-        value = json.loads(metadata[key])
-    except (KeyError, TypeError, json.JSONDecodeError, RecursionError):
-        raise InferError(f"{file}: missing or corrupt infer metadata '{key}'") from None
-    if not isinstance(value, dict):
-        raise InferError(f"{file}: corrupt infer metadata '{key}'")
-    return value
-
-
-def _check_units(file: Path, header: dict, data_start: int, ranges: dict) -> dict[str, list[str]]:
-    """Check each unit's tensors tile its range exactly; return unit -> names in file order."""
-    spans: dict[str, list] = {u: [] for u in ranges}
-    for name, entry in header.items():
-        if name == "__metadata__" or name.startswith(PAD):
-            continue
-        unit = unit_of(name)
-        if unit not in spans:
-            raise InferError(f"{file}: tensor '{name}' belongs to no unit ('{unit}' has no range)")
-        try:
-            b, e = (data_start + int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise InferError(f"{file}: corrupt entry for tensor '{name}'") from None
-        spans[unit].append((b, e, name))
-    units = {}
-    for unit, (begin, end) in ranges.items():
-        pos = begin
-        for b, e, name in sorted(spans[unit]):
-            if b != pos:
-                raise InferError(f"{file}: unit '{unit}' is not contiguous at tensor '{name}'")
-            pos = e
-        if pos != end:
-            raise InferError(f"{file}: unit '{unit}' tensors do not fill its range")
-        units[unit] = [name for _, _, name in sorted(spans[unit])]
-    return units
+    tensors, _ = read_safetensors(header.file, (header.entries, header.data_start))
+    fields = {f.name: getattr(header, f.name) for f in dataclasses.fields(header)}
+    return Checkpoint(**fields, tensors=tensors)
 
 
 def unit_views(ckpt: Checkpoint, unit: str, raw: torch.Tensor) -> dict[str, torch.Tensor]:

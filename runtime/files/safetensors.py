@@ -1,22 +1,14 @@
-"""Read safetensors files as tensors over one memory map: zero copies, no pickles.
-
-The format (https://github.com/huggingface/safetensors): an 8-byte little-endian
-header length N, N bytes of JSON {name: {dtype, shape, data_offsets}, "__metadata__":
-{str: str}}, then the raw tensor bytes. Validating the header here is how a
-truncated or corrupt file becomes one clear error instead of a crash mid-load.
-"""
+"""Read safetensors files as tensors over one memory map: zero copies, no pickles. The
+header is safetensors_header.py's, checked there."""
 
 from __future__ import annotations
 
-import json
-import math
-import struct
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ... import InferError
+from .safetensors_header import read_header
 
 DTYPES = {
     "F64": torch.float64,
@@ -30,78 +22,24 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """Return (header dict, byte offset where tensor data starts)."""
+def read_safetensors(
+    path: Path, header: tuple[dict, int] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Map `path` and return ({name: tensor}, __metadata__). Tensors share the map.
+    `header`: what read_header gave for the file, when it has been read already (only
+    its tensors are mapped)."""
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise InferError(f"{path}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise InferError(f"{path}: truncated or not a safetensors file (header of {n} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            raise InferError(f"{path}: corrupt safetensors header") from None
-    if not isinstance(header, dict):
-        raise InferError(f"{path}: corrupt safetensors header")
-    _check_entries(path, header, size - 8 - n)
-    return header, 8 + n
-
-
-def _check_entries(path: Path, header: dict, data_bytes: int) -> None:
-    """Each entry has a known dtype, a shape and byte offsets that agree, and the entries
-    tile the data exactly, as the format requires (a hole means a dtype or shape was
-    changed to a smaller one)."""
-    metadata = header.get("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise InferError(f"{path}: corrupt safetensors __metadata__")
-    spans = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = DTYPES[info["dtype"]]
-            shape, offsets = info["shape"], info["data_offsets"]
-            ints = [*shape, *offsets]
-            ok = isinstance(shape, list) and len(offsets) == 2
-            ok = ok and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ints)
-        except (KeyError, TypeError):
-            ok = False
-        if not ok:
-            raise InferError(f"{path}: corrupt entry for tensor {name!r}")
-        begin, end = offsets
-        if end > data_bytes:
-            raise InferError(f"{path}: truncated (tensor {name!r} ends past the end of the file)")
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise InferError(f"{path}: corrupt entry for tensor {name!r} (size mismatch)")
-        spans.append((begin, end, name))
-    spans.sort()
-    at = 0
-    for begin, end, name in spans:
-        if begin != at:
-            problem = "overlaps the tensor before" if begin < at else "leaves a hole before it"
-            raise InferError(f"{path}: tensor {name!r} {problem}")
-        at = end
-    if at != data_bytes:
-        raise InferError(f"{path}: {data_bytes - at} bytes after the last tensor")
-
-
-def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Map `path` and return ({name: tensor}, __metadata__). Tensors share the map."""
-    path = Path(path)
-    header, start = read_header(path)
-    metadata = header.pop("__metadata__", None) or {}
+    header, start = header or read_header(path)
+    metadata = header.get("__metadata__") or {}
     size = path.stat().st_size
     # Copy-on-write map: writable, so torch accepts it, yet the file is never written.
     mm = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c")) if size else None
     tensors = {}
     for name, info in header.items():  # checked by read_header
+        if name == "__metadata__":
+            continue
         dtype, shape = DTYPES[info["dtype"]], info["shape"]
         begin, end = info["data_offsets"]
         raw = mm[start + begin : start + end] if end > begin else torch.empty(0, dtype=torch.uint8)

@@ -1,7 +1,7 @@
 """ModelArgs: the architecture numbers of a Llama-family checkpoint, dense or mixture-of-experts.
 
 Every number comes from the checkpoint (config.json, or GGUF metadata turned into
-a config.json-style dict by `files.gguf.GGUFFile.config`); nothing is guessed from
+a config.json-style dict by `files.gguf_meta.GGUFMeta.config`); nothing is guessed from
 a file or model name.
 """
 
@@ -143,22 +143,56 @@ class ModelArgs:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def _count_params(self, experts: int) -> int:
-        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        if self.attention_bias:
-            attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
-        norms = 2 * self.dim
-        if self.qk_norm:
-            norms += self.head_dim * (self.n_heads + self.n_kv_heads if self.qk_norm_full else 2)
-        mlps = 0
+        shapes = self.param_shapes()
+        if self.tie_embeddings:
+            del shapes["lm_head.weight"]
+        unused = (self.n_experts - experts) * 3 * self.dim * self.moe_hidden_dim
+        return sum(math.prod(s) for s in shapes.values()) - unused * self.n_moe_layers
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every parameter of the model these numbers build, by state-dict
+        name: what a checkpoint's tensors must be (the output layer's too, which a tied
+        model need not store). tests/test_model.py checks it against the modules."""
+        shapes = {"embed_tokens.weight": (self.vocab_size, self.dim)}
         for i in range(self.n_layers):
-            if not self.is_moe_layer(i):
-                mlps += 3 * self.dim * self.hidden_dim
-                continue
-            mlps += self.n_experts * self.dim + experts * 3 * self.dim * self.moe_hidden_dim
-            if self.shared_expert_dim:
-                mlps += self.dim + 3 * self.dim * self.shared_expert_dim
-        embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * (attn + norms) + mlps + embed + self.dim
+            shapes.update(self._layer_shapes(i, f"layers.{i}."))
+        shapes["norm.weight"] = (self.dim,)
+        shapes["lm_head.weight"] = (self.vocab_size, self.dim)
+        return shapes
+
+    def _layer_shapes(self, i: int, p: str) -> dict[str, tuple[int, ...]]:
+        d, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        shapes = {
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "post_attention_layernorm.weight": (d,),
+        }
+        if self.attention_bias:
+            for name, rows in (("q", q), ("k", kv), ("v", kv)):
+                shapes[f"{p}self_attn.{name}_proj.bias"] = (rows,)
+        if self.qk_norm:  # per head, or over the whole projection (qk_norm_full)
+            shapes[p + "self_attn.q_norm.weight"] = (q if self.qk_norm_full else self.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv if self.qk_norm_full else self.head_dim,)
+        if not self.is_moe_layer(i):
+            return shapes | _mlp_shapes(p + "mlp.", d, self.hidden_dim)
+        shapes[p + "mlp.gate.weight"] = (self.n_experts, d)
+        for e in range(self.n_experts):
+            shapes |= _mlp_shapes(f"{p}mlp.experts.{e}.", d, self.moe_hidden_dim)
+        if self.shared_expert_dim:
+            shapes |= _mlp_shapes(p + "mlp.shared_expert.", d, self.shared_expert_dim)
+            shapes[p + "mlp.shared_expert_gate.weight"] = (1, d)
+        return shapes
+
+
+def _mlp_shapes(p: str, dim: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    return {
+        p + "gate_proj.weight": (hidden, dim),
+        p + "up_proj.weight": (hidden, dim),
+        p + "down_proj.weight": (dim, hidden),
+    }
 
 
 def config_fields(cfg: dict, origin: str = "config", names: dict | None = None) -> _Fields:
@@ -351,31 +385,3 @@ def check_rope_freq_factors(factors: list[float], head_dim: int, origin: str) ->
             raise InferError(
                 f"{origin}: rope_freqs[{i}] = {f}: must be more than 0 and at most {MAX_ROPE_FACTOR:g}"
             )
-
-
-def rope_inv_freq(args: ModelArgs):
-    """Inverse frequencies (head_dim // 2,), with llama3 or linear scaling applied."""
-    import torch
-
-    inv_freq = 1.0 / (
-        args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim)
-    )
-    if args.rope_freq_factors is not None:
-        return inv_freq / torch.tensor(args.rope_freq_factors, dtype=torch.float64)
-    s = args.rope_scaling
-    if s is None:
-        return inv_freq
-    factor = float(s.get("factor", 1.0))
-    if s["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3 (Llama 3.1/3.2): keep high frequencies, divide low ones by `factor`,
-    # interpolate smoothly between (transformers' _compute_llama3_parameters).
-    low = float(s.get("low_freq_factor", 1.0))
-    high = float(s.get("high_freq_factor", 4.0))
-    old_ctx = float(s.get("original_max_position_embeddings", 8192))
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    out = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-    return torch.where(medium, smoothed, out)

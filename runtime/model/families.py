@@ -1,15 +1,20 @@
-"""model_type -> the config and model classes that run it: the one architecture dispatch."""
+"""model_type -> the config and model classes that run it: the one architecture dispatch.
+
+The config classes need no torch, so `model_args` serves `infer list` and `infer info`;
+the model modules import torch, and `model_class` imports them only when asked."""
 
 from __future__ import annotations
 
+from importlib import import_module
+
 from ... import InferError
 from .config import FAMILIES, ModelArgs, shown
-from .gemma3 import Gemma3, Gemma3Args
-from .llama import Transformer
+from .gemma3_config import Gemma3Args
 
-MODELS: dict[str, tuple[type[ModelArgs], type]] = {
-    **{t: (ModelArgs, Transformer) for t in FAMILIES},
-    "gemma3_text": (Gemma3Args, Gemma3),
+# model_type -> (its config class, "module:class" of the nn.Module that runs it)
+MODELS: dict[str, tuple[type[ModelArgs], str]] = {
+    **{t: (ModelArgs, "llama:Transformer") for t in FAMILIES},
+    "gemma3_text": (Gemma3Args, "gemma3:Gemma3"),
 }
 
 
@@ -29,5 +34,6 @@ def model_args(cfg: dict, origin: str = "config", names: dict | None = None) -> 
 
 
 def model_class(args: ModelArgs) -> type:
-    """The nn.Module class that runs `args`."""
-    return MODELS[args.model_type][1]
+    """The nn.Module class that runs `args` (importing torch)."""
+    module, name = MODELS[args.model_type][1].split(":")
+    return getattr(import_module(f".{module}", __package__), name)

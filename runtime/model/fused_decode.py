@@ -127,15 +127,10 @@ class FusedDecode:
         self.max_rows = kernels.layout()[5]
         self.scratch = None
         self._grow(1)
-        # layer -> (MoE block, its experts' table (rows, 3 * LIN) int64); one scratch
+        # layer -> (MoE block, its experts' table (rows, 3 * LIN) int64)
         self._moe = moe
-        hidden = max((b.experts[0].gate_proj.out_features for b, _ in moe.values()), default=0)
-        shared = [b.shared_expert.gate_proj.out_features for b, _ in moe.values()
-                  if b.shared_expert is not None]  # fmt: skip
-        self._moe_hidden = max([hidden, *shared])
-        per = kernels.layout()[3] if moe else 0
         self._bufs = None  # _bound_buffers'
-        self._experts_scratch = torch.empty(per * (2 * self._moe_hidden + self._dim) + self._dim)
+        self._sums = torch.empty(self.max_rows * self._dim)  # the experts' sums, a row each
 
     @classmethod
     def prepare(cls, model: nn.Module) -> FusedDecode | None:
@@ -247,31 +242,41 @@ class FusedDecode:
                 cache_words.data_ptr(), layer, last,
             )  # fmt: skip
             if layer < last:  # a mixture of experts
-                for r in range(R):
-                    self._experts(layer, x[0, r], r)
+                self._experts(layer, x[0])
                 layer += 1
         return x
 
-    def _experts(self, layer: int, x: torch.Tensor, r: int) -> None:
-        """x (dim,) += the MoE block of `layer` on row r's input, which decode_layers left
-        in the scratch: MoE.forward for one token."""
+    def _experts(self, layer: int, x: torch.Tensor) -> None:
+        """x (R, dim) += the MoE block of `layer` on the rows' inputs, which decode_layers
+        left in the scratch: MoE.forward for each row alone."""
         block, table = self._moe[layer]
-        xn = self.scratch[r * self._dim : (r + 1) * self._dim].view(1, 1, self._dim)
+        R = x.shape[0]
+        xn = self.scratch[: R * self._dim].view(R, self._dim)
         for hook in list(block._forward_pre_hooks.values()):  # as block(xn) would run them
-            hook(block, (xn,))
-        ids, weights = block.select(xn)
-        shared_w = None  # (1, 1) float32: MoE.forward's sigmoid(shared_expert_gate(x))
+            hook(block, (xn.view(1, R, self._dim),))
+        # Routed a row at a time: the router's float matmul of one row, as alone.
+        chosen = [block.select(xn[r : r + 1]) for r in range(R)]
+        ids = torch.cat([i for i, _ in chosen])  # (R, k)
+        weights = torch.cat([w for _, w in chosen]).float().contiguous()
+        shared_w = None  # (R,) float32: MoE.forward's sigmoid(shared_expert_gate(x))
         if block.shared_expert is not None:
-            shared_w = torch.sigmoid(block.shared_expert_gate(xn.view(1, -1)))
-        provider = block.provider
-        if provider.resident:
+            gate = block.shared_expert_gate
+            shared_w = torch.cat([torch.sigmoid(gate(xn[r : r + 1])).view(1) for r in range(R)])
+        if block.provider.resident:
             self._run_experts(table, ids, weights, shared_w, xn, x, phase=3)
             return
-        # Experts bound on demand in ascending order, as MoE.forward gets them: each call
-        # runs the next one (waiting for its read if need be) and those after it already
-        # in memory, so experts compute while later ones are still being read. The sum is
-        # kept between the calls: the same sum, in the same order, as one call.
-        chosen = sorted(zip(ids[0].tolist(), weights[0].tolist()))
+        for r in range(R):
+            w = None if shared_w is None else shared_w[r : r + 1]
+            self._bound_experts(table, block.provider, ids[r], weights[r], w, xn[r : r + 1],
+                                x[r : r + 1])  # fmt: skip
+
+    def _bound_experts(self, table, provider, ids, weights, shared_w, xn, x) -> None:
+        """x (1, dim) += one row's experts, bound on demand in ascending order, as MoE.forward
+        gets them: each call runs the next one (waiting for its read if need be) and those
+        after it already in memory, so experts compute while later ones are still being
+        read. The sum is kept between the calls: the same sum, in the same order, as one
+        call."""
+        chosen = sorted(zip(ids.tolist(), weights.tolist()))
         rows, rows_np, order, w, w_np = self._bound_buffers(len(chosen) + len(table), table)
         k, i = len(chosen), 0
         while i < k:
@@ -288,7 +293,8 @@ class FusedDecode:
                 rows_np[j - i : j - i + len(table)] = table.numpy()
                 phase = (i == 0) | (j == k) << 1
                 n = j - i + len(table)
-                self._run_experts(rows[:n], order[:, : j - i], w, shared_w, xn, x, phase=phase)
+                ids_now = order[:, : j - i]
+                self._run_experts(rows[:n], ids_now, w[:, : j - i], shared_w, xn, x, phase=phase)
             i = j
 
     def _bound_buffers(self, n: int, table: torch.Tensor):
@@ -303,9 +309,12 @@ class FusedDecode:
         return self._bufs
 
     def _run_experts(self, table, ids, weights, shared_w, xn, x, *, phase) -> None:
+        """kernels.experts over R rows: ids and weights (R, k), shared_w (R,) or None,
+        xn and x (R, dim) contiguous."""
+        ids, weights = ids.contiguous(), weights.contiguous()  # kept alive for the call
         kernels.experts(
-            table.data_ptr(), table.shape[0], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
-            0 if shared_w is None else shared_w.data_ptr(), xn.data_ptr(), x.data_ptr(),
-            self._dim, self._moe_hidden,
-            self._experts_scratch.data_ptr(), self._experts_scratch.numel(), phase,
+            table.data_ptr(), table.shape[0], ids.data_ptr(), weights.data_ptr(),
+            ids.shape[1], 0 if shared_w is None else shared_w.data_ptr(), xn.data_ptr(),
+            x.data_ptr(), x.shape[0], self._dim, self._sums.data_ptr(), self._sums.numel(),
+            phase,
         )  # fmt: skip

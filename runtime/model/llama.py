@@ -25,9 +25,10 @@ from torch import nn
 from ...kernels_cpu import ops, threads
 from ...quant.formats.base import QuantLinear
 from . import kvcache
-from .config import ModelArgs, rope_inv_freq
+from .config import ModelArgs
 from .kvcache import KVCache
 from .moe import MoE
+from .rope import rope_inv_freq
 
 
 class RMSNorm(nn.Module):

@@ -220,18 +220,14 @@ class LocalModel:
         self.drafter = drafter
 
     def answer(self, messages, settings, on_text):
-        from ..runtime.answer import answer_room, fit_chat, stream_answer
+        from ..runtime.conversation import answer_turn
         from ..runtime.generate import Penalties
 
-        ctx = self.session.max_seq_len
-        budget = ctx - answer_room(ctx, settings.max_tokens)
-        ids, dropped = fit_chat(self.lm.tokenizer, messages, budget)
         penalties = Penalties(repeat=settings.repeat_penalty)
-        answer = stream_answer(
-            self.session, self.lm.tokenizer, ids, settings.sampler, settings.max_tokens,
+        return answer_turn(
+            self.session, self.lm.tokenizer, messages, settings.sampler, settings.max_tokens,
             on_text, penalties, constraint=self._constraint(settings), drafter=self.drafter,
         )  # fmt: skip
-        return answer, dropped
 
     def complete(self, prompt: str, settings, on_text):
         """Continue `prompt` as raw text, no chat template."""

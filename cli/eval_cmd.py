@@ -23,6 +23,7 @@ from .options import (
     DType,
     DTypeOpt,
     Json,
+    KVCacheOpt,
     MaxMemory,
     RequiredModelArg,
     Threads,
@@ -56,7 +57,8 @@ Ref = Annotated[
     typer.Option(
         "--ref",
         help="A reference model (e.g. the unquantized one): adds KL divergence, "
-        "top-1 agreement and the PPL ratio.",
+        "top-1 agreement and the PPL ratio. It runs with a float KV cache; MODEL itself as "
+        "the reference is not loaded again, so with --kv-cache only the cache differs.",
         show_default=False,
     ),
 ]
@@ -70,6 +72,7 @@ def eval_model(
     ref: Ref = None,
     threads: Threads = None,
     dtype: DTypeOpt = DType.float32,
+    kv_cache: KVCacheOpt = None,
     max_memory: MaxMemory = None,
     json_out: Json = False,
     debug: Debug = False,
@@ -95,13 +98,19 @@ def eval_model(
 
     from ..runtime.evaluate import evaluate
     from ..runtime.loader import load_model
+    from ..runtime.model.kvcache import float_kind
 
     n_threads = set_threads(threads)
     compute_dtype = torch_dtype(dtype)
+    kind = kv_cache and kv_cache.value
     with status(f"loading {resolved.name}"):
-        lm = load_model(resolved.path, compute_dtype, max_seq_len=ctx, max_memory=budget)
+        lm = load_model(
+            resolved.path, compute_dtype, max_seq_len=ctx, max_memory=budget, kv_cache=kind
+        )
         ref_lm = None
-        if ref:
+        if ref and resolved_ref.path.resolve() == resolved.path.resolve():
+            ref_lm = lm  # the same weights; evaluate gives the reference a float cache
+        elif ref:
             # The reference is exact: a GGUF's blocks dequantized, not run on the kernels.
             ref_lm = load_model(
                 resolved_ref.path, compute_dtype, max_seq_len=ctx, max_memory=budget,
@@ -110,7 +119,8 @@ def eval_model(
     with _progress_bar() as progress:
         result = evaluate(lm, content, ctx=ctx, chunks=chunks, ref=ref_lm, progress=progress)
 
-    run = {"text": str(text), "dtype": dtype.value, "threads": n_threads}
+    kv = kind or float_kind(compute_dtype)
+    run = {"text": str(text), "dtype": dtype.value, "kv_cache": kv, "threads": n_threads}
     models = {"model": _about(resolved.name, lm)}
     if ref_lm is not None:
         models["ref"] = _about(resolved_ref.name, ref_lm)
@@ -148,6 +158,7 @@ def _print_result(r, models: dict, run: dict) -> None:
     model = models["model"]
     rows = [
         ["model", f"{model['name']} ({model['quantization']}, {run['dtype']})"],
+        ["KV cache", run["kv_cache"]],
         ["text", f"{Path(run['text']).name} ({r.text_tokens:,} tokens)"],
         ["windows", f"{r.windows} x {r.ctx} ({r.tokens_scored:,} tokens scored)"],
         ["PPL", f"{m.ppl:.4f} ± {m.ppl_se:.4f}"],

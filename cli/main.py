@@ -45,6 +45,7 @@ from .options import (
     ExpertPredictionOpt,
     Json,
     JsonList,
+    KVCacheOpt,
     MaxMemory,
     ModelArg,
     RequiredModelArg,
@@ -287,6 +288,7 @@ def bench(
     ] = 3,
     threads: Threads = None,
     dtype: DTypeOpt = DType.float32,
+    kv_cache: KVCacheOpt = None,
     roofline: Annotated[
         bool,
         typer.Option(
@@ -368,7 +370,9 @@ def bench(
                 "--lookup and --draft take none of --replay, --roofline, --max-memory, --trace"
             )
         text = _bench_prompt(prompt, prompt_file)
-        _speculative_bench(model, lookup, draft, text, n_gen, repeats, threads, dtype, json_out)
+        _speculative_bench(
+            model, lookup, draft, text, n_gen, repeats, threads, dtype, kv_cache, json_out
+        )
         return
     if prompt is not None or prompt_file is not None:
         raise InferError("--prompt and --prompt-file go with --lookup or --draft")
@@ -398,6 +402,7 @@ def bench(
             expert_policy=expert_policy and expert_policy.value,
             trace=trace,
             expert_prediction=expert_prediction and expert_prediction.value,
+            kv_cache=kv_cache and kv_cache.value,
         )
     if json_out:
         print_json(asdict(result))
@@ -417,7 +422,9 @@ def _bench_prompt(prompt: str | None, path: Path | None) -> str | None:
     return text
 
 
-def _speculative_bench(model, lookup, draft, text, n_gen, repeats, threads, dtype, json_out):
+def _speculative_bench(
+    model, lookup, draft, text, n_gen, repeats, threads, dtype, kv_cache, json_out
+):
     """bench --lookup / --draft: speculative against plain decoding."""
     if lookup and draft is not None:
         raise InferError("give --lookup or --draft, not both")
@@ -439,6 +446,7 @@ def _speculative_bench(model, lookup, draft, text, n_gen, repeats, threads, dtyp
             dtype=torch_dtype(dtype),
             name=resolved.name,
             draft_name=drafts and drafts.name,
+            kv_cache=kv_cache and kv_cache.value,
         )
     if json_out:
         print_json(result.as_dict())

@@ -20,6 +20,14 @@ class DType(str, Enum):
     bfloat16 = "bfloat16"
 
 
+class KVCache(str, Enum):
+    """The KV cache's format (runtime/model/kvcache.py)."""
+
+    f32 = "f32"
+    bf16 = "bf16"
+    int8 = "int8"
+
+
 class ExpertPolicy(str, Enum):
     """Which cached expert a mixture-of-experts model evicts (offload/expert_cache.py)."""
 
@@ -75,6 +83,15 @@ Ctx = Annotated[
     ),
 ]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Compute dtype.")]
+KVCacheOpt = Annotated[
+    KVCache | None,
+    typer.Option(
+        "--kv-cache",
+        help="Format of the KV cache: f32, bf16 (half the memory) or int8 (34 bytes per 32 "
+        "values, as llama.cpp's q8_0 cache). Default: the compute dtype's.",
+        show_default=False,
+    ),
+]
 MaxMemory = Annotated[
     str | None,
     typer.Option(

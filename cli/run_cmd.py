@@ -37,6 +37,7 @@ from .options import (
     ExpertPredictionOpt,
     Format,
     Json,
+    KVCacheOpt,
     Lookup,
     MaxMemory,
     MaxTokens,
@@ -116,6 +117,7 @@ def run(
     threads: Threads = None,
     ctx: Ctx = None,
     dtype: DTypeOpt = DType.float32,
+    kv_cache: KVCacheOpt = None,
     max_memory: MaxMemory = None,
     expert_policy: ExpertPolicyOpt = None,
     expert_prediction: ExpertPredictionOpt = None,
@@ -131,8 +133,8 @@ def run(
             "--local",
             metavar=FLAG,
             help="Load the model in this process even when a server is running. "
-            "Implied by --threads, --dtype, --max-memory, --trace, --expert-*, --lookup "
-            "and --draft.",
+            "Implied by --threads, --dtype, --kv-cache, --max-memory, --trace, --expert-*, "
+            "--lookup and --draft.",
         ),
     ] = False,
     host: Annotated[
@@ -177,9 +179,9 @@ def run(
         raise InferError("give --lookup or --draft, not both")
     schema = read_format(fmt)  # a bad file fails before the model loads
     if workers is not None:
-        if (max_memory, expert_policy, expert_prediction, trace) != (None,) * 4:
+        if (max_memory, expert_policy, expert_prediction, trace, kv_cache) != (None,) * 5:
             raise InferError(
-                "--workers takes none of --max-memory, --expert-*, --trace "
+                "--workers takes none of --max-memory, --expert-*, --trace, --kv-cache "
                 "(each worker has its own --max-memory)"
             )
         if token_file is None:
@@ -195,8 +197,8 @@ def run(
     )  # fmt: skip
     show = (lambda _: None) if json_out else _write
     loads_here = (
-        threads, max_memory, expert_policy, expert_prediction, trace, draft, workers
-    ) != (None,) * 7 or dtype != DType.float32 or lookup  # fmt: skip
+        threads, max_memory, expert_policy, expert_prediction, trace, draft, workers, kv_cache
+    ) != (None,) * 8 or dtype != DType.float32 or lookup  # fmt: skip
     chat_model = None if local or loads_here else _server_model(host, model, ctx, interactive)
     if chat_model is not None and not interactive:
         from .client import NotServed
@@ -223,9 +225,9 @@ def run(
                 lm = _load_pipelined(model, resolved, workers, token_file, dtype, ctx)
             else:
                 lm = _load_here(
-                    resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace
+                    resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace, kv_cache
                 )
-        drafter = _drafter(lm, resolved, lookup, drafts, dtype, ctx, threads)
+        drafter = _drafter(lm, resolved, lookup, drafts, dtype, ctx, threads, kv_cache)
         if verbose:
             print(
                 f"loaded {resolved.name} in {lm.load_seconds:.2f} s "
@@ -253,7 +255,7 @@ def run(
                 lm.stages.close()
 
 
-def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace):
+def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace, kv_cache):
     """Load the model in this process, warning when --ctx is past its training."""
     from ..runtime.loader import load_model
 
@@ -265,6 +267,7 @@ def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, t
         expert_policy=expert_policy and expert_policy.value,
         record_routing=trace is not None,
         expert_prediction=expert_prediction and expert_prediction.value,
+        kv_cache=kv_cache and kv_cache.value,
     )
     if ctx is not None and ctx > lm.model.max_seq_len:  # the loader clamped it
         print(
@@ -289,9 +292,10 @@ def _load_pipelined(model, resolved, workers: str, token_file, dtype, ctx):
     )
 
 
-def _drafter(lm, resolved, lookup: bool, drafts, dtype, ctx, threads):
-    """The drafter of --lookup or --draft (speculative decoding), or None. A draft of
-    another tokenizer fails before its weights load."""
+def _drafter(lm, resolved, lookup: bool, drafts, dtype, ctx, threads, kv_cache):
+    """The drafter of --lookup or --draft (speculative decoding), or None; a draft model's
+    cache is of --kv-cache's format too. A draft of another tokenizer fails before its
+    weights load."""
     from ..runtime.files.sources import open_source
     from ..runtime.speculative import LookupDrafter, ModelDrafter, check_draft_tokenizer
 
@@ -305,7 +309,7 @@ def _drafter(lm, resolved, lookup: bool, drafts, dtype, ctx, threads):
         tokenizer = open_source(drafts.path).tokenizer()
         check_draft_tokenizer(tokenizer, lm.tokenizer, drafts.name, resolved.name)
         with status(f"loading {drafts.name}"):
-            draft_lm = _load_here(drafts, dtype, ctx, None, None, None, None)
+            draft_lm = _load_here(drafts, dtype, ctx, None, None, None, None, kv_cache)
     return ModelDrafter(draft_lm.model, lm.model.args.vocab_size, threads=threads)
 
 

@@ -21,6 +21,7 @@ from .options import (
     Draft,
     DType,
     DTypeOpt,
+    KVCacheOpt,
     Lookup,
     MaxMemory,
     Threads,
@@ -101,6 +102,7 @@ def serve(
     draft: Draft = None,
     ctx: Ctx = None,
     dtype: DTypeOpt = DType.float32,
+    kv_cache: KVCacheOpt = None,
     max_memory: MaxMemory = None,
     threads: Threads = None,
     workers: Workers = None,
@@ -141,8 +143,10 @@ def serve(
         from ..runtime.pipeline.handshake import read_token
         from .worker_cmd import parse_workers
 
-        if len(models or []) != 1 or max_memory is not None or draft is not None:
-            raise InferError("--workers serves one MODEL, without --max-memory or --draft")
+        if len(models or []) != 1 or (max_memory, draft, kv_cache) != (None,) * 3:
+            raise InferError(
+                "--workers serves one MODEL, without --max-memory, --draft or --kv-cache"
+            )
         if token_file is None:
             raise InferError("--workers needs --token-file: the secret the workers share")
         addresses, token = parse_workers(workers), read_token(token_file)
@@ -152,6 +156,7 @@ def serve(
         model_dirs=list(models_dir or []),
         ctx=ctx or 4096,
         dtype=torch_dtype(dtype),
+        kv_cache=kv_cache and kv_cache.value,
         max_memory=budget,
         parallel=parallel,
         prefill_chunk=prefill_chunk,

@@ -36,3 +36,9 @@ def experts(table, n_rows, ids, weights, k, shared_w, xn, x, rows, dim, sums, n,
         table, n_rows, ids, weights, k, shared_w, xn, x, rows, dim, sums, n,
         ops._default_isa(), ops.get_num_threads(), phase,
     )  # fmt: skip
+
+
+def kv_store(x, n: int, kind: int, group: int, cache, scales) -> None:
+    """n float32 values at x into a KV cache of `kind` (decode.c's KV_*) from its first
+    element (pointers), as the fused step writes keys and values."""
+    ops._C.decode_kv_store(x, n, kind, group, cache, scales)

@@ -197,11 +197,18 @@ def guess_router_bytes(n_layers: int, n_experts: int, dim: int) -> int:
     return n_layers * n_experts * (dim + 4)  # int8 rows, a float32 scale each
 
 
-def budget_inputs(ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, process: int):
+def budget_inputs(
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    process: int,
+    kv_cache: str | None = None,
+):
     """(overheads, dense layer costs, expert costs, router bytes): what plan_experts
-    weighs for `ckpt` at `max_seq_len` tokens, `process` bytes already in use."""
+    weighs for `ckpt` at `max_seq_len` tokens (a KV cache of `kv_cache`'s format),
+    `process` bytes already in use."""
     args = ckpt.args
-    fixed = overheads(ckpt, args, dtype, max_seq_len, process)
+    fixed = overheads(ckpt, args, dtype, max_seq_len, process, kv_cache)
     costs = expert_costs(ckpt, dtype)
     copies = guess_router_bytes(costs.n_layers, args.n_experts, args.dim)
     fixed = dataclasses.replace(fixed, globals=fixed.globals + copies)

@@ -97,16 +97,18 @@ def load_moe_budgeted(
     *,
     process_bytes: int | None = None,
     raise_to_minimum: bool = False,
+    kv_cache: str | None = None,
     **options,
 ) -> tuple[Transformer, ExpertStore]:
     """`ckpt`'s model within `budget` bytes of process footprint (how it is spent:
     offload/expert_plan.py); the plan is `store.plan`. raise_to_minimum: a budget below
     the minimum working set becomes that minimum (the automatic budget of a model too
-    large for memory). `options`: ExpertOptions' fields."""
+    large for memory). kv_cache: the KV cache's format the plan counts. `options`:
+    ExpertOptions' fields."""
     opts = ExpertOptions(**options)
     max_seq_len = min(max_seq_len, ckpt.args.max_seq_len)
     process = process_rss() if process_bytes is None else process_bytes
-    fixed, dense_costs, costs, routers = budget_inputs(ckpt, dtype, max_seq_len, process)
+    fixed, dense_costs, costs, routers = budget_inputs(ckpt, dtype, max_seq_len, process, kv_cache)
     if raise_to_minimum:
         budget = max(budget, minimum_budget(dense_costs, fixed, costs, opts.workers, routers))
     plan = plan_experts(

@@ -32,6 +32,7 @@ from torch import nn
 from .. import InferError
 from ..runtime.files.checkpoint import GLOBALS, Checkpoint, unit_views
 from ..runtime.model.config import ModelArgs
+from ..runtime.model.kvcache import cache_bytes, float_kind
 from ..runtime.model.llama import Transformer
 from .binding import (
     TensorSlot,
@@ -96,13 +97,20 @@ def layer_costs(ckpt: Checkpoint, groups: list[list[str]], dtype: torch.dtype) -
 
 
 def overheads(
-    ckpt: Checkpoint, args: ModelArgs, dtype: torch.dtype, max_seq_len: int, process: int
+    ckpt: Checkpoint,
+    args: ModelArgs,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    process: int,
+    kv_cache: str | None = None,
 ) -> Overheads:
-    """What every plan pays besides the layers (estimates, at the full context)."""
+    """What every plan pays besides the layers (estimates, at the full context, with a KV
+    cache of `kv_cache`'s format: default the compute dtype's)."""
     b, e = ckpt.ranges.get(GLOBALS, (0, 0))
     globals_ = (e - b) + converted_bytes(ckpt, [GLOBALS], dtype) if GLOBALS in ckpt.ranges else 0
     el = dtype.itemsize
-    kv = 2 * args.n_layers * args.n_kv_heads * max_seq_len * args.head_dim * el
+    kind = kv_cache or float_kind(dtype)
+    kv = cache_bytes(args, max_seq_len, kind)
     rope = 2 * max_seq_len * args.head_dim * el
     T = min(max_seq_len, PREFILL_CHUNK)
     qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
@@ -114,6 +122,8 @@ def overheads(
     dequant = 0
     if ckpt.quant and dtype != torch.float32:
         dequant = max(_linear_elements(ckpt, name) for name in ckpt.quant) * (4 + el)
+    if kind != float_kind(dtype):  # the torch path reads a layer's cache converted
+        dequant += 2 * args.n_kv_heads * max_seq_len * args.head_dim * el
     scratch = acts + scores + logits + dequant
     return Overheads(process, globals_, kv + rope, scratch, RUNTIME_BYTES)
 
@@ -345,6 +355,7 @@ def load_streamed(
     direct: bool = True,
     workers: int = 2,
     raise_to_minimum: bool = False,
+    kv_cache: str | None = None,
 ) -> tuple[Transformer, LayerStream | None, Plan]:
     """Build `ckpt`'s model to run within `budget` bytes of process footprint.
 
@@ -354,14 +365,14 @@ def load_streamed(
     read) or None. direct: try O_DIRECT.
     raise_to_minimum: a budget below the minimum working set becomes that minimum
     (the automatic budget of a model too large for the memory available) instead of
-    being refused.
+    being refused. kv_cache: the KV cache's format the plan counts.
     """
     args = ckpt.args
     max_seq_len = min(max_seq_len, args.max_seq_len)
     groups = layer_units(ckpt, args.n_layers)
     costs = layer_costs(ckpt, groups, dtype)
     process = process_rss() if process_bytes is None else process_bytes
-    fixed = overheads(ckpt, args, dtype, max_seq_len, process)
+    fixed = overheads(ckpt, args, dtype, max_seq_len, process, kv_cache)
     if raise_to_minimum:
         budget = max(budget, minimum_bytes(costs, fixed))
     plan = plan_memory(costs, fixed, budget)

@@ -34,6 +34,7 @@ from ..quant.formats.base import QuantEmbedding, QuantLinear
 from .files import hugepages
 from .generate import generate, make_sampler
 from .loader import load_model
+from .model.kvcache import cache_bytes
 from .model.llama import Transformer
 from .session import Session
 
@@ -103,6 +104,8 @@ class BenchResult:
     offload: StreamReport | None = None  # under --max-memory (or a model too large)
     experts: ExpertReport | None = None  # a MoE model's expert cache, decode steps only
     kernels: str = ""  # the C kernels' instruction-set path, as kernel_path() names it
+    kv_cache: str = ""  # the KV cache's format (model/kvcache.py)
+    kv_cache_bytes: int = 0  # its size at n_prompt + n_gen positions
 
     def rows(self) -> list[list[str]]:
         """(metric, value) pairs as text, for a table."""
@@ -116,6 +119,7 @@ class BenchResult:
             [f"decode ({self.n_gen} tok)", f"{self.decode_tok_s:.1f} tok/s"],
             ["weights read per token", f"{self.weight_bytes_per_token / 1e6:.1f} MB"],
             ["achieved bandwidth", f"{self.decode_gb_s:.2f} GB/s"],
+            ["KV cache", f"{self.kv_cache}, {self.kv_cache_bytes / 1e6:.1f} MB"],
             ["peak RSS", f"{self.peak_rss_bytes / 1e6:.0f} MB"],
             ["in huge pages", _huge_pages(self.huge_page_bytes)],
             ["repeats", f"{self.repeats} (median, after a warm-up)"],
@@ -425,6 +429,7 @@ def run_bench(
     expert_policy: str | None = None,
     trace: Path | None = None,
     expert_prediction: str | None = None,
+    kv_cache: str | None = None,
 ) -> BenchResult:
     """Load the model at `path` and time it; figures are medians over `repeats` runs.
 
@@ -434,7 +439,7 @@ def run_bench(
     result's `offload` has the streaming figures of the timed runs. A mixture-of-experts
     model caches experts instead (`expert_policy`, `expert_prediction`), and `experts`
     has the cache's figures over the timed runs' decode steps. trace: save its routing
-    there.
+    there. kv_cache: the KV cache's format (default the compute dtype's).
     """
     if n_prompt < 1 or n_gen < 1 or repeats < 1:
         raise InferError("n_prompt, n_gen and repeats must be at least 1")
@@ -446,6 +451,7 @@ def run_bench(
         expert_policy=expert_policy,
         record_routing=trace is not None,
         expert_prediction=expert_prediction,
+        kv_cache=kv_cache,
     )
     model = lm.model
     if n_prompt + n_gen > model.max_seq_len:
@@ -503,4 +509,6 @@ def run_bench(
         offload=offload,
         experts=experts,
         kernels=kernel_path(),
+        kv_cache=session.cache[0].kind,
+        kv_cache_bytes=cache_bytes(model.args, n_prompt + n_gen, session.cache[0].kind),
     )

@@ -128,21 +128,23 @@ def run_speculative_bench(
     dtype: torch.dtype = torch.float32,
     name: str | None = None,
     draft_name: str | None = None,
+    kv_cache: str | None = None,
 ) -> SpeculativeResult:
-    """Load the model at `path` (and the `draft` model) and time greedy answers to the
-    chat `prompt`, plain and speculative in alternating rounds."""
+    """Load the model at `path` (and the `draft` model), both with KV caches of `kv_cache`'s
+    format (default the compute dtype's), and time greedy answers to the chat `prompt`,
+    plain and speculative in alternating rounds."""
     if lookup == (draft is not None):
         raise InferError("give --lookup or --draft")
     if n_gen < 2 or rounds < 1:
         raise InferError("n_gen must be at least 2 and rounds at least 1")
-    lm = load_model(path, dtype)
+    lm = load_model(path, dtype, kv_cache=kv_cache)
     tok = lm.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": prompt}])
     ctx = len(ids) + n_gen
     if ctx > lm.model.max_seq_len:
         raise InferError(f"{len(ids)} prompt + {n_gen} tokens exceed the model's context")
     name, draft_name = name or Path(path).name, draft_name or (draft and Path(draft).name)
-    make = _drafters(lm, lookup, draft, dtype, ctx, name, draft_name)
+    make = _drafters(lm, lookup, draft, dtype, ctx, name, draft_name, kv_cache)
     session = Session(lm.model, ctx)
 
     def one(drafter):
@@ -179,11 +181,11 @@ def run_speculative_bench(
 
 
 def _drafters(
-    lm: LoadedModel, lookup, draft, dtype, ctx: int, name, draft_name
+    lm: LoadedModel, lookup, draft, dtype, ctx: int, name, draft_name, kv_cache
 ) -> Callable[[], Drafter]:
     """A maker of new drafters; the draft model loads once."""
     if lookup:
         return LookupDrafter
     check_draft_tokenizer(open_source(Path(draft)).tokenizer(), lm.tokenizer, draft_name, name)
-    model = load_model(draft, dtype, max_seq_len=ctx).model
+    model = load_model(draft, dtype, max_seq_len=ctx, kv_cache=kv_cache).model
     return lambda: ModelDrafter(model, lm.model.args.vocab_size, ctx)

@@ -33,6 +33,7 @@ import torch
 
 from .. import InferError
 from .loader import LoadedModel
+from .model.kvcache import float_kind
 from .model.tokenizer import Tokenizer
 from .session import Session
 
@@ -237,8 +238,11 @@ def evaluate(
     windows = make_windows(tokens, ctx, tok.bos_id if tok.add_bos else None, chunks)
     first = ctx // 2
 
-    session = Session(lm.model, ctx)
-    ref_session = Session(ref.model, ctx) if ref is not None else None
+    session = Session(lm.model, ctx)  # the model's KV cache (load_model's kv_cache)
+    # The reference's is float whatever the model's, so `ref` may be `lm` itself.
+    ref_session = None
+    if ref is not None:
+        ref_session = Session(ref.model, ctx, kv_cache=float_kind(ref.dtype))
     per_window = []
     seconds = ref_seconds = 0.0
     for i, window in enumerate(windows):

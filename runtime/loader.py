@@ -34,6 +34,7 @@ from .files.build import build
 from .files.checkpoint import Checkpoint, verify
 from .files.sources import CheckpointSource, Source, open_source
 from .model.config import ModelArgs
+from .model.kvcache import KINDS, cache_bytes, float_kind
 from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
 
@@ -84,6 +85,7 @@ def load_model(
     record_routing: bool = False,
     expert_prediction: str | None = None,
     dequantize: bool = False,
+    kv_cache: str | None = None,
 ) -> LoadedModel:
     """Load weights, tokenizer and caches. `max_seq_len` defaults to the model's context.
 
@@ -95,16 +97,20 @@ def load_model(
     ahead as `expert_prediction` says (offload/experts.py PREDICTIONS; default "all").
     record_routing: record what its MoE blocks route (`LoadedModel.routing`).
     dequantize: a GGUF file's weights all in `dtype` (see Source.weights).
+    kv_cache: the format of the KV caches its sessions make (model/kvcache.py KINDS;
+    default the compute dtype's float), which the memory plans count.
     """
+    if kv_cache is not None and kv_cache not in KINDS:
+        raise InferError(f"unknown KV cache {kv_cache!r}: one of {', '.join(KINDS)}")
     t0 = time.perf_counter()
     process = process_rss()  # before anything of this model: torch and all
     source = open_source(path)  # inspect
     args = source.args
     ctx = min(max_seq_len or args.max_seq_len, args.max_seq_len)
-    budget, auto = _budget(source, dtype, ctx, max_memory, process)  # plan
+    budget, auto = _budget(source, dtype, ctx, max_memory, process, kv_cache)  # plan
     now = process_rss()  # what the plans count as the process (the tokenizer is small)
     ckpt = source.checkpoint if isinstance(source, CheckpointSource) else None
-    experts = budget is not None and _offloads_experts(ckpt, dtype, ctx, budget, now)
+    experts = budget is not None and _offloads_experts(ckpt, dtype, ctx, budget, now, kv_cache)
     tokenizer = source.tokenizer()
     recorder = new_recorder(args, {"model": str(source.path)}) if record_routing else None
     stream = plan = offload = None
@@ -116,6 +122,7 @@ def load_model(
             budget,
             process_bytes=now,
             raise_to_minimum=auto,
+            kv_cache=kv_cache,
             policy=expert_policy or DEFAULT_POLICY,
             recorder=recorder,
             **prediction_options(expert_prediction),
@@ -124,7 +131,7 @@ def load_model(
             _say_auto_budget(source, offload.plan)
     elif budget is not None:  # build and attach a layer stream
         model, stream, plan = load_streamed(
-            ckpt, dtype, ctx, budget, process_bytes=now, raise_to_minimum=auto
+            ckpt, dtype, ctx, budget, process_bytes=now, raise_to_minimum=auto, kv_cache=kv_cache
         )
         if auto:
             _say_auto_budget(source, plan)
@@ -136,6 +143,7 @@ def load_model(
         model = build(source, dtype, ctx, dequantize=dequantize)
     if recorder is not None and not experts:  # resident experts: hooks that only record
         RoutingRecorder(model, recorder)
+    model.kv_cache = kv_cache  # what Session(model) makes
     load_s = time.perf_counter() - t0
     return LoadedModel(
         model, tokenizer, source, dtype, load_s, plan, stream, auto, offload, recorder
@@ -143,13 +151,18 @@ def load_model(
 
 
 def _budget(
-    source: Source, dtype: torch.dtype, ctx: int, max_memory: int | None, process: int
+    source: Source,
+    dtype: torch.dtype,
+    ctx: int,
+    max_memory: int | None,
+    process: int,
+    kv_cache: str | None,
 ) -> tuple[int | None, bool]:
     """(The footprint budget, or None to load resident; whether it was chosen for a
     model that does not fit). Only our checkpoints stream."""
     budget, auto = max_memory, False
     if budget is None:
-        budget = _auto_budget(source, dtype, ctx, process)
+        budget = _auto_budget(source, dtype, ctx, process, kv_cache)
         auto = budget is not None
     if budget is not None and not isinstance(source, CheckpointSource):
         what = "a GGUF file" if source.format == "gguf" else "a Hugging Face directory"
@@ -174,43 +187,55 @@ def _say_auto_budget(source: Source, plan) -> None:
 
 
 def _offloads_experts(
-    ckpt: Checkpoint | None, dtype: torch.dtype, ctx: int, budget: int, process: int
+    ckpt: Checkpoint | None,
+    dtype: torch.dtype,
+    ctx: int,
+    budget: int,
+    process: int,
+    kv_cache: str | None,
 ) -> bool:
     """Whether a budgeted load caches experts: a MoE checkpoint storing each expert apart
     that does not fit whole (a model that fits loads resident, as any other)."""
     if ckpt is None or not stores_experts_apart(ckpt):
         return False
     costs = layer_costs(ckpt, layer_units(ckpt, ckpt.args.n_layers), dtype)
-    need = overheads(ckpt, ckpt.args, dtype, ctx, process).total
+    need = overheads(ckpt, ckpt.args, dtype, ctx, process, kv_cache).total
     return need + sum(c.resident_bytes for c in costs) > budget
 
 
-def estimated_bytes(source: Source, dtype: torch.dtype, ctx: int, sessions: int = 1) -> int:
+def estimated_bytes(
+    source: Source, dtype: torch.dtype, ctx: int, sessions: int = 1, kv_cache: str | None = None
+) -> int:
     """What loading `source` resident would add to the process: its weights, `sessions`
-    KV caches of `ctx` positions, and for our checkpoints the buffers the plans count."""
+    KV caches of `ctx` positions in `kv_cache`'s format (default the compute dtype's), and
+    for our checkpoints the buffers the plans count."""
     args = source.args
     ctx = min(ctx, args.max_seq_len)
-    kv = kv_cache_bytes(args, dtype, ctx)
+    kv = kv_cache_bytes(args, dtype, ctx, kv_cache)
     if isinstance(source, CheckpointSource):
         ckpt = source.checkpoint
         costs = layer_costs(ckpt, layer_units(ckpt, args.n_layers), dtype)
-        fixed = overheads(ckpt, args, dtype, ctx, 0)  # with one KV cache
+        fixed = overheads(ckpt, args, dtype, ctx, 0, kv_cache)  # with one KV cache
         return fixed.total + (sessions - 1) * kv + sum(c.resident_bytes for c in costs)
     return source.held_bytes(dtype) + sessions * kv
 
 
-def kv_cache_bytes(args: ModelArgs, dtype: torch.dtype, ctx: int) -> int:
+def kv_cache_bytes(
+    args: ModelArgs, dtype: torch.dtype, ctx: int, kv_cache: str | None = None
+) -> int:
     """One session's KV cache (Transformer.new_cache): keys and values of every layer at
-    `ctx` positions, in the compute dtype."""
-    return 2 * args.n_layers * args.n_kv_heads * ctx * args.head_dim * dtype.itemsize
+    `ctx` positions, in `kv_cache`'s format (default the compute dtype's float)."""
+    return cache_bytes(args, ctx, kv_cache or float_kind(dtype))
 
 
-def _auto_budget(source: Source, dtype: torch.dtype, ctx: int, process: int) -> int | None:
+def _auto_budget(
+    source: Source, dtype: torch.dtype, ctx: int, process: int, kv_cache: str | None
+) -> int | None:
     """A budget when the model's estimated footprint exceeds the memory available now;
     None when it fits."""
     import psutil
 
     available = psutil.virtual_memory().available
-    if estimated_bytes(source, dtype, ctx) <= FITS_SHARE * available:
+    if estimated_bytes(source, dtype, ctx, kv_cache=kv_cache) <= FITS_SHARE * available:
         return None
     return process + int(AUTO_BUDGET_SHARE * available)

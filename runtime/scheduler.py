@@ -90,8 +90,9 @@ class SchedulerStats:
 
 class Scheduler:
     """Runs the jobs of one model, on a thread of its own: up to `parallel` at once, each
-    in a KV cache (slot) of `context` positions; prompts prefilled `prefill_chunk`
-    tokens between two decode passes."""
+    in a KV cache (slot) of `context` positions, in the model's cache format (new_cache's
+    default: the loader's kv_cache); prompts prefilled `prefill_chunk` tokens between two
+    decode passes."""
 
     def __init__(
         self,

@@ -36,13 +36,15 @@ class Session:
         max_seq_len: int | None = None,
         threads: int | None = None,
         stages: Pipeline | None = None,
+        kv_cache: str | None = None,
     ):
         """`max_seq_len`: the cache's positions (default and at most the model's);
         `threads`: the kernels' threads (default torch.get_num_threads() at each pass).
         `stages`: the blocks run on other machines (pipeline/coordinator.py), which
-        keep the sequence's cache; the model here holds none."""
+        keep the sequence's cache; the model here holds none. `kv_cache`: the cache's
+        format (model/kvcache.py; default the model's new_cache's)."""
         self.model, self.stages = model, stages
-        self.cache = model.new_cache(max_seq_len) if stages is None else []
+        self.cache = model.new_cache(max_seq_len, kv_cache) if stages is None else []
         self.sequence = stages.new_sequence() if stages is not None else None
         n = min(max_seq_len or model.max_seq_len, model.max_seq_len)
         self.max_seq_len = self.cache[0].k.shape[2] if self.cache else n

@@ -1,7 +1,8 @@
 """One pass over several sequences (session.decode): each sequence's logits are those of
 decoding it alone, with sequences joining and leaving mid-way, for every format the fused
-step runs, for mixtures of experts, on the torch path and with streamed layers; and a run
-of guessed tokens checked in one pass equals decoding them one at a time."""
+step runs, for mixtures of experts, on the torch path and with streamed layers, on
+float32, bf16 and int8 caches side by side; and a run of guessed tokens checked in one
+pass equals decoding them one at a time."""
 
 import pytest
 import torch
@@ -27,9 +28,10 @@ JOIN, STEPS = [0, 2, 4], [8, 3, 5]
 pytestmark = pytest.mark.skipif(not ops.available(), reason="C extension not built")
 
 
-def alone(model, prompt: list[int], steps: int) -> torch.Tensor:
-    """Greedy decode after `prompt` by itself: each step's logits (steps, vocab)."""
-    session = Session(model)
+def alone(model, prompt: list[int], steps: int, kv_cache: str | None = None) -> torch.Tensor:
+    """Greedy decode after `prompt` by itself (on a cache of `kv_cache`'s format): each
+    step's logits (steps, vocab)."""
+    session = Session(model, kv_cache=kv_cache)
     logits = session.prefill(prompt)
     out = []
     for _ in range(steps):
@@ -38,10 +40,10 @@ def alone(model, prompt: list[int], steps: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def batched(model, prompts=PROMPTS, join=JOIN, steps=STEPS) -> list[torch.Tensor]:
+def batched(model, prompts=PROMPTS, join=JOIN, steps=STEPS, kv_caches=None) -> list[torch.Tensor]:
     """The same sequences decoded together, one decode() a step; sequence i joins at step
-    join[i] and leaves after steps[i] tokens."""
-    sessions = [Session(model) for _ in prompts]
+    join[i] and leaves after steps[i] tokens, its cache of kv_caches[i]'s format."""
+    sessions = [Session(model, kv_cache=k) for k in kv_caches or [None] * len(prompts)]
     last = [None] * len(prompts)
     out = [[] for _ in prompts]
     t = 0
@@ -58,10 +60,11 @@ def batched(model, prompts=PROMPTS, join=JOIN, steps=STEPS) -> list[torch.Tensor
     return [torch.stack(o) for o in out]
 
 
-def assert_rows_equal_alone(model, exact: bool = True):
-    together = batched(model)
-    for prompt, n, got in zip(PROMPTS, STEPS, together):
-        ref = alone(model, prompt, n)
+def assert_rows_equal_alone(model, exact: bool = True, kv_caches=None):
+    kinds = kv_caches or [None] * len(PROMPTS)
+    together = batched(model, kv_caches=kinds)
+    for prompt, n, kind, got in zip(PROMPTS, STEPS, kinds, together):
+        ref = alone(model, prompt, n, kind)
         if exact:
             assert torch.equal(got, ref)
         else:
@@ -72,7 +75,7 @@ def assert_rows_equal_alone(model, exact: bool = True):
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("batched")
-    for arch in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "olmoe"):
+    for arch in ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "olmoe", "gemma3"):
         make_hf_model(arch, root / arch)
     return root
 
@@ -97,6 +100,20 @@ def test_rows_equal_alone_on_the_fused_step(hf_dirs, arch, recipe, overrides):
     assert_rows_equal_alone(model)
 
 
+@pytest.mark.parametrize(
+    "arch, recipe",
+    [("llama", "int8"), ("qwen3", "int4"), ("mistral", "int8"), ("gemma3", "int8"),
+     ("mixtral", "int8"), ("qwen2_moe", "int4")],
+)  # fmt: skip
+def test_rows_on_int8_caches_equal_alone(hf_dirs, arch, recipe):
+    """Every row on an int8 cache (q8_0 blocks), then beside rows on float32 and bf16
+    caches: each sequence's logits are those of it decoded alone on its cache."""
+    model = quantized(hf_dirs, arch, recipe)
+    assert Session(model, kv_cache="int8").fused is not None
+    assert_rows_equal_alone(model, kv_caches=["int8"] * 3)
+    assert_rows_equal_alone(model, kv_caches=["bf16", "int8", "f32"])
+
+
 def test_rows_equal_alone_int6(tmp_path):
     make_hf_model("llama", tmp_path / "m", hidden_size=256, intermediate_size=512)
     model = load_model(tmp_path / "m", max_seq_len=64).model
@@ -111,11 +128,12 @@ def test_rows_equal_alone_on_the_torch_path(hf_dirs):
     assert_rows_equal_alone(model, exact=False)
 
 
+@pytest.mark.parametrize("kv_cache", ["f32", "int8"])
 @pytest.mark.parametrize("fused", [True, False])
-def test_guessed_tokens_in_one_pass_equal_one_at_a_time(hf_dirs, fused):
+def test_guessed_tokens_in_one_pass_equal_one_at_a_time(hf_dirs, fused, kv_cache):
     model = quantized(hf_dirs, "mistral", "int4")  # a window of 8: rows cross it
     guesses = [41, 7, 233, 18, 90, 5, 5, 61, 2, 300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
-    one, together = Session(model), Session(model)
+    one, together = Session(model, kv_cache=kv_cache), Session(model, kv_cache=kv_cache)
     if not fused:
         one.fused = together.fused = None
     for s in (one, together):

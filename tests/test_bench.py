@@ -151,6 +151,15 @@ def test_run_bench_bfloat16_halves_the_bytes(tiny_smollm):
     r = run_bench(tiny_smollm, n_prompt=4, n_gen=2, repeats=1, dtype=torch.bfloat16)
     assert r.dtype == "bfloat16"
     assert r.weight_bytes_per_token == r.n_params * 2
+    assert r.kv_cache == "bf16"  # the compute dtype's cache by default
+
+
+def test_run_bench_int8_kv_cache(tiny_smollm):
+    f32 = run_bench(tiny_smollm, n_prompt=4, n_gen=2, repeats=1)
+    r = run_bench(tiny_smollm, n_prompt=4, n_gen=2, repeats=1, kv_cache="int8")
+    assert (f32.kv_cache, r.kv_cache) == ("f32", "int8")
+    assert 3.5 < f32.kv_cache_bytes / r.kv_cache_bytes < 4
+    assert "int8" in dict(r.rows())["KV cache"]
 
 
 def test_run_bench_rejects_more_than_the_context(tiny_smollm):

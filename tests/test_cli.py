@@ -488,6 +488,26 @@ def test_no_option_name_is_used_twice():
         assert len(names) == len(set(names)), name
 
 
+def test_every_command_that_runs_a_model_takes_kv_cache():
+    from typer.main import get_command
+
+    from infer.cli.main import app
+
+    commands = get_command(app).commands
+    for name in ("run", "bench", "eval", "serve"):
+        kv = [p for p in commands[name].params if "--kv-cache" in p.opts]
+        assert kv and list(kv[0].type.choices) == ["f32", "bf16", "int8"], name
+
+
+def test_run_with_an_int8_kv_cache(smollm2_gguf):
+    r = infer("run", smollm2_gguf, "Say hi.", *GREEDY, "-n", "6", "--kv-cache", "int8")
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    # with the model as its own draft (a cache of the same format): the same greedy answer
+    d = infer("run", smollm2_gguf, "Say hi.", *GREEDY, "-n", "6", "--kv-cache", "int8",
+              "--draft", smollm2_gguf)  # fmt: skip
+    assert d.returncode == 0 and d.stdout == r.stdout, d.stderr
+
+
 @pytest.mark.slow  # a child process per case
 def test_help_text():
     wide = _env(COLUMNS="250")  # one line per option, so each option's text can be read

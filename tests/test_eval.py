@@ -221,6 +221,20 @@ def test_cli_json(cli, tiny, text_file):
     assert data["model"]["quantization"] == "F32" and data["threads"] == 1
 
 
+def test_cli_kv_cache_against_the_model_itself(cli, tiny, text_file):
+    """MODEL as its own reference is MODEL with a float KV cache: with --kv-cache int8 only
+    the cache differs; without, nothing does."""
+    a = tiny["paths"][0]
+    args = (a, "--text", text_file, "--ctx", CTX, "--chunks", 2, "--ref", a, "--json", "-t", 1)
+    r = cli(*args, "--kv-cache", "int8")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["kv_cache"] == "int8"
+    assert 0 < data["divergence"]["kl_mean"] < 1e-3
+    same = json.loads(cli(*args).stdout)
+    assert same["kv_cache"] == "f32" and same["divergence"]["kl_mean"] == 0
+
+
 def test_cli_table(cli, tiny, text_file):
     r = cli(tiny["paths"][0], "--text", text_file, "--ctx", CTX, "--chunks", 2, "-t", 1)
     assert r.exit_code == 0, r.output

@@ -288,21 +288,68 @@ def test_several_fed_tokens_a_pass(tiny, monkeypatch):
         scheduler.close()
 
 
-def test_kv_caches_count_in_the_estimate(tiny):
+@pytest.mark.parametrize("kind", [None, "bf16", "int8"])
+def test_kv_caches_count_in_the_estimate(tiny, kind):
     args, f32 = tiny.model.args, torch.float32
-    one = kv_cache_bytes(args, f32, 64)
-    assert one == sum(c.k.nbytes + c.v.nbytes for c in Session(tiny.model, 64).cache)
-    four = estimated_bytes(tiny.source, f32, 64, sessions=4)
-    assert four - estimated_bytes(tiny.source, f32, 64, sessions=1) == 3 * one
+    one = kv_cache_bytes(args, f32, 64, kind)
+    assert one == sum(c.nbytes for c in Session(tiny.model, 64, kv_cache=kind).cache)
+    four = estimated_bytes(tiny.source, f32, 64, sessions=4, kv_cache=kind)
+    assert four - estimated_bytes(tiny.source, f32, 64, sessions=1, kv_cache=kind) == 3 * one
+    if kind == "int8":  # heads of 16: a float16 scale per 16 int8 values
+        assert kv_cache_bytes(args, f32, 64) / one == pytest.approx(4 * 16 / 18)
 
 
-@pytest.mark.parametrize("guess", [None, "lookup", "draft"])
-def test_default_model_batched_equals_alone(smollm2_gguf, guess):
+def _int8_model(path, **kw):
+    """A tiny model quantized to int8 (so the fused step runs), its caches int8."""
+    from infer.quant.formats.recipes import get_recipe
+    from infer.quant.quantize import quantize_model
+
+    make_hf_model("smollm2", path, **kw)
+    lm = load_model(path, max_seq_len=CTX, kv_cache="int8")
+    quantize_model(lm.model, get_recipe("int8", n_layers=lm.model.args.n_layers))
+    return lm
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_int8_cache_batched_answers_equal_answers_alone(tmp_path, with_draft):
+    """--kv-cache int8 on a quantized model (the fused step): every slot's cache, and each
+    draft slot's, is int8, and answers decoded together (guesses and all) are the greedy
+    answers of an int8 session alone."""
+    lm = _int8_model(tmp_path / "m")
+    draft = _int8_model(tmp_path / "draft", seed=1, num_hidden_layers=1) if with_draft else None
+    scheduler = Scheduler(
+        lm.model, lm.tokenizer, parallel=3, context=CTX, prefill_chunk=8,
+        draft=draft and draft.model,
+    )  # fmt: skip
+    try:
+        slots = scheduler.slots + scheduler.draft_slots
+        assert len(slots) == (6 if with_draft else 3)
+        assert all(c.kind == "int8" for s in slots for c in s.cache)
+        assert scheduler.slots[0].fused is not None
+        specs = [(5, 24), (19, 30), (33, 9), (12, 20)]
+        runs = [Run(scheduler, prompt(n, 40 + i), m) for i, (n, m) in enumerate(specs)]
+        runs[0].when(2, runs[1].submit)
+        runs[1].when(3, lambda: (runs[2].submit(), runs[3].submit()))
+        runs[0].submit()
+        for r in runs:
+            want = alone(lm, r.ids, r.max_tokens, chunk=8)  # Session(model): int8 too
+            assert r.wait().tokens == want.tokens and r.answer.text == want.text
+        assert scheduler.stats.batched > scheduler.stats.steps
+        assert (scheduler.stats.guessed > 0) == with_draft
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize(
+    "guess, kv_cache", [(None, None), ("lookup", None), ("draft", None), ("draft", "int8")]
+)
+def test_default_model_batched_equals_alone(smollm2_gguf, guess, kv_cache):
     """The real model (quantized kernels, the fused step): chat prompts of different
     lengths, joining and leaving, each answer equal to the answer alone; with prompt
     lookup or a draft model (here the model itself), guesses checked in the same passes
-    as the other answers' tokens."""
-    lm = load_model(smollm2_gguf, max_seq_len=CTX * 4)
+    as the other answers' tokens; on int8 caches (slots and draft slots), each answer
+    equal to the answer alone on an int8 cache."""
+    lm = load_model(smollm2_gguf, max_seq_len=CTX * 4, kv_cache=kv_cache)
     tok = lm.tokenizer
     system = " ".join(f"Rule {i}: answer briefly." for i in range(20))
     chats = [

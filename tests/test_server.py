@@ -138,6 +138,12 @@ def launched(home, files, tmp_path_factory):
             home,
             log / "keyed.log",
         ),
+        # Two slots of int8 KV caches.
+        "int8": Server(
+            [MODEL, "--ctx", str(CTX), "--parallel", "2", "--kv-cache", "int8"],
+            home,
+            log / "int8.log",
+        ),
     }
     yield servers
     for s in servers.values():
@@ -692,6 +698,51 @@ def test_draft_model_answers_as_plain(launched, greedy):
         m = metrics(http)
     guessed = m[f'infer_speculative_guessed_tokens_total{{model="{MODEL}"}}']
     assert m[f'infer_speculative_accepted_tokens_total{{model="{MODEL}"}}'] == guessed > 0
+
+
+def test_int8_kv_cache_on_parallel_slots(launched, smollm2_gguf):
+    """serve --kv-cache int8 --parallel 2: two answers run together on int8 slots, each
+    the greedy answer of an int8 cache in this process, and /api/ps counts the two slots'
+    caches at int8's size."""
+    import torch
+
+    from infer.runtime.answer import stream_answer
+    from infer.runtime.generate import make_sampler
+    from infer.runtime.loader import kv_cache_bytes, load_model
+    from infer.runtime.session import Session
+
+    s = launched["int8"].ready()
+    lm = load_model(smollm2_gguf, max_seq_len=CTX, kv_cache="int8")
+    count = [{"role": "user", "content": "Count from 1 to 50, one number per line."}]
+    asks = [(count, 120), (QUESTION, 16)]
+
+    def alone(messages: list[dict], n: int) -> str:
+        ids, sampler = lm.tokenizer.encode_chat(messages), make_sampler(0)
+        session = Session(lm.model, CTX)  # int8: the loader's kv_cache
+        return stream_answer(session, lm.tokenizer, ids, sampler, n, lambda _: None).text
+
+    def piece(line: str) -> str:
+        return json.loads(line)["message"]["content"]
+
+    running = f'infer_answers_running{{model="{MODEL}"}}'
+    bodies = [{"messages": m, "options": {"num_predict": n, "temperature": 0}} for m, n in asks]
+    with httpx.Client(base_url=s.url, timeout=TIMEOUT) as http:
+        with (
+            http.stream("POST", "/api/chat", json=bodies[0]) as first,
+            http.stream("POST", "/api/chat", json=bodies[1]) as second,
+        ):
+            lines = [first.iter_lines(), second.iter_lines()]
+            texts = [piece(next(lines[0])), piece(next(lines[1]))]
+            assert metrics(http)[running] == 2
+            texts = [t + "".join(piece(x) for x in it if x) for t, it in zip(texts, lines)]
+        ps = http.get("/api/ps").json()["models"]
+    assert texts == [alone(m, n) for m, n in asks]
+    caches = 2 * kv_cache_bytes(lm.model.args, torch.float32, CTX, "int8")
+    assert ps[0]["size"] == lm.source.held_bytes(torch.float32) + caches
+    float_caches = 2 * kv_cache_bytes(lm.model.args, torch.float32, CTX)
+    assert float_caches / caches == pytest.approx(4 * 32 / 34)  # 34 bytes per 32 values
+    code, _ = s.stop()
+    assert code == 0 and "Traceback" not in s.log.read_text()
 
 
 def test_api_key_and_sigterm_mid_stream(launched):

@@ -38,6 +38,7 @@ class ServeSettings:
     model_dirs: list[Path] = field(default_factory=list)  # files under these may be named
     ctx: int = 4096  # each slot's context (at most the model's)
     dtype: torch.dtype = torch.float32
+    kv_cache: str | None = None  # the slots' KV cache format (default the dtype's)
     max_memory: int | None = None  # the process's budget (loader.load_model)
     parallel: int = 4  # answers a model runs at once: its KV caches (slots), kept for reuse
     prefill_chunk: int = 256  # prompt tokens prefilled between two decode passes
@@ -202,30 +203,35 @@ class ModelPool:
             self._draft if self._draft is not None and self._draft.path != resolved.path else None
         )
         draft_source = open_source(draft.path) if draft is not None else None
-        draft_bytes = draft_source and estimated_bytes(draft_source, s.dtype, s.ctx, s.parallel)
-        await self._make_room(
-            estimated_bytes(source, s.dtype, s.ctx, s.parallel) + (draft_bytes or 0)
+        draft_bytes = draft_source and estimated_bytes(
+            draft_source, s.dtype, s.ctx, s.parallel, s.kv_cache
         )
+        need = estimated_bytes(source, s.dtype, s.ctx, s.parallel, s.kv_cache)
+        await self._make_room(need + (draft_bytes or 0))
 
         def load() -> Loaded:
             budget = s.max_memory
             if budget is not None:  # the loader plans for one KV cache: room for the others
                 ctx = min(s.ctx, args.max_seq_len)
-                budget -= (s.parallel - 1) * kv_cache_bytes(args, s.dtype, ctx) + (draft_bytes or 0)
+                one = kv_cache_bytes(args, s.dtype, ctx, s.kv_cache)
+                budget -= (s.parallel - 1) * one + (draft_bytes or 0)
             if s.workers is not None:
                 from ...runtime.pipeline.coordinator import load_pipelined
 
                 ref = s.models[0]  # as the workers are to find it
                 lm = load_pipelined(ref, resolved.path, s.workers, s.token, s.dtype, s.ctx)
             else:
-                lm = load_model(resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=budget)
+                lm = load_model(
+                    resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=budget,
+                    kv_cache=s.kv_cache,
+                )  # fmt: skip
             draft_lm = self._load_draft(lm, name, draft_source)
             scheduler = Scheduler(
                 lm.model, lm.tokenizer, s.parallel, s.ctx, s.threads, s.prefill_chunk,
                 s.lookup, draft_lm and draft_lm.model, lm.stages,
             )  # fmt: skip
             slots = scheduler.slots + scheduler.draft_slots
-            kv = sum(c.k.nbytes + c.v.nbytes for slot in slots for c in slot.cache or ())
+            kv = sum(c.nbytes for slot in slots for c in slot.cache or ())
             size = lm.source.held_bytes(s.dtype) + kv
             if draft_lm is not None and draft_lm is not lm:
                 size += draft_lm.source.held_bytes(s.dtype)
@@ -254,7 +260,7 @@ class ModelPool:
             print(f"warning: {err}: {name} answers without it", file=sys.stderr)
             return None
         s = self.settings
-        return load_model(self._draft.path, s.dtype, max_seq_len=s.ctx)
+        return load_model(self._draft.path, s.dtype, max_seq_len=s.ctx, kv_cache=s.kv_cache)
 
     async def _make_room(self, need: int) -> None:
         """Unload idle models, least recently used first, while `need` bytes (a model with

@@ -32,10 +32,16 @@
             each LIN = 8 words: kind (8 int8, 6 int6, 4 int4, -1..-4 = -bits for lut), qweight,
             scales, mins (0: none), bias (float32, 0: none), N, K, g
 
-   Each call also takes, per row, its position and its sequence's cache: seq (positions
-   the cache holds), then per layer k_cache, v_cache (float32 (n_kv_heads, seq, head_dim)),
-   CACHE_WORDS(n_layers) words a row. Rows of one sequence must come in position order:
-   every row's keys and values are written before any row attends.
+   Each call also takes, per row, its position and its sequence's cache (runtime/model/
+   kvcache.py has the formats), CACHE_WORDS(n_layers) words a row: seq (positions the
+   cache holds), kind (KV_F32, KV_BF16, KV_INT8), group (int8: values per scale), then
+   per layer k_cache, v_cache ((n_kv_heads, seq, head_dim) of float32, bf16 or int8),
+   k_scales, v_scales (int8: float16 (n_kv_heads, seq, head_dim / group); else unused).
+   Rows of one sequence must come in position order: every row's keys and values are
+   written before any row attends. A row's keys and values are written in its cache's
+   format (kv_store); attention converts a bf16 or int8 sub-block of positions to float32
+   in the task's buffer and reads it as it reads a float32 cache in place, so the formats
+   differ from float32 only in the values stored.
 
    A mixture-of-experts layer has kind 0 in its gate, up and down words: decode_layers
    stops there after the attention half, with the rows' MoE inputs ffn_norm(x) in the
@@ -54,7 +60,8 @@
 #include "kernels.h"
 
 enum { HEADER = 13, LIN = 8, LAYER = 9 + 7 * LIN };
-#define CACHE_WORDS(n_layers) (1 + 2 * (n_layers))
+#define CACHE_WORDS(n_layers) (3 + 4 * (n_layers))
+enum { KV_F32, KV_BF16, KV_INT8 }; /* a cache's kind (its second word) */
 enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN };
 /* Attention splits the attended positions into blocks of this many (see attn_block). */
 enum { ATTN_BLOCK = 256 };
@@ -184,6 +191,54 @@ static void gelu_tanh_mul(float *gate, const float *up, int64_t n) {
     }
 }
 
+/* float32 -> float16, rounding to nearest even as torch's .to(torch.float16). */
+static uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+    if (ax > 0x7f800000) return (uint16_t)(sign | 0x7e00);       /* NaN */
+    if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00);      /* rounds past 65504 */
+    if (ax < 0x38800000)                                          /* below 2^-14: subnormal */
+        return (uint16_t)(sign | (uint32_t)rintf(fabsf(f) * 16777216.0f)); /* in 2^-24s */
+    uint32_t h = (ax - 0x38000000) >> 13; /* exponent rebiased, 10 bits of mantissa */
+    const uint32_t rest = ax & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++; /* a carry moves the exponent on */
+    return (uint16_t)(sign | h);
+}
+
+/* float32 -> bfloat16, rounding to nearest even as torch's .to(torch.bfloat16). */
+static uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffff) > 0x7f800000) return 0x7fc0; /* NaN */
+    return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
+
+/* n values of x (a multiple of g) into a cache of `kind` from element `at` (int8: its
+   scales from at / g), as kvcache.py's KVCache.update and Int8KVCache.update store them:
+   int8 per run of g, d = max |x| / 127 as float16, q = x * (1 / d) rounded to even. */
+static void kv_store(int kind, int64_t g, const float *x, int64_t n, void *cache,
+                     uint16_t *scales, int64_t at) {
+    if (kind == KV_F32) {
+        memcpy((float *)cache + at, x, (size_t)n * sizeof *x);
+    } else if (kind == KV_BF16) {
+        uint16_t *y = (uint16_t *)cache + at;
+        for (int64_t i = 0; i < n; i++) y[i] = float_to_bf16(x[i]);
+    } else {
+        int8_t *q = (int8_t *)cache + at;
+        for (int64_t j = 0; j < n / g; j++, x += g, q += g) {
+            float amax = 0.0f;
+            for (int64_t i = 0; i < g; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+            const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+            scales[at / g + j] = float_to_half(d);
+            for (int64_t i = 0; i < g; i++) {
+                const float r = rintf(x[i] * inv); /* NaN: 0 */
+                q[i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r == r ? r : 0.0f);
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------------------
  * Attention for one token, on 16-float vectors (GCC vector extensions): one source the
  * compiler turns into AVX-512, AVX2, or SSE2 / NEON code, chosen by the plan's
@@ -244,93 +299,186 @@ VI v16 exp16(v16 x) {
 
 typedef struct {
     const model_t *m;
-    const float *q;       /* the row's queries (n_heads, head_dim) */
-    float *part, *out;    /* its partials (n_heads, blocks, head_dim + 2), output (n_heads, head_dim) */
-    const float *kc, *vc; /* its sequence's cache, (n_kv_heads, seq, head_dim) each */
-    int64_t seq;
+    const float *q;    /* the row's queries (n_heads, head_dim) */
+    float *part, *out; /* its partials (n_heads, blocks, head_dim + 2), output (n_heads, head_dim) */
+    const void *kc, *vc;       /* its sequence's cache, (n_kv_heads, seq, head_dim) each */
+    const uint16_t *ks, *vs;   /* int8: their scales, (n_kv_heads, seq, head_dim / group) */
+    int64_t seq, kind, group;  /* the cache's positions, kind and (int8) group */
     int64_t lo, hi; /* attended positions [lo, hi] */
     int64_t blocks; /* of ATTN_BLOCK positions from lo, the last one partial */
 } attn_job;
 
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+/* float16 -> float32 for 16 lanes, exact (as half_to_float): the bits moved into a
+   float's place and scaled by 2^112, normal and subnormal alike; inf and NaN given an
+   all-ones exponent. Each lane takes the 32-bit word holding its half, shifted: a
+   16-lane __builtin_convertvector from uint16 becomes scalar code in GCC 12. */
+VI v16 half16_to_float(const uint16_t *p) {
+    uint32_t a[8];
+    memcpy(a, p, sizeof a);
+    const v16u w = {a[0], a[0], a[1], a[1], a[2], a[2], a[3], a[3],
+                    a[4], a[4], a[5], a[5], a[6], a[6], a[7], a[7]};
+    const v16u down = {0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16};
+    const v16u u = (w >> down) & 0xffff;
+    const v16u f = (v16u)((v16)((u & 0x7fff) << 13) * 0x1p112f);
+    const v16u inf_nan = (v16u)((u & 0x7c00) == 0x7c00) & 0x7f800000;
+    return (v16)(f | inf_nan | (u & 0x8000) << 16);
+}
+
+/* n values of a bf16 or int8 cache from element `at` as float32 in out: each value one
+   exact conversion (int8: q times its float16 scale, one product), whatever the path.
+   Plain loops: GCC's vectorizer widens int8 and uint16 in a few instructions (vpmovsx,
+   vpmovzx), where a 16-lane __builtin_convertvector from them becomes scalar code (GCC
+   12). */
+VI void kv_float(const attn_job *J, const void *cache, const uint16_t *scales, int64_t at,
+                 int64_t n, float *restrict out) {
+    if (J->kind == KV_BF16) { /* the bits of a float32's high half */
+        const uint16_t *restrict h = (const uint16_t *)cache + at;
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t u = (uint32_t)h[i] << 16;
+            memcpy(out + i, &u, sizeof u);
+        }
+        return;
+    }
+    const int64_t g = J->group, groups = n / g;
+    const int8_t *restrict q = (const int8_t *)cache + at;
+    const uint16_t *s = scales + at / g;
+    for (int64_t j = 0; j < groups; j += 16) { /* 16 groups' scales at a time */
+        const int64_t m = groups - j < 16 ? groups - j : 16;
+        float d[16];
+        if (m == 16)
+            store16(d, half16_to_float(s + j));
+        else
+            for (int64_t k = 0; k < m; k++) d[k] = half_to_float(s[j + k]);
+        for (int64_t k = 0; k < m; k++, q += g, out += g)
+            for (int64_t i = 0; i < g; i++) out[i] = (float)q[i] * d[k];
+    }
+}
+
+/* A task's query heads at once (more share a key-value head: several passes), and the
+   floats of a sub-block of rows: converted from bf16 or int8, it stays in L1 while every
+   head reads it. */
+enum { ATTN_HEADS = 16, ATTN_SUB_FLOATS = 4096 };
+
+/* n floats of a cache from element `at`: in place when float32, else converted into buf. */
+VI const float *kv_rows(const attn_job *J, const void *cache, const uint16_t *scales,
+                        int64_t at, int64_t n, float *buf) {
+    if (J->kind == KV_F32) return (const float *)cache + at;
+    kv_float(J, cache, scales, at, n, buf);
+    return buf;
+}
+
 /* One block b of positions for the query heads of key-value head g (a pool task), as
    flash-decoding splits it: the block's keys and values are read from memory once, for
-   all of the heads that share them. For each such head h it leaves in J->part
-   (h, b): the block's largest score mx, sum of e_t = exp(score_t - mx), and sum of e_t v_t
-   (each element summed over t in order); attn_combine weighs the blocks together. */
+   all of the heads that share them, a sub-block of rows at a time. For each such head h
+   it leaves in J->part (h, b): the block's largest score mx, sum of e_t = exp(score_t -
+   mx), and sum of e_t v_t (each element summed over t in order); attn_combine weighs the
+   blocks together. */
 VI void attn_block(const attn_job *J, int64_t task) {
     const model_t *m = J->m;
     const int64_t g = task / J->blocks, b = task % J->blocks, rep = m->n_heads / m->n_kv;
     const int64_t d = m->head_dim, d16 = d / 16 * 16;
+    const int64_t sub = ATTN_SUB_FLOATS / d < 1 ? 1 : ATTN_SUB_FLOATS / d > 64 ? 64 : ATTN_SUB_FLOATS / d;
     const int64_t lo = J->lo + b * ATTN_BLOCK;
-    const int64_t hi = lo + ATTN_BLOCK - 1 < J->hi ? lo + ATTN_BLOCK - 1 : J->hi;
-    const float *kc = J->kc + g * J->seq * d, *vc = J->vc + g * J->seq * d;
+    const int64_t n = (lo + ATTN_BLOCK - 1 < J->hi ? lo + ATTN_BLOCK - 1 : J->hi) - lo + 1;
+    const int64_t at = (g * J->seq + lo) * d; /* row lo's first element in the cache */
+    const int prefetch = J->kind == KV_F32;   /* rows read from memory in place */
     const float scale = m->attn_scale;
-    float s[ATTN_BLOCK]; /* the block's scores, then their exponentials: s[t - lo] */
-    for (int64_t h = g * rep; h < (g + 1) * rep; h++) {
-        const float *q = J->q + h * d;
-        float *part = J->part + (h * J->blocks + b) * (d + 2);
-        float mx = -INFINITY;
-        for (int64_t t = lo; t <= hi; t++) {
-            const float *k = kc + t * d;
-            for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(k + 8 * d + i, 0, 3);
-            v16 acc = {0};
-            for (int64_t i = 0; i < d16; i += 16) acc += load16(q + i) * load16(k + i);
-            float dot = hsum16(acc);
-            for (int64_t i = d16; i < d; i++) dot += q[i] * k[i];
-            s[t - lo] = dot * scale;
-            if (s[t - lo] > mx) mx = s[t - lo];
-        }
-        /* each score s = exp(s - mx), summed by lane; the last partial vector through a buffer */
-        v16 sum16 = {0};
-        int64_t t = lo;
-        for (; t + 16 <= hi + 1; t += 16) {
-            const v16 e = exp16(load16(s + (t - lo)) - mx);
-            store16(s + (t - lo), e);
-            sum16 += e;
-        }
-        if (t <= hi) {
-            float tail[16];
-            for (int i = 0; i < 16; i++) tail[i] = t + i <= hi ? s[t - lo + i] - mx : -INFINITY;
-            const v16 e = exp16(load16(tail));
-            store16(tail, e);
-            for (int64_t i = 0; t + i <= hi; i++) s[t - lo + i] = tail[i];
-            sum16 += e;
-        }
-        part[0] = mx;
-        part[1] = hsum16(sum16);
-        float *out = part + 2;
-        /* up to 64 elements at a time, so each row of V is read once (not once per 16) */
-        for (int64_t i = 0; i < d16; i += 64) {
-            const int64_t nv = d16 - i < 64 ? (d16 - i) / 16 : 4;
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            const float *v = vc + lo * d + i;
-            if (nv == 4) {
-                for (t = lo; t <= hi; t++, v += d) {
-                    __builtin_prefetch(v + 8 * d, 0, 3);
-                    __builtin_prefetch(v + 8 * d + 16, 0, 3);
-                    __builtin_prefetch(v + 8 * d + 32, 0, 3);
-                    __builtin_prefetch(v + 8 * d + 48, 0, 3);
-                    a0 += load16(v) * s[t - lo];
-                    a1 += load16(v + 16) * s[t - lo];
-                    a2 += load16(v + 32) * s[t - lo];
-                    a3 += load16(v + 48) * s[t - lo];
-                }
-            } else {
-                for (t = lo; t <= hi; t++, v += d) {
-                    a0 += load16(v) * s[t - lo];
-                    if (nv > 1) a1 += load16(v + 16) * s[t - lo];
-                    if (nv > 2) a2 += load16(v + 32) * s[t - lo];
+    float s[ATTN_HEADS][ATTN_BLOCK]; /* each head's scores, then their exponentials */
+    float buf[ATTN_SUB_FLOATS];      /* a converted sub-block */
+    for (int64_t h0 = g * rep; h0 < (g + 1) * rep; h0 += ATTN_HEADS) {
+        const int64_t nh = (g + 1) * rep - h0 < ATTN_HEADS ? (g + 1) * rep - h0 : ATTN_HEADS;
+        float mx[ATTN_HEADS];
+        for (int64_t j = 0; j < nh; j++) mx[j] = -INFINITY;
+        for (int64_t t0 = 0; t0 < n; t0 += sub) {
+            const int64_t nt = n - t0 < sub ? n - t0 : sub;
+            const float *kb = kv_rows(J, J->kc, J->ks, at + t0 * d, nt * d, buf);
+            for (int64_t j = 0; j < nh; j++) {
+                const float *q = J->q + (h0 + j) * d;
+                for (int64_t t = 0; t < nt; t++) {
+                    const float *k = kb + t * d;
+                    if (prefetch)
+                        for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(k + 8 * d + i, 0, 3);
+                    v16 acc = {0};
+                    for (int64_t i = 0; i < d16; i += 16) acc += load16(q + i) * load16(k + i);
+                    float dot = hsum16(acc);
+                    for (int64_t i = d16; i < d; i++) dot += q[i] * k[i];
+                    s[j][t0 + t] = dot * scale;
+                    if (s[j][t0 + t] > mx[j]) mx[j] = s[j][t0 + t];
                 }
             }
-            store16(out + i, a0);
-            if (nv > 1) store16(out + i + 16, a1);
-            if (nv > 2) store16(out + i + 32, a2);
-            if (nv > 3) store16(out + i + 48, a3);
         }
-        for (int64_t i = d16; i < d; i++) {
-            float acc = 0.0f;
-            for (t = lo; t <= hi; t++) acc += vc[t * d + i] * s[t - lo];
-            out[i] = acc;
+        for (int64_t j = 0; j < nh; j++) {
+            /* each score s = exp(s - mx), summed by lane; the last partial vector through a buffer */
+            float *sj = s[j], *part = J->part + ((h0 + j) * J->blocks + b) * (d + 2);
+            v16 sum16 = {0};
+            int64_t t = 0;
+            for (; t + 16 <= n; t += 16) {
+                const v16 e = exp16(load16(sj + t) - mx[j]);
+                store16(sj + t, e);
+                sum16 += e;
+            }
+            if (t < n) {
+                float tail[16];
+                for (int i = 0; i < 16; i++) tail[i] = t + i < n ? sj[t + i] - mx[j] : -INFINITY;
+                const v16 e = exp16(load16(tail));
+                store16(tail, e);
+                for (int64_t i = 0; t + i < n; i++) sj[t + i] = tail[i];
+                sum16 += e;
+            }
+            part[0] = mx[j];
+            part[1] = hsum16(sum16);
+        }
+        for (int64_t t0 = 0; t0 < n; t0 += sub) {
+            const int64_t nt = n - t0 < sub ? n - t0 : sub;
+            const float *vb = kv_rows(J, J->vc, J->vs, at + t0 * d, nt * d, buf);
+            for (int64_t j = 0; j < nh; j++) {
+                const float *e = s[j] + t0;
+                float *out = J->part + ((h0 + j) * J->blocks + b) * (d + 2) + 2;
+                /* up to 64 elements at a time, so each row of V is read once (not once per 16),
+                   the sums carried from the sub-block before */
+                for (int64_t i = 0; i < d16; i += 64) {
+                    const int64_t nv = d16 - i < 64 ? (d16 - i) / 16 : 4;
+                    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                    if (t0) {
+                        a0 = load16(out + i);
+                        if (nv > 1) a1 = load16(out + i + 16);
+                        if (nv > 2) a2 = load16(out + i + 32);
+                        if (nv > 3) a3 = load16(out + i + 48);
+                    }
+                    const float *v = vb + i;
+                    if (nv == 4) {
+                        for (int64_t t = 0; t < nt; t++, v += d) {
+                            if (prefetch) {
+                                __builtin_prefetch(v + 8 * d, 0, 3);
+                                __builtin_prefetch(v + 8 * d + 16, 0, 3);
+                                __builtin_prefetch(v + 8 * d + 32, 0, 3);
+                                __builtin_prefetch(v + 8 * d + 48, 0, 3);
+                            }
+                            a0 += load16(v) * e[t];
+                            a1 += load16(v + 16) * e[t];
+                            a2 += load16(v + 32) * e[t];
+                            a3 += load16(v + 48) * e[t];
+                        }
+                    } else {
+                        for (int64_t t = 0; t < nt; t++, v += d) {
+                            a0 += load16(v) * e[t];
+                            if (nv > 1) a1 += load16(v + 16) * e[t];
+                            if (nv > 2) a2 += load16(v + 32) * e[t];
+                        }
+                    }
+                    store16(out + i, a0);
+                    if (nv > 1) store16(out + i + 16, a1);
+                    if (nv > 2) store16(out + i + 32, a2);
+                    if (nv > 3) store16(out + i + 48, a3);
+                }
+                for (int64_t i = d16; i < d; i++) {
+                    float acc = t0 ? out[i] : 0.0f;
+                    for (int64_t t = 0; t < nt; t++) acc += vb[t * d + i] * e[t];
+                    out[i] = acc;
+                }
+            }
         }
     }
 }
@@ -388,7 +536,7 @@ static pool_fn attn_task_for(int isa) {
 }
 
 /* One block for the call's R rows: x (R, dim) is their residual stream, pos[r] row r's
-   position, cache[r] its CACHE_WORDS (seq, then k and v per layer), l the layer. Returns
+   position, cache[r] its CACHE_WORDS (the top of the file), l the layer. Returns
    0, -1 when out of memory, or 1 after the attention half of a mixture-of-experts layer
    (m->xn then holds the rows' MoE inputs). */
 static int block(const model_t *m, const int64_t *P, int64_t l, float *x, const int64_t *pos,
@@ -418,19 +566,20 @@ static int block(const model_t *m, const int64_t *P, int64_t l, float *x, const 
             for (int64_t h = 0; h < m->n_heads; h++) rmsnorm(q + h * d, q_norm, q + h * d, d, m->eps);
             for (int64_t h = 0; h < m->n_kv; h++) rmsnorm(k + h * d, k_norm, k + h * d, d, m->eps);
         }
-        const int64_t p = pos[r], seq = cache[r * cw];
+        const int64_t *c = cache + r * cw, p = pos[r], seq = c[0], kind = c[1], group = c[2];
         rope(q, m->n_heads, d, cos_table + p * d, sin_table + p * d);
         rope(k, m->n_kv, d, cos_table + p * d, sin_table + p * d);
-        float *kc = PTR(float *, cache[r * cw + 1 + 2 * l]);
-        float *vc = PTR(float *, cache[r * cw + 2 + 2 * l]);
+        const int64_t *layer = c + 3 + 4 * l; /* k, v, k_scales, v_scales */
+        void *kc = PTR(void *, layer[0]), *vc = PTR(void *, layer[1]);
+        uint16_t *ks = PTR(uint16_t *, layer[2]), *vs = PTR(uint16_t *, layer[3]);
         for (int64_t h = 0; h < m->n_kv; h++) {
-            memcpy(kc + (h * seq + p) * d, k + h * d, (size_t)d * sizeof(float));
-            memcpy(vc + (h * seq + p) * d, v + h * d, (size_t)d * sizeof(float));
+            kv_store((int)kind, group, k + h * d, d, kc, ks, (h * seq + p) * d);
+            kv_store((int)kind, group, v + h * d, d, vc, vs, (h * seq + p) * d);
         }
         const int64_t lo = window && p >= window ? p - window + 1 : 0;
         const int64_t blocks = attn_blocks(p - lo + 1);
         A.row[r] = (attn_job){m, q, m->part + r * m->n_heads * attn_blocks(m->max_seq) * (d + 2),
-                              m->att + r * hd, kc, vc, seq, lo, p, blocks};
+                              m->att + r * hd, kc, vc, ks, vs, seq, kind, group, lo, p, blocks};
         A.first[r + 1] = A.first[r] + m->n_kv * blocks;
         work += (p - lo + 1) * hd;
     }
@@ -479,10 +628,13 @@ static int plan_model(const int64_t *H, long long n_words, long long scratch_n, 
         goto bad;
     const int64_t cw = CACHE_WORDS(m->n_layers);
     for (long long r = 0; r < R; r++) {
-        const int64_t seq = cache[r * cw];
-        if (pos[r] < 0 || pos[r] >= seq || seq > m->max_seq) goto bad;
-        for (int64_t w = 1; w < cw; w++)
-            if (!cache[r * cw + w]) goto bad;
+        const int64_t *c = cache + r * cw, seq = c[0], kind = c[1], group = c[2];
+        if (pos[r] < 0 || pos[r] >= seq || seq > m->max_seq || kind < KV_F32 || kind > KV_INT8 ||
+            (kind == KV_INT8 && (group < 1 || m->head_dim % group)))
+            goto bad;
+        for (int64_t l = 0; l < m->n_layers; l++)
+            for (int w = 0; w < (kind == KV_INT8 ? 4 : 2); w++)
+                if (!c[3 + 4 * l + w]) goto bad;
     }
     m->R = R;
     m->qk_norm_full = (int)H[9];
@@ -532,6 +684,24 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssiz
     Py_END_ALLOW_THREADS;
     if (rc < 0) return PyErr_NoMemory();
     return PyLong_FromLongLong(l);
+}
+
+/* decode_kv_store(x, n, kind, group, cache, scales): n float32 values of x into a cache of
+   `kind` from its first element, as the fused step writes keys and values (for tests
+   against kvcache.py). */
+static PyObject *py_decode_kv_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[6];
+    if (infer_parse_ints(args, nargs, 6, v, "decode_kv_store")) return NULL;
+    const long long n = v[1], kind = v[2], g = v[3];
+    if (!v[0] || !v[4] || n < 0 || kind < KV_F32 || kind > KV_INT8 ||
+        (kind == KV_INT8 && (g < 1 || n % g || !v[5]))) {
+        PyErr_SetString(PyExc_ValueError, "decode_kv_store: bad arguments");
+        return NULL;
+    }
+    kv_store((int)kind, g, PTR(const float *, v[0]), n, PTR(void *, v[4]),
+             PTR(uint16_t *, v[5]), 0);
+    Py_RETURN_NONE;
 }
 
 /* Chosen experts are run this many at a time: their gate and up GEMVs (2 per expert) as
@@ -689,6 +859,8 @@ PyMethodDef infer_decode_methods[] = {
     {"decode_experts", (PyCFunction)(void (*)(void))py_decode_experts, METH_FASTCALL,
      "decode_experts(table, n_rows, ids, weights, k, shared_w, xn, x, rows, dim, sums, "
      "sums_floats, isa, threads, phase): x += a mixture of experts' output for each row"},
+    {"decode_kv_store", (PyCFunction)(void (*)(void))py_decode_kv_store, METH_FASTCALL,
+     "decode_kv_store(x, n, kind, group, cache, scales): n floats into a KV cache's format"},
     {"decode_layout", py_decode_layout, METH_NOARGS,
      "(header words, words per layer, words per linear, experts run at once, attention "
      "block, most rows a call) of the decode plan"},

@@ -33,8 +33,8 @@ It runs models whose compute dtype is float32 and whose every block linear (each
 expert's included) is a quantized format with a C kernel (int8, int6, int4, lut1-4);
 routers stay float, in torch. The plan holds data pointers into the model's tensors, so
 a session builds it again whenever those change; each call passes its rows' caches
-(`cache_words`). A layer whose weights are not in place (streamed from disk: a
-placeholder) makes prepare return None.
+(`cache_words`): float32, bf16 or int8 (kvcache.py), each row's its own. A layer whose
+weights are not in place (streamed from disk: a placeholder) makes prepare return None.
 """
 
 from __future__ import annotations
@@ -97,13 +97,21 @@ def _mlp_words(mlp: nn.Module) -> list[int] | None:
     return words
 
 
+_KV_KINDS = {"f32": 0, "bf16": 1, "int8": 2}  # a cache's kind -> decode.c's KV_*
+
+
 def cache_words(cache: list) -> torch.Tensor:
-    """A sequence's cache (a KVCache per layer) as decode.c reads it: its positions, then
-    each layer's k and v pointers, int64."""
+    """A sequence's cache (kvcache.py: one per layer) as decode.c reads it, int64: its
+    positions, kind and int8 group, then each layer's k, v, k_scale, v_scale pointers
+    (0 for a float cache's scales)."""
+    kind = cache[0].kind
+    tensors = ("k", "v", "k_scale", "v_scale") if kind == "int8" else ("k", "v")
+    words = [cache[0].k.shape[2], _KV_KINDS[kind], cache[0].group]
     for c in cache:
-        if not (_f32(c.k) and _f32(c.v)):
-            raise ValueError("the fused decode step needs float32 contiguous caches")
-    words = [cache[0].k.shape[2]] + [p for c in cache for p in (c.k.data_ptr(), c.v.data_ptr())]
+        ts = [getattr(c, name) for name in tensors]
+        if c.kind != kind or not all(t.is_contiguous() and not t.is_meta for t in ts):
+            raise ValueError("the fused decode step needs contiguous caches of one kind")
+        words += [t.data_ptr() for t in ts] + [0] * (4 - len(ts))
     return torch.tensor(words, dtype=torch.int64)
 
 
@@ -276,12 +284,12 @@ class FusedDecode:
             while j < k and provider.ready(chosen[j][0]):
                 j += 1
             with provider.bound([e for e, _ in chosen[i:j]]) as modules:
-                for r, module in enumerate(modules):
+                for slot, module in enumerate(modules):
                     words = _mlp_words(module)
                     if words is None:
                         raise RuntimeError("an expert the fused decode step cannot run was bound")
-                    rows_np[r] = words
-                    w_np[0, r] = chosen[i + r][1]
+                    rows_np[slot] = words
+                    w_np[0, slot] = chosen[i + slot][1]
                 rows_np[j - i : j - i + len(table)] = table.numpy()
                 phase = (i == 0) | (j == k) << 1
                 n = j - i + len(table)

@@ -24,9 +24,10 @@ from torch import nn
 
 from ...kernels_cpu import ops
 from ...quant.formats.base import QuantLinear
-from . import llama
+from . import kvcache, llama
 from .gemma3_config import Gemma3Args
-from .llama import _LINEARS, KVCache, Rows, rope_rows, rows_apply
+from .kvcache import KVCache
+from .llama import _LINEARS, Rows, rope_rows, rows_apply
 from .rope import rope_inv_freq
 
 
@@ -107,6 +108,7 @@ class Gemma3(nn.Module):
     setup_rope, sanitize, runs_on_kernels)."""
 
     mlp_act = "gelu_tanh"  # the fused step's activation
+    kv_cache = None  # new_cache's default kind, as llama.Transformer's
 
     def __init__(self, args: Gemma3Args):
         super().__init__()
@@ -143,11 +145,12 @@ class Gemma3(nn.Module):
             return self.local_cos, self.local_sin, self.args.sliding_window
         return self.global_cos, self.global_sin, None
 
-    def new_cache(self, max_seq_len: int | None = None) -> list[KVCache]:
+    def new_cache(self, max_seq_len: int | None = None, kind: str | None = None) -> list[KVCache]:
         """An empty KV cache for one sequence (see llama.Transformer.new_cache)."""
         n = min(max_seq_len or self.max_seq_len, self.max_seq_len)
+        kind = kind or self.kv_cache or kvcache.float_kind(self.global_cos.dtype)
         a = self.args
-        return [KVCache(a.n_kv_heads, n, a.head_dim, self.global_cos.dtype) for _ in self.layers]
+        return kvcache.new_cache(kind, len(self.layers), a.n_kv_heads, n, a.head_dim)
 
     def runs_on_kernels(self) -> bool:
         """Whether every projection and the output layer run on the C kernels."""

@@ -6,9 +6,10 @@ ModelArgs fields: qkv bias (Qwen2), q/k RMSNorm (Qwen3), GQA, tied embeddings,
 rope scaling, sliding window.
 
 The model holds weights and rope tables only: a conversation's keys and values are a
-cache (a list of KVCache, one per layer) passed to each forward call, so several
-conversations can share one model (runtime/session.py). A call runs T tokens of one
-sequence, or T rows of several (`Rows`: each sequence's rows attend to its own cache).
+cache (a KVCache per layer, in one of kvcache.py's formats) passed to each forward call,
+so several conversations can share one model (runtime/session.py). A call runs T tokens
+of one sequence, or T rows of several (`Rows`: each sequence's rows attend to its own
+cache).
 Shapes below use T = tokens in this call, S = positions visible to attention.
 """
 
@@ -23,7 +24,9 @@ from torch import nn
 
 from ...kernels_cpu import ops, threads
 from ...quant.formats.base import QuantLinear
+from . import kvcache
 from .config import ModelArgs
+from .kvcache import KVCache
 from .moe import MoE
 from .rope import rope_inv_freq
 
@@ -39,25 +42,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
-
-class KVCache(nn.Module):
-    """Preallocated keys and values for one layer: (1, n_kv_heads, max_seq_len, head_dim)."""
-
-    def __init__(self, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype):
-        super().__init__()
-        shape = (1, n_kv_heads, max_seq_len, head_dim)
-        # Uninitialised: attention reads only positions already written, and pages
-        # are touched (and counted in RSS) only as the context fills.
-        self.register_buffer("k", torch.empty(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.empty(shape, dtype=dtype), persistent=False)
-
-    def update(self, pos: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v (1, n_kv_heads, T, head_dim) at `pos`; return views of [0, pos + T)."""
-        end = pos + k.shape[2]
-        self.k[:, :, pos:end] = k
-        self.v[:, :, pos:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class Rows:
@@ -255,6 +239,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     mlp_act = "silu"  # the fused step's activation
     attn_scale = None  # queries scaled by 1/sqrt(head_dim)
+    kv_cache = None  # new_cache's default kind (the loader's --kv-cache); None: float
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -314,12 +299,14 @@ class Transformer(nn.Module):
         """Layer i's rope tables and sliding window (the fused step's)."""
         return self.rope_cos, self.rope_sin, self.args.sliding_window
 
-    def new_cache(self, max_seq_len: int | None = None) -> list[KVCache]:
+    def new_cache(self, max_seq_len: int | None = None, kind: str | None = None) -> list[KVCache]:
         """An empty KV cache for one sequence of up to `max_seq_len` positions (default and
-        at most the rope tables'), in the compute dtype."""
+        at most the rope tables'), of `kind` (kvcache.KINDS; default `self.kv_cache`, which
+        the loader sets, else the compute dtype's float)."""
         n = min(max_seq_len or self.max_seq_len, self.max_seq_len)
+        kind = kind or self.kv_cache or kvcache.float_kind(self.rope_cos.dtype)
         a = self.args
-        return [KVCache(a.n_kv_heads, n, a.head_dim, self.rope_cos.dtype) for _ in self.layers]
+        return kvcache.new_cache(kind, len(self.layers), a.n_kv_heads, n, a.head_dim)
 
     def runs_on_kernels(self) -> bool:
         """Whether the C kernels run every matmul but the routers': every projection and

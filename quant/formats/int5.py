@@ -33,8 +33,9 @@ from typing import ClassVar
 import torch
 
 from ... import InferError
+from ...kernels_cpu import ops as kernels
 from ...kernels_cpu.reference import dequantize_int5
-from .base import QuantLinear, register
+from .base import KernelWeights, QuantLinear, register
 from .fit import check_group_size, check_params, check_weight, fit_groups
 from .int4 import pack_nibbles
 
@@ -113,3 +114,12 @@ class Int5Linear(QuantLinear):
         if rows is not None:
             t = tuple(None if v is None else v[rows] for v in t)
         return dequantize_int5(*t)
+
+    def kernel_weights(self) -> KernelWeights:
+        return KernelWeights(5, QK, self.qweight, self.scales, self.mins, self.qh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            y = kernels.q5_matmul(x, self.qweight, self.qh, self.scales, self.mins)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)

@@ -103,6 +103,14 @@ def int4_gemv_fifteen_bits(isa: str | None = None) -> bool:
     return _C.isa_int4_digits(_default_isa() if isa is None else _isa_id(isa))
 
 
+def int5_gemv_fifteen_bits(isa: str | None = None) -> bool:
+    """As int4_gemv_fifteen_bits, for int5 weights: the x86 paths (NEON runs int5's GEMV
+    in float32, in plain C)."""
+    if _C is None:
+        return False
+    return _C.isa_int5_digits(_default_isa() if isa is None else _isa_id(isa))
+
+
 def get_num_threads() -> int:
     """The kernels' thread count now (threads.ThreadPolicy sets it for a pass)."""
     return kernel_threads()
@@ -204,6 +212,36 @@ def q4_matmul(x, qweight, scales, mins, group_size: int, *, isa=None, threads=No
         return reference.q4_matmul(x, qweight, scales, mins, g)
     ptrs = (qweight.data_ptr(), scales.data_ptr(), 0 if mins is None else mins.data_ptr())
     return _launch(_C.q4_matmul, x, K, N, ptrs, g, isa, threads)
+
+
+def q5_matmul(x, qweight, qh, scales, mins, *, isa=None, threads=None):
+    """y (..., N) = x (..., K) W^T for int5 W (quant/formats/int5.py): qweight uint8 (N, K/2),
+    qh uint8 (N, K/8), scales and mins float16 (N, K/32); mins None when symmetric.
+    x float32. isa, threads: as q8_matmul."""
+    if not (qweight.dtype is torch.uint8 and qweight.dim() == 2 and qweight.is_cpu
+            and qweight.is_contiguous() and qweight.shape[1] % 16 == 0):  # fmt: skip
+        _fail("q5_matmul", "qweight", qweight, "uint8 (N, K/2), K a multiple of 32")
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    if not (qh.dtype is torch.uint8 and qh.shape == (N, K // 8) and qh.is_cpu
+            and qh.is_contiguous()):  # fmt: skip
+        _fail("q5_matmul", "qh", qh, f"uint8 {(N, K // 8)}")
+    shape = (N, K // 32)
+    for name, t in (("scales", scales), ("mins", mins)):
+        if (t is not None or name == "scales") and not (
+            t is not None and t.dtype is torch.float16 and t.shape == shape and t.is_cpu
+            and t.is_contiguous()
+        ):  # fmt: skip
+            _fail("q5_matmul", name, t, f"float16 {shape}")
+    if not _x_ok(x, K):
+        _x_fail("q5_matmul", x, K)
+    if _C is None:
+        _warn_missing()
+        return reference.q5_matmul(x, qweight, qh, scales, mins)
+    ptrs = (
+        qweight.data_ptr(), qh.data_ptr(), scales.data_ptr(),
+        0 if mins is None else mins.data_ptr(),
+    )  # fmt: skip
+    return _launch(_C.q5_matmul, x, K, N, ptrs, 32, isa, threads)
 
 
 def q6_matmul(x, qweight, *, isa=None, threads=None):

@@ -1,7 +1,7 @@
 """The kernels' definitions in plain torch: what the C computes, up to summation order.
 
 Each function dequantizes W exactly as its format defines it (quant/formats/int8.py,
-quant/formats/int4.py: one float32 product, then a separate sum; quant/formats/int6.py: exact products)
+quant/formats/int4.py, int5.py: one float32 product, then a separate sum; quant/formats/int6.py: exact products)
 and computes y = x W^T in float32. The LUT kernel's reference (lut_matmul) is its
 int8-table arithmetic instead; lut_matmul_exact is the format's product. Kept free of
 imports from quant/, which routes its forwards through this package.
@@ -38,6 +38,24 @@ def dequantize_int4(qweight, scales, mins, group_size: int) -> torch.Tensor:
     return w.view(N, K)
 
 
+def unpack_int5(qweight: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) nibbles (int4's order) and (N, K/8) high bits -> codes (N, K) uint8 in
+    0..31: element j of a block of 32 takes bit j of its block's little-endian uint32."""
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    shifts = torch.arange(8, dtype=torch.uint8)
+    hi = (qh.view(N, K // 32, 4, 1) >> shifts) & 1  # (N, K/32, byte, bit)
+    return unpack_int4(qweight) | (hi.view(N, K) << 4)
+
+
+def dequantize_int5(qweight, qh, scales, mins) -> torch.Tensor:
+    """int5 g32: symmetric (q - 16) * d (Q5_0), asymmetric q * d + m (Q5_1)."""
+    N, K = qweight.shape[0], 2 * qweight.shape[1]
+    q = unpack_int5(qweight, qh).view(N, K // 32, 32).float()
+    d = scales.float().unsqueeze(-1)
+    w = (q - 16) * d if mins is None else q * d + mins.float().unsqueeze(-1)
+    return w.view(N, K)
+
+
 def unpack_int6(qweight: torch.Tensor):
     """(N, K/256*210) uint8 blocks (GGUF Q6_K's) -> codes (N, K) uint8 in 0..63, sc
     (N, K/16) int8 and d (N, K/256) float16. Per half h of a block and i < 32: ql[i] and
@@ -71,6 +89,11 @@ def q8_matmul(x, qweight, scales, group_size: int) -> torch.Tensor:
 def q4_matmul(x, qweight, scales, mins, group_size: int) -> torch.Tensor:
     """x (..., K) float32 -> (..., N): x W^T with W int4 (mins None: symmetric)."""
     return F.linear(x, dequantize_int4(qweight, scales, mins, group_size))
+
+
+def q5_matmul(x, qweight, qh, scales, mins) -> torch.Tensor:
+    """x (..., K) float32 -> (..., N): x W^T with W int5 (mins None: symmetric)."""
+    return F.linear(x, dequantize_int5(qweight, qh, scales, mins))
 
 
 def q6_matmul(x, qweight) -> torch.Tensor:

@@ -90,9 +90,11 @@ def quantized(hf_dirs, arch: str, recipe: str, **overrides):
     "arch, recipe, overrides",
     [("llama", "int8", {}), ("llama", "int8", {"group_size": 0}),
      ("llama", "int4", {"symmetric": True}), ("llama", "int4", {"symmetric": False}),
+     ("llama", "int5", {"symmetric": True}), ("llama", "int5", {"symmetric": False}),
      ("llama", "lut2", {"group_size": 32}), ("llama", "lut3", {}), ("llama", "lut2_m", {}),
      ("qwen2", "int8", {}), ("qwen3", "int4", {}), ("mistral", "int8", {}),
-     ("mixtral", "int8", {}), ("qwen2_moe", "int4", {}), ("olmoe", "lut2_m", {})],
+     ("mixtral", "int8", {}), ("qwen2_moe", "int4", {}), ("qwen2_moe", "int5", {}),
+     ("olmoe", "lut2_m", {})],
 )  # fmt: skip
 def test_rows_equal_alone_on_the_fused_step(hf_dirs, arch, recipe, overrides):
     model = quantized(hf_dirs, arch, recipe, **overrides)

@@ -47,7 +47,8 @@ def fused_step(model):
 @pytest.mark.parametrize(
     "recipe, overrides",
     [("int8", {}), ("int8", {"group_size": 0}), ("int4", {"symmetric": True}),
-     ("int4", {"symmetric": False}), ("lut2", {"group_size": 32}), ("lut3", {}),
+     ("int4", {"symmetric": False}), ("int5", {"symmetric": True}),
+     ("int5", {"symmetric": False}), ("lut2", {"group_size": 32}), ("lut3", {}),
      ("lut2_m", {"group_size": 32})],  # lut2 q beside lut3 k, v: tables shared across bits
 )  # fmt: skip
 def test_fused_equals_blocks(hf_dirs, arch, recipe, overrides):
@@ -73,6 +74,23 @@ def test_fused_runs_int6(tmp_path):
     ref = decode_logits(model, fused=False)
     got = decode_logits(model, fused=True)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_fused_runs_int5_beside_int4(hf_dirs):
+    """int5 k and v beside int4 q, o and MLP, as a Q5_0 / Q4_0 GGUF file loads: one
+    q_gemv_many job shares x's digits across the two formats; the fused step's logits
+    and greedy tokens are the blocks'."""
+    from infer.quant.formats.int5 import Int5Linear
+
+    model = load_model(hf_dirs / "qwen2", max_seq_len=64).model
+    int4 = {"format": "int4", "group_size": 32, "symmetric": True}
+    int5 = {"format": "int5", "symmetric": True}
+    quantize_model(model, lambda name: int5 if name.endswith(("k_proj", "v_proj")) else int4)
+    assert any(type(m) is Int5Linear for m in model.modules())
+    ref = decode_logits(model, fused=False)
+    got = decode_logits(model, fused=True)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
 @pytest.mark.parametrize("arch", sorted(MOE_ARCHS))  # olmoe: q/k norms over the projection

@@ -489,12 +489,46 @@ def test_quantized_blocks_run_on_the_kernels(tmp_path, arch, embed, output):
     assert not any("Quant" in type(m).__name__ for m in bf16.modules())
 
 
+def test_q5_blocks_run_as_int5_in_the_fused_step(tmp_path):
+    """Q5_0 / Q5_1 weights load as int5 with the file's bits (dequantize() equal to
+    gguf's); the fused decode step gives the torch path's logits and greedy tokens."""
+    from infer.quant.formats.int5 import Int5Linear
+    from infer.runtime.files.build import build
+    from infer.runtime.files.sources import open_source
+
+    qtypes = (T.Q5_0, T.Q5_1, T.Q4_0)
+    path, _ = tiny_model(tmp_path / "m.gguf", "qwen2", False, qtypes=qtypes, embed=T.Q8_0)
+    lm = build(open_source(path), torch.float32, 64)
+    ref = build(open_source(path), torch.float32, 64, dequantize=True)
+    for i in (0, 1):
+        q = lm.layers[i].mlp.down_proj
+        assert type(q) is Int5Linear and q.symmetric == (i == 0)
+        assert torch.equal(q.dequantize(), ref.layers[i].mlp.down_proj.weight)
+
+    def greedy(fused: bool, n: int = 8):
+        session = Session(lm)
+        assert session.fused is not None
+        if not fused:
+            session.fused = None  # Block.forward in torch, each linear its kernel
+        logits = session.prefill([3, 17, 5, 22, 9])
+        out = []
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            logits = session.step(out[-1])
+        return out, logits
+
+    (tokens, last), (want, want_last) = greedy(True), greedy(False)
+    assert tokens == want
+    torch.testing.assert_close(last, want_last, atol=1e-4 * want_last.abs().max(), rtol=0)
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.Q5_0, T.Q5_1])
 def test_other_types_go_onto_the_kernels_closely(qtype):
-    """Q6_K's blocks are int6's as they are; Q4_K keeps its codes in int4 g32 (scales and
-    mins rounded to float16); the other types are held in int8 g32, within half an int8
-    step of their values."""
+    """Q6_K's blocks are int6's, Q5_0's and Q5_1's int5's, as they are; Q4_K and Q5_K
+    keep their codes in int4 and int5 g32 (scales and mins rounded to float16); the other
+    types are held in int8 g32, within half an int8 step of their values."""
     from infer.quant.formats.int4 import Int4Linear
+    from infer.quant.formats.int5 import Int5Linear
     from infer.quant.formats.int6 import Int6Linear
     from infer.quant.formats.int8 import Int8Linear
     from infer.runtime.files import hugepages
@@ -520,9 +554,14 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
         moved = not any(b.untyped_storage().resizable() for b in held)
         assert moved == (qtype != T.Q6_K)  # Q6_K's blocks stay where they are
     err = (q.dequantize() - expected).abs()
-    if qtype == T.Q6_K:
-        assert type(q) is Int6Linear and torch.equal(q.dequantize(), expected)
+    if qtype in (T.Q6_K, T.Q5_0, T.Q5_1):
+        assert type(q) is (Int6Linear if qtype == T.Q6_K else Int5Linear)
+        assert torch.equal(q.dequantize(), expected)
         assert q.nbytes == t.nbytes
+    elif qtype == T.Q5_K:
+        assert type(q) is Int5Linear and (q.group_size, q.mins is not None) == (32, True)
+        bound = 2**-11 * (31 * q.scales.float().abs().max() + q.mins.float().abs().max())
+        assert err.max() <= bound  # a wrong code would be a whole step off
     elif qtype == T.Q4_K:
         assert type(q) is Int4Linear and (q.group_size, q.mins is not None) == (32, True)
         bound = 2**-11 * (15 * q.scales.float().abs().max() + q.mins.float().abs().max())

@@ -2,7 +2,7 @@
 
 Each format's `dequantize` is its definition; these tests pin the packed layouts the C
 kernels read, check every element's error against the format's bound (half a step of its
-group), and check that GGUF Q8_0/Q6_K/Q4_0/Q4_1 blocks import bit for bit.
+group), and check that GGUF Q8_0/Q6_K/Q5_0/Q5_1/Q4_0/Q4_1 blocks import bit for bit.
 """
 
 import gguf
@@ -14,10 +14,11 @@ from tiny import random_blocks
 
 from infer import InferError
 from infer.kernels_cpu import ops
-from infer.kernels_cpu.reference import lut_table_error_bound, unpack_int6
+from infer.kernels_cpu.reference import lut_table_error_bound, unpack_int5, unpack_int6
 from infer.quant.formats.base import FORMATS
 from infer.quant.formats.fit import GroupSizeError, importance
 from infer.quant.formats.int4 import pack_nibbles, unpack_nibbles
+from infer.quant.formats.int5 import pack_high_bits
 from infer.quant.formats.int6 import pack_blocks
 from infer.quant.formats.lut import pack_planes, unpack_planes
 from infer.runtime.files.gguf import GGUFFile
@@ -33,6 +34,8 @@ CASES = [
     ("int4", {"group_size": 32, "symmetric": False}),
     ("int4", {"group_size": 64, "symmetric": False}),
     ("int4", {"group_size": 128, "symmetric": True}),
+    ("int5", {"group_size": 32, "symmetric": True}),
+    ("int5", {"group_size": 32, "symmetric": False}),
     ("lut1", {"group_size": 64}),
     ("lut2", {"group_size": 64}),
     ("lut3", {"group_size": 32}),
@@ -142,6 +145,11 @@ def test_tensor_shapes_and_bits(fmt, params):
         assert t["qweight"].dtype == torch.uint8 and t["qweight"].shape == (N, K // 2)
         assert t["scales"].dtype == torch.float16 and t["scales"].shape == (N, K // g)
         assert ("mins" in t) == (not params["symmetric"])
+    elif fmt == "int5":
+        assert t["qweight"].dtype == torch.uint8 and t["qweight"].shape == (N, K // 2)
+        assert t["qh"].dtype == torch.uint8 and t["qh"].shape == (N, K // 8)
+        assert t["scales"].dtype == torch.float16 and t["scales"].shape == (N, K // g)
+        assert ("mins" in t) == (not params["symmetric"])
     else:
         bits = int(fmt[3])
         assert t["qweight"].dtype == torch.uint8 and t["qweight"].shape == (bits, N, K // 8)
@@ -156,6 +164,8 @@ def test_bits_per_weight():
     assert bpw("int8", group_size=32) == 8.5  # as Q8_0: 34 bytes per 32
     assert bpw("int4", symmetric=True) == 4.5  # as Q4_0: 18 bytes per 32
     assert bpw("int4", symmetric=False) == 5.0  # as Q4_1: 20 bytes per 32
+    assert bpw("int5", symmetric=True) == 5.5  # as Q5_0: 22 bytes per 32
+    assert bpw("int5", symmetric=False) == 6.0  # as Q5_1: 24 bytes per 32
     assert bpw("lut2") == 2.5 and bpw("lut3") == 3.5 and bpw("lut1") == 1.5
 
 
@@ -246,7 +256,7 @@ def test_forward_is_matmul_with_dequantized(fmt, params):
             # the LUT kernel's int8 activation tables: within their bound
             bound = lut_table_error_bound(x, q.scales, q.bits, q.group_size)
             assert ((q(x) - want).abs() <= bound + 1e-4 * want.abs() + 1e-4).all()
-        elif fmt == "int4" and ops.int4_gemv_fifteen_bits():
+        elif fmt in ("int4", "int5") and ops.int4_gemv_fifteen_bits():
             # decode's x as the integer GEMM's two digits (15 bits a block): its bound
             bound = ops.integer_gemm_error(x.reshape(-1, 256), q.dequantize()).view(want.shape)
             assert ((q(x) - want).abs() <= bound + 1e-5 * want.abs() + 1e-4).all()
@@ -293,6 +303,57 @@ def test_bad_shapes_and_params():
         FORMATS["int4"].from_tensors(q.tensors(), {"symmetric": True})
     with pytest.raises(InferError, match="planes"):
         FORMATS["lut3"].from_tensors(FORMATS["lut2"].from_float(torch.randn(4, 64)).tensors(), {})
+
+
+# ---------------------------------------------------------------------------------------
+# int5: GGUF Q5_0's and Q5_1's blocks
+# ---------------------------------------------------------------------------------------
+
+
+def q5_blocks(qtype: T, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """(N, K/32, bytes) random Q5_0 / Q5_1 blocks, d (and m) sane float16."""
+    rng = np.random.default_rng(seed)
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    data = rng.integers(0, 256, (N, K // 32, size), dtype=np.uint8)
+    for at in (0, 2) if qtype == T.Q5_1 else (0,):
+        v = rng.uniform(-2e-2, 2e-2, (N, K // 32)).astype(np.float16)
+        data[..., at : at + 2] = v.view(np.uint8).reshape(N, K // 32, 2)
+    return data
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1])
+def test_int5_blocks_are_q5(qtype):
+    """Any Q5_0 / Q5_1 block bytes split into int5's columns (no bit changed) dequantize
+    as gguf-py does, bit for bit: (q - 16) * d and q * d + m, one product then the sum."""
+    N, K = 5, 96
+    b = torch.from_numpy(q5_blocks(qtype, N, K))
+    at = 4 if qtype == T.Q5_1 else 2  # qh after d (and m), then qs
+    half = lambda i: b[..., i : i + 2].contiguous().view(torch.float16).view(N, K // 32)
+    tensors = {
+        "qweight": b[..., at + 4 :].reshape(N, K // 2),
+        "qh": b[..., at : at + 4].reshape(N, K // 8),
+        "scales": half(0),
+    }
+    if qtype == T.Q5_1:
+        tensors["mins"] = half(2)
+    q = FORMATS["int5"].from_tensors(tensors, {"symmetric": qtype == T.Q5_0})
+    want = gguf.quants.dequantize(b.numpy().reshape(N, -1), qtype)
+    assert torch.equal(q.dequantize(), torch.from_numpy(want))
+    codes = unpack_int5(q.qweight, q.qh)
+    assert torch.equal(pack_nibbles(codes & 15), q.qweight)
+    assert torch.equal(pack_high_bits(codes), q.qh)
+
+
+def test_int5_bad_input():
+    with pytest.raises(InferError, match="group_size"):
+        FORMATS["int5"].from_float(torch.randn(4, 64), group_size=64)
+    with pytest.raises(GroupSizeError):
+        FORMATS["int5"].from_float(torch.randn(4, 48))
+    q = FORMATS["int5"].from_float(torch.randn(4, 64), symmetric=True)
+    with pytest.raises(InferError, match="qh"):
+        FORMATS["int5"].from_tensors({**q.tensors(), "qh": q.qh[:, :4]}, q.params)
+    with pytest.raises(InferError, match="mins"):
+        FORMATS["int5"].from_tensors(q.tensors(), {"symmetric": False})
 
 
 # ---------------------------------------------------------------------------------------

@@ -385,6 +385,83 @@ Q4_GEMV_DIGITS(q4_gemv_digits, TARGET_AVX2, DOT2_MADD)
 Q4_GEMV_DIGITS(q4_gemv_digits_vnni, TARGET_AVX2_VNNI, DOT2_VNNI)
 
 /* ------------------------------------------------------------------------------------
+ * int5 GEMV on x as int4's digits (same layout, q4_xprep): the nibbles as int4's, with
+ * 16 ORed into each code whose qh bit is set; codes <= 31, so vpmaddubsw's pairs stay
+ * within int16 (4 * 31 * 128 after DOT2_MADD's add). Groups of 32: a chunk's two blocks.
+ * ---------------------------------------------------------------------------------- */
+
+/* 16 where bit j of the chunk's qh (8 bytes in every 64-bit lane of h) is set, for the
+ * 32 codes whose qh bytes `idx` picks: byte i of each 128-bit lane tests bit i % 8. */
+TI __m256i q5_high(__m256i h, __m256i idx) {
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(h, idx), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+
+#define Q5_GEMV_DIGITS(NAME, TARGET, DOT2)                                                       \
+    /* sum over chunk c of q * X, per dword lane (8 elements of block 2c + lane / 4) */         \
+    TARGET static inline __attribute__((always_inline)) __m256i NAME##_chunk(                   \
+        const uint8_t *q, const uint8_t *qh, const int8_t *xd, int64_t KB, int64_t c) {         \
+        const __m256i *xc = (const __m256i *)(xd + c * CHUNK_BYTES);                            \
+        const __m256i m4 = _mm256_set1_epi8(0x0f);                                              \
+        /* lanes: block 2c's low (high) 16 codes, then block 2c + 1's: qh bytes 0-1 (2-3) of  \
+         * each block, the blocks' qh at bytes 0-3 and 4-7 */                                    \
+        const __m256i lo_idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, \
+                                                4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5); \
+        const __m256i hi_idx = _mm256_add_epi8(lo_idx, _mm256_set1_epi8(2));                    \
+        const uint8_t *qc = q + 32 * c;                                                         \
+        if (!(c & 1)) PREFETCH_STREAM_L1(qc); /* once per 64 bytes */                              \
+        if (!(c & 7)) PREFETCH_STREAM_L1(qh + 8 * c);                                           \
+        const int full = KB - 32 * c >= 32;                                                     \
+        __m256i w = full ? _mm256_loadu_si256((const __m256i *)qc)                              \
+                         : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)qc));         \
+        int64_t hb = full ? 0 : (int64_t)(uint32_t)load_i32(qh + 8 * c);                        \
+        if (full) memcpy(&hb, qh + 8 * c, 8);                                                   \
+        const __m256i h = _mm256_set1_epi64x(hb);                                               \
+        __m256i lo = _mm256_or_si256(_mm256_and_si256(w, m4), q5_high(h, lo_idx));              \
+        __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4),            \
+                                     q5_high(h, hi_idx));                                       \
+        __m256i t = DOT2(_mm256_setzero_si256(), lo, xc[0], hi, xc[1]);                         \
+        return DOT2(_mm256_slli_epi32(t, 8), lo, xc[2], hi, xc[3]);                             \
+    }                                                                                           \
+    TARGET static void NAME(const qmat *a, int64_t n0, int64_t n1) {                            \
+        const int64_t K = a->K, KB = K / 2, G = K / 32, C = (K + CHUNK - 1) / CHUNK;            \
+        const int8_t *xd = a->xq;                                                               \
+        const float *lanes = (const float *)(xd + C * CHUNK_BYTES);                             \
+        const __m256i gidx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);                         \
+        for (int64_t n = n0; n < n1; n++) {                                                     \
+            const uint8_t *q = (const uint8_t *)a->qw + n * KB, *qh = a->qh + n * (K / 8);      \
+            const uint16_t *s = (const uint16_t *)a->scales + n * G;                            \
+            __m256 acc[ACC];                                                                    \
+            for (int i = 0; i < ACC; i++) acc[i] = _mm256_setzero_ps();                         \
+            /* chunks in turn to ACC accumulators, the last C % ACC to the first */            \
+            for (int64_t c = 0; c < C; c += ACC) {                                              \
+                const int u_end = C - c < ACC ? (int)(C - c) : ACC;                             \
+                for (int u = 0; u < ACC; u++) {                                                 \
+                    if (u >= u_end) break;                                                      \
+                    const int64_t cu = c + u;                                                   \
+                    int32_t h2 = s[2 * cu]; /* the chunk's two scales */                        \
+                    if (KB - 32 * cu >= 32) h2 |= (int32_t)s[2 * cu + 1] << 16;                 \
+                    __m256 d = _mm256_permutevar8x32_ps(                                        \
+                        _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(h2))), gidx);      \
+                    __m256 f = _mm256_cvtepi32_ps(NAME##_chunk(q, qh, xd, KB, cu));             \
+                    __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(lanes + 8 * cu));           \
+                    if (u_end == ACC)                                                           \
+                        acc[u] = _mm256_fmadd_ps(f, scale, acc[u]);                             \
+                    else                                                                        \
+                        acc[0] = _mm256_fmadd_ps(f, scale, acc[0]);                             \
+                }                                                                               \
+            }                                                                                   \
+            a->y[n] = hsum_acc(acc) +                                                           \
+                      group_offset((a->mins ? a->mins : (const uint16_t *)a->scales) + n * G,   \
+                                   G, a->xsum);                                                 \
+        }                                                                                       \
+    }
+
+Q5_GEMV_DIGITS(q5_gemv_digits, TARGET_AVX2, DOT2_MADD)
+Q5_GEMV_DIGITS(q5_gemv_digits_vnni, TARGET_AVX2_VNNI, DOT2_VNNI)
+
+/* ------------------------------------------------------------------------------------
  * int8 GEMV on x as int8 digits (AVX-VNNI only: vpmaddubsw's int16 pairs overflow on
  * 8-bit weights). x in avx512.c's layout (kernels.h XPREP8_BYTES): per 64 elements three
  * 64-byte digit vectors, 16 lane scales, and per block of 32 its -128 sx sum X. Here a
@@ -615,6 +692,33 @@ T void q4_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
     }
 }
 
+/* int5 (groups of 32): int4's widening, bit 4 of each code from its block's qh. */
+T void q5_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t K = a->K, G = K / 32;
+    const __m256i sixteen = _mm256_set1_epi32(16), one = _mm256_set1_epi32(1);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *q = (const uint8_t *)a->qw + n * (K / 2), *qh = a->qh + n * (K / 8);
+        const uint16_t *s = (const uint16_t *)a->scales + n * G;
+        const uint16_t *mn = a->mins ? a->mins + n * G : NULL;
+        for (int64_t b = 0; b < G; b++, w += 32) {
+            const __m256 d = bcast_half(s + b);
+            const __m256 m = mn ? bcast_half(mn + b) : _mm256_setzero_ps();
+            const __m256i h = _mm256_set1_epi32(load_i32(qh + 4 * b));
+            __m256i c[4];
+            widen_i4(q + 16 * b, c); /* elements 8i .. 8i + 7 */
+            for (int i = 0; i < 4; i++) {
+                const __m256i bit = _mm256_and_si256(
+                    _mm256_srlv_epi32(h, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * i))), one);
+                const __m256i code = _mm256_or_si256(c[i], _mm256_slli_epi32(bit, 4));
+                const __m256 v = mn ? _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(code), d), m)
+                                    : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(code, sixteen)), d);
+                _mm256_storeu_ps(w + 8 * i, v);
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------------------
  * Float tile
  * ---------------------------------------------------------------------------------- */
@@ -786,10 +890,21 @@ TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const flo
 const kernel_table kernels_avx2 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
     .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits,
+    .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .q5_dequant = q5_dequant,
 };
 const kernel_table kernels_avx2_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni,
+    .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits_vnni, .q5_dequant = q5_dequant,
 };
+
+/* For the AVX-512 tables (kernels.h): their CPUs run this AVX2 code. */
+TARGET_AVX2 int avx2_q4_xprep(const float *x, int64_t K, void *buf) { return q4_xprep(x, K, buf); }
+TARGET_AVX2 void avx2_q5_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
+    q5_gemv_digits(a, n0, n1);
+}
+TARGET_AVX2 void avx2_q5_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    q5_dequant(a, n0, n1, w);
+}
 
 #endif

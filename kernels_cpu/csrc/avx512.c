@@ -878,10 +878,14 @@ TARGET_AVX512_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const f
 const kernel_table kernels_avx512 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
     .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits, .q6_dequant = q6_dequant,
+    .q5_xprep = avx2_q4_xprep, .q5_gemv_digits = avx2_q5_gemv_digits,
+    .q5_dequant = avx2_q5_dequant, /* avx2.c's: no AVX-512 int5 code */
 };
 const kernel_table kernels_avx512_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni, q6_dequant,
+    avx2_q4_xprep, avx2_q5_gemv_digits, avx2_q5_dequant, /* avx2.c's (vpmaddubsw: no
+                                                          * AVX-VNNI on these CPUs) */
 };
 
 #endif

@@ -29,8 +29,9 @@
             (0: none), rope_cos, rope_sin (float32 (max_seq, head_dim)), window (0: none);
             every norm weight w as out = w * normed x (Gemma's 1 + w already added), then
             7 linears q k v o gate up down,
-            each LIN = 8 words: kind (8 int8, 6 int6, 4 int4, -1..-4 = -bits for lut), qweight,
-            scales, mins (0: none), bias (float32, 0: none), N, K, g
+            each LIN = 9 words: kind (8 int8, 6 int6, 5 int5, 4 int4, -1..-4 = -bits for lut),
+            qweight, scales, mins (0: none), bias (float32, 0: none), N, K, g, qh (int5's
+            high bits; else 0)
 
    Each call also takes, per row, its position and its sequence's cache (runtime/model/
    kvcache.py has the formats), CACHE_WORDS(n_layers) words a row: seq (positions the
@@ -59,7 +60,7 @@
 #include "binding.h"
 #include "kernels.h"
 
-enum { HEADER = 13, LIN = 8, LAYER = 9 + 7 * LIN };
+enum { HEADER = 13, LIN = 9, LAYER = 9 + 7 * LIN };
 #define CACHE_WORDS(n_layers) (3 + 4 * (n_layers))
 enum { KV_F32, KV_BF16, KV_INT8 }; /* a cache's kind (its second word) */
 enum { L_Q, L_K, L_V, L_O, L_GATE, L_UP, L_DOWN };
@@ -96,7 +97,7 @@ static float bits_to_float(int64_t b) {
 #define PTR(T, w) ((T)(intptr_t)(w))
 
 /* y[i] = W_i x[i] (+ bias_i) for n <= Q_GEMV_MANY_MAX linears of the plan, x[i] (M_i, K_i)
-   and y[i] (M_i, N_i), M_i = rows[i] (rows NULL: the call's R rows each): one pool job when all are int8/int6/int4 (q_gemv_many; linears
+   and y[i] (M_i, N_i), M_i = rows[i] (rows NULL: the call's R rows each): one pool job when all are int8/int6/int5/int4 (q_gemv_many; linears
    sharing an x quantize it once) or all lut (lut_gemv_many; linears sharing an x share
    its tables), else one such job a linear. Returns 0, or -1 when out of memory. */
 static int linears_each(int n, const int64_t *const *L, const float *const *x,
@@ -113,7 +114,7 @@ static int linears_each(int n, const int64_t *const *L, const float *const *x,
         a[i] = (qmat){.x = x[i], .qw = PTR(const void *, L[i][1]),
                       .scales = PTR(const void *, L[i][2]), .mins = PTR(const uint16_t *, L[i][3]),
                       .y = y[i], .M = rows ? rows[i] : m->R, .N = L[i][5], .K = L[i][6],
-                      .g = L[i][7]};
+                      .g = L[i][7], .qh = PTR(const uint8_t *, L[i][8])};
         la[i] = (lut_gemv){x[i], PTR(const uint8_t *, L[i][1]), PTR(const uint16_t *, L[i][2]),
                            PTR(const uint16_t *, L[i][3]), y[i], a[i].M, L[i][5], L[i][6],
                            (int)-L[i][0], (int)L[i][7]};

@@ -150,6 +150,15 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  *      d sc (-32 sx sum X) (xsum, from the same digits). Without them (x with inf or NaN,
  *      or a path with no digits) it runs q6_gemv_c in float. The GEMM dequantizes tiles
  *      (q6_dequant_c; no integer GEMM: its scales are per 32).
+ *
+ * int5 (quant/formats/int5.py, GGUF Q5_0 / Q5_1's blocks split into columns): qw uint8
+ *      (N, K/2) int4's nibbles, qh uint8 (N, K/8) per block of 32 a little-endian uint32
+ *      whose bit j is element j's bit 4, scales (and mins) float16 (N, K/32), g = 32;
+ *      symmetric w = (q - 16) * d, asymmetric w = q * d + m. The GEMV runs as int4's on
+ *      x's two digits (the same layout and xprep; 2 * 31 * 128 still fits vpmaddubsw's
+ *      int16 pairs), each code ORed with 16 where its qh bit is set, the -16 d (or m)
+ *      term from the group sums; without digits (x with inf or NaN, or a path with
+ *      none) q5_gemv_c in float. The GEMM dequantizes tiles (no integer GEMM).
  * ---------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -163,6 +172,7 @@ typedef struct {
                            * int8 digit path: per group (one when g == 0), -128 sx sum X;
                            * int6 digit path: per 16, -32 sx sum X */
     const void *xq;       /* GEMV, digit paths: x[0] as digits and scales (xprep_fn) */
+    const uint8_t *qh;    /* int5: high bits (N, K/8), else NULL */
 } qmat;
 
 /* One instruction set's kernels. Each computes the columns [n0, n1) of y. */
@@ -275,6 +285,9 @@ typedef struct {
     xprep_fn q6_xprep;      /* NULL: the path has no int6 digit GEMV; else x in XPREP8 */
     gemv_fn q6_gemv_digits;
     dequant_fn q6_dequant;  /* NULL: q6_dequant_c */
+    xprep_fn q5_xprep;      /* NULL: the path has no int5 digit GEMV; else q4_xprep's layout */
+    gemv_fn q5_gemv_digits;
+    dequant_fn q5_dequant;  /* NULL: q5_dequant_c */
 } kernel_table;
 
 /* int6 in plain C (scalar.c), every path's fallback: the GEMV in float32 (x with inf or
@@ -282,6 +295,10 @@ typedef struct {
 void q6_gemv_c(const qmat *a, int64_t n0, int64_t n1);
 void q6_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
 enum { Q6_BLOCK = 256, Q6_BLOCK_BYTES = 210 };
+/* int5 in plain C (scalar.c), every path's fallback as int6's: the float GEMV (a->xsum:
+ * per group -16 sum x, or sum x with mins) and the GEMM's dequantization. */
+void q5_gemv_c(const qmat *a, int64_t n0, int64_t n1);
+void q5_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
 /* Bytes of one row of W: K * bits / 8, or int6's blocks. */
 static inline int64_t q_row_bytes(int bits, int64_t K) {
     return bits == 6 ? K / Q6_BLOCK * Q6_BLOCK_BYTES : K * bits / 8;
@@ -291,6 +308,10 @@ extern const kernel_table kernels_scalar;
 #ifdef INFER_X86
 extern const kernel_table kernels_avx2, kernels_avx2_vnni;
 extern const kernel_table kernels_avx512, kernels_avx512_vnni;
+/* avx2.c's int5 kernels, which the AVX-512 tables use too (no AVX-512 int5 code). */
+int avx2_q4_xprep(const float *x, int64_t K, void *buf);
+void avx2_q5_gemv_digits(const qmat *a, int64_t n0, int64_t n1);
+void avx2_q5_dequant(const qmat *a, int64_t n0, int64_t n1, float *w);
 #endif
 #if defined(__aarch64__)
 extern const kernel_table kernels_neon, kernels_neon_dot;
@@ -310,13 +331,13 @@ static inline int gemv_threads(int64_t bytes, int nthreads) {
     return nthreads > most ? (most > 1 ? (int)most : 1) : nthreads;
 }
 
-/* The drivers (matmul.c): split over output rows, run on the pool. bits is 8, 6 or 4.
+/* The drivers (matmul.c): split over output rows, run on the pool. bits is 8, 6, 5 or 4.
  * Returns 0, or -1 when out of memory. */
 int q_matmul(int bits, const qmat *a, int isa, int nthreads);
 /* igemm.c: q_matmul's GEMM on the integer path (bits 8 or 4). Returns 0, -1 when out of
  * memory, or 1 when it does not apply (the path has none, or x has inf or NaN). */
 int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads);
-/* n GEMVs (bits[i] 8, 6 or 4) as one pool job, e.g. q, k and v of a block, or the gate
+/* n GEMVs (bits[i] 8, 6, 5 or 4) as one pool job, e.g. q, k and v of a block, or the gate
  * and up projections of 8 experts: one wake-up of the pool instead of n, and small
  * matrices share the threads. Each has its M rows of x, 1 <= M <= GEMV_ROWS_MAX
  * (several sequences decoded together, guessed tokens checked, the tokens routed to an

@@ -58,7 +58,10 @@ static void gemm_task(void *ctx, int64_t t, int tid) {
  * (q, k and v share one x), or NULL. */
 static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads, job_t *j,
                         void *tmp[2], const void *xq_ready) {
-    const gemv_fn plain = bits == 8 ? kt->q8_gemv : bits == 6 ? q6_gemv_c : kt->q4_gemv;
+    const gemv_fn plain = bits == 8   ? kt->q8_gemv
+                          : bits == 6 ? q6_gemv_c
+                          : bits == 5 ? q5_gemv_c
+                                      : kt->q4_gemv;
     *j = (job_t){a, plain, NULL, NULL, 0, NULL};
     tmp[0] = tmp[1] = NULL;
     if (bits == 6 && kt->q6_xprep) { /* x as the int8 GEMV's digits; inf or NaN: float */
@@ -83,22 +86,26 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
             j->gemv = kt->q6_gemv_digits;
         }
     }
-    if (bits == 4) { /* group sums of x, shared by every row: the mins' (or -8 d's) term */
+    if (bits == 4 || bits == 5) { /* group sums of x, shared by every row: the mins' (or
+                                   * -8 d's, int5's -16 d's) term */
         const int64_t G = a->K / a->g;
         float *xsum = malloc((size_t)G * sizeof *xsum);
         if (!(tmp[0] = xsum)) return -1;
-        if (kt->q4_xprep) { /* x as int8 digits; x with inf or NaN keeps the float GEMV */
+        const xprep_fn prep = bits == 4 ? kt->q4_xprep : kt->q5_xprep;
+        int on_digits = 0;
+        if (prep) { /* x as int8 digits; x with inf or NaN keeps the float GEMV */
             if (!xq_ready) {
                 if (!(tmp[1] = alloc64(XPREP_BYTES(a->K)))) return -1;
-                if (kt->q4_xprep(a->x, a->K, tmp[1]) == 0) xq_ready = tmp[1];
+                if (prep(a->x, a->K, tmp[1]) == 0) xq_ready = tmp[1];
             }
             if (xq_ready) {
                 a->xq = xq_ready;
-                j->gemv = kt->q4_gemv_digits;
+                j->gemv = bits == 4 ? kt->q4_gemv_digits : kt->q5_gemv_digits;
+                on_digits = 1;
             }
         }
-        const float f = a->mins ? 1.0f : -8.0f;
-        if (j->gemv == kt->q4_gemv_digits) {
+        const float f = a->mins ? 1.0f : bits == 4 ? -8.0f : -16.0f;
+        if (on_digits) {
             /* the group sums of the digits the codes multiply */
             const float *xs = xprep4_xs((void *)a->xq, a->K);
             for (int64_t gi = 0, per = a->g / 32; gi < G; gi++) {
@@ -158,6 +165,12 @@ static int gemv(int bits, qmat *a, const kernel_table *kt, int nthreads) {
     return rc;
 }
 
+/* The function that lays out x's digits for a GEMV of `bits` (NULL: none): GEMVs whose
+   x is the same array and whose functions are the same share the digits. */
+static xprep_fn xprep_of(const kernel_table *kt, int bits) {
+    return bits == 8 ? kt->q8_xprep : bits == 6 ? kt->q6_xprep : bits == 5 ? kt->q5_xprep : kt->q4_xprep;
+}
+
 /* Several GEMVs of several rows each as one pool job (q_gemv_many): matrix i's tasks are
    numbered after matrix i - 1's, and a task runs every row of x over its weight rows, so
    the weights come from memory once and from cache for the other rows. */
@@ -201,7 +214,7 @@ int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nt
             const void *xq = NULL; /* row r of an earlier matrix of the same x and layout */
             for (int k = 0; k < i && !xq; k++)
                 if (a_in[k]->x == a_in[i]->x && a_in[k]->K == ar->K && a_in[k]->M == Mi &&
-                    (bits[k] == 4) == (bits[i] == 4))
+                    xprep_of(kt, bits[k]) == xprep_of(kt, bits[i]))
                     xq = a[k * M + r].xq;
             rc = gemv_prepare(bits[i], ar, kt, nthreads, &jobs[i][r], &tmp[2 * (i * M + r)], xq);
         }
@@ -226,8 +239,9 @@ static int gemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     const int64_t n_tasks = (a->N + TILE_N - 1) / TILE_N;
     if (nthreads > n_tasks) nthreads = (int)n_tasks;
     const dequant_fn q6 = kt->q6_dequant ? kt->q6_dequant : q6_dequant_c;
-    job_t j = {a, NULL, bits == 8 ? kt->q8_dequant : bits == 6 ? q6 : kt->q4_dequant, kt->tile,
-               TILE_N, NULL};
+    const dequant_fn q5 = kt->q5_dequant ? kt->q5_dequant : q5_dequant_c;
+    const dequant_fn dq = bits == 8 ? kt->q8_dequant : bits == 6 ? q6 : bits == 5 ? q5 : kt->q4_dequant;
+    job_t j = {a, NULL, dq, kt->tile, TILE_N, NULL};
     if (!(j.scratch = alloc64((size_t)nthreads * TILE_N * a->K * sizeof(float)))) return -1;
     pool_run(nthreads, n_tasks, gemm_task, &j);
     free(j.scratch);
@@ -245,6 +259,8 @@ int q_matmul(int bits, const qmat *a_in, int isa, int nthreads) {
         const qmat *pa = &a;
         return q_gemv_many(1, &bits, &pa, isa, nthreads);
     }
-    const int rc = a.M >= IGEMM_MIN_M && bits != 6 ? q_igemm(bits, &a, kt, nthreads) : 1;
+    /* int6 and int5 have no integer GEMM: their codes are not int4's or int8's bytes */
+    const int igemm = a.M >= IGEMM_MIN_M && (bits == 8 || bits == 4);
+    const int rc = igemm ? q_igemm(bits, &a, kt, nthreads) : 1;
     return rc <= 0 ? rc : gemm(bits, &a, kt, nthreads);
 }

@@ -34,9 +34,9 @@ static int check_isa(long long isa) {
     return 0;
 }
 
-/* Shared by q8_matmul, q6_matmul and q4_matmul: v = x, qw, scales, mins, y, M, N, K, g, isa,
- * threads */
-static PyObject *matmul(int bits, const long long *v) {
+/* Shared by q8_matmul, q6_matmul, q5_matmul and q4_matmul: v = x, qw, scales, mins, y, M, N,
+ * K, g, isa, threads; qh: int5's high bits (0 for the others) */
+static PyObject *matmul(int bits, const long long *v, long long qh) {
     qmat a = {
         .x = (const float *)(intptr_t)v[0],
         .qw = (const void *)(intptr_t)v[1],
@@ -47,10 +47,12 @@ static PyObject *matmul(int bits, const long long *v) {
         .N = v[6],
         .K = v[7],
         .g = v[8],
+        .qh = (const uint8_t *)(intptr_t)qh,
     };
     const long long isa = v[9], threads = v[10];
-    const int g_ok = bits == 6 ? a.g == 256 && !a.scales && !a.mins
-                               : a.g == 32 || a.g == 64 || a.g == 128 || (bits == 8 && a.g == 0);
+    const int g_ok = bits == 6   ? a.g == 256 && !a.scales && !a.mins
+                     : bits == 5 ? a.g == 32
+                                 : a.g == 32 || a.g == 64 || a.g == 128 || (bits == 8 && a.g == 0);
     if (a.M < 0 || a.N < 0 || a.K <= 0 || !g_ok || (a.g && a.K % a.g)) {
         PyErr_Format(PyExc_ValueError, "int%d matmul: bad sizes M=%lld N=%lld K=%lld g=%lld", bits,
                      (long long)a.M, (long long)a.N, (long long)a.K, (long long)a.g);
@@ -60,7 +62,7 @@ static PyObject *matmul(int bits, const long long *v) {
         PyErr_SetString(PyExc_ValueError, "int8 matmul takes no mins");
         return NULL;
     }
-    if ((a.M && a.N) && (!a.x || !a.qw || (!a.scales && bits != 6) || !a.y)) {
+    if ((a.M && a.N) && (!a.x || !a.qw || (!a.scales && bits != 6) || !a.y || (bits == 5) != !!a.qh)) {
         PyErr_SetString(PyExc_ValueError, "null data pointer");
         return NULL;
     }
@@ -79,14 +81,23 @@ static PyObject *py_q8_matmul(PyObject *self, PyObject *const *args, Py_ssize_t 
     /* (x, qw, scales, y, M, N, K, g, isa, threads): no mins */
     if (infer_parse_ints(args, nargs, 10, v, "q8_matmul")) return NULL;
     long long w[11] = {v[0], v[1], v[2], 0, v[3], v[4], v[5], v[6], v[7], v[8], v[9]};
-    return matmul(8, w);
+    return matmul(8, w, 0);
 }
 
 static PyObject *py_q4_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long long v[11];
     if (infer_parse_ints(args, nargs, 11, v, "q4_matmul")) return NULL;
-    return matmul(4, v);
+    return matmul(4, v, 0);
+}
+
+static PyObject *py_q5_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[12];
+    /* (x, qw, qh, scales, mins, y, M, N, K, g, isa, threads) */
+    if (infer_parse_ints(args, nargs, 12, v, "q5_matmul")) return NULL;
+    long long w[11] = {v[0], v[1], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11]};
+    return matmul(5, w, v[2]);
 }
 
 static PyObject *py_q6_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -95,7 +106,7 @@ static PyObject *py_q6_matmul(PyObject *self, PyObject *const *args, Py_ssize_t 
     /* (x, qw, y, M, N, K, g, isa, threads): no scales or mins, g = 256 */
     if (infer_parse_ints(args, nargs, 9, v, "q6_matmul")) return NULL;
     long long w[11] = {v[0], v[1], 0, 0, v[2], v[3], v[4], v[5], v[6], v[7], v[8]};
-    return matmul(6, w);
+    return matmul(6, w, 0);
 }
 
 static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -149,6 +160,12 @@ static PyObject *py_isa_int4_digits(PyObject *self, PyObject *arg) {
     return table_of(arg, &kt) ? NULL : PyBool_FromLong(kt && kt->q4_xprep);
 }
 
+static PyObject *py_isa_int5_digits(PyObject *self, PyObject *arg) {
+    (void)self;
+    const kernel_table *kt;
+    return table_of(arg, &kt) ? NULL : PyBool_FromLong(kt && kt->q5_xprep);
+}
+
 static PyObject *py_isa_best(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
     return PyLong_FromLong(isa_best());
@@ -166,6 +183,9 @@ static PyMethodDef methods[] = {
     {"q4_matmul", (PyCFunction)(void (*)(void))py_q4_matmul, METH_FASTCALL,
      "q4_matmul(x, qweight, scales, mins, y, M, N, K, group_size, isa, threads): y = x W^T, "
      "int4 W (mins 0: symmetric)"},
+    {"q5_matmul", (PyCFunction)(void (*)(void))py_q5_matmul, METH_FASTCALL,
+     "q5_matmul(x, qweight, qh, scales, mins, y, M, N, K, 32, isa, threads): y = x W^T, "
+     "int5 W (mins 0: symmetric)"},
     {"q6_matmul", (PyCFunction)(void (*)(void))py_q6_matmul, METH_FASTCALL,
      "q6_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, int6 W (Q6_K blocks)"},
     {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,
@@ -177,6 +197,8 @@ static PyMethodDef methods[] = {
      "whether path `isa` multiplies prompts (the GEMM) with integer dot products"},
     {"isa_int4_digits", py_isa_int4_digits, METH_O,
      "whether path `isa`'s int4 GEMV takes x as the integer GEMM's two int8 digits"},
+    {"isa_int5_digits", py_isa_int5_digits, METH_O,
+     "whether path `isa`'s int5 GEMV takes x as the integer GEMM's two int8 digits"},
     {"cpu_has", py_cpu_has, METH_O, "whether the CPU has a feature (e.g. 'avx512vnni')"},
     {NULL, NULL, 0, NULL},
 };

@@ -93,6 +93,60 @@ static void q4_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
 
 /* ---------------------------------------------------------------------------------- */
 
+/* int5's block b of row q: codes 0..31, the nibbles as int4's and bit 4 from qh. */
+static void q5_codes(const uint8_t *q, const uint8_t *qh, int64_t b, int code[32]) {
+    const uint8_t *qs = q + 16 * b, *h = qh + 4 * b;
+    const uint32_t bits = h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;
+    for (int i = 0; i < 16; i++) {
+        code[i] = (qs[i] & 15) | ((bits >> i) & 1) << 4;
+        code[16 + i] = (qs[i] >> 4) | ((bits >> (16 + i)) & 1) << 4;
+    }
+}
+
+void q5_gemv_c(const qmat *a, int64_t n0, int64_t n1) {
+    const int64_t K = a->K, G = K / 32;
+    const float *x = a->x;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *q = (const uint8_t *)a->qw + n * (K / 2), *qh = a->qh + n * (K / 8);
+        const uint16_t *s = (const uint16_t *)a->scales + n * G;
+        const uint16_t *c = a->mins ? a->mins + n * G : s; /* times xsum */
+        float acc[L] = {0}, off[L] = {0};
+        for (int64_t b = 0; b < G; b++) {
+            int code[32];
+            q5_codes(q, qh, b, code);
+            float t[L] = {0};
+            for (int i = 0; i < 32; i++) t[i % L] += (float)code[i] * x[32 * b + i];
+            const float d = half_to_float(s[b]);
+            for (int i = 0; i < L; i++) acc[i] += t[i] * d;
+            off[b % L] += half_to_float(c[b]) * a->xsum[b];
+        }
+        a->y[n] = hsum(acc) + hsum(off);
+    }
+}
+
+void q5_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t K = a->K, G = K / 32;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *q = (const uint8_t *)a->qw + n * (K / 2), *qh = a->qh + n * (K / 8);
+        for (int64_t b = 0; b < G; b++, w += 32) {
+            int code[32];
+            q5_codes(q, qh, b, code);
+            const float d = half_to_float(((const uint16_t *)a->scales)[n * G + b]);
+            if (a->mins) {
+                const float m = half_to_float(a->mins[n * G + b]);
+                for (int i = 0; i < 32; i++) {
+                    const float p = (float)code[i] * d; /* one product, then the sum */
+                    w[i] = p + m;
+                }
+            } else {
+                for (int i = 0; i < 32; i++) w[i] = (float)(code[i] - 16) * d;
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------- */
+
 /* An int6 block's codes minus 32, in element order (quant/formats/int6.py's layout): per half h
  * and quarter j, 32 elements from one run of ql and of qh. */
 static void q6_codes(const uint8_t *blk, int8_t q[Q6_BLOCK]) {

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 
 from ... import InferError
-from . import int4, int6, int8, lut  # noqa: F401  (register the formats)
+from . import int4, int5, int6, int8, lut  # noqa: F401  (register the formats)
 from .base import FORMATS
 
 Recipe = Callable[[str], "dict | None"]
@@ -34,6 +34,7 @@ _BLOCK = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(?:experts\.\d+\.|shared_e
 _ROUTER = re.compile(r"layers\.\d+\.mlp\.(gate|shared_expert_gate)")
 INT8 = {"format": "int8", "group_size": 32}
 INT4 = {"format": "int4", "group_size": 32, "symmetric": False}
+INT5 = {"format": "int5", "group_size": 32, "symmetric": False}
 # A spec may name the spec to use instead where its format does not fit a weight's rows
 # ("fallback"; without one, quantize.FALLBACK): int6's blocks of 256, else int8 g32.
 INT6 = {"format": "int6", "fallback": INT8}
@@ -144,6 +145,7 @@ def _lut_m(main: dict, n_layers: int | None) -> Recipe:
 RECIPES: dict[str, tuple[dict, Callable[[dict, int | None], Recipe]]] = {
     "int8": (INT8, _everything),
     "int6": ({"format": "int6"}, _everything),  # as llama.cpp's Q6_K: every weight
+    "int5": (INT5, _uniform),  # as GGUF Q5_1 (Q5_0 with --symmetric)
     "int4": (INT4, _uniform),
     "lut2": ({"format": "lut2", "group_size": 64}, _uniform),
     "lut3": ({"format": "lut3", "group_size": 64}, _uniform),

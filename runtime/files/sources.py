@@ -94,10 +94,10 @@ def _fits(tok: Tokenizer, source: Source) -> Tokenizer:
 
 
 class GGUFSource(GGUFModelFile, Source):
-    """A GGUF file. In float32 its quantized weights run on the int8 / int4 kernels, as
-    llama.cpp runs them (gguf_blocks.to_kernels): Q8_0 / Q4_0 / Q4_1 blocks moved into
-    those formats unchanged, Q4_K's codes into int4, every other quantized type held in
-    int8. Float types, and every weight in another dtype, are converted to `dtype`."""
+    """A GGUF file. In float32 its quantized weights run on the int8 / int6 / int5 / int4
+    kernels, as llama.cpp runs them (gguf_blocks.to_kernels): Q8_0 / Q6_K / Q5_0 / Q5_1 /
+    Q4_0 / Q4_1 blocks moved into those formats unchanged, Q4_K's and Q5_K's codes into
+    int4 and int5, every other quantized type held in int8. Float types, and every weight in another dtype, are converted to `dtype`."""
 
     gguf: GGUFFile
 

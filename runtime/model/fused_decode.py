@@ -30,7 +30,7 @@ predictions) run where their __call__ would run them: the C stops before such a 
 They observe; an input a hook returns in place of the block's is not used.
 
 It runs models whose compute dtype is float32 and whose every block linear (each
-expert's included) is a quantized format with a C kernel (int8, int6, int4, lut1-4);
+expert's included) is a quantized format with a C kernel (int8, int6, int5, int4, lut1-4);
 routers stay float, in torch. The plan holds data pointers into the model's tensors, so
 a session builds it again whenever those change; each call passes its rows' caches
 (`cache_words`): float32, bf16 or int8 (kvcache.py), each row's its own. A layer whose
@@ -55,7 +55,7 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def _linear_words(module: nn.Module | None) -> list[int] | None:
-    """kind, qweight, scales, mins, bias, N, K, g of a linear the C runs, else None."""
+    """kind, qweight, scales, mins, bias, N, K, g, qh of a linear the C runs, else None."""
     w = module.kernel_weights() if isinstance(module, QuantLinear) else None
     if w is None:
         return None
@@ -63,7 +63,7 @@ def _linear_words(module: nn.Module | None) -> list[int] | None:
     if bias is not None and not (bias.dtype is torch.float32 and bias.is_contiguous()):
         return None
     # A placeholder (offload/: one element expanded) or a meta tensor holds no weights.
-    for t in (w.qweight, w.scales, w.mins):
+    for t in (w.qweight, w.scales, w.mins, w.qh):
         if t is not None and (t.is_meta or not t.is_contiguous()):
             return None
     return [
@@ -75,6 +75,7 @@ def _linear_words(module: nn.Module | None) -> list[int] | None:
         module.out_features,
         module.in_features,
         w.group_size,
+        0 if w.qh is None else w.qh.data_ptr(),
     ]
 
 

@@ -233,6 +233,32 @@ def test_no_template_falls_back_to_chatml(metadata):
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_no_template_with_gemma_turn_tokens_falls_back_to_gemma():
+    """A vocabulary with Gemma's turn tokens and no template renders Gemma's turns: the
+    system prompt before the first user text, "assistant" as "model"."""
+    md = _spm_metadata()
+    for piece in ("<start_of_turn>", "<end_of_turn>"):
+        md["tokenizer.ggml.tokens"] = [*md["tokenizer.ggml.tokens"], piece]
+        md["tokenizer.ggml.token_type"] = [*md["tokenizer.ggml.token_type"], 3]
+        md["tokenizer.ggml.scores"] = [*md["tokenizer.ggml.scores"], 0.0]
+    tok = Tokenizer.from_gguf_metadata(md)
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello "},
+        {"role": "user", "content": "bye"},
+    ]
+    assert tok.apply_chat_template(chat) == (
+        "<s><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n"
+        "<start_of_turn>model\nhello<end_of_turn>\n"
+        "<start_of_turn>user\nbye<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert tok.apply_chat_template(chat[1:2], add_generation_prompt=False) == (
+        "<s><start_of_turn>user\nhi<end_of_turn>\n"
+    )
+    assert len(md["tokenizer.ggml.tokens"]) - 1 in tok.stop_ids  # <end_of_turn> ends a turn
+
+
 def test_encode_chat_does_not_double_bos(metadata):
     md = {**metadata, "tokenizer.ggml.add_bos_token": True}
     md["tokenizer.chat_template"] = "{{ bos_token }}{{ messages[0]['content'] }}"

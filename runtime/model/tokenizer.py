@@ -43,13 +43,25 @@ END_OF_TURN_TOKENS = (
     "</s>",
 )
 
-# No template in the model: llama.cpp falls back to ChatML, and so do we.
+# No template in the model: llama.cpp falls back to ChatML, and so do we, unless the
+# vocabulary has Gemma's turn tokens: then Gemma's own turns (a system prompt goes before
+# the first user turn's text, as Gemma's template puts it; "assistant" is "model").
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] + '\n\n' if messages[0]['role'] == 'system' else '' %}"
+    "{% for message in messages if message['role'] != 'system' %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{{ (system if loop.first else '') + message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+GEMMA_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -104,7 +116,8 @@ class Tokenizer:
 
     Build with `from_gguf_metadata` or `from_hf_dir`. Attributes: vocab_size, bos_id,
     eos_id, add_bos, stop_ids (ids that end generation), chat_template (None when the
-    model has none; rendering then uses ChatML).
+    model has none; rendering then uses ChatML, or Gemma's turns where the vocabulary has
+    them).
     """
 
     def __init__(
@@ -216,13 +229,18 @@ class Tokenizer:
         """Render `messages` ({"role", "content"} dicts) with the model's template, in a
         sandbox, with the variables transformers provides."""
         if self._compiled_template is None:
-            self._compiled_template = ChatTemplate(self.chat_template or CHATML_TEMPLATE)
+            self._compiled_template = ChatTemplate(self.chat_template or self._fallback_template())
         specials = {
             name: self._token_text(token_id)
             for name, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_id))
             if token_id is not None
         }
         return self._compiled_template.render(messages, add_generation_prompt, **specials)
+
+    def _fallback_template(self) -> str:
+        """The template of a model that has none (see CHATML_TEMPLATE)."""
+        gemma = all(self._backend.token_to_id(t) is not None for t in GEMMA_TURN_TOKENS)
+        return GEMMA_TEMPLATE if gemma else CHATML_TEMPLATE
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Render and encode a chat. BOS goes in once: where the template writes it and the

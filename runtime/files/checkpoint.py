@@ -50,7 +50,6 @@ check each unit as it reads it: one read, one crc32.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -68,6 +67,7 @@ from torch import nn
 from ... import InferError
 from ...quant.formats.base import FORMATS, QuantEmbedding, QuantLinear
 from ..model.llama import Transformer
+from ..wheels import file_sha256
 from . import hugepages
 from .checkpoint_header import (
     ALIGN,
@@ -194,15 +194,7 @@ def describe_source(path: Path, fmt: str) -> dict:
     """The `source` record for a checkpoint converted from `path` (a file or HF directory)."""
     path = Path(path).resolve()
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    return {"path": str(path), "sha256": {f.name: _sha256(f) for f in files}, "format": fmt}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
+    return {"path": str(path), "sha256": {f.name: file_sha256(f) for f in files}, "format": fmt}
 
 
 def _model_tensors(model: Transformer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:

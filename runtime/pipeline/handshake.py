@@ -20,6 +20,7 @@ import struct
 from pathlib import Path
 
 from ... import InferError
+from ..wheels import file_sha256
 
 HANDSHAKE_TIMEOUT = 10.0  # seconds for each message of the handshake
 MAX_MESSAGE = 1 << 20  # bytes of one JSON message
@@ -121,21 +122,13 @@ def model_sha256(path: Path) -> str:
     """The sha256 both ends compare: a file's own; for a directory, of each regular file's
     relative name and sha256, in name order (hidden files aside)."""
     if path.is_file():
-        return _file_sha256(path)
+        return file_sha256(path)
     digest = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
         rel = f.relative_to(path)
         if any(part.startswith(".") for part in rel.parts):
             continue
-        digest.update(f"{rel.as_posix()}\0{_file_sha256(f)}\n".encode())
-    return digest.hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
+        digest.update(f"{rel.as_posix()}\0{file_sha256(f)}\n".encode())
     return digest.hexdigest()
 
 

@@ -684,6 +684,18 @@ def test_string_length_past_the_end(tmp_path):
                 read(path)
 
 
+def test_string_not_utf8(tmp_path):
+    from infer.runtime.files.gguf_meta import GGUFMeta
+
+    path = write_gguf(tmp_path / "s.gguf", "llama", {}, [("add_array", "t.strs", ["a", "bc"])])
+    path.write_bytes(
+        path.read_bytes().replace(struct.pack("<Q", 2) + b"bc", struct.pack("<Q", 2) + b"\xff\xfe")
+    )
+    for read in (GGUFFile, GGUFMeta):
+        with pytest.raises(InferError, match="element 1 is not valid UTF-8"):
+            read(path).get("t.strs")
+
+
 def _patch_tensor_offset(path: Path, name: str, value: int) -> None:
     """Overwrite the u64 data offset in the tensor info of `name` (the info's last field)."""
     data = bytearray(path.read_bytes())

@@ -356,6 +356,19 @@ def test_every_pre_tokenizer_builds(pre):
     assert tok.stop_ids == {1}
 
 
+def test_merges_split_at_the_first_space_after_the_first_character():
+    md = _byte_vocab_metadata("qwen2")
+    md["tokenizer.ggml.tokens"] += ["ab", " ", "  ", " b"]
+    md["tokenizer.ggml.token_type"] += [1] * 4
+    md["tokenizer.ggml.merges"] = ["a b", "   ", "  b"]  # a left part that is a space
+    tok = Tokenizer.from_gguf_metadata(md)
+    assert tok.vocab_size == len(md["tokenizer.ggml.tokens"])
+    for bad in ["ab", "", " "]:
+        md["tokenizer.ggml.merges"] = ["a b", bad]
+        with pytest.raises(InferError, match=f"malformed merge {bad!r}"):
+            Tokenizer.from_gguf_metadata(md)
+
+
 # ---------------------------------------------------------------------------------------
 # SentencePiece ("llama" tokenizer model)
 # ---------------------------------------------------------------------------------------

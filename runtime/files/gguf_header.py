@@ -193,22 +193,24 @@ class _Cursor:
         return [self.array(what, depth + 1) for _ in range(count)]
 
     def _string_array(self, count: int, what: str) -> list[str]:
-        # The vocabulary and merges: ~100k strings, so the loop is inlined for speed.
-        buf, pos, size = self.buf, self.pos, self.size
-        unpack = _U64.unpack_from
+        # The vocabulary and merges: ~150k strings, so the loop is bare; a length past the
+        # end shows as a failed read or as an end beyond the file, checked once.
+        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
         out = []
+        append = out.append
         try:
-            for _ in range(count):
-                if pos + 8 > size:
-                    raise self.truncated(what)
-                (n,) = unpack(buf, pos)
-                pos += 8
-                if pos + n > size:
-                    raise self.truncated(what)
-                out.append(str(buf[pos : pos + n], "utf-8"))
-                pos += n
+            for _ in itertools.repeat(None, count):
+                end = pos + 8 + unpack(buf, pos)[0]
+                append(str(buf[pos + 8 : end], "utf-8"))
+                pos = end
+        except (struct.error, OverflowError):
+            raise self.truncated(what) from None
         except UnicodeDecodeError:
-            raise self.fail(f"{what}: element {len(out)} is not valid UTF-8") from None
+            if pos + 8 <= end <= self.size:
+                raise self.fail(f"{what}: element {len(out)} is not valid UTF-8") from None
+            raise self.truncated(what) from None
+        if pos > self.size:
+            raise self.truncated(what)
         self.pos = pos
         return out
 

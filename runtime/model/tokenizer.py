@@ -373,6 +373,12 @@ def _gguf_common(md: dict, n_vocab: int, default_add_bos: bool) -> dict:
     }
 
 
+def _space_merge(m: str) -> tuple[str, ...]:
+    """A merge whose left part starts with a space: split at the next space."""
+    cut = m.find(" ", 1)
+    return (m[:cut], m[cut + 1 :]) if cut > 0 else ()
+
+
 def _from_gguf_byte_level(md: dict) -> Tokenizer:
     tokens, vocab = _gguf_tokens(md)
     merges = _gguf_list(md, "tokenizer.ggml.merges", str)
@@ -384,12 +390,10 @@ def _from_gguf_byte_level(md: dict) -> Tokenizer:
 
     # A merge is "left right"; llama.cpp splits at the first space after the first
     # character, so a left part that is itself a space still parses.
-    pairs = []
-    for m in merges:
-        cut = m.find(" ", 1)
-        if cut < 0:
-            raise InferError(f"GGUF tokenizer has a malformed merge {m!r}")
-        pairs.append((m[:cut], m[cut + 1 :]))
+    pairs = [tuple(m.split(" ", 1)) if m[:1] != " " else _space_merge(m) for m in merges]
+    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
+    if bad is not None:
+        raise InferError(f"GGUF tokenizer has a malformed merge {bad!r}")
     backend = _bpe(vocab=vocab, merges=pairs, ignore_merges=ignore_merges)
     backend.pre_tokenizer = byte_level_pre_tokenizer(splits)
     backend.decoder = decoders.ByteLevel()

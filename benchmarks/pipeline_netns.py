@@ -8,13 +8,13 @@ Run as root (ip netns, tc). It makes one namespace for the coordinator and one p
 worker, each joined by a veth pair to a bridge in a namespace of its own, and adds
 `tc netem delay D` on every host's side, so each message from one stage to the next
 waits D (a round trip 2 D; a kernel without the sch_netem module runs only delay 0). The
-round trip is measured as one byte over TCP, echoed. For each delay it starts `infer worker` in each worker
-namespace and runs `infer run MODEL --workers ... --json` greedy in the coordinator's,
---rounds times; then once `infer run --local` with as many threads as all the stages
-together. A decode step crosses workers + 1 boundaries (the ring back to the
-coordinator), so the cost of one boundary is (1 / piped - 1 / local) / (workers + 1)
-seconds a token. Everything it made is removed at the end, on Ctrl-C or on failure, and
-every process it starts has a time limit.
+round trip is measured as one byte over TCP, echoed. It first runs `infer run --local`
+in the coordinator's namespace with as many threads as all the stages together; then,
+for each delay, starts `infer worker` in each worker namespace and runs `infer run MODEL
+--workers ... --json` greedy, --rounds times. A decode step crosses workers + 1
+boundaries (the ring back to the coordinator), so the cost of one boundary is
+(1 / piped - 1 / local) / (workers + 1) seconds a token. Everything it made is removed at
+the end, on Ctrl-C or on failure, and every process it starts has a time limit.
 """
 
 from __future__ import annotations

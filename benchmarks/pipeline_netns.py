@@ -178,6 +178,7 @@ def main() -> None:
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root: ip netns and tc")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # so cleanup runs
     hosts = ["c", *(f"w{i + 1}" for i in range(args.workers))]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, network(hosts) as addr:

@@ -159,6 +159,11 @@ class Worker:
                 return line
         sys.exit(f"worker: no {text!r}:\n{self.log.read_text()}")
 
+    def peak_rss_mb(self) -> float:
+        """The worker process's peak resident memory (VmHWM), MB."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status)[1]) / 1000
+
     def kill(self):
         self.proc.kill()
         self.proc.wait(LIMIT)
@@ -228,10 +233,14 @@ def main() -> None:
                 results["serve"] = serve(args, link, Path(tmp))
             else:
                 results[f"{args.workers} workers"] = best(
-                    args.model, args, ["-t", str(args.threads), *link], prefixes and prefixes[0]
+                    args.model,
+                    args,
+                    ["-t", str(args.threads), *link],
+                    prefixes[0] if prefixes else (),
                 )
             logs = [(Path(tmp) / f"worker{i}.log").read_text() for i in range(len(workers))]
             results["worker logs"] = [[x for x in t.splitlines() if "loaded" in x] for t in logs]
+            results["worker peak RSS MB"] = [round(w.peak_rss_mb()) for w in workers]
         finally:
             for w in workers:
                 w.kill()
@@ -274,8 +283,8 @@ def report(results: dict, args) -> None:
     every = [t for ts in texts.values() for t in ts]
     if len(every) > 1:
         print(f"same text in every run: {len(set(every)) == 1}")
-    for log in results.get("worker logs", []):
-        print("  " + "; ".join(log))
+    for log, rss in zip(results.get("worker logs", []), results.get("worker peak RSS MB", [])):
+        print(f"  {'; '.join(log)}; peak RSS {rss} MB")
 
 
 if __name__ == "__main__":

@@ -22,11 +22,12 @@ from test_cli import assert_one_line_error
 from test_server import Server
 from tiny import make_hf_model
 
+from infer.runtime.files.sources import open_source
 from infer.runtime.generate import generate, make_sampler
 from infer.runtime.loader import load_model
 from infer.runtime.pipeline.coordinator import assign_layers, load_pipelined
 from infer.runtime.pipeline.link import Op, Pass
-from infer.runtime.pipeline.stage import load_stage
+from infer.runtime.pipeline.stage import load_stage, stage_bytes
 from infer.runtime.session import Session, decode
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
@@ -221,6 +222,21 @@ def test_batched_step_over_stages(models, workers):
         lm.stages.close()
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stage_of_a_checkpoint_needs_its_blocks_as_stored(models):
+    """A worker's budget check counts a quantized checkpoint's blocks at their bytes in
+    the file, not at float32 (a stage of int4 blocks fits a budget a quarter the size)."""
+    path = models / "moe-int4"
+    source = open_source(path)
+    ranges = source.checkpoint.ranges
+    blocks = sum(e - b for u, (b, e) in ranges.items() if u.startswith("layers."))
+    assert source.layers_bytes(torch.float32, range(3)) == blocks
+    one = source.layers_bytes(torch.float32, range(1, 2))
+    assert 0 < one < source.held_bytes(torch.float32) // 3 // 4
+    a = source.args
+    kv = 2 * a.n_kv_heads * 128 * a.head_dim * 4
+    assert stage_bytes(path, torch.float32, 128, range(1, 2)) == one + kv
 
 
 def test_assign_layers_follows_memory():

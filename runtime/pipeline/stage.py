@@ -95,7 +95,7 @@ def stage_bytes(path: Path, dtype: torch.dtype, ctx: int, layers: range) -> int:
     sequence's KV cache for them."""
     source = open_source(path)
     a = source.args
-    weights = source.held_bytes(dtype) * len(layers) // a.n_layers
+    weights = source.layers_bytes(dtype, layers)
     return weights + 2 * len(layers) * a.n_kv_heads * ctx * a.head_dim * dtype.itemsize
 
 

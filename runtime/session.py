@@ -128,7 +128,8 @@ def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[tor
 
     A sequence's logits are those of decoding its tokens one at a time alone, whichever
     sequences share the pass: the fused step (where the model runs on it) reads every
-    weight once for all rows, up to its most rows a call, and computes each row as alone."""
+    weight once for all rows, up to its most rows a call, and computes each row as alone.
+    Over pipeline stages each stage runs its blocks so (pipeline/stage.py)."""
     if not sessions:
         return []
     model = sessions[0].model
@@ -141,38 +142,33 @@ def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[tor
             raise ValueError("decode: a sequence with no tokens")
         if len(session.tokens) + len(toks) > session.max_seq_len:
             raise InferError(f"the context of {session.max_seq_len} tokens is full")
-    flat = [(i, t) for i, toks in enumerate(tokens) for t in toks]  # rows in order
+    rows = [(i, t) for i, toks in enumerate(tokens) for t in toks]  # in order
+    spans, owners = [], []  # runs of one sequence's rows: (pos, n, cache)
+    for i, _ in rows:
+        if owners and owners[-1] == i:
+            pos, n, cache = spans[-1]
+            spans[-1] = (pos, n + 1, cache)
+        else:
+            s = sessions[i]
+            spans.append((len(s.tokens), 1, s.cache))
+            owners.append(i)
+    ids, spans = torch.tensor([[t for _, t in rows]]), Rows(spans)
     fused = sessions[0].fused
-    per_pass = fused.max_rows if fused is not None else len(flat)
-    out: list[list[torch.Tensor]] = [[] for _ in sessions]  # each session's row slices
-    for start in range(0, len(flat), per_pass):
-        rows = flat[start : start + per_pass]
-        spans, owners = [], []  # runs of one sequence's rows: (pos, n, cache)
-        for i, _ in rows:
-            if owners and owners[-1] == i:
-                pos, n, cache = spans[-1]
-                spans[-1] = (pos, n + 1, cache)
-            else:
-                s = sessions[i]
-                spans.append((len(s.tokens), 1, s.cache))
-                owners.append(i)
-        ids, spans = torch.tensor([[t for _, t in rows]]), Rows(spans)
-        with sessions[0].threads.forward():  # torch's own ops on one thread too
-            blocks = None
-            if sessions[0].stages is not None:
-                seqs = [(sessions[i].sequence, p, n) for i, (p, n, _) in zip(owners, spans.spans)]
-                blocks = sessions[0].stages.blocks(seqs, rows=True)
-            elif fused is not None:
-                words = torch.stack([sessions[i].cache_words for i, _ in rows])
-                blocks = functools.partial(_fused_rows, fused, spans, words)
-            logits = model(ids, None, spans, all_logits=True, blocks=blocks)[0]
-        a = 0
-        for i, (_, n, _) in zip(owners, spans.spans):
-            sessions[i].tokens.extend(t for _, t in rows[a : a + n])
-            out[i].append(logits[a : a + n])
-            a += n
-    with sessions[0].threads.forward():
-        return [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in out]
+    with sessions[0].threads.forward():  # torch's own ops on one thread too
+        blocks = None
+        if sessions[0].stages is not None:
+            seqs = [(sessions[i].sequence, p, n) for i, (p, n, _) in zip(owners, spans.spans)]
+            blocks = sessions[0].stages.blocks(seqs, rows=True)
+        elif fused is not None:
+            words = torch.stack([sessions[i].cache_words for i, _ in rows])
+            blocks = functools.partial(_fused_rows, fused, spans, words)
+        logits = model(ids, None, spans, all_logits=True, blocks=blocks)[0]
+    out, a = [], 0
+    for i, (_, n, _) in zip(owners, spans.spans):
+        sessions[i].tokens.extend(t for _, t in rows[a : a + n])
+        out.append(logits[a : a + n])
+        a += n
+    return out
 
 
 def _fused_rows(fused: FusedDecode, rows: Rows, words: torch.Tensor, x, _pos) -> torch.Tensor:

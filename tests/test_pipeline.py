@@ -1,8 +1,10 @@
 """Pipeline stages over worker processes on loopback (runtime/pipeline/): greedy output
-over 2 and 3 stages equals the single-process run for a dense and a MoE model, so does
-the batched step of several sequences, and `infer serve --workers` answers concurrent
-requests as one process does; a killed worker, a wrong token and a differing model file
-each end with a one-line error. Every worker is killed at the end."""
+over 2 and 3 stages equals the single-process run for a dense and a MoE model, float
+(torch blocks) and quantized (each stage's decode on the fused C step) and the default
+model's real file, so does the batched step of several sequences, and `infer serve
+--workers` answers concurrent requests as one process does; a killed worker, a wrong
+token and a differing model file each end with a one-line error. Every worker is killed
+at the end."""
 
 import os
 import queue
@@ -20,9 +22,12 @@ from test_cli import assert_one_line_error
 from test_server import Server
 from tiny import make_hf_model
 
+from infer.runtime.files.sources import open_source
 from infer.runtime.generate import generate, make_sampler
 from infer.runtime.loader import load_model
 from infer.runtime.pipeline.coordinator import assign_layers, load_pipelined
+from infer.runtime.pipeline.link import Op, Pass
+from infer.runtime.pipeline.stage import load_stage, stage_bytes
 from infer.runtime.session import Session, decode
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
@@ -99,12 +104,18 @@ def token_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """A dense and a MoE model of 3 layers (one to three stages), and the dense one's twin
-    of another seed."""
+    """A dense and a MoE model of 3 layers (one to three stages), each also quantized to
+    int4 (decode on the fused C step), and the dense one's twin of another seed."""
     root = tmp_path_factory.mktemp("models")
     make_hf_model("llama", root / "dense", num_hidden_layers=3)
     make_hf_model("mixtral", root / "moe", num_hidden_layers=3)
     make_hf_model("llama", root / "other", seed=1, num_hidden_layers=3)
+    for arch in ("dense", "moe"):
+        cmd = _infer("quantize", root / arch, "-o", root / f"{arch}-int4", "--to", "int4")
+        r = subprocess.run(
+            cmd, check=False, capture_output=True, text=True, env=_env(), timeout=STARTUP
+        )
+        assert r.returncode == 0, r.stderr
     return root
 
 
@@ -140,29 +151,68 @@ def _pipelined(path, workers):
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("arch", ["dense", "moe"])
+@pytest.mark.parametrize("arch", ["dense", "moe", "dense-int4", "moe-int4"])
 def test_greedy_over_stages_equals_one_process(models, workers, arch, stages):
     path = models / arch
+    ranges = assign_layers(3, [1] * stages)
     lm = _pipelined(path, workers[:stages])
     try:
-        assert [w.layers for w in lm.stages.workers] == assign_layers(3, [1] * stages)
+        assert [w.layers for w in lm.stages.workers] == ranges
         session = Session(lm.model, stages=lm.stages)
         got = list(generate(session, PROMPT, make_sampler(temperature=0), 24))
     finally:
         lm.stages.close()
     assert got == _greedy_alone(path, 24)
+    # Each worker loaded its blocks for this run, and decodes as one process does.
+    step = "the fused C step" if arch.endswith("int4") else "torch blocks"
+    for w, layers in zip(workers, ranges):
+        line = w.wait_for(f"loaded layers {layers.start}-{layers.stop - 1} of {arch}")
+        assert f"(decode: {step})" in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 3])
+def test_default_model_over_stages_equals_one_process(smollm2_gguf, workers, stages):
+    """The real Q4_1 file: each stage's fused step over its blocks, token for token the
+    single process's greedy output."""
+    lm = _pipelined(smollm2_gguf, workers[:stages])
+    try:
+        session = Session(lm.model, stages=lm.stages)
+        got = list(generate(session, PROMPT, make_sampler(temperature=0), 32))
+    finally:
+        lm.stages.close()
+    assert got == _greedy_alone(smollm2_gguf, 32)
+    for w in workers[:stages]:
+        assert "(decode: the fused C step)" in w.wait_for(f"of {smollm2_gguf.name}")
+
+
+def test_stage_rows_on_the_fused_step_equal_its_torch_blocks(models):
+    """A stage of a quantized model plans the fused step over its own blocks (numbered
+    from 0, its caches only); a pass of more rows than the C takes a call gives the
+    states of the stage's torch blocks."""
+    stage = load_stage(models / "dense-int4", torch.float32, 128, range(1, 3))
+    assert stage.fused is not None and stage.fused.max_rows < 20
+    x = torch.randn(1, 20, stage.model.args.dim, generator=torch.Generator().manual_seed(0))
+    p = Pass(Op.ROWS, [(1, 0, 13), (2, 0, 7)], x)  # two sequences' first rows
+    got = stage.forward(p)
+    stage.forget()
+    stage.fused = None
+    want = stage.forward(p)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 def test_batched_step_over_stages(models, workers):
     """Several sequences in one pass (micro-batches, one a stage) give each sequence's
-    logits of the single-process batched step."""
-    path = models / "moe"
+    logits of the single-process batched step, on the fused step on both sides."""
+    path = models / "moe-int4"
     prompts = [PROMPT, PROMPT[:5], PROMPT[3:]]
+    guesses = [list(range(10, 19)), [3], list(range(30, 40))]  # more rows than a C call's
 
     def run(model, stages=None):
         sessions = [Session(model, 128, stages=stages) for _ in prompts]
         firsts = [int(s.prefill(p).argmax()) for s, p in zip(sessions, prompts)]
-        return decode(sessions, [[t] for t in firsts]) + decode(sessions, [[1, 2], [3], [4, 5]])
+        steps = decode(sessions, [[t] for t in firsts]) + decode(sessions, [[1, 2], [3], [4, 5]])
+        return steps + decode(sessions, guesses)
 
     want = run(load_model(path, max_seq_len=128).model)
     lm = _pipelined(path, workers)
@@ -172,6 +222,21 @@ def test_batched_step_over_stages(models, workers):
         lm.stages.close()
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stage_of_a_checkpoint_needs_its_blocks_as_stored(models):
+    """A worker's budget check counts a quantized checkpoint's blocks at their bytes in
+    the file, not at float32 (a stage of int4 blocks fits a budget a quarter the size)."""
+    path = models / "moe-int4"
+    source = open_source(path)
+    ranges = source.checkpoint.ranges
+    blocks = sum(e - b for u, (b, e) in ranges.items() if u.startswith("layers."))
+    assert source.layers_bytes(torch.float32, range(3)) == blocks
+    one = source.layers_bytes(torch.float32, range(1, 2))
+    assert 0 < one < source.held_bytes(torch.float32) // 3 // 4
+    a = source.args
+    kv = 2 * a.n_kv_heads * 128 * a.head_dim * 4
+    assert stage_bytes(path, torch.float32, 128, range(1, 2)) == one + kv
 
 
 def test_assign_layers_follows_memory():

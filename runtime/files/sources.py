@@ -69,6 +69,11 @@ class Source(ModelFile):
         """An estimate of the bytes the built model's weights hold."""
         return self.args.n_params * dtype.itemsize
 
+    def layers_bytes(self, dtype: torch.dtype, layers: range) -> int:
+        """An estimate of the bytes blocks `layers` hold (a pipeline stage's): their
+        share of held_bytes."""
+        return self.held_bytes(dtype) * len(layers) // self.args.n_layers
+
 
 def open_source(path: Path) -> Source:
     """The source for `path`, told apart by content (model_file.model_kind); reads no weights."""
@@ -198,6 +203,12 @@ class CheckpointSource(CheckpointFile, Source):
         self.checkpoint = checkpoint
         super().__init__(checkpoint)
 
+    def layers_bytes(self, dtype: torch.dtype, layers: range) -> int:
+        # Each block is one unit of the file, held as stored (its few float tensors are
+        # float32 in the file: at most that in `dtype`).
+        ranges = self.checkpoint.ranges
+        return sum(e - b for unit, (b, e) in ranges.items() if _layer(unit) in layers)
+
     def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False, keep=None) -> Weights:
         ckpt = self.checkpoint
         quant = {k: v for k, v in ckpt.quant.items() if keep is None or keep(k)}
@@ -226,3 +237,9 @@ class CheckpointSource(CheckpointFile, Source):
         elif "lm_head" in sd and "embed_tokens.weight" not in sd:
             sd["embed_tokens"] = sd.pop("lm_head")
         return sd
+
+
+def _layer(unit: str) -> int | None:
+    """The block a checkpoint unit ("layers.3", "layers.3.mlp.experts.5") belongs to."""
+    parts = unit.split(".")
+    return int(parts[1]) if parts[0] == "layers" and len(parts) > 1 else None

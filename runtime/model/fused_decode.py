@@ -10,10 +10,14 @@ rope tables and window (`layer_rope`), the MLP activation (`mlp_act`) and the qu
 scale (`attn_scale`).
 
     step = FusedDecode.prepare(model)      # None when the model is not one it runs
-    x = step(x, rows)                      # x (1, R, dim) float32 -> after the last block
+    x = step(x, rows, words)               # x (1, R, dim) float32 -> after the last block
+    stage = FusedDecode.prepare(model, range(4, 8))  # blocks 4-7 only (a pipeline stage)
 
 A call runs R rows (llama.Rows: each sequence's tokens at their positions, its cache),
-every weight read once for all of them; each row computes what it would alone.
+every weight read once for all of them, up to `max_rows` rows at a time (more are run
+as several such calls); each row computes what it would alone. A plan over a range of
+blocks (a pipeline stage's, the rest of the model on the meta device) numbers them from
+0, and its caches hold those blocks' layers only.
 
 A dense model's blocks run in one C call. In a mixture-of-experts layer the C stops
 after attention; the block's router (MoE.route, in torch, so the experts chosen are the
@@ -134,18 +138,20 @@ class FusedDecode:
         self._sums = torch.empty(self.max_rows * self._dim)  # the experts' sums, a row each
 
     @classmethod
-    def prepare(cls, model: nn.Module) -> FusedDecode | None:
-        """The fused step for `model` (a llama.Transformer or gemma3.Gemma3), or None if it
-        has parts the C does not run (float or unknown-format linears, other dtypes,
-        weights not in place)."""
+    def prepare(cls, model: nn.Module, layers: range | None = None) -> FusedDecode | None:
+        """The fused step for `model` (a llama.Transformer or gemma3.Gemma3) over its
+        blocks `layers` (default: all), or None if they have parts the C does not run
+        (float or unknown-format linears, other dtypes, weights not in place)."""
         if not kernels.available() or getattr(model, "mlp_act", None) not in _ACTS:
             return None
         args = model.args
         if args.head_dim % 2:
             return None
+        layers = range(len(model.layers)) if layers is None else layers
         header_words, layer_words, lin_words, _, attn_block, _ = kernels.layout()
         rows, keep, moe, hidden, rope = [], [], {}, 0, []
-        for i, block in enumerate(model.layers):
+        for n, i in enumerate(layers):  # n: the block's index in the plan
+            block = model.layers[i]
             attn = block.self_attn
             # input, pre-MLP, q, k, after attention, after the MLP (None: none)
             weights = block.norm_weights()
@@ -183,7 +189,7 @@ class FusedDecode:
                 table = [_mlp_words(e) for e in experts]
                 if any(t is None for t in table):
                     return None
-                moe[i] = (mlp, torch.tensor(table, dtype=torch.int64).view(-1, 3 * lin_words))
+                moe[n] = (mlp, torch.tensor(table, dtype=torch.int64).view(-1, 3 * lin_words))
                 keep += experts
                 row += [0] * (3 * lin_words)  # kind 0: the experts run in decode_experts
             else:
@@ -206,7 +212,7 @@ class FusedDecode:
                   int(args.qk_norm_full), _ACTS[model.mlp_act], scale_bits, 0]  # fmt: skip
         assert len(header) == header_words
         plan = torch.tensor(header + [w for row in rows for w in row], dtype=torch.int64)
-        return cls(plan, keep, moe, list(model.layers), rope, row_floats)
+        return cls(plan, keep, moe, [model.layers[i] for i in layers], rope, row_floats)
 
     def _grow(self, rows: int) -> None:
         """Scratch for `rows` rows a call (the plan's words 8 and 12 say where and how many)."""
@@ -215,12 +221,24 @@ class FusedDecode:
         self.plan[8], self.plan[12] = self.scratch.data_ptr(), rows
 
     def __call__(self, x: torch.Tensor, rows: Rows, cache_words: torch.Tensor) -> torch.Tensor:
-        """x (1, R, dim) float32 after the embedding -> the hidden states after every block.
-        Writes the rows' keys and values into their caches at their positions; cache_words
-        (R, words) int64 are each row's sequence's cache_words()."""
+        """x (1, R, dim) float32 entering the plan's first block -> the hidden states after
+        its last. Writes the rows' keys and values into their caches at their positions;
+        cache_words (R, words) int64 are each row's sequence's cache_words(). More rows
+        than the C takes a call run as several calls, in order (a sequence's rows after
+        its earlier ones, as the C needs)."""
+        m = self.max_rows
+        if x.shape[1] <= m:
+            return self._rows(x, rows, cache_words)
+        parts = [
+            self._rows(x[:, a : a + m], _row_slice(rows, a, a + m), cache_words[a : a + m])
+            for a in range(0, x.shape[1], m)
+        ]
+        return torch.cat(parts, dim=1)
+
+    def _rows(self, x: torch.Tensor, rows: Rows, cache_words: torch.Tensor) -> torch.Tensor:
+        """__call__ for at most max_rows rows: the blocks in C calls, stopping for hooks
+        and for experts."""
         R = x.shape[1]
-        if R > self.max_rows:
-            raise ValueError(f"the fused decode step runs at most {self.max_rows} rows a call")
         if R > int(self.plan[12]):
             self._grow(R)
         x = x.contiguous().clone()
@@ -319,3 +337,14 @@ class FusedDecode:
             x.data_ptr(), x.shape[0], self._dim, self._sums.data_ptr(), self._sums.numel(),
             phase,
         )  # fmt: skip
+
+
+def _row_slice(rows: Rows, a: int, b: int) -> Rows:
+    """Rows a .. b - 1 of `rows`: a sequence's span cut where they begin and end."""
+    spans, start = [], 0
+    for pos, n, cache in rows.spans:
+        lo, hi = max(a, start), min(b, start + n)
+        if lo < hi:
+            spans.append((pos + lo - start, hi - lo, cache))
+        start += n
+    return Rows(spans)

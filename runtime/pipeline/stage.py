@@ -21,6 +21,7 @@ from ... import InferError
 from ...kernels_cpu.threads import ThreadPolicy
 from ..files.build import Part, build
 from ..files.sources import open_source
+from ..model.fused_decode import FusedDecode, cache_words
 from ..model.llama import KVCache, Rows, rope_rows
 from . import handshake, link
 from .handshake import Refused
@@ -32,12 +33,16 @@ LOAD_TIMEOUT = 3600.0  # seconds a worker waits for the others to check and load
 
 class Stage:
     """Blocks [layers.start, layers.stop) of `model` (the rest of it on the meta device)
-    and each sequence's KV cache for them, made on its first pass."""
+    and each sequence's KV cache for them, made on its first pass. Passes run as in one
+    process (session.py): a prompt's chunk on the torch blocks, rows on the fused step
+    over these blocks where it runs the model."""
 
     def __init__(self, model, layers: range, dtype: torch.dtype, threads: int | None = None):
         self.model, self.layers, self.dtype = model, layers, dtype
         self.caches: dict[int, list[KVCache]] = {}
+        self.words: dict[int, torch.Tensor] = {}  # each cache's fused_decode.cache_words
         self.threads = ThreadPolicy(threads, kernels=model.runs_on_kernels())
+        self.fused = FusedDecode.prepare(model, layers)
 
     def cache(self, sequence: int) -> list[KVCache]:
         if sequence not in self.caches:
@@ -45,7 +50,14 @@ class Stage:
             self.caches[sequence] = [
                 KVCache(a.n_kv_heads, n, a.head_dim, self.dtype) for _ in self.layers
             ]
+            if self.fused is not None:
+                self.words[sequence] = cache_words(self.caches[sequence])
         return self.caches[sequence]
+
+    def forget(self) -> None:
+        """Drop every sequence's cache (a new coordinator's sequences)."""
+        self.caches.clear()
+        self.words.clear()
 
     @torch.inference_mode()
     def forward(self, p: Pass) -> torch.Tensor:
@@ -57,6 +69,10 @@ class Stage:
             caches = self.cache(sequence)
         else:
             pos, caches = None, Rows([(q, n, self.cache(s)) for s, q, n in p.spans])
+            if self.fused is not None:
+                words = torch.stack([self.words[s] for s, _, n in p.spans for _ in range(n)])
+                with self.threads.forward():
+                    return self.fused(x, caches, words)
         rope = {}  # a table's rows, by table (Gemma's local and global layers)
         with self.threads.forward():
             for i, layer_cache in zip(self.layers, caches):
@@ -79,7 +95,7 @@ def stage_bytes(path: Path, dtype: torch.dtype, ctx: int, layers: range) -> int:
     sequence's KV cache for them."""
     source = open_source(path)
     a = source.args
-    weights = source.held_bytes(dtype) * len(layers) // a.n_layers
+    weights = source.layers_bytes(dtype, layers)
     return weights + 2 * len(layers) * a.n_kv_heads * ctx * a.head_dim * dtype.itemsize
 
 
@@ -166,10 +182,11 @@ def _load(conn: socket.socket, s: WorkerSettings, held: dict, log) -> tuple[Stag
         t0 = time.perf_counter()
         held["stage"] = load_stage(path, dtype, ctx, layers, s.threads)
         held["key"] = key
+        step = "the fused C step" if held["stage"].fused is not None else "torch blocks"
         log(f"loaded layers {layers.start}-{layers.stop - 1} of {path.name} in "
-            f"{time.perf_counter() - t0:.2f} s")  # fmt: skip
+            f"{time.perf_counter() - t0:.2f} s (decode: {step})")  # fmt: skip
     stage = held["stage"]
-    stage.caches.clear()  # a new coordinator's sequences
+    stage.forget()  # a new coordinator's sequences
     return stage, plan
 
 

@@ -56,7 +56,7 @@ def test_greedy_matches_transformers_gguf_loader(gemma3):
 
 @pytest.mark.slow
 def test_kernels_close_to_float(gemma3):
-    """On the kernels (Q5_0 as int5 and Q6_K as int6 bit for bit, Q4_K in int4,
+    """On the kernels (Q5_0 as int5, Q6_K as int6 and Q4_K as q4_k bit for bit,
     activations quantized per block) the prompt's logits stay close to the float model's:
     measured max |diff| 0.026 of logits up to 26, KL at most 1e-5 (0.76 and 4e-3 when
     Q5_0 was held in int8)."""

@@ -62,7 +62,9 @@ static PyObject *matmul(int bits, const long long *v, long long qh) {
         PyErr_SetString(PyExc_ValueError, "int8 matmul takes no mins");
         return NULL;
     }
-    if ((a.M && a.N) && (!a.x || !a.qw || (!a.scales && bits != 6 && bits != Q4K) || !a.y || (bits == 5) != !!a.qh)) {
+    const int needs_scales = bits != 6 && bits != Q4K; /* int6, q4_k: in their blocks */
+    if ((a.M && a.N) &&
+        (!a.x || !a.qw || (!a.scales && needs_scales) || !a.y || (bits == 5) != !!a.qh)) {
         PyErr_SetString(PyExc_ValueError, "null data pointer");
         return NULL;
     }

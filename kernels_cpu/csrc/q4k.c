@@ -123,13 +123,14 @@ T int q4k_xprep(const float *x, int64_t K, void *buf) {
         /* tiny blocks scaled up first (exactly) so that IG_XMAX / amax is finite */
         const float up = amax < 0x1p-100f ? 0x1p100f : 1.0f;
         const __m256 inv = _mm256_set1_ps(amax > 0 ? IG_XMAX / (amax * up) : 0);
+        const __m256 vup = _mm256_set1_ps(up);
         const float sx = amax / IG_XMAX;
         sxs[b] = sx;
         for (int j = 0; j < 8; j++) {
             __m256i D[2][4], sum = _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
-                const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + 32 * j + 8 * i), _mm256_set1_ps(up));
-                const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));
+                const __m256 v = _mm256_loadu_ps(xb + 32 * j + 8 * i);
+                const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v, vup), inv));
                 sum = _mm256_add_epi32(sum, X);
                 D[1][i] = _mm256_srai_epi32(_mm256_slli_epi32(X, 24), 24); /* X = 256 hi + lo */
                 D[0][i] = _mm256_srai_epi32(_mm256_sub_epi32(X, D[1][i]), 8);
@@ -140,13 +141,24 @@ T int q4k_xprep(const float *x, int64_t K, void *buf) {
                 _mm256_store_si256((__m256i *)(xd + 512 * b + 64 * j + 32 * p),
                                    _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order));
             }
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            __m128i s4 = _mm256_castsi256_si128(sum);
+            s4 = _mm_add_epi32(s4, _mm256_extracti128_si256(sum, 1));
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
             xs[8 * b + j] = sx * (float)_mm_cvtsi128_si32(s4);
         }
     }
     return 0;
+}
+
+/* sum over pairs of codes q (bytes) times digits x, times s (int16 lanes): int32 lanes */
+TI __m256i dot_scaled(__m256i q, __m256i x, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), s);
+}
+
+/* int16 lane j of each 128-bit lane of v, in every int16 lane */
+TI __m256i lane16(__m256i v, int j) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
 }
 
 /* One row: per block, sum over its sub-blocks of sc[j] q X as int32 lanes, then floats. */
@@ -162,28 +174,27 @@ TI float q4k_row(const qmat *a, int64_t n) {
         uint8_t sm[16];
         q4k_scale_bytes(blk + 4, sm);
         /* sc[0..7] as int16 in each 128-bit lane; sub-block j's broadcast by a shuffle */
-        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sm)));
+        const __m128i sc8 = _mm_loadl_epi64((const __m128i *)sm);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc8));
         const __m256i *xb = (const __m256i *)(xd + 512 * b);
         __m256i th = _mm256_setzero_si256(), tl = th;
         for (int r = 0; r < 4; r++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * r));
             const __m256i lo = _mm256_and_si256(w, m4);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
-            const __m256i s0 = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * 2 * r)));
-            const __m256i s1 = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * (2 * r + 1))));
-            th = _mm256_add_epi32(th, _mm256_add_epi32(
-                                          _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xb[4 * r]), s0),
-                                          _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xb[4 * r + 2]), s1)));
-            tl = _mm256_add_epi32(tl, _mm256_add_epi32(
-                                          _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xb[4 * r + 1]), s0),
-                                          _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xb[4 * r + 3]), s1)));
+            const __m256i s0 = lane16(sc, 2 * r), s1 = lane16(sc, 2 * r + 1);
+            th = _mm256_add_epi32(th, _mm256_add_epi32(dot_scaled(lo, xb[4 * r], s0),
+                                                       dot_scaled(hi, xb[4 * r + 2], s1)));
+            tl = _mm256_add_epi32(tl, _mm256_add_epi32(dot_scaled(lo, xb[4 * r + 1], s0),
+                                                       dot_scaled(hi, xb[4 * r + 3], s1)));
         }
         const __m256i t = _mm256_add_epi32(_mm256_slli_epi32(th, 8), tl);
         const uint16_t *h = (const uint16_t *)blk;
         const float d = _cvtsh_ss(h[0]) * sxs[b], dmin = _cvtsh_ss(h[1]);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d), acc);
-        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 8))));
-        accm = _mm256_fmadd_ps(m, _mm256_mul_ps(_mm256_loadu_ps(xs + 8 * b), _mm256_set1_ps(dmin)), accm);
+        const __m128i m8 = _mm_loadl_epi64((const __m128i *)(sm + 8));
+        const __m256 xm = _mm256_mul_ps(_mm256_loadu_ps(xs + 8 * b), _mm256_set1_ps(dmin));
+        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)), xm, accm);
     }
     __m256 v = _mm256_sub_ps(acc, accm);
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -207,12 +218,14 @@ T void q4k_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
         uint8_t sm[16];
         q4k_scale_bytes(blk + 4, sm);
         for (int j = 0; j < 8; j++, w += 32) {
-            const __m256 d1 = _mm256_set1_ps(d * (float)sm[j]), m1 = _mm256_set1_ps(dmin * (float)sm[8 + j]);
+            const __m256 d1 = _mm256_set1_ps(d * (float)sm[j]);
+            const __m256 m1 = _mm256_set1_ps(dmin * (float)sm[8 + j]);
             const uint8_t *qs = blk + 16 + 32 * (j / 2);
             const __m128i shift = _mm_cvtsi32_si128(4 * (j % 2));
             for (int i = 0; i < 4; i++) {
-                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * i)));
-                const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(v, shift), m4));
+                const __m128i b8 = _mm_loadl_epi64((const __m128i *)(qs + 8 * i));
+                const __m256i v = _mm256_srl_epi32(_mm256_cvtepu8_epi32(b8), shift);
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(v, m4));
                 _mm256_storeu_ps(w + 8 * i, _mm256_sub_ps(_mm256_mul_ps(q, d1), m1));
             }
         }

@@ -19,10 +19,9 @@
 
 #include "kernels.h"
 
-/* A block's 12 scale bytes -> sc[0..7] then m[0..7] (ggml's get_scale_min_k4, four
- * words at a time as llama.cpp's kernels do). */
-static inline void q4k_scale_bytes(const uint8_t *p, uint8_t out[16]) {
-    uint32_t u[4];
+/* A block's 12 scale bytes -> the bytes of u[0..3]: sc[0..7] then m[0..7] (ggml's
+ * get_scale_min_k4, four words at a time as llama.cpp's kernels do). */
+static inline void q4k_scale_words(const uint8_t *p, uint32_t u[4]) {
     memcpy(u, p, 12);
     const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
     u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
@@ -30,6 +29,11 @@ static inline void q4k_scale_bytes(const uint8_t *p, uint8_t out[16]) {
     u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
     u[2] = m03;
     u[0] &= k1;
+}
+
+static inline void q4k_scale_bytes(const uint8_t *p, uint8_t out[16]) {
+    uint32_t u[4];
+    q4k_scale_words(p, u);
     memcpy(out, u, 16);
 }
 
@@ -171,11 +175,11 @@ TI float q4k_row(const qmat *a, int64_t n) {
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int64_t b = 0; b < B; b++, blk += Q4K_BLOCK_BYTES) {
         for (int i = 0; i < 3; i++) PREFETCH_STREAM_L1(blk + 64 * i);
-        uint8_t sm[16];
-        q4k_scale_bytes(blk + 4, sm);
+        uint32_t u[4]; /* in registers: a store and a wider load would stall on forwarding */
+        q4k_scale_words(blk + 4, u);
+        const __m128i sm = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
         /* sc[0..7] as int16 in each 128-bit lane; sub-block j's broadcast by a shuffle */
-        const __m128i sc8 = _mm_loadl_epi64((const __m128i *)sm);
-        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc8));
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
         const __m256i *xb = (const __m256i *)(xd + 512 * b);
         __m256i th = _mm256_setzero_si256(), tl = th;
         for (int r = 0; r < 4; r++) {
@@ -192,7 +196,7 @@ TI float q4k_row(const qmat *a, int64_t n) {
         const uint16_t *h = (const uint16_t *)blk;
         const float d = _cvtsh_ss(h[0]) * sxs[b], dmin = _cvtsh_ss(h[1]);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d), acc);
-        const __m128i m8 = _mm_loadl_epi64((const __m128i *)(sm + 8));
+        const __m128i m8 = _mm_unpackhi_epi64(sm, sm);
         const __m256 xm = _mm256_mul_ps(_mm256_loadu_ps(xs + 8 * b), _mm256_set1_ps(dmin));
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)), xm, accm);
     }

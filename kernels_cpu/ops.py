@@ -72,15 +72,16 @@ def isa() -> str | None:
 IG_XMAX = 32512
 
 
-def integer_gemm_error(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def integer_gemm_error(x: torch.Tensor, w: torch.Tensor, block: int = 32) -> torch.Tensor:
     """A bound on what the integer GEMM's digits of x move y = x w^T, per element of y
     (M, N) for x (M, K) and dequantized w (N, K): half a step (amax / IG_XMAX per block of
     32 of x) per element, plus float32's rounding of the step, times sum |w| over the
     block. Callers add it where integer_gemm() holds and the rows run the GEMM, and where
-    int4 rows run the GEMV and int4_gemv_fifteen_bits() holds."""
-    pad = -x.shape[-1] % 32
-    xb = torch.nn.functional.pad(x.abs(), (0, pad)).unflatten(-1, (-1, 32)).amax(-1)
-    wb = torch.nn.functional.pad(w.abs(), (0, pad)).unflatten(-1, (-1, 32)).sum(-1)
+    int4 rows run the GEMV and int4_gemv_fifteen_bits() holds; q4_k's GEMV takes a step
+    per block of 256 (q4k_gemv_fifteen_bits)."""
+    pad = -x.shape[-1] % block
+    xb = torch.nn.functional.pad(x.abs(), (0, pad)).unflatten(-1, (-1, block)).amax(-1)
+    wb = torch.nn.functional.pad(w.abs(), (0, pad)).unflatten(-1, (-1, block)).sum(-1)
     return (0.5 / IG_XMAX + 2.0**-21) * xb @ wb.T
 
 
@@ -109,6 +110,14 @@ def int5_gemv_fifteen_bits(isa: str | None = None) -> bool:
     if _C is None:
         return False
     return _C.isa_int5_digits(_default_isa() if isa is None else _isa_id(isa))
+
+
+def q4k_gemv_fifteen_bits(isa: str | None = None) -> bool:
+    """Whether a path's q4_k GEMV takes x as two int8 digits, 15 significant bits per
+    block of 256 (csrc/q4k.c): the x86 paths; scalar and NEON multiply in float32."""
+    if _C is None:
+        return False
+    return _C.isa_q4k_digits(_default_isa() if isa is None else _isa_id(isa))
 
 
 def get_num_threads() -> int:
@@ -258,6 +267,22 @@ def q6_matmul(x, qweight, *, isa=None, threads=None):
         _warn_missing()
         return reference.q6_matmul(x, qweight)
     return _launch(_C.q6_matmul, x, K, N, (qweight.data_ptr(),), 256, isa, threads)
+
+
+def q4k_matmul(x, qweight, *, isa=None, threads=None):
+    """y (..., N) = x (..., K) W^T for q4_k W (quant/formats/q4k.py): qweight uint8
+    (N, K/256*144), GGUF Q4_K's blocks. x float32. isa, threads: as q8_matmul."""
+    if not (qweight.dtype is torch.uint8 and qweight.dim() == 2 and qweight.is_cpu
+            and qweight.is_contiguous() and qweight.shape[1] % 144 == 0
+            and qweight.shape[1]):  # fmt: skip
+        _fail("q4k_matmul", "qweight", qweight, "uint8 (N, K/256*144)")
+    N, K = qweight.shape[0], qweight.shape[1] // 144 * 256
+    if not _x_ok(x, K):
+        _x_fail("q4k_matmul", x, K)
+    if _C is None:
+        _warn_missing()
+        return reference.q4k_matmul(x, qweight)
+    return _launch(_C.q4k_matmul, x, K, N, (qweight.data_ptr(),), 256, isa, threads)
 
 
 # ---------------------------------------------------------------------------------------

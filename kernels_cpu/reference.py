@@ -1,8 +1,9 @@
 """The kernels' definitions in plain torch: what the C computes, up to summation order.
 
 Each function dequantizes W exactly as its format defines it (quant/formats/int8.py,
-quant/formats/int4.py, int5.py: one float32 product, then a separate sum; quant/formats/int6.py: exact products)
-and computes y = x W^T in float32. The LUT kernel's reference (lut_matmul) is its
+quant/formats/int4.py, int5.py: one float32 product, then a separate sum; q4k.py: the
+sub-block's scale and min as products, then q times the scale minus the min;
+quant/formats/int6.py: exact products) and computes y = x W^T in float32. The LUT kernel's reference (lut_matmul) is its
 int8-table arithmetic instead; lut_matmul_exact is the format's product. Kept free of
 imports from quant/, which routes its forwards through this package.
 """
@@ -56,6 +57,35 @@ def dequantize_int5(qweight, qh, scales, mins) -> torch.Tensor:
     return w.view(N, K)
 
 
+def k_scales_mins(packed: torch.Tensor):
+    """Q4_K / Q5_K's 12 bytes (..., 12) -> the 8 sub-blocks' 6-bit scales and mins, each
+    (..., 8) int64 (ggml's get_scale_min_k4)."""
+    packed = packed.long()
+    lo, mid, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat((lo & 63, (hi & 15) | ((lo >> 6) << 4)), -1)
+    m = torch.cat((mid & 63, (hi >> 4) | ((mid >> 6) << 4)), -1)
+    return sc, m
+
+
+def k_low_bits(qs: torch.Tensor) -> torch.Tensor:
+    """qs (N, B, 128): 4 runs of 32 bytes, the low nibbles sub-block 2r, the high ones
+    sub-block 2r + 1 -> the codes' low 4 bits (N, B, 8, 32)."""
+    qs = qs.reshape(*qs.shape[:2], 4, 1, 32)
+    return torch.cat((qs & 15, qs >> 4), 3).view(*qs.shape[:2], 8, 32)
+
+
+def dequantize_q4k(qweight: torch.Tensor) -> torch.Tensor:
+    """(N, K/256*144) uint8 blocks (GGUF Q4_K's) -> (N, K): (d * sc) * q - (dmin * m) per
+    sub-block of 32, in float32 as gguf-py evaluates it (three roundings)."""
+    N, B = qweight.shape[0], qweight.shape[1] // 144
+    b = qweight.view(N, B, 144)
+    d, dmin = (b[..., at : at + 2].contiguous().view(torch.float16).float() for at in (0, 2))
+    sc, m = k_scales_mins(b[..., 4:16])
+    q = k_low_bits(b[..., 16:]).float()  # (N, B, 8, 32)
+    w = (d * sc.float()).unsqueeze(-1) * q - (dmin * m.float()).unsqueeze(-1)
+    return w.view(N, B * 256)
+
+
 def unpack_int6(qweight: torch.Tensor):
     """(N, K/256*210) uint8 blocks (GGUF Q6_K's) -> codes (N, K) uint8 in 0..63, sc
     (N, K/16) int8 and d (N, K/256) float16. Per half h of a block and i < 32: ql[i] and
@@ -94,6 +124,11 @@ def q4_matmul(x, qweight, scales, mins, group_size: int) -> torch.Tensor:
 def q5_matmul(x, qweight, qh, scales, mins) -> torch.Tensor:
     """x (..., K) float32 -> (..., N): x W^T with W int5 (mins None: symmetric)."""
     return F.linear(x, dequantize_int5(qweight, qh, scales, mins))
+
+
+def q4k_matmul(x, qweight) -> torch.Tensor:
+    """x (..., K) float32 -> (..., N): x W^T with W q4_k."""
+    return F.linear(x, dequantize_q4k(qweight))
 
 
 def q6_matmul(x, qweight) -> torch.Tensor:

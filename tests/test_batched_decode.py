@@ -124,6 +124,18 @@ def test_rows_equal_alone_int6(tmp_path):
     assert_rows_equal_alone(model)
 
 
+def test_rows_equal_alone_q4_k(tmp_path):
+    """q4_k's blocks of 256 (down_proj's rows of 320 fall back to int4)."""
+    from infer.quant.formats.q4k import Q4KLinear
+
+    make_hf_model("llama", tmp_path / "m", hidden_size=256, intermediate_size=320)
+    model = load_model(tmp_path / "m", max_seq_len=64).model
+    quantize_model(model, get_recipe("q4_k"))
+    assert type(model.layers[0].mlp.up_proj) is Q4KLinear
+    assert Session(model).fused is not None
+    assert_rows_equal_alone(model)
+
+
 def test_rows_equal_alone_on_the_torch_path(hf_dirs):
     model = load_model(hf_dirs / "qwen2_moe", max_seq_len=64).model  # float: no fused step
     assert Session(model).fused is None

@@ -76,6 +76,27 @@ def test_fused_runs_int6(tmp_path):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
+def test_fused_runs_q4_k_beside_int4(tmp_path):
+    """The q4_k recipe on a model 256 wide: q4_k where rows are whole blocks of 256,
+    int4 in down_proj (rows of 320), as a Q4_K_M file mixes formats; one q_gemv_many job
+    runs gate and up (q4_k) and the next down (int4); logits and greedy tokens are the
+    blocks'."""
+    from infer.quant.formats.int4 import Int4Linear
+    from infer.quant.formats.q4k import Q4KLinear
+
+    make_hf_model("llama", tmp_path / "m", hidden_size=256, intermediate_size=320)
+    model = load_model(tmp_path / "m", max_seq_len=64).model
+    quantize_model(model, get_recipe("q4_k"))
+    mlp = model.layers[0].mlp
+    assert type(mlp.gate_proj) is Q4KLinear and type(mlp.down_proj) is Int4Linear
+    assert type(model.layers[0].self_attn.k_proj) is Q4KLinear
+    assert isinstance(fused_step(model), FusedDecode)
+    ref = decode_logits(model, fused=False)
+    got = decode_logits(model, fused=True)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 def test_fused_runs_int5_beside_int4(hf_dirs):
     """int5 k and v beside int4 q, o and MLP, as a Q5_0 / Q4_0 GGUF file loads: one
     q_gemv_many job shares x's digits across the two formats; the fused step's logits

@@ -524,13 +524,13 @@ def test_q5_blocks_run_as_int5_in_the_fused_step(tmp_path):
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.Q5_0, T.Q5_1])
 def test_other_types_go_onto_the_kernels_closely(qtype):
-    """Q6_K's blocks are int6's, Q5_0's and Q5_1's int5's, as they are; Q4_K and Q5_K
-    keep their codes in int4 and int5 g32 (scales and mins rounded to float16); the other
+    """Q6_K's blocks are int6's, Q4_K's q4_k's, Q5_0's and Q5_1's int5's, as they are;
+    Q5_K keeps its codes in int5 g32 (scales and mins rounded to float16); the other
     types are held in int8 g32, within half an int8 step of their values."""
-    from infer.quant.formats.int4 import Int4Linear
     from infer.quant.formats.int5 import Int5Linear
     from infer.quant.formats.int6 import Int6Linear
     from infer.quant.formats.int8 import Int8Linear
+    from infer.quant.formats.q4k import Q4KLinear
     from infer.runtime.files import hugepages
     from infer.runtime.files.gguf_blocks import loaded_bytes, placed_bytes, to_kernels
 
@@ -550,21 +550,19 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
     if arena is not None:  # the same weights, written into a huge-page arena of that size
         placed = to_kernels(t, bias, arena.place)
         assert torch.equal(placed.dequantize(), q.dequantize())
-        held = [placed.qweight] if qtype == T.Q6_K else [placed.qweight, placed.scales]
+        in_place = qtype in (T.Q6_K, T.Q4_K)
+        held = [placed.qweight] if in_place else [placed.qweight, placed.scales]
         moved = not any(b.untyped_storage().resizable() for b in held)
-        assert moved == (qtype != T.Q6_K)  # Q6_K's blocks stay where they are
+        assert moved == (not in_place)  # Q6_K's and Q4_K's blocks stay where they are
     err = (q.dequantize() - expected).abs()
-    if qtype in (T.Q6_K, T.Q5_0, T.Q5_1):
-        assert type(q) is (Int6Linear if qtype == T.Q6_K else Int5Linear)
+    if qtype in (T.Q6_K, T.Q4_K, T.Q5_0, T.Q5_1):
+        kind = {T.Q6_K: Int6Linear, T.Q4_K: Q4KLinear}.get(qtype, Int5Linear)
+        assert type(q) is kind
         assert torch.equal(q.dequantize(), expected)
         assert q.nbytes == t.nbytes
     elif qtype == T.Q5_K:
         assert type(q) is Int5Linear and (q.group_size, q.mins is not None) == (32, True)
         bound = 2**-11 * (31 * q.scales.float().abs().max() + q.mins.float().abs().max())
-        assert err.max() <= bound  # a wrong code would be a whole step off
-    elif qtype == T.Q4_K:
-        assert type(q) is Int4Linear and (q.group_size, q.mins is not None) == (32, True)
-        bound = 2**-11 * (15 * q.scales.float().abs().max() + q.mins.float().abs().max())
         assert err.max() <= bound  # a wrong code would be a whole step off
     else:
         assert type(q) is Int8Linear and q.group_size == 32
@@ -575,6 +573,26 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(2))
     y = x @ q.dequantize().T + bias
     torch.testing.assert_close(q(x), y, atol=1e-4 * y.abs().max().item(), rtol=0)
+
+
+def test_q4_k_loads_as_a_view_of_the_file(tmp_path):
+    """A Q4_K tensor (attn_q: rows un-permuted) loads as q4_k, its bytes as they are:
+    dequantized, gguf's values; `infer quantize --to q4_k` may carry it over."""
+    from infer.quant.formats.q4k import Q4KLinear
+    from infer.runtime.files.gguf_blocks import from_gguf, importable, placed_bytes, to_kernels
+
+    tensors = {"blk.0.attn_q.weight": (random_blocks(T.Q4_K, 8, 512, seed=4), T.Q4_K)}
+    heads = [("add_uint32", "llama.attention.head_count", 2)]
+    heads.append(("add_uint32", "llama.attention.head_count_kv", 2))
+    f = GGUFFile(write_gguf(tmp_path / "q.gguf", "llama", tensors, heads))
+    t = f.hf_tensor("model.layers.0.self_attn.q_proj.weight")
+    q = from_gguf(t)
+    assert type(q) is Q4KLinear and q.nbytes == t.nbytes and placed_bytes(t) == 0
+    assert torch.equal(q.dequantize(), dequantize(t))
+    rows = torch.tensor([3, 1, 0])
+    assert torch.equal(q.dequantize(rows), dequantize(t)[rows])
+    assert type(to_kernels(t)) is Q4KLinear
+    assert importable(t, {"format": "q4_k"}) and not importable(t, {"format": "int4"})
 
 
 def test_kernel_weights_picks_weights_by_type(tmp_path):

@@ -42,6 +42,15 @@ def test_uniform_recipes(name, fmt):
     assert set(f.values()) == {fmt}
 
 
+def test_q4_k_recipe_falls_back_to_int4():
+    """q4_k in every block linear, int4 g32 where rows are not whole blocks of 256."""
+    spec = get_recipe("q4_k")("layers.0.mlp.up_proj")
+    assert spec["format"] == "q4_k" and spec["fallback"]["format"] == "int4"
+    assert get_recipe("q4_k")("lm_head")["format"] == "int6"
+    with pytest.raises(InferError, match="q4_k: unknown parameter group_size"):
+        get_recipe("q4_k", group_size=64)
+
+
 def test_recipe_params_and_overrides():
     assert get_recipe("int4")("layers.0.mlp.up_proj") == {
         "format": "int4", "group_size": 32, "symmetric": False}  # fmt: skip

@@ -299,9 +299,26 @@ enum { Q6_BLOCK = 256, Q6_BLOCK_BYTES = 210 };
  * per group -16 sum x, or sum x with mins) and the GEMM's dequantization. */
 void q5_gemv_c(const qmat *a, int64_t n0, int64_t n1);
 void q5_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
-/* Bytes of one row of W: K * bits / 8, or int6's blocks. */
+/* q4_k (q4k.c; quant/formats/q4k.py, GGUF Q4_K's blocks as they lie): kind Q4K in
+ * place of bits (ggml's type id), qw uint8 (N, K / 256 * 144), K % 256 == 0, g = 256,
+ * scales and mins unused. Its kernels hang off the path's table by q4k_for, not in it:
+ * xprep (x as two int8 digits, Q4K_XPREP_BYTES; NULL: no digit GEMV), the digit GEMV,
+ * and the GEMM's dequantization; q4k_gemv_c is the float GEMV of every path. */
+enum { Q4K = 12, Q4K_BLOCK = 256, Q4K_BLOCK_BYTES = 144 };
+#define Q4K_XPREP_BYTES(K) (2 * (K) + (K) / Q4K_BLOCK * 4 + (K) / 32 * 4)
+typedef struct {
+    xprep_fn xprep;
+    gemv_fn gemv_digits;
+    dequant_fn dequant;
+} q4k_kernels;
+const q4k_kernels *q4k_for(const kernel_table *kt);
+void q4k_gemv_c(const qmat *a, int64_t n0, int64_t n1);
+void q4k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
+/* Bytes of one row of W: K * bits / 8, or int6's or q4_k's blocks. */
 static inline int64_t q_row_bytes(int bits, int64_t K) {
-    return bits == 6 ? K / Q6_BLOCK * Q6_BLOCK_BYTES : K * bits / 8;
+    return bits == 6     ? K / Q6_BLOCK * Q6_BLOCK_BYTES
+           : bits == Q4K ? K / Q4K_BLOCK * Q4K_BLOCK_BYTES
+                         : K * bits / 8;
 }
 
 extern const kernel_table kernels_scalar;
@@ -331,13 +348,14 @@ static inline int gemv_threads(int64_t bytes, int nthreads) {
     return nthreads > most ? (most > 1 ? (int)most : 1) : nthreads;
 }
 
-/* The drivers (matmul.c): split over output rows, run on the pool. bits is 8, 6, 5 or 4.
+/* The drivers (matmul.c): split over output rows, run on the pool. bits is 8, 6, 5, 4 or
+ * Q4K.
  * Returns 0, or -1 when out of memory. */
 int q_matmul(int bits, const qmat *a, int isa, int nthreads);
 /* igemm.c: q_matmul's GEMM on the integer path (bits 8 or 4). Returns 0, -1 when out of
  * memory, or 1 when it does not apply (the path has none, or x has inf or NaN). */
 int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads);
-/* n GEMVs (bits[i] 8, 6, 5 or 4) as one pool job, e.g. q, k and v of a block, or the gate
+/* n GEMVs (bits[i] 8, 6, 5, 4 or Q4K) as one pool job, e.g. q, k and v of a block, or the gate
  * and up projections of 8 experts: one wake-up of the pool instead of n, and small
  * matrices share the threads. Each has its M rows of x, 1 <= M <= GEMV_ROWS_MAX
  * (several sequences decoded together, guessed tokens checked, the tokens routed to an

@@ -50,7 +50,7 @@ static PyObject *matmul(int bits, const long long *v, long long qh) {
         .qh = (const uint8_t *)(intptr_t)qh,
     };
     const long long isa = v[9], threads = v[10];
-    const int g_ok = bits == 6   ? a.g == 256 && !a.scales && !a.mins
+    const int g_ok = bits == 6 || bits == Q4K ? a.g == 256 && !a.scales && !a.mins
                      : bits == 5 ? a.g == 32
                                  : a.g == 32 || a.g == 64 || a.g == 128 || (bits == 8 && a.g == 0);
     if (a.M < 0 || a.N < 0 || a.K <= 0 || !g_ok || (a.g && a.K % a.g)) {
@@ -62,7 +62,9 @@ static PyObject *matmul(int bits, const long long *v, long long qh) {
         PyErr_SetString(PyExc_ValueError, "int8 matmul takes no mins");
         return NULL;
     }
-    if ((a.M && a.N) && (!a.x || !a.qw || (!a.scales && bits != 6) || !a.y || (bits == 5) != !!a.qh)) {
+    const int needs_scales = bits != 6 && bits != Q4K; /* int6, q4_k: in their blocks */
+    if ((a.M && a.N) &&
+        (!a.x || !a.qw || (!a.scales && needs_scales) || !a.y || (bits == 5) != !!a.qh)) {
         PyErr_SetString(PyExc_ValueError, "null data pointer");
         return NULL;
     }
@@ -107,6 +109,15 @@ static PyObject *py_q6_matmul(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (infer_parse_ints(args, nargs, 9, v, "q6_matmul")) return NULL;
     long long w[11] = {v[0], v[1], 0, 0, v[2], v[3], v[4], v[5], v[6], v[7], v[8]};
     return matmul(6, w, 0);
+}
+
+static PyObject *py_q4k_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[9];
+    /* (x, qw, y, M, N, K, g, isa, threads): no scales or mins, g = 256 */
+    if (infer_parse_ints(args, nargs, 9, v, "q4k_matmul")) return NULL;
+    long long w[11] = {v[0], v[1], 0, 0, v[2], v[3], v[4], v[5], v[6], v[7], v[8]};
+    return matmul(Q4K, w, 0);
 }
 
 static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -166,6 +177,12 @@ static PyObject *py_isa_int5_digits(PyObject *self, PyObject *arg) {
     return table_of(arg, &kt) ? NULL : PyBool_FromLong(kt && kt->q5_xprep);
 }
 
+static PyObject *py_isa_q4k_digits(PyObject *self, PyObject *arg) {
+    (void)self;
+    const kernel_table *kt;
+    return table_of(arg, &kt) ? NULL : PyBool_FromLong(kt && q4k_for(kt)->xprep);
+}
+
 static PyObject *py_isa_best(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
     return PyLong_FromLong(isa_best());
@@ -188,6 +205,8 @@ static PyMethodDef methods[] = {
      "int5 W (mins 0: symmetric)"},
     {"q6_matmul", (PyCFunction)(void (*)(void))py_q6_matmul, METH_FASTCALL,
      "q6_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, int6 W (Q6_K blocks)"},
+    {"q4k_matmul", (PyCFunction)(void (*)(void))py_q4k_matmul, METH_FASTCALL,
+     "q4k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q4_k W (Q4_K blocks)"},
     {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,
      "stream_read(ptr, nbytes, isa, threads): sum a buffer (read-bandwidth probe)"},
     {"isa_names", py_isa_names, METH_NOARGS, "names of the instruction-set paths, by id"},
@@ -199,6 +218,8 @@ static PyMethodDef methods[] = {
      "whether path `isa`'s int4 GEMV takes x as the integer GEMM's two int8 digits"},
     {"isa_int5_digits", py_isa_int5_digits, METH_O,
      "whether path `isa`'s int5 GEMV takes x as the integer GEMM's two int8 digits"},
+    {"isa_q4k_digits", py_isa_q4k_digits, METH_O,
+     "whether path `isa`'s q4_k GEMV takes x as two int8 digits per block of 256"},
     {"cpu_has", py_cpu_has, METH_O, "whether the CPU has a feature (e.g. 'avx512vnni')"},
     {NULL, NULL, 0, NULL},
 };

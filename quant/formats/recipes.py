@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 
 from ... import InferError
-from . import int4, int5, int6, int8, lut  # noqa: F401  (register the formats)
+from . import int4, int5, int6, int8, lut, q4k  # noqa: F401  (register the formats)
 from .base import FORMATS
 
 Recipe = Callable[[str], "dict | None"]
@@ -66,6 +66,13 @@ def _everything(main: dict, n_layers: int | None) -> Recipe:
 def _uniform(main: dict, n_layers: int | None) -> Recipe:
     """`main` for every linear layer in the blocks; outside them, _outside_blocks."""
     return lambda name: main if _BLOCK.fullmatch(name) else _outside_blocks(name)
+
+
+def _uniform_q4_k(main: dict, n_layers: int | None) -> Recipe:
+    """`main` (q4_k) for every linear layer in the blocks, int4 g32 where its rows are not
+    a multiple of 256; outside them, _outside_blocks."""
+    spec = {**main, "fallback": INT4}
+    return lambda name: spec if _BLOCK.fullmatch(name) else _outside_blocks(name)
 
 
 def _mixed(main: dict, n_layers: int | None) -> Recipe:
@@ -147,6 +154,7 @@ RECIPES: dict[str, tuple[dict, Callable[[dict, int | None], Recipe]]] = {
     "int6": ({"format": "int6"}, _everything),  # as llama.cpp's Q6_K: every weight
     "int5": (INT5, _uniform),  # as GGUF Q5_1 (Q5_0 with --symmetric)
     "int4": (INT4, _uniform),
+    "q4_k": ({"format": "q4_k"}, _uniform_q4_k),  # as GGUF Q4_K: every block linear
     "lut2": ({"format": "lut2", "group_size": 64}, _uniform),
     "lut3": ({"format": "lut3", "group_size": 64}, _uniform),
     "lut4": ({"format": "lut4", "group_size": 64}, _uniform),

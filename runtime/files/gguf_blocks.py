@@ -1,5 +1,5 @@
-"""GGUF Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_0 / Q4_1 tensors as int8 / int6 / int5 / int4
-QuantLinears, by moving bytes.
+"""GGUF Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 tensors as int8 / int6 / int5 /
+q4_k / int4 QuantLinears, by moving bytes.
 
 ggml's block layouts (ggml/src/ggml-common.h; QK = 32 elements per block, little-endian,
 ggml_half = IEEE float16):
@@ -12,8 +12,8 @@ ggml_half = IEEE float16):
 
 where in the 4-bit types q_i is the low nibble of qs[i] and q_(16+i) its high nibble, and
 the 5-bit types add bit i of the little-endian uint32 qh as q_i's bit 4.
-Q6_K's 256-element blocks (210 bytes, w = d * sc * (q - 32)) are int6's layout as they
-are (quant/formats/int6.py): import copies each row's blocks.
+Q6_K's and Q4_K's 256-element blocks (210 and 144 bytes) are int6's and q4_k's layouts as
+they are (quant/formats/int6.py, q4k.py): the tensor is a view of the file's map.
 A row of K elements is K/32 consecutive blocks. Our int8, int5 and int4 (group 32)
 layouts were chosen so that each block's `qs` is one 32-element run of `qweight` as is,
 its `qh` one entry of int5's `qh`, and d (and m) one entry of `scales` (and `mins`): import splits the blocks into those
@@ -26,12 +26,10 @@ This is how a GGUF file's such tensors load to run (sources.GGUFSource), and how
 Loading to run, two more kinds of tensor go onto the kernels, close to but not bit for
 bit (`to_kernels`):
 
-    block_q4_K { ggml_half d, dmin; uint8_t scales[12]; uint8_t qs[128]; }  256 elements
-        8 sub-blocks of 32, each w = q * (d * sc) - dmin * m with 6-bit sc, m
-        -> int4 g32 asymmetric: the codes as they are, scale d * sc and min -dmin * m
-           rounded to float16 (relative error <= 2^-11 of a scale)
     block_q5_K { ggml_half d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; }
-        the same with a fifth bit -> int5 g32 asymmetric, the same way
+        256 elements, 8 sub-blocks of 32, each w = q * (d * sc) - dmin * m with 6-bit
+        sc, m -> int5 g32 asymmetric: the codes as they are, scale d * sc and min
+        -dmin * m rounded to float16 (relative error <= 2^-11 of a scale)
     every other block-quantized type (Q2_K, Q3_K, the IQ types, ...)
         -> int8 g32 from its values, each within 1/254 of its group's largest
            magnitude (within an eighth of a step for a 5- or 6-bit grid)
@@ -50,12 +48,15 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ... import InferError
+from ...kernels_cpu.reference import k_low_bits, k_scales_mins
 from ...quant.formats.base import FORMATS, QuantLinear
 from ...quant.formats.int4 import Int4Linear, pack_nibbles
 from ...quant.formats.int5 import Int5Linear, pack_high_bits
 from ...quant.formats.int6 import BLOCK_BYTES as Q6_K_BYTES
 from ...quant.formats.int6 import Int6Linear
 from ...quant.formats.int8 import Int8Linear
+from ...quant.formats.q4k import BLOCK_BYTES as Q4_K_BYTES
+from ...quant.formats.q4k import Q4KLinear
 from ...quant.formats.recipes import is_router, spec_params
 from . import hugepages
 from .gguf import GGUFFile
@@ -67,17 +68,19 @@ GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
     GGMLQuantizationType.Q6_K: {"format": "int6"},
     GGMLQuantizationType.Q5_0: {"format": "int5", "group_size": 32, "symmetric": True},
     GGMLQuantizationType.Q5_1: {"format": "int5", "group_size": 32, "symmetric": False},
+    GGMLQuantizationType.Q4_K: {"format": "q4_k"},
     GGMLQuantizationType.Q4_0: {"format": "int4", "group_size": 32, "symmetric": True},
     GGMLQuantizationType.Q4_1: {"format": "int4", "group_size": 32, "symmetric": False},
 }
 
 
 # Loaded to run: every block-quantized type goes onto the kernels; those that are not
-# moved as they are (GGUF_SPECS) or by their codes (Q4_K, Q5_K) are held in int8,
-# requantized from their values this many rows at a time.
+# moved as they are (GGUF_SPECS) or by their codes (Q5_K) are held in int8, requantized
+# from their values this many rows at a time.
 ON_KERNELS = {t for t, (block, _) in GGML_QUANT_SIZES.items() if block > 1}
-BY_CODES = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K}
-HELD_IN_INT8 = ON_KERNELS - {*GGUF_SPECS, *BY_CODES}
+HELD_IN_INT8 = ON_KERNELS - {*GGUF_SPECS, GGMLQuantizationType.Q5_K}
+# Left in the file's map: the blocks are the format's layout as they are.
+IN_PLACE = {GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_K}
 ROWS_AT_ONCE = 4096
 
 # A contiguous copy of a tensor: where the kernels' weights are written at load
@@ -114,10 +117,10 @@ def kernel_weights(gguf: GGUFFile) -> set[str]:
 def from_gguf(
     t: GGUFTensor, bias: torch.Tensor | None = None, place: Place = torch.Tensor.contiguous
 ) -> QuantLinear:
-    """The Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_0 / Q4_1 tensor `t` (rows already un-permuted)
-    as int8 / int6 / int5 / int4. Q6_K's blocks stay where they are (the file's map); the others' codes and scales
-    are copied apart by `place` (a contiguous copy: torch's by default, or into the
-    build's huge-page arena)."""
+    """The Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 tensor `t` (rows already
+    un-permuted) as int8 / int6 / int5 / q4_k / int4. Q6_K's and Q4_K's blocks stay where
+    they are (the file's map); the others' codes and scales are copied apart by `place` (a
+    contiguous copy: torch's by default, or into the build's huge-page arena)."""
     if t.ggml_type not in GGUF_SPECS:
         supported = ", ".join(k.name for k in GGUF_SPECS)
         raise InferError(
@@ -128,6 +131,8 @@ def from_gguf(
     N, K = t.shape
     if t.ggml_type == GGMLQuantizationType.Q6_K:
         return Int6Linear(torch.from_numpy(t.data).view(N, K // 256 * Q6_K_BYTES), {}, bias)
+    if t.ggml_type == GGMLQuantizationType.Q4_K:
+        return Q4KLinear(torch.from_numpy(t.data).view(N, K // 256 * Q4_K_BYTES), {}, bias)
     _, type_size = GGML_QUANT_SIZES[t.ggml_type]
     blocks = torch.from_numpy(t.data).view(N, K // 32, type_size)  # (N, K/32, bytes)
 
@@ -153,20 +158,20 @@ def from_gguf(
 
 def loaded_bytes(t: GGUFTensor) -> int:
     """The bytes `to_kernels` holds for `t` (all its experts, for a stacked tensor):
-    int4 g32 asymmetric is 20 bytes per 32 weights (as Q4_1), int5 24 (as Q5_1), int8 g32
-    34 (as Q8_0)."""
+    the file's bytes for the types of GGUF_SPECS, then int5 24 bytes per 32 weights (as
+    Q5_1), int8 g32 34 (as Q8_0)."""
     if t.ggml_type in GGUF_SPECS:
         return t.nbytes
-    per_32 = {GGMLQuantizationType.Q4_K: 20, GGMLQuantizationType.Q5_K: 24}.get(t.ggml_type, 34)
+    per_32 = 24 if t.ggml_type == GGMLQuantizationType.Q5_K else 34
     return math.prod(t.shape) // 32 * per_32
 
 
 def placed_bytes(t: GGUFTensor) -> int:
     """The bytes that `to_kernels` copies with `place` for `t` (all its experts, for a
-    stacked tensor): none for Q6_K, left in the file's map; for the others their codes,
-    scales and mins (and int5's high bits), each rounded up to a cache line as an arena
-    lays them."""
-    if t.ggml_type == GGMLQuantizationType.Q6_K:
+    stacked tensor): none for Q6_K and Q4_K, left in the file's map; for the others their
+    codes, scales and mins (and int5's high bits), each rounded up to a cache line as an
+    arena lays them."""
+    if t.ggml_type in IN_PLACE:
         return 0
     pieces = math.prod(t.shape[:-2])  # 1, or the experts of a stacked tensor
     int5 = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K)
@@ -177,14 +182,12 @@ def to_kernels(
     t: GGUFTensor, bias: torch.Tensor | None = None, place: Place = torch.Tensor.contiguous
 ) -> QuantLinear:
     """The 2-D tensor `t` (a type of ON_KERNELS) as the QuantLinear that runs it: Q8_0 /
-    Q6_K / Q5_0 / Q5_1 / Q4_0 / Q4_1 bit for bit, Q4_K and Q5_K with their codes, any
-    other type in int8 g32. Its codes and scales are put where `place` copies them
+    Q6_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 bit for bit, Q5_K with its codes, any other
+    type in int8 g32. Its codes and scales are put where `place` copies them
     (from_gguf)."""
     if t.ggml_type in GGUF_SPECS:
         return from_gguf(t, bias, place)
-    if t.ggml_type == GGMLQuantizationType.Q4_K:
-        q = _from_q4_k(t, bias)
-    elif t.ggml_type == GGMLQuantizationType.Q5_K:
+    if t.ggml_type == GGMLQuantizationType.Q5_K:
         q = _from_q5_k(t, bias)
     elif t.ggml_type in HELD_IN_INT8:
         q = _held_in_int8(t, bias)
@@ -207,31 +210,13 @@ def _held_in_int8(t: GGUFTensor, bias: torch.Tensor | None) -> Int8Linear:
 
 
 def _k_scales(blocks: torch.Tensor):
-    """Q4_K / Q5_K blocks (N, K/256, bytes) -> each sub-block of 32's scale d * sc and
-    min -dmin * m, rounded to float16: (N, K/32) each."""
+    """Q5_K blocks (N, K/256, bytes) -> each sub-block of 32's scale d * sc and min
+    -dmin * m, rounded to float16: (N, K/32) each."""
     N = blocks.shape[0]
     d, dmin = (blocks[..., at : at + 2].contiguous().view(torch.float16).float() for at in (0, 2))
-    packed = blocks[..., 4:16].long()  # the 8 sub-blocks' 6-bit scales and mins
-    lo, mid, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = torch.cat((lo & 63, (hi & 15) | ((lo >> 6) << 4)), -1)  # ggml's get_scale_min_k4
-    m = torch.cat((mid & 63, (hi >> 4) | ((mid >> 6) << 4)), -1)
+    sc, m = k_scales_mins(blocks[..., 4:16])  # the 8 sub-blocks' 6-bit scales and mins
     scales = (d * sc).half().view(N, -1)  # (N, K/256, 1) * (N, K/256, 8)
     return scales, (-(dmin * m)).half().view(N, -1)
-
-
-def _k_low_bits(qs: torch.Tensor) -> torch.Tensor:
-    """qs (N, K/256, 128): 4 runs of 32 bytes, the low nibbles sub-block 2j, the high ones
-    sub-block 2j + 1 -> the codes' low 4 bits (N, K/256, 8, 32)."""
-    qs = qs.reshape(*qs.shape[:2], 4, 1, 32)
-    return torch.cat((qs & 15, qs >> 4), 3).view(*qs.shape[:2], 8, 32)
-
-
-def _from_q4_k(t: GGUFTensor, bias: torch.Tensor | None) -> Int4Linear:
-    N, K = t.shape
-    blocks = torch.from_numpy(t.data).view(N, K // 256, 144)
-    scales, mins = _k_scales(blocks)
-    qweight = pack_nibbles(_k_low_bits(blocks[..., 16:]).view(N, K))  # Q4_1's layout
-    return Int4Linear(qweight, scales, mins, {"group_size": 32, "symmetric": False}, bias)
 
 
 def _from_q5_k(t: GGUFTensor, bias: torch.Tensor | None) -> Int5Linear:
@@ -241,6 +226,6 @@ def _from_q5_k(t: GGUFTensor, bias: torch.Tensor | None) -> Int5Linear:
     # qh[l] bit s: bit 4 of element l of sub-block s (ggml's dequantize_row_q5_K)
     qh = blocks[..., 16:48].reshape(N, K // 256, 1, 32)
     high = (qh >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1  # (N, K/256, 8, 32)
-    codes = (_k_low_bits(blocks[..., 48:]) | (high << 4)).view(N, K)
+    codes = (k_low_bits(blocks[..., 48:]) | (high << 4)).view(N, K)
     params = {"group_size": 32, "symmetric": False}
     return Int5Linear(pack_nibbles(codes & 15), pack_high_bits(codes), scales, mins, params, bias)

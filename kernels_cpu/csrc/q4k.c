@@ -1,0 +1,250 @@
+/* q4_k: GGUF Q4_K's blocks as they lie in the file (quant/formats/q4k.py), every path.
+ *
+ * A row is K / 256 blocks of 144 bytes: float16 d and dmin, 12 bytes of 6-bit scales
+ * sc[j] and mins m[j] for the 8 sub-blocks of 32, then 128 bytes qs in 4 runs of 32: run r's
+ * low nibbles are sub-block 2r's codes in order, its high nibbles sub-block 2r + 1's.
+ *
+ *     w = (d * sc[j]) * q - (dmin * m[j])      (three float32 roundings: gguf's order)
+ *
+ * GEMV (AVX2): x as the integer GEMM's two int8 digits, X = round(x / sx) with one sx
+ * per 256 elements (|X| <= IG_XMAX, 15 significant bits of the block's largest element),
+ * so a block's products stay integers: per int32 lane, sum over the 8 sub-blocks of
+ * sc[j] * sum q X, at most 32 * 15 * 128 * 63 * 256 + 32 * 15 * 128 * 63 < 2^31 with the
+ * high digit's sum shifted by 8. One float FMA per block by d sx, and the mins' term
+ * dmin * m[j] * (sx * sum X) per sub-block from x's sums. Without digits (x with inf or
+ * NaN, or a path with none: scalar, NEON) q4k_gemv_c runs in float.
+ * GEMM: tiles dequantized exactly (q4k_dequant_c, or AVX2's), then the float tile.
+ */
+#include <string.h>
+
+#include "kernels.h"
+
+/* A block's 12 scale bytes -> the bytes of u[0..3]: sc[0..7] then m[0..7] (ggml's
+ * get_scale_min_k4, four words at a time as llama.cpp's kernels do). */
+static inline void q4k_scale_words(const uint8_t *p, uint32_t u[4]) {
+    memcpy(u, p, 12);
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t m03 = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = m03;
+    u[0] &= k1;
+}
+
+static inline void q4k_scale_bytes(const uint8_t *p, uint8_t out[16]) {
+    uint32_t u[4];
+    q4k_scale_words(p, u);
+    memcpy(out, u, 16);
+}
+
+static float q4k_half(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | p[1] << 8)); }
+
+/* ------------------------------------------------------------------------------------
+ * Plain C: every path's fallback
+ * ---------------------------------------------------------------------------------- */
+
+void q4k_gemv_c(const qmat *a, int64_t n0, int64_t n1) {
+    const int64_t B = a->K / Q4K_BLOCK;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *blk = (const uint8_t *)a->qw + n * B * Q4K_BLOCK_BYTES;
+        float acc[8] = {0}; /* one per sub-block: sc q x minus m x */
+        for (int64_t b = 0; b < B; b++, blk += Q4K_BLOCK_BYTES) {
+            const float d = q4k_half(blk), dmin = q4k_half(blk + 2);
+            const float *x = a->x + b * Q4K_BLOCK;
+            uint8_t sm[16];
+            q4k_scale_bytes(blk + 4, sm);
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *qs = blk + 16 + 32 * (j / 2);
+                const int shift = 4 * (j % 2);
+                float t[8] = {0}, s[8] = {0};
+                for (int i = 0; i < 32; i++) {
+                    t[i % 8] += (float)((qs[i] >> shift) & 15) * x[32 * j + i];
+                    s[i % 8] += x[32 * j + i];
+                }
+                float dot = 0, sum = 0;
+                for (int i = 0; i < 8; i++) dot += t[i], sum += s[i];
+                acc[j] += d * (float)sm[j] * dot - dmin * (float)sm[8 + j] * sum;
+            }
+        }
+        a->y[n] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    }
+}
+
+void q4k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t B = a->K / Q4K_BLOCK;
+    const uint8_t *blk = (const uint8_t *)a->qw + n0 * B * Q4K_BLOCK_BYTES;
+    for (int64_t nb = 0; nb < (n1 - n0) * B; nb++, blk += Q4K_BLOCK_BYTES) {
+        const float d = q4k_half(blk), dmin = q4k_half(blk + 2);
+        uint8_t sm[16];
+        q4k_scale_bytes(blk + 4, sm);
+        for (int j = 0; j < 8; j++, w += 32) {
+            const float d1 = d * (float)sm[j], m1 = dmin * (float)sm[8 + j];
+            const uint8_t *qs = blk + 16 + 32 * (j / 2);
+            for (int i = 0; i < 32; i++) w[i] = d1 * (float)((qs[i] >> (4 * (j % 2))) & 15) - m1;
+        }
+    }
+}
+
+static const q4k_kernels q4k_plain = {NULL, NULL, q4k_dequant_c};
+
+#ifdef INFER_X86
+#include <immintrin.h>
+
+/* ------------------------------------------------------------------------------------
+ * AVX2 (with FMA and F16C), also what the AVX-512 paths run
+ * ---------------------------------------------------------------------------------- */
+
+#define T TARGET_AVX2 static
+#define TI TARGET_AVX2 static inline __attribute__((always_inline))
+
+/* x's digits (Q4K_XPREP_BYTES): per block of 256, per sub-block of 32, 32 high digits
+ * then 32 low digits in element order (512 bytes a block); then per block sx; then per
+ * sub-block sx * sum X. */
+static inline const float *q4k_sx(const void *buf, int64_t K) {
+    return (const float *)((const int8_t *)buf + 2 * K);
+}
+
+T int q4k_xprep(const float *x, int64_t K, void *buf) {
+    const int64_t B = K / Q4K_BLOCK;
+    int8_t *xd = buf;
+    float *sxs = (float *)(xd + 2 * K), *xs = sxs + B;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < B; b++) {
+        const float *xb = x + b * Q4K_BLOCK;
+        __m256 mx = _mm256_setzero_ps(), bad = mx;
+        for (int i = 0; i < 32; i++) {
+            const __m256 v = _mm256_loadu_ps(xb + 8 * i);
+            mx = _mm256_max_ps(mx, _mm256_and_ps(v, absmask));
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(),
+                                                  _CMP_NEQ_UQ)); /* NaN or inf */
+        }
+        if (_mm256_movemask_ps(bad)) return -1;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mx);
+        float amax = 0;
+        for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+        /* tiny blocks scaled up first (exactly) so that IG_XMAX / amax is finite */
+        const float up = amax < 0x1p-100f ? 0x1p100f : 1.0f;
+        const __m256 inv = _mm256_set1_ps(amax > 0 ? IG_XMAX / (amax * up) : 0);
+        const __m256 vup = _mm256_set1_ps(up);
+        const float sx = amax / IG_XMAX;
+        sxs[b] = sx;
+        for (int j = 0; j < 8; j++) {
+            __m256i D[2][4], sum = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                const __m256 v = _mm256_loadu_ps(xb + 32 * j + 8 * i);
+                const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v, vup), inv));
+                sum = _mm256_add_epi32(sum, X);
+                D[1][i] = _mm256_srai_epi32(_mm256_slli_epi32(X, 24), 24); /* X = 256 hi + lo */
+                D[0][i] = _mm256_srai_epi32(_mm256_sub_epi32(X, D[1][i]), 8);
+            }
+            for (int p = 0; p < 2; p++) { /* digits fit int8: the packs do not saturate */
+                const __m256i ab = _mm256_packs_epi32(D[p][0], D[p][1]);
+                const __m256i cd = _mm256_packs_epi32(D[p][2], D[p][3]);
+                _mm256_store_si256((__m256i *)(xd + 512 * b + 64 * j + 32 * p),
+                                   _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order));
+            }
+            __m128i s4 = _mm256_castsi256_si128(sum);
+            s4 = _mm_add_epi32(s4, _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            xs[8 * b + j] = sx * (float)_mm_cvtsi128_si32(s4);
+        }
+    }
+    return 0;
+}
+
+/* sum over pairs of codes q (bytes) times digits x, times s (int16 lanes): int32 lanes */
+TI __m256i dot_scaled(__m256i q, __m256i x, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), s);
+}
+
+/* int16 lane j of each 128-bit lane of v, in every int16 lane */
+TI __m256i lane16(__m256i v, int j) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
+}
+
+/* One row: per block, sum over its sub-blocks of sc[j] q X as int32 lanes, then floats. */
+TI float q4k_row(const qmat *a, int64_t n) {
+    const int64_t K = a->K, B = K / Q4K_BLOCK;
+    const uint8_t *blk = (const uint8_t *)a->qw + n * B * Q4K_BLOCK_BYTES;
+    const int8_t *xd = a->xq;
+    const float *sxs = q4k_sx(xd, K), *xs = sxs + B;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; b++, blk += Q4K_BLOCK_BYTES) {
+        for (int i = 0; i < 3; i++) PREFETCH_STREAM_L1(blk + 64 * i);
+        uint32_t u[4]; /* in registers: a store and a wider load would stall on forwarding */
+        q4k_scale_words(blk + 4, u);
+        const __m128i sm = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+        /* sc[0..7] as int16 in each 128-bit lane; sub-block j's broadcast by a shuffle */
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        const __m256i *xb = (const __m256i *)(xd + 512 * b);
+        __m256i th = _mm256_setzero_si256(), tl = th;
+        for (int r = 0; r < 4; r++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * r));
+            const __m256i lo = _mm256_and_si256(w, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+            const __m256i s0 = lane16(sc, 2 * r), s1 = lane16(sc, 2 * r + 1);
+            th = _mm256_add_epi32(th, _mm256_add_epi32(dot_scaled(lo, xb[4 * r], s0),
+                                                       dot_scaled(hi, xb[4 * r + 2], s1)));
+            tl = _mm256_add_epi32(tl, _mm256_add_epi32(dot_scaled(lo, xb[4 * r + 1], s0),
+                                                       dot_scaled(hi, xb[4 * r + 3], s1)));
+        }
+        const __m256i t = _mm256_add_epi32(_mm256_slli_epi32(th, 8), tl);
+        const uint16_t *h = (const uint16_t *)blk;
+        const float d = _cvtsh_ss(h[0]) * sxs[b], dmin = _cvtsh_ss(h[1]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d), acc);
+        const __m128i m8 = _mm_unpackhi_epi64(sm, sm);
+        const __m256 xm = _mm256_mul_ps(_mm256_loadu_ps(xs + 8 * b), _mm256_set1_ps(dmin));
+        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)), xm, accm);
+    }
+    __m256 v = _mm256_sub_ps(acc, accm);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+T void q4k_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) a->y[n] = q4k_row(a, n);
+}
+
+/* Exactly as q4k_dequant_c: a product by d sc, then the difference with dmin m, no FMA. */
+T void q4k_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t B = a->K / Q4K_BLOCK;
+    const uint8_t *blk = (const uint8_t *)a->qw + n0 * B * Q4K_BLOCK_BYTES;
+    const __m256i m4 = _mm256_set1_epi32(15);
+    for (int64_t nb = 0; nb < (n1 - n0) * B; nb++, blk += Q4K_BLOCK_BYTES) {
+        const uint16_t *h = (const uint16_t *)blk;
+        const float d = _cvtsh_ss(h[0]), dmin = _cvtsh_ss(h[1]);
+        uint8_t sm[16];
+        q4k_scale_bytes(blk + 4, sm);
+        for (int j = 0; j < 8; j++, w += 32) {
+            const __m256 d1 = _mm256_set1_ps(d * (float)sm[j]);
+            const __m256 m1 = _mm256_set1_ps(dmin * (float)sm[8 + j]);
+            const uint8_t *qs = blk + 16 + 32 * (j / 2);
+            const __m128i shift = _mm_cvtsi32_si128(4 * (j % 2));
+            for (int i = 0; i < 4; i++) {
+                const __m128i b8 = _mm_loadl_epi64((const __m128i *)(qs + 8 * i));
+                const __m256i v = _mm256_srl_epi32(_mm256_cvtepu8_epi32(b8), shift);
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(v, m4));
+                _mm256_storeu_ps(w + 8 * i, _mm256_sub_ps(_mm256_mul_ps(q, d1), m1));
+            }
+        }
+    }
+}
+
+static const q4k_kernels q4k_avx2 = {q4k_xprep, q4k_gemv_digits, q4k_dequant};
+#endif
+
+const q4k_kernels *q4k_for(const kernel_table *kt) {
+#ifdef INFER_X86
+    if (kt == &kernels_avx2 || kt == &kernels_avx2_vnni || kt == &kernels_avx512 ||
+        kt == &kernels_avx512_vnni)
+        return &q4k_avx2;
+#endif
+    (void)kt;
+    return &q4k_plain;
+}

@@ -100,7 +100,7 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def _sentencepiece_piece(token: str) -> bytes:
     """The bytes a SentencePiece token spells: <0xXX> is that byte, "▁" is a space."""
-    m = _BYTE_TOKEN.fullmatch(token)
+    m = _BYTE_TOKEN.fullmatch(token) if token.startswith("<0x") else None
     if m:
         return bytes([int(m.group(1), 16)])
     return token.replace("▁", " ").encode("utf-8")
@@ -422,17 +422,18 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
     builds them. Only normal and user-defined tokens take part: control, byte and unused
     tokens are never produced by merging (SentencePiece's rule).
     """
-    mergeable = {t: i for i, t in enumerate(tokens) if types[i] in (NORMAL, USER_DEFINED)}
-    found = []
-    for token, i in mergeable.items():
-        for k in range(1, len(token)):
-            left, right = token[:k], token[k:]
-            if left in mergeable and right in mergeable:
-                found.append((-scores[i], -len(left), left, right))
-    # Ties (equal scores) go to the longer left part, then to vocabulary order; sort is
-    # stable and `found` is in vocabulary order.
-    found.sort(key=lambda f: (f[0], f[1]))
-    return [(left, right) for _, _, left, right in found]
+    keep = (NORMAL, USER_DEFINED)
+    names = {t for t, kind in zip(tokens, types) if kind in keep}
+    # Ranked by score, then the longer left part, then vocabulary order (i).
+    found = [
+        (-scores[i], -k, i, t[:k], t[k:])
+        for i, (t, kind) in enumerate(zip(tokens, types))
+        if kind in keep
+        for k in range(1, len(t))
+        if t[:k] in names and t[k:] in names
+    ]
+    found.sort()
+    return [(left, right) for *_, left, right in found]
 
 
 def _from_gguf_sentencepiece(md: dict) -> Tokenizer:

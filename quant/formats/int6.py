@@ -37,10 +37,10 @@ import torch
 from ... import InferError
 from ...kernels_cpu import ops as kernels
 from ...kernels_cpu.reference import dequantize_int6
-from .base import KernelWeights, QuantLinear, register
-from .fit import GroupSizeError, check_params, check_weight, fit_groups, nearest_codes, round_up
+from .base import register
+from .fit import fit_groups, nearest_codes, round_up
+from .superblock import QK, SuperBlockLinear
 
-QK = 256  # weights per block
 BLOCK_BYTES = 210  # 128 ql + 64 qh + 16 scales + 2 d
 
 
@@ -105,58 +105,16 @@ def fit(w: torch.Tensor, search: bool = True):
     )
 
 
+def _fit_blocks(w: torch.Tensor, search: bool) -> torch.Tensor:
+    c, sc, d = fit(w, search)
+    return pack_blocks(c + 32, sc, d)
+
+
 @register
-class Int6Linear(QuantLinear):
+class Int6Linear(SuperBlockLinear):
     format: ClassVar[str] = "int6"
-    defaults: ClassVar[dict] = {}
-
-    def __init__(self, qweight, params: dict, bias=None):
-        super().__init__(qweight.shape[1] // BLOCK_BYTES * QK, qweight.shape[0], params, bias)
-        self.register_buffer("qweight", qweight)  # (N, K/256*210) uint8
-
-    @classmethod
-    def resolve_params(cls, params: dict) -> dict:
-        return check_params(cls.format, params, cls.defaults)
-
-    @classmethod
-    def from_float(cls, weight, bias=None, *, search: bool = True, **params):
-        p = cls.resolve_params(params)
-        if weight.dim() == 2 and weight.shape[1] % QK:
-            raise GroupSizeError(
-                f"int6: row length {weight.shape[1]} is not a multiple of its blocks of {QK}"
-            )
-        w = check_weight(cls.format, weight, QK)
-        # Rows a few MB at a time: fit_groups' temporaries stay small for any tensor.
-        rows = max(1, (1 << 21) // w.shape[1])
-        parts = []
-        for r0 in range(0, w.shape[0], rows):
-            c, sc, d = fit(w[r0 : r0 + rows], search)
-            parts.append(pack_blocks(c + 32, sc, d))
-        return cls(torch.cat(parts), p, bias)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"qweight": self.qweight}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], params: dict, bias=None):
-        p = cls.resolve_params(params)
-        qweight = tensors.get("qweight")
-        if qweight is None or qweight.dtype != torch.uint8 or qweight.dim() != 2:
-            raise InferError("int6: qweight must be a 2-D uint8 tensor")
-        if qweight.shape[1] % BLOCK_BYTES or qweight.shape[1] == 0:
-            raise InferError(f"int6: qweight rows must be whole blocks of {BLOCK_BYTES} bytes")
-        if set(tensors) - {"qweight"}:
-            raise InferError(f"int6: unexpected tensors {sorted(set(tensors) - {'qweight'})}")
-        return cls(qweight, p, bias)
-
-    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        return dequantize_int6(self.qweight if rows is None else self.qweight[rows])
-
-    def kernel_weights(self) -> KernelWeights:
-        return KernelWeights(6, QK, self.qweight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            y = kernels.q6_matmul(x, self.qweight)
-            return y if self.bias is None else y + self.bias
-        return super().forward(x)
+    block_bytes: ClassVar[int] = BLOCK_BYTES
+    kind: ClassVar[int] = 6
+    fit_blocks = staticmethod(_fit_blocks)
+    dequantize_blocks = staticmethod(dequantize_int6)
+    matmul = staticmethod(kernels.q6_matmul)

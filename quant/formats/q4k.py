@@ -34,10 +34,10 @@ import torch
 from ... import InferError
 from ...kernels_cpu import ops as kernels
 from ...kernels_cpu.reference import dequantize_q4k
-from .base import KernelWeights, QuantLinear, register
-from .fit import GroupSizeError, check_params, check_weight, fit_groups, nearest_codes, round_up
+from .base import register
+from .fit import fit_groups, nearest_codes, round_up
+from .superblock import QK, SuperBlockLinear
 
-QK = 256  # weights per block
 BLOCK_BYTES = 144  # 2 d + 2 dmin + 12 scales + 128 qs
 KIND = 12  # the kernels' id for it (csrc/kernels.h Q4K: ggml's type id of Q4_K)
 
@@ -99,54 +99,15 @@ def fit(w: torch.Tensor, search: bool = True):
     )
 
 
+def _fit_blocks(w: torch.Tensor, search: bool) -> torch.Tensor:
+    return pack_blocks(*fit(w, search))
+
+
 @register
-class Q4KLinear(QuantLinear):
+class Q4KLinear(SuperBlockLinear):
     format: ClassVar[str] = "q4_k"
-    defaults: ClassVar[dict] = {}
-
-    def __init__(self, qweight, params: dict, bias=None):
-        super().__init__(qweight.shape[1] // BLOCK_BYTES * QK, qweight.shape[0], params, bias)
-        self.register_buffer("qweight", qweight)  # (N, K/256*144) uint8
-
-    @classmethod
-    def resolve_params(cls, params: dict) -> dict:
-        return check_params(cls.format, params, cls.defaults)
-
-    @classmethod
-    def from_float(cls, weight, bias=None, *, search: bool = True, **params):
-        p = cls.resolve_params(params)
-        if weight.dim() == 2 and weight.shape[1] % QK:
-            raise GroupSizeError(
-                f"q4_k: row length {weight.shape[1]} is not a multiple of its blocks of {QK}"
-            )
-        w = check_weight(cls.format, weight, QK)
-        rows = max(1, (1 << 21) // w.shape[1])  # a few MB at a time, as int6
-        parts = [pack_blocks(*fit(w[r0 : r0 + rows], search)) for r0 in range(0, w.shape[0], rows)]
-        return cls(torch.cat(parts), p, bias)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"qweight": self.qweight}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], params: dict, bias=None):
-        p = cls.resolve_params(params)
-        qweight = tensors.get("qweight")
-        if qweight is None or qweight.dtype != torch.uint8 or qweight.dim() != 2:
-            raise InferError("q4_k: qweight must be a 2-D uint8 tensor")
-        if qweight.shape[1] % BLOCK_BYTES or qweight.shape[1] == 0:
-            raise InferError(f"q4_k: qweight rows must be whole blocks of {BLOCK_BYTES} bytes")
-        if set(tensors) - {"qweight"}:
-            raise InferError(f"q4_k: unexpected tensors {sorted(set(tensors) - {'qweight'})}")
-        return cls(qweight, p, bias)
-
-    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        return dequantize_q4k(self.qweight if rows is None else self.qweight[rows])
-
-    def kernel_weights(self) -> KernelWeights:
-        return KernelWeights(KIND, QK, self.qweight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            y = kernels.q4k_matmul(x, self.qweight)
-            return y if self.bias is None else y + self.bias
-        return super().forward(x)
+    block_bytes: ClassVar[int] = BLOCK_BYTES
+    kind: ClassVar[int] = KIND
+    fit_blocks = staticmethod(_fit_blocks)
+    dequantize_blocks = staticmethod(dequantize_q4k)
+    matmul = staticmethod(kernels.q4k_matmul)

@@ -256,33 +256,29 @@ def q5_matmul(x, qweight, qh, scales, mins, *, isa=None, threads=None):
 def q6_matmul(x, qweight, *, isa=None, threads=None):
     """y (..., N) = x (..., K) W^T for int6 W (quant/formats/int6.py): qweight uint8
     (N, K/256*210), GGUF Q6_K's blocks. x float32. isa, threads: as q8_matmul."""
-    if not (qweight.dtype is torch.uint8 and qweight.dim() == 2 and qweight.is_cpu
-            and qweight.is_contiguous() and qweight.shape[1] % 210 == 0
-            and qweight.shape[1]):  # fmt: skip
-        _fail("q6_matmul", "qweight", qweight, "uint8 (N, K/256*210)")
-    N, K = qweight.shape[0], qweight.shape[1] // 210 * 256
-    if not _x_ok(x, K):
-        _x_fail("q6_matmul", x, K)
-    if _C is None:
-        _warn_missing()
-        return reference.q6_matmul(x, qweight)
-    return _launch(_C.q6_matmul, x, K, N, (qweight.data_ptr(),), 256, isa, threads)
+    return _superblock_matmul("q6_matmul", 210, x, qweight, isa, threads)
 
 
 def q4k_matmul(x, qweight, *, isa=None, threads=None):
     """y (..., N) = x (..., K) W^T for q4_k W (quant/formats/q4k.py): qweight uint8
     (N, K/256*144), GGUF Q4_K's blocks. x float32. isa, threads: as q8_matmul."""
+    return _superblock_matmul("q4k_matmul", 144, x, qweight, isa, threads)
+
+
+def _superblock_matmul(name: str, block_bytes: int, x, qweight, isa, threads):
+    """The op `name` (in _C and reference) over W held as whole super-blocks of 256
+    weights, `block_bytes` each: one uint8 tensor and nothing else."""
     if not (qweight.dtype is torch.uint8 and qweight.dim() == 2 and qweight.is_cpu
-            and qweight.is_contiguous() and qweight.shape[1] % 144 == 0
+            and qweight.is_contiguous() and qweight.shape[1] % block_bytes == 0
             and qweight.shape[1]):  # fmt: skip
-        _fail("q4k_matmul", "qweight", qweight, "uint8 (N, K/256*144)")
-    N, K = qweight.shape[0], qweight.shape[1] // 144 * 256
+        _fail(name, "qweight", qweight, f"uint8 (N, K/256*{block_bytes})")
+    N, K = qweight.shape[0], qweight.shape[1] // block_bytes * 256
     if not _x_ok(x, K):
-        _x_fail("q4k_matmul", x, K)
+        _x_fail(name, x, K)
     if _C is None:
         _warn_missing()
-        return reference.q4k_matmul(x, qweight)
-    return _launch(_C.q4k_matmul, x, K, N, (qweight.data_ptr(),), 256, isa, threads)
+        return getattr(reference, name)(x, qweight)
+    return _launch(getattr(_C, name), x, K, N, (qweight.data_ptr(),), 256, isa, threads)
 
 
 # ---------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ model's real file, so does the batched step of several sequences, and `infer ser
 token and a differing model file each end with a one-line error. Every worker is killed
 at the end."""
 
+import hashlib
 import os
 import queue
 import select
@@ -25,6 +26,7 @@ from tiny import make_hf_model
 from infer.runtime.files.sources import open_source
 from infer.runtime.generate import generate, make_sampler
 from infer.runtime.loader import load_model
+from infer.runtime.pipeline import handshake
 from infer.runtime.pipeline.coordinator import assign_layers, load_pipelined
 from infer.runtime.pipeline.link import Op, Pass
 from infer.runtime.pipeline.stage import load_stage, stage_bytes
@@ -297,6 +299,26 @@ def test_a_differing_model_file_is_refused(models, token_file):
         worker.wait_for("model refused")
     finally:
         worker.kill()
+
+
+def test_a_model_sha256_is_read_once_a_version_of_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFER_HOME", str(tmp_path / "home"))
+    reads = []
+    hashed = handshake.file_sha256
+    monkeypatch.setattr(handshake, "file_sha256", lambda p: reads.append(p) or hashed(p))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"weights")
+    first = handshake.model_sha256(model)
+    assert first == hashlib.sha256(b"weights").hexdigest()
+    assert handshake.model_sha256(model) == first and len(reads) == 1  # remembered
+    model.write_bytes(b"other weights")  # a new size and time: read again
+    os.utime(model, ns=(1, 1))
+    assert handshake.model_sha256(model) == hashlib.sha256(b"other weights").hexdigest()
+    assert len(reads) == 2
+    (tmp_path / "home/sha256.json").write_text("not json")  # a damaged memo: read again
+    assert handshake.model_sha256(model) == hashlib.sha256(b"other weights").hexdigest()
+    assert len(reads) == 3
+    assert not [p for p in (tmp_path / "home").iterdir() if p.name != "sha256.json"]
 
 
 def test_serve_answers_concurrent_requests_through_the_stages(

@@ -20,7 +20,8 @@ import struct
 from pathlib import Path
 
 from ... import InferError
-from ..wheels import file_sha256
+from ..registry import cache_dir
+from ..wheels import file_sha256, write_atomic
 
 HANDSHAKE_TIMEOUT = 10.0  # seconds for each message of the handshake
 MAX_MESSAGE = 1 << 20  # bytes of one JSON message
@@ -122,14 +123,47 @@ def model_sha256(path: Path) -> str:
     """The sha256 both ends compare: a file's own; for a directory, of each regular file's
     relative name and sha256, in name order (hidden files aside)."""
     if path.is_file():
-        return file_sha256(path)
+        return remembered_sha256(path)
     digest = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
         rel = f.relative_to(path)
         if any(part.startswith(".") for part in rel.parts):
             continue
-        digest.update(f"{rel.as_posix()}\0{file_sha256(f)}\n".encode())
+        digest.update(f"{rel.as_posix()}\0{remembered_sha256(f)}\n".encode())
     return digest.hexdigest()
+
+
+def remembered_sha256(path: Path) -> str:
+    """A file's sha256, remembered across runs (a model of tens of GB takes minutes to
+    read) in the cache's sha256.json, by its device, inode, size and modification time:
+    a file written again, or replaced, is read again."""
+    memo_path = cache_dir().parent / "sha256.json"
+    st = path.stat()
+    key, version = str(path.resolve()), [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    memo = _read_memo(memo_path)
+    entry = memo.get(key)
+    if isinstance(entry, dict) and entry.get("version") == version:
+        sha = entry.get("sha256")
+        if isinstance(sha, str) and len(sha) == 64:
+            return sha
+    sha = file_sha256(path)
+    memo = {k: v for k, v in memo.items() if Path(k).exists()}  # files since deleted go
+    memo[key] = {"version": version, "sha256": sha}
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(memo_path, json.dumps(memo, indent=1).encode())
+    except OSError:
+        pass  # a cache that cannot be written costs the next run one more read
+    return sha
+
+
+def _read_memo(path: Path) -> dict:
+    """sha256.json's entries; none if it is missing or not a JSON object."""
+    try:
+        memo = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
 
 
 def connect(host: str, port: int, timeout: float = HANDSHAKE_TIMEOUT) -> socket.socket:

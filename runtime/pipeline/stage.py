@@ -160,7 +160,7 @@ def _load(conn: socket.socket, s: WorkerSettings, held: dict, log) -> tuple[Stag
     """The model check, the offer and the plan: the blocks to serve, loaded."""
     ask = handshake.receive(conn)
     path = _model_path(s, str(ask.get("model")))
-    sha = _sha256(path, held)
+    sha = handshake.model_sha256(path)
     if sha != ask.get("sha256"):
         raise InferError(
             f"model refused: the worker's {path.name} differs from the coordinator's "
@@ -218,13 +218,3 @@ def _model_path(s: WorkerSettings, name: str) -> Path:
     from ..registry import resolve
 
     return resolve(name, download=False).path
-
-
-def _sha256(path: Path, held: dict) -> str:
-    """The model's sha256, computed once a version of its files (a worker serves many
-    runs): a version is each file's size and modification time."""
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    key = (path, *((f, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-    if held.get("sha_key") != key:
-        held["sha"], held["sha_key"] = handshake.model_sha256(path), key
-    return held["sha"]

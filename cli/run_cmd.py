@@ -179,9 +179,9 @@ def run(
         raise InferError("give --lookup or --draft, not both")
     schema = read_format(fmt)  # a bad file fails before the model loads
     if workers is not None:
-        if (max_memory, expert_policy, expert_prediction, trace, kv_cache) != (None,) * 5:
+        if (max_memory, expert_policy, expert_prediction, trace) != (None,) * 4:
             raise InferError(
-                "--workers takes none of --max-memory, --expert-*, --trace, --kv-cache "
+                "--workers takes none of --max-memory, --expert-*, --trace "
                 "(each worker has its own --max-memory)"
             )
         if token_file is None:
@@ -222,7 +222,7 @@ def run(
         n_threads = set_threads(threads)
         with status(f"loading {resolved.name}"):
             if workers is not None:
-                lm = _load_pipelined(model, resolved, workers, token_file, dtype, ctx)
+                lm = _load_pipelined(model, resolved, workers, token_file, dtype, ctx, kv_cache)
             else:
                 lm = _load_here(
                     resolved, dtype, ctx, budget, expert_policy, expert_prediction, trace, kv_cache
@@ -278,8 +278,9 @@ def _load_here(resolved, dtype, ctx, budget, expert_policy, expert_prediction, t
     return lm
 
 
-def _load_pipelined(model, resolved, workers: str, token_file, dtype, ctx):
-    """The embeddings and output layer here, the blocks on the workers."""
+def _load_pipelined(model, resolved, workers: str, token_file, dtype, ctx, kv_cache):
+    """The embeddings and output layer here, the blocks (and their KV caches, of
+    `kv_cache`) on the workers."""
     from ..runtime.pipeline.coordinator import load_pipelined
     from ..runtime.pipeline.handshake import read_token
     from ..runtime.registry import DEFAULT_MODEL
@@ -288,8 +289,9 @@ def _load_pipelined(model, resolved, workers: str, token_file, dtype, ctx):
     addresses, token = parse_workers(workers), read_token(token_file)
     reference = model or DEFAULT_MODEL
     return load_pipelined(
-        reference, resolved.path, addresses, token, torch_dtype(dtype), ctx or DEFAULT_CTX
-    )
+        reference, resolved.path, addresses, token, torch_dtype(dtype), ctx or DEFAULT_CTX,
+        kv_cache=kv_cache and kv_cache.value,
+    )  # fmt: skip
 
 
 def _drafter(lm, resolved, lookup: bool, drafts, dtype, ctx, threads, kv_cache):

@@ -143,9 +143,9 @@ def serve(
         from ..runtime.pipeline.handshake import read_token
         from .worker_cmd import parse_workers
 
-        if len(models or []) != 1 or (max_memory, draft, kv_cache) != (None,) * 3:
+        if len(models or []) != 1 or max_memory is not None:
             raise InferError(
-                "--workers serves one MODEL, without --max-memory, --draft or --kv-cache"
+                "--workers serves one MODEL, without --max-memory (each worker has its own)"
             )
         if token_file is None:
             raise InferError("--workers needs --token-file: the secret the workers share")

@@ -31,6 +31,7 @@ from infer.runtime.pipeline.coordinator import assign_layers, load_pipelined
 from infer.runtime.pipeline.link import Op, Pass
 from infer.runtime.pipeline.stage import load_stage, stage_bytes
 from infer.runtime.session import Session, decode
+from infer.runtime.speculative import LookupDrafter
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
 TOKEN = b"a shared secret of the test, 32B"
@@ -186,6 +187,26 @@ def test_default_model_over_stages_equals_one_process(smollm2_gguf, workers, sta
     assert got == _greedy_alone(smollm2_gguf, 32)
     for w in workers[:stages]:
         assert "(decode: the fused C step)" in w.wait_for(f"of {smollm2_gguf.name}")
+
+
+def test_int8_cache_and_lookup_over_stages_equal_one_process(models, workers):
+    """The workers' caches in the coordinator's format (int8), and speculative decoding's
+    verify passes (several rows of one sequence) through two stages: greedy, the tokens
+    one process gives with the same cache."""
+    path = models / "dense-int4"
+    addresses = [w.address for w in workers[:2]]
+    lm = load_pipelined(str(path), path, addresses, TOKEN, torch.float32, 128, TIMEOUT, "int8")
+    prompt = PROMPT * 3  # repeats for prompt lookup to guess from
+    try:
+        session = Session(lm.model, stages=lm.stages)
+        got = list(generate(session, prompt, make_sampler(0), 24, drafter=LookupDrafter()))
+    finally:
+        lm.stages.close()
+    alone = load_model(path, max_seq_len=128, kv_cache="int8")
+    want = list(generate(Session(alone.model), prompt, make_sampler(0), 24))
+    assert got == want
+    for w in workers[:2]:
+        w.wait_for("KV cache int8")
 
 
 def test_stage_rows_on_the_fused_step_equal_its_torch_blocks(models):
@@ -354,3 +375,32 @@ def test_serve_answers_concurrent_requests_through_the_stages(
         ids = lm.tokenizer.encode(prompt)
         want = stream_answer(Session(lm.model), lm.tokenizer, ids, make_sampler(0), 12, print)
         assert text == want.text
+
+
+def test_serve_over_stages_with_a_draft_model_and_an_int8_cache(
+    models, workers, token_file, tmp_path
+):
+    """`serve --workers` with --draft (verified through the stages) and --kv-cache
+    int8 (the workers' caches): greedy, the answer one process gives with that cache."""
+    from infer.runtime.answer import stream_answer
+
+    path = models / "dense-int4"
+    addresses = ",".join(f"{h}:{p}" for h, p in (w.address for w in workers[:2]))
+    args = [str(path), "--workers", addresses, "--token-file", str(token_file),
+            "--draft", str(models / "dense"), "--kv-cache", "int8"]  # fmt: skip
+    server = Server(args, tmp_path, tmp_path / "serve.log").ready(STARTUP)
+    try:
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+            body = {"model": str(path), "prompt": "Once upon", "max_tokens": 16, "temperature": 0}
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            text = r.json()["choices"][0]["text"]
+    finally:
+        code, _ = server.stop()
+    assert code == 0, server.log.read_text()
+    lm = load_model(path, max_seq_len=128, kv_cache="int8")
+    ids = lm.tokenizer.encode("Once upon")
+    want = stream_answer(Session(lm.model), lm.tokenizer, ids, make_sampler(0), 16, print)
+    assert text == want.text
+    for w in workers[:2]:
+        w.wait_for("KV cache int8")

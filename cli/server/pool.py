@@ -219,7 +219,9 @@ class ModelPool:
                 from ...runtime.pipeline.coordinator import load_pipelined
 
                 ref = s.models[0]  # as the workers are to find it
-                lm = load_pipelined(ref, resolved.path, s.workers, s.token, s.dtype, s.ctx)
+                lm = load_pipelined(
+                    ref, resolved.path, s.workers, s.token, s.dtype, s.ctx, kv_cache=s.kv_cache
+                )
             else:
                 lm = load_model(
                     resolved.path, s.dtype, max_seq_len=s.ctx, max_memory=budget,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ... import InferError
+from ..model import kvcache
 from . import handshake, link
 from .link import LinkError, Op, Pass
 
@@ -74,10 +75,11 @@ class Pipeline:
     @classmethod
     def connect(
         cls, addresses: list[tuple[str, int]], token: bytes, model: str, path, args,
-        dtype: torch.dtype, ctx: int, timeout: float = STEP_TIMEOUT,
+        dtype: torch.dtype, ctx: int, timeout: float = STEP_TIMEOUT, kv_cache: str | None = None,
     ) -> Pipeline:  # fmt: skip
         """Prove the token to each worker, have it check the model (`model` names it,
-        `path` is this side's copy) and load its layers, then form the group."""
+        `path` is this side's copy) and load its layers, then form the group. The
+        workers' KV caches are of format `kv_cache` (default the dtype's float)."""
         sha = handshake.model_sha256(path)
         dtype_name = str(dtype).removeprefix("torch.")
         workers = []
@@ -87,7 +89,8 @@ class Pipeline:
                 workers.append(w)
                 with _about(w):
                     handshake.prove_coordinator(w.sock, token)
-                    ask = {"model": model, "sha256": sha, "dtype": dtype_name, "ctx": ctx}
+                    ask = {"model": model, "sha256": sha, "dtype": dtype_name, "ctx": ctx,
+                           "kv_cache": kv_cache or kvcache.float_kind(dtype)}  # fmt: skip
                     handshake.send(w.sock, ask)
                     w.memory = int(handshake.receive(w.sock, CHECK_TIMEOUT)["memory"])
             ranges = assign_layers(args.n_layers, [w.memory for w in workers])
@@ -237,11 +240,11 @@ class _about:
 
 def load_pipelined(
     reference: str, path, workers: list[tuple[str, int]], token: bytes, dtype, ctx: int,
-    timeout: float = STEP_TIMEOUT,
+    timeout: float = STEP_TIMEOUT, kv_cache: str | None = None,
 ):  # fmt: skip
     """The coordinator's model at `path` (the embeddings, the output layer: no blocks)
     as a LoadedModel whose `stages` is the pipeline over `workers`, which find the model
-    by `reference` (a name or a path) unless told its path."""
+    by `reference` (a name or a path) unless told its path; their caches of `kv_cache`."""
     from ..files.build import Part, build
     from ..files.sources import open_source
     from ..loader import LoadedModel
@@ -251,6 +254,8 @@ def load_pipelined(
     model = build(source, dtype, ctx, part=Part(range(0), ends=True))
     tokenizer = source.tokenizer()
     ctx = model.max_seq_len
-    pipeline = Pipeline.connect(workers, token, reference, path, source.args, dtype, ctx, timeout)
+    pipeline = Pipeline.connect(
+        workers, token, reference, path, source.args, dtype, ctx, timeout, kv_cache
+    )
     load_s = time.perf_counter() - t0
     return LoadedModel(model, tokenizer, source, dtype, load_s, stages=pipeline)

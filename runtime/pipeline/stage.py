@@ -21,6 +21,7 @@ from ... import InferError
 from ...kernels_cpu.threads import ThreadPolicy
 from ..files.build import Part, build
 from ..files.sources import open_source
+from ..model import kvcache
 from ..model.fused_decode import FusedDecode, cache_words
 from ..model.llama import KVCache, Rows, rope_rows
 from . import handshake, link
@@ -33,12 +34,14 @@ LOAD_TIMEOUT = 3600.0  # seconds a worker waits for the others to check and load
 
 class Stage:
     """Blocks [layers.start, layers.stop) of `model` (the rest of it on the meta device)
-    and each sequence's KV cache for them, made on its first pass. Passes run as in one
-    process (session.py): a prompt's chunk on the torch blocks, rows on the fused step
-    over these blocks where it runs the model."""
+    and each sequence's KV cache for them, made on its first pass, of format `kv_cache`
+    (model/kvcache.py KINDS; the coordinator's choice). Passes run as in one process
+    (session.py): a prompt's chunk on the torch blocks, rows on the fused step over these
+    blocks where it runs the model."""
 
     def __init__(self, model, layers: range, dtype: torch.dtype, threads: int | None = None):
         self.model, self.layers, self.dtype = model, layers, dtype
+        self.kv_cache = kvcache.float_kind(dtype)
         self.caches: dict[int, list[KVCache]] = {}
         self.words: dict[int, torch.Tensor] = {}  # each cache's fused_decode.cache_words
         self.threads = ThreadPolicy(threads, kernels=model.runs_on_kernels())
@@ -47,9 +50,9 @@ class Stage:
     def cache(self, sequence: int) -> list[KVCache]:
         if sequence not in self.caches:
             a, n = self.model.args, self.model.max_seq_len
-            self.caches[sequence] = [
-                KVCache(a.n_kv_heads, n, a.head_dim, self.dtype) for _ in self.layers
-            ]
+            self.caches[sequence] = kvcache.new_cache(
+                self.kv_cache, len(self.layers), a.n_kv_heads, n, a.head_dim
+            )
             if self.fused is not None:
                 self.words[sequence] = cache_words(self.caches[sequence])
         return self.caches[sequence]
@@ -90,13 +93,16 @@ def load_stage(path: Path, dtype: torch.dtype, ctx: int, layers: range, threads=
     return Stage(model, layers, dtype, threads)
 
 
-def stage_bytes(path: Path, dtype: torch.dtype, ctx: int, layers: range) -> int:
+def stage_bytes(
+    path: Path, dtype: torch.dtype, ctx: int, layers: range, kv_cache: str | None = None
+) -> int:
     """An estimate of what blocks `layers` hold: their share of the weights, and one
-    sequence's KV cache for them."""
+    sequence's KV cache for them (of `kv_cache`, default the dtype's float)."""
     source = open_source(path)
     a = source.args
-    weights = source.layers_bytes(dtype, layers)
-    return weights + 2 * len(layers) * a.n_kv_heads * ctx * a.head_dim * dtype.itemsize
+    kind = kv_cache or kvcache.float_kind(dtype)
+    per_position = kvcache.bytes_per_position(kind, a.n_kv_heads, a.head_dim)
+    return source.layers_bytes(dtype, layers) + len(layers) * ctx * per_position
 
 
 # ------------------------------------------------------------------------------------------
@@ -148,6 +154,7 @@ def _serve_coordinator(conn: socket.socket, s: WorkerSettings, held: dict, log) 
     handshake.send(conn, {"loaded": True})
     host, port = handshake.receive(conn, timeout=LOAD_TIMEOUT)["rendezvous"]
     rank, world = int(plan["rank"]), int(plan["world_size"])
+    log(f"serving rank {rank} of {world}, KV cache {stage.kv_cache}")
     link.join_group(rank, world, float(plan["timeout"]), rendezvous=(str(host), int(port)))
     try:
         passes = _run(stage, rank, world)
@@ -167,10 +174,13 @@ def _load(conn: socket.socket, s: WorkerSettings, held: dict, log) -> tuple[Stag
             f"(sha256 {sha[:12]}, not {str(ask.get('sha256'))[:12]})"
         )
     dtype, ctx = DTYPES[ask["dtype"]], int(ask["ctx"])
+    kind = ask.get("kv_cache", kvcache.float_kind(dtype))
+    if kind not in kvcache.KINDS:
+        raise InferError(f"a KV cache of unknown format {str(kind)[:20]!r}")
     handshake.send(conn, {"memory": s.budget})
     plan = handshake.receive(conn, timeout=LOAD_TIMEOUT)  # after every worker's check
     layers = range(*plan["layers"])
-    need = stage_bytes(path, dtype, ctx, layers)
+    need = stage_bytes(path, dtype, ctx, layers, kind)
     if need > s.budget:
         raise InferError(
             f"layers {layers.start}-{layers.stop - 1} need about {need / 1e9:.2f} GB, "
@@ -187,6 +197,7 @@ def _load(conn: socket.socket, s: WorkerSettings, held: dict, log) -> tuple[Stag
             f"{time.perf_counter() - t0:.2f} s (decode: {step})")  # fmt: skip
     stage = held["stage"]
     stage.forget()  # a new coordinator's sequences
+    stage.kv_cache = kind
     return stage, plan
 
 

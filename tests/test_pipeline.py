@@ -404,3 +404,37 @@ def test_serve_over_stages_with_a_draft_model_and_an_int8_cache(
     assert text == want.text
     for w in workers[:2]:
         w.wait_for("KV cache int8")
+
+
+def test_serve_forms_the_pipeline_again_without_a_dead_worker(models, token_file, tmp_path):
+    """A worker killed between requests: the next request fails with the stage's error,
+    the server stays up, and the one after runs every block on the worker left (it has
+    the memory), giving one process's answer."""
+    from infer.runtime.answer import stream_answer
+
+    path = models / "dense-int4"
+    pair = _start(2, token_file)
+    addresses = ",".join(f"{h}:{p}" for h, p in (w.address for w in pair))
+    args = [str(path), "--workers", addresses, "--token-file", str(token_file)]
+    server = Server(args, tmp_path, tmp_path / "serve.log").ready(STARTUP)
+    body = {"model": str(path), "prompt": "Once upon", "max_tokens": 8, "temperature": 0}
+    try:
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+            assert http.post("/v1/completions", json=body).status_code == 200
+            pair[1].kill()
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code >= 500 and "pipeline stage failed" in r.text, r.text
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            text = r.json()["choices"][0]["text"]
+    finally:
+        code, _ = server.stop()
+        for w in pair:
+            w.kill()
+    assert code == 0, server.log.read_text()
+    assert "its layers go to the others" in server.log.read_text()
+    pair[0].wait_for("loaded layers 0-2 of dense-int4")
+    lm = load_model(path, max_seq_len=128)
+    ids = lm.tokenizer.encode("Once upon")
+    want = stream_answer(Session(lm.model), lm.tokenizer, ids, make_sampler(0), 8, print)
+    assert text == want.text

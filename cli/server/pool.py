@@ -179,6 +179,9 @@ class ModelPool:
         key = resolved.path.resolve()
         async with self._lock:
             loaded = self.loaded.get(key)
+            if loaded is not None and loaded.lm.stages is not None and loaded.lm.stages.failed:
+                await self.unload(loaded)  # a worker died: form the pipeline again
+                loaded = None
             task = self._loading.get(key)
             if loaded is None and task is None:
                 task = asyncio.ensure_future(self._load(name or self.default_name, resolved))

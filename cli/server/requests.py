@@ -250,8 +250,8 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
             elif kind == "done":
                 yield Finished(value, queued())
                 return
-            elif isinstance(value, InferError):
-                raise ApiError(400, str(value)) from value
+            elif isinstance(value, InferError):  # the request's fault unless it says
+                raise ApiError(getattr(value, "http_status", 400), str(value)) from value
             else:  # a bug: its traceback for the log, a 500 for the client
                 traceback.print_exception(value, file=sys.stderr)
                 raise ApiError(500, f"internal error: {type(value).__name__}: {value}")

@@ -11,8 +11,9 @@ of several sequences (the batched step) goes as micro-batches, sequences kept wh
 so that while one stage works on one micro-batch the previous stage works on the next.
 
 A worker that dies or a link that drops fails the pass in progress (or the idle ping)
-with a LinkError, and every later pass with the same error: the group is not formed
-again.
+with a LinkError, and every later pass with the same error (`failed`). A server then
+forms the group again with `connect`, which leaves out workers that cannot be reached
+when the others can hold every block.
 """
 
 from __future__ import annotations
@@ -79,13 +80,22 @@ class Pipeline:
     ) -> Pipeline:  # fmt: skip
         """Prove the token to each worker, have it check the model (`model` names it,
         `path` is this side's copy) and load its layers, then form the group. The
-        workers' KV caches are of format `kv_cache` (default the dtype's float)."""
+        workers' KV caches are of format `kv_cache` (default the dtype's float). A
+        worker that cannot be reached is left out, said on stderr, while one remains:
+        the others are given its layers, and refuse them if they do not fit."""
         sha = handshake.model_sha256(path)
         dtype_name = str(dtype).removeprefix("torch.")
         workers = []
         try:
-            for host, port in addresses:
-                w = Worker(host, port, handshake.connect(host, port))
+            for i, (host, port) in enumerate(addresses):
+                try:
+                    sock = handshake.connect(host, port)
+                except InferError as e:
+                    if workers or i + 1 < len(addresses):
+                        print(f"warning: {e}; its layers go to the others", file=sys.stderr)
+                        continue
+                    raise
+                w = Worker(host, port, sock)
                 workers.append(w)
                 with _about(w):
                     handshake.prove_coordinator(w.sock, token)
@@ -93,6 +103,8 @@ class Pipeline:
                            "kv_cache": kv_cache or kvcache.float_kind(dtype)}  # fmt: skip
                     handshake.send(w.sock, ask)
                     w.memory = int(handshake.receive(w.sock, CHECK_TIMEOUT)["memory"])
+            if not workers:
+                raise InferError("no worker could be reached")
             ranges = assign_layers(args.n_layers, [w.memory for w in workers])
             world = len(workers) + 1
             for rank, (w, layers) in enumerate(zip(workers, ranges), 1):
@@ -121,6 +133,11 @@ class Pipeline:
         return ", ".join(
             f"{w.host}:{w.port} layers {w.layers.start}-{w.layers.stop - 1}" for w in self.workers
         )
+
+    @property
+    def failed(self) -> bool:
+        """A stage failed: every pass fails from now on (form the group again)."""
+        return self._failed is not None
 
     def new_sequence(self) -> int:
         """An id for a new sequence: each worker keeps a KV cache under it."""

@@ -45,6 +45,8 @@ class Op(IntEnum):
 class LinkError(InferError):
     """A stage died, a link dropped, or a wait timed out."""
 
+    http_status = 503  # a server's answer: not the request's fault
+
 
 @dataclass
 class Pass:

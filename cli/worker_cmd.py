@@ -55,6 +55,19 @@ def worker(
             show_default=False,
         ),
     ] = None,
+    speed: Annotated[
+        float | None,
+        typer.Option(
+            "--speed",
+            metavar="GB/S",
+            min=0.001,
+            help="The memory read bandwidth to count this worker at, which decode speed "
+            "follows: the coordinator gives each worker layers in proportion to it, "
+            "within the memory each offers. Default: measured when the worker starts "
+            "(give it when several workers share one machine).",
+            show_default=False,
+        ),
+    ] = None,
     threads: Threads = None,
     debug: Debug = False,
 ) -> None:
@@ -84,7 +97,7 @@ def worker(
     set_threads(threads)
     if host not in ("127.0.0.1", "::1", "localhost"):
         _say(f"listening on {host}: the links must be on a trusted network")
-    settings = WorkerSettings(host, port, token, budget, model, threads)
+    settings = WorkerSettings(host, port, token, budget, model, threads, speed)
     serve_worker(settings, log=_say)
 
 

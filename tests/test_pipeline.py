@@ -56,10 +56,15 @@ DIE_WITH_PARENT = (
 
 
 class Worker:
-    """An `infer worker` subprocess on a free loopback port; its stderr lines collected."""
+    """An `infer worker` subprocess on a free loopback port; its stderr lines collected.
+    Workers on one machine count at one speed (the split then follows memory alone)
+    unless `speed` is None: then each measures its own."""
 
-    def __init__(self, token_file, *args):
-        cmd = _infer("worker", "--port", 0, "--token-file", token_file, "--threads", 1, *args)
+    def __init__(self, token_file, *args, speed: str | None = "10"):
+        speed_args = ("--speed", speed) if speed is not None else ()
+        cmd = _infer(
+            "worker", "--port", 0, "--token-file", token_file, "--threads", 1, *speed_args, *args
+        )
         cmd = [sys.executable, "-c", DIE_WITH_PARENT, *cmd]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -268,6 +273,20 @@ def test_assign_layers_follows_memory():
     assert assign_layers(3, [100, 1, 1]) == [range(1), range(1, 2), range(2, 3)]
 
 
+def test_assign_layers_follows_speed_within_memory():
+    gb = 10**9
+    assert assign_layers(24, [16 * gb, 16 * gb], [20, 10], gb) == [range(16), range(16, 24)]
+    # the fast one holds 10 layers at most: the rest go to the other
+    assert assign_layers(24, [10 * gb, 16 * gb], [30, 10], gb) == [range(10), range(10, 24)]
+    # 5 on the first (its memory), the other 23 split 1:2 by speed
+    three = assign_layers(28, [5 * gb, 30 * gb, 30 * gb], [10, 10, 20], gb)
+    assert three == [range(5), range(5, 13), range(13, 28)]
+    # memory too small in sum: by memory, and the workers refuse what does not fit
+    assert assign_layers(24, [10 * gb, 10 * gb], [30, 10], gb) == [range(12), range(12, 24)]
+    # a worker that says no speed: by memory
+    assert assign_layers(8, [3 * gb, gb], [0, 5], gb) == [range(6), range(6, 8)]
+
+
 def _run(path, token_file, addresses, *args) -> subprocess.Popen:
     workers = ",".join(f"{h}:{p}" for h, p in addresses)
     cmd = _infer("run", path, "--no-chat", "--temp", 0, "--workers", workers,
@@ -311,8 +330,9 @@ def test_wrong_token_is_refused_on_both_sides(models, workers, tmp_path):
 
 
 def test_a_differing_model_file_is_refused(models, token_file):
-    (worker,) = _start(1, token_file, "--model", models / "other")
+    worker = Worker(token_file, "--model", models / "other", speed=None)
     try:
+        assert any("memory read bandwidth" in line for line in worker.log)  # before listening
         proc = _run(models / "dense", token_file, [worker.address], "Hello", "-n", 2)
         out, err = proc.communicate(timeout=STARTUP)
         r = subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())

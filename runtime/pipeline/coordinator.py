@@ -30,6 +30,7 @@ from ... import InferError
 from ..model import kvcache
 from . import handshake, link
 from .link import LinkError, Op, Pass
+from .stage import stage_bytes
 
 STEP_TIMEOUT = 120.0  # seconds any wait on a stage may take (a prompt chunk's included)
 STAGE_LOAD_TIMEOUT = 3600.0  # seconds a worker may take to load its blocks
@@ -42,6 +43,7 @@ class Worker:
     port: int
     sock: object  # the control connection, open while the group is
     memory: int = 0  # bytes it offers
+    speed: float = 0.0  # GB/s of memory reads it offers (0: not said)
     layers: range = range(0)
 
     @property
@@ -49,17 +51,48 @@ class Worker:
         return f"worker {self.host}:{self.port}"
 
 
-def assign_layers(n_layers: int, memories: list[int]) -> list[range]:
-    """Contiguous layer ranges in proportion to each worker's memory, one layer at least."""
+def assign_layers(
+    n_layers: int, memories: list[int], speeds: list[float] | None = None, layer_bytes: int = 0
+) -> list[range]:
+    """Contiguous layer ranges, one layer at least each: in proportion to each worker's
+    speed (decode's time per layer goes as 1 / its memory bandwidth, so the stages take
+    equal times), none given more than `layer_bytes`-sized layers than its memory holds;
+    in proportion to memory without speeds, or when the memories cannot hold the model
+    (the workers then refuse what does not fit)."""
     k = len(memories)
     if n_layers < k:
         raise InferError(f"{k} workers for a model of {n_layers} layers: give at most {n_layers}")
-    total, acc, bounds = sum(memories), 0, [0]
-    for i, m in enumerate(memories, 1):
-        acc += m
-        bound = round(n_layers * acc / total) if total else n_layers * i // k
-        bounds.append(min(max(bound, bounds[-1] + 1), n_layers - (k - i)))
+    caps = [m // layer_bytes if layer_bytes else n_layers for m in memories]
+    if speeds and all(s > 0 for s in speeds) and sum(caps) >= n_layers:
+        shares = _fill(n_layers, speeds, caps)
+    else:
+        shares, caps = _fill(n_layers, memories, [n_layers] * k), [n_layers] * k
+    counts = [max(1, int(s)) for s in shares]
+    while sum(counts) > n_layers:  # the floors of one layer at least: from the largest
+        counts[max(range(k), key=lambda i: (counts[i], -i))] -= 1
+    while sum(counts) < n_layers:  # then the largest remainders, within the caps
+        open_ = [i for i in range(k) if counts[i] < caps[i]] or list(range(k))
+        counts[max(open_, key=lambda i: (shares[i] - counts[i], -i))] += 1
+    bounds = list(itertools.accumulate(counts, initial=0))
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def _fill(n: float, weights: list[float], caps: list[float]) -> list[float]:
+    """n split in proportion to weights, none above its cap: a capped share's excess
+    goes to the others in the same proportion (caps sum to n at least)."""
+    shares, free, left = [0.0] * len(weights), set(range(len(weights))), float(n)
+    while free:
+        total = sum(weights[i] for i in free)
+        part = {i: left * (weights[i] / total if total > 0 else 1 / len(free)) for i in free}
+        over = [i for i in free if part[i] > caps[i]]
+        if not over:
+            for i in free:
+                shares[i] = part[i]
+            break
+        for i in over:
+            shares[i], left = caps[i], left - caps[i]
+            free.remove(i)
+    return shares
 
 
 class Pipeline:
@@ -102,10 +135,14 @@ class Pipeline:
                     ask = {"model": model, "sha256": sha, "dtype": dtype_name, "ctx": ctx,
                            "kv_cache": kv_cache or kvcache.float_kind(dtype)}  # fmt: skip
                     handshake.send(w.sock, ask)
-                    w.memory = int(handshake.receive(w.sock, CHECK_TIMEOUT)["memory"])
+                    offer = handshake.receive(w.sock, CHECK_TIMEOUT)
+                    w.memory, w.speed = int(offer["memory"]), float(offer.get("speed") or 0)
             if not workers:
                 raise InferError("no worker could be reached")
-            ranges = assign_layers(args.n_layers, [w.memory for w in workers])
+            n = args.n_layers
+            layer_bytes = stage_bytes(path, dtype, ctx, range(n), kv_cache) // n
+            memories, speeds = [w.memory for w in workers], [w.speed for w in workers]
+            ranges = assign_layers(n, memories, speeds, layer_bytes)
             world = len(workers) + 1
             for rank, (w, layers) in enumerate(zip(workers, ranges), 1):
                 w.layers = layers

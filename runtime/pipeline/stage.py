@@ -30,6 +30,7 @@ from .link import Op, Pass
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOAD_TIMEOUT = 3600.0  # seconds a worker waits for the others to check and load the model
+SPEED_PROBE_BYTES = 256 << 20  # read to measure the worker's memory bandwidth, far past LLCs
 
 
 class Stage:
@@ -118,12 +119,18 @@ class WorkerSettings:
     budget: int  # bytes offered to the coordinator, and the most its blocks may hold
     model: Path | None = None  # the model file here; default: as the coordinator names it
     threads: int | None = None
+    speed: float | None = None  # GB/s of memory reads offered; None: measured at start
 
 
 def serve_worker(s: WorkerSettings, log: Callable[[str], None], ready=None) -> None:
     """Serve coordinators one at a time, until interrupted. `ready(port)` is called once
     listening (the port chosen, when s.port is 0)."""
     server = handshake.listen(s.host, s.port)
+    if s.speed is None:
+        from ..membw import read_bandwidth
+
+        s.speed = read_bandwidth(s.threads, SPEED_PROBE_BYTES, repeats=3).bytes_per_s / 1e9
+        log(f"memory read bandwidth {s.speed:.1f} GB/s")
     link.use_interface(s.host)
     port = server.getsockname()[1]
     log(f"listening on {s.host}:{port}")
@@ -177,7 +184,7 @@ def _load(conn: socket.socket, s: WorkerSettings, held: dict, log) -> tuple[Stag
     kind = ask.get("kv_cache", kvcache.float_kind(dtype))
     if kind not in kvcache.KINDS:
         raise InferError(f"a KV cache of unknown format {str(kind)[:20]!r}")
-    handshake.send(conn, {"memory": s.budget})
+    handshake.send(conn, {"memory": s.budget, "speed": s.speed})
     plan = handshake.receive(conn, timeout=LOAD_TIMEOUT)  # after every worker's check
     layers = range(*plan["layers"])
     need = stage_bytes(path, dtype, ctx, layers, kind)

@@ -30,7 +30,17 @@ bit (`to_kernels`):
         256 elements, 8 sub-blocks of 32, each w = q * (d * sc) - dmin * m with 6-bit
         sc, m -> int5 g32 asymmetric: the codes as they are, scale d * sc and min
         -dmin * m rounded to float16 (relative error <= 2^-11 of a scale)
-    every other block-quantized type (Q2_K, Q3_K, the IQ types, ...)
+
+and one exactly, into a wider layout:
+
+    block_q3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; ggml_half d; }
+        256 elements, 16 groups of 16, each w = d * (sc - 32) * q with 6-bit sc and q in
+        -4..3 -> int6 (Q6_K's layout: w = d * sc' * (q' - 32)) with sc' = sc - 32 and
+        q' = q + 32: the same values bit for bit, 6.56 bits a weight where int8 takes 8.5
+
+and the rest approximately:
+
+    every other block-quantized type (Q2_K, the IQ types, ...)
         -> int8 g32 from its values, each within 1/254 of its group's largest
            magnitude (within an eighth of a step for a 5- or 6-bit grid)
 
@@ -53,7 +63,7 @@ from ...quant.formats.base import FORMATS, QuantLinear
 from ...quant.formats.int4 import Int4Linear, pack_nibbles
 from ...quant.formats.int5 import Int5Linear, pack_high_bits
 from ...quant.formats.int6 import BLOCK_BYTES as Q6_K_BYTES
-from ...quant.formats.int6 import Int6Linear
+from ...quant.formats.int6 import Int6Linear, pack_blocks
 from ...quant.formats.int8 import Int8Linear
 from ...quant.formats.q4k import BLOCK_BYTES as Q4_K_BYTES
 from ...quant.formats.q4k import Q4KLinear
@@ -78,7 +88,7 @@ GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
 # moved as they are (GGUF_SPECS) or by their codes (Q5_K) are held in int8, requantized
 # from their values this many rows at a time.
 ON_KERNELS = {t for t, (block, _) in GGML_QUANT_SIZES.items() if block > 1}
-HELD_IN_INT8 = ON_KERNELS - {*GGUF_SPECS, GGMLQuantizationType.Q5_K}
+HELD_IN_INT8 = ON_KERNELS - {*GGUF_SPECS, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q3_K}
 # Left in the file's map: the blocks are the format's layout as they are.
 IN_PLACE = {GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_K}
 ROWS_AT_ONCE = 4096
@@ -158,10 +168,12 @@ def from_gguf(
 
 def loaded_bytes(t: GGUFTensor) -> int:
     """The bytes `to_kernels` holds for `t` (all its experts, for a stacked tensor):
-    the file's bytes for the types of GGUF_SPECS, then int5 24 bytes per 32 weights (as
-    Q5_1), int8 g32 34 (as Q8_0)."""
+    the file's bytes for the types of GGUF_SPECS, then int6 210 bytes per 256 weights
+    (Q3_K), int5 24 bytes per 32 (as Q5_1), int8 g32 34 (as Q8_0)."""
     if t.ggml_type in GGUF_SPECS:
         return t.nbytes
+    if t.ggml_type == GGMLQuantizationType.Q3_K:
+        return math.prod(t.shape) // 256 * Q6_K_BYTES
     per_32 = 24 if t.ggml_type == GGMLQuantizationType.Q5_K else 34
     return math.prod(t.shape) // 32 * per_32
 
@@ -175,6 +187,8 @@ def placed_bytes(t: GGUFTensor) -> int:
         return 0
     pieces = math.prod(t.shape[:-2])  # 1, or the experts of a stacked tensor
     int5 = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K)
+    if t.ggml_type == GGMLQuantizationType.Q3_K:  # one tensor of whole blocks
+        return loaded_bytes(t) + hugepages.ALIGN * pieces
     return loaded_bytes(t) + (4 if t.ggml_type in int5 else 3) * hugepages.ALIGN * pieces
 
 
@@ -182,13 +196,15 @@ def to_kernels(
     t: GGUFTensor, bias: torch.Tensor | None = None, place: Place = torch.Tensor.contiguous
 ) -> QuantLinear:
     """The 2-D tensor `t` (a type of ON_KERNELS) as the QuantLinear that runs it: Q8_0 /
-    Q6_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 bit for bit, Q5_K with its codes, any other
-    type in int8 g32. Its codes and scales are put where `place` copies them
-    (from_gguf)."""
+    Q6_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 bit for bit, Q3_K's values bit for bit in
+    int6, Q5_K with its codes, any other type in int8 g32. Its codes and scales are put
+    where `place` copies them (from_gguf)."""
     if t.ggml_type in GGUF_SPECS:
         return from_gguf(t, bias, place)
     if t.ggml_type == GGMLQuantizationType.Q5_K:
         q = _from_q5_k(t, bias)
+    elif t.ggml_type == GGMLQuantizationType.Q3_K:
+        q = _from_q3_k(t, bias)
     elif t.ggml_type in HELD_IN_INT8:
         q = _held_in_int8(t, bias)
     else:
@@ -207,6 +223,30 @@ def _held_in_int8(t: GGUFTensor, bias: torch.Tensor | None) -> Int8Linear:
         runs.append(Int8Linear.from_float(dequantize(part), group_size=32, search=False))
     qweight, scales = (torch.cat([getattr(r, k) for r in runs]) for k in ("qweight", "scales"))
     return Int8Linear(qweight, scales, runs[0].params, bias)
+
+
+def _from_q3_k(t: GGUFTensor, bias: torch.Tensor | None) -> Int6Linear:
+    """Q3_K's blocks rewritten as Q6_K's (the module docstring): ggml's
+    dequantize_row_q3_K reads element 128 h + 32 j + i (half h, quarter j, i < 32) as
+    bits 2j of qs[32 h + i] and bit 4h + j of hmask[i] (set: no -4), in group
+    (128 h + 32 j + i) // 16."""
+    N, K = t.shape
+    blocks = torch.from_numpy(t.data).view(N, K // 256, 110)
+    hmask, qs, packed = blocks[..., :32], blocks[..., 32:96], blocks[..., 96:108]
+    d = blocks[..., 108:110].contiguous().view(torch.float16).view(N, K // 256)
+    # 16 scales of 6 bits: the low 4 from byte g % 8 (nibble g // 8), the high 2 from
+    # byte 8 + g % 4 (bits 2 (g // 4))
+    g = torch.arange(16)
+    low = (packed[..., g % 8] >> (4 * (g // 8)).to(torch.uint8)) & 15
+    high = (packed[..., 8 + g % 4] >> (2 * (g // 4)).to(torch.uint8)) & 3
+    sc = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).view(N, K // 16)
+    j = torch.arange(4, dtype=torch.uint8).view(4, 1)
+    q = torch.empty(N, K // 256, 2, 4, 32, dtype=torch.uint8)  # (block, h, j, i)
+    for h in range(2):
+        low2 = (qs[..., 32 * h : 32 * h + 32].unsqueeze(-2) >> (2 * j)) & 3
+        set_ = (hmask.unsqueeze(-2) >> (4 * h + j)) & 1
+        q[:, :, h] = low2 + 4 * set_ + 28  # q' = q + 32, q = low2 - 4 (+ 4 if set)
+    return Int6Linear(pack_blocks(q.view(N, K), sc, d), {}, bias)
 
 
 def _k_scales(blocks: torch.Tensor):

@@ -369,3 +369,19 @@ def read_bandwidth(nbytes: int = 1 << 30, *, isa=None, threads=None, repeats: in
         _C.stream_read(buf.data_ptr(), nbytes, isa_id, n)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
+
+
+def q3k_to_q6k(blocks: torch.Tensor, *, threads=None) -> torch.Tensor:
+    """GGUF Q3_K blocks (n, 110) uint8 -> int6's blocks (n, 210) with the same values
+    (csrc/convert.c), or None without the extension."""
+    if _C is None:
+        return None
+    if not (blocks.dtype is torch.uint8 and blocks.dim() == 2 and blocks.shape[1] == 110
+            and blocks.is_contiguous()):  # fmt: skip
+        _fail("q3k_to_q6k", "blocks", blocks, "uint8 (n, 110)")
+    out = torch.empty(blocks.shape[0], 210, dtype=torch.uint8)
+    if blocks.shape[0]:
+        _C.q3k_to_q6k(
+            blocks.data_ptr(), out.data_ptr(), blocks.shape[0], threads or get_num_threads()
+        )
+    return out

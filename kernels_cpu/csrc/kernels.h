@@ -388,6 +388,10 @@ int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads);
  * the bytes so the compiler keeps the reads. For the bandwidth ceiling in benchmarks. */
 double stream_read(const void *p, int64_t n, int isa, int nthreads);
 
+/* GGUF Q3_K blocks (110 bytes) -> int6's (Q6_K's, 210 bytes), the same values, on
+ * nthreads threads (convert.c). */
+void q3k_to_q6k(const uint8_t *src, uint8_t *dst, int64_t nblocks, int nthreads);
+
 /* float16 -> float32 in plain C (the scalar path; exact for every value). */
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;

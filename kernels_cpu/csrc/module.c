@@ -136,6 +136,20 @@ static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_
     return PyFloat_FromDouble(s);
 }
 
+static PyObject *py_q3k_to_q6k(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long v[4];
+    if (infer_parse_ints(args, nargs, 4, v, "q3k_to_q6k")) return NULL;
+    if (!v[0] || !v[1] || v[2] < 0) {
+        PyErr_SetString(PyExc_ValueError, "q3k_to_q6k: null pointer or negative block count");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    q3k_to_q6k((const uint8_t *)(intptr_t)v[0], (uint8_t *)(intptr_t)v[1], v[2], v[3] < 1 ? 1 : (int)v[3]);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_isa_names(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
     PyObject *t = PyTuple_New(ISA_COUNT);
@@ -209,6 +223,8 @@ static PyMethodDef methods[] = {
      "q4k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q4_k W (Q4_K blocks)"},
     {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,
      "stream_read(ptr, nbytes, isa, threads): sum a buffer (read-bandwidth probe)"},
+    {"q3k_to_q6k", (PyCFunction)(void (*)(void))py_q3k_to_q6k, METH_FASTCALL,
+     "q3k_to_q6k(src, dst, nblocks, threads): GGUF Q3_K blocks as Q6_K's, the same values"},
     {"isa_names", py_isa_names, METH_NOARGS, "names of the instruction-set paths, by id"},
     {"isa_supported", py_isa_supported, METH_O, "whether this CPU can run path `isa`"},
     {"isa_best", py_isa_best, METH_NOARGS, "the fastest path this CPU can run"},

@@ -643,6 +643,45 @@ TARGET_AVX2_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t n
 Q6_GEMV_DIGITS(q6_gemv_digits, TARGET_AVX2, DOT1_MADD)
 Q6_GEMV_DIGITS(q6_gemv_digits_vnni, TARGET_AVX2_VNNI, DOT1_VNNI)
 
+/* int6, as q6_dequant_c: each half block widened as the GEMV widens it (quarter j: the
+ * half's elements 32 j .. 32 j + 31 in order), 8 codes at a time to float times their
+ * group's d * sc (every product exact) */
+T void q6_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t B = a->K / Q6_BLOCK;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    const __m256i c32 = _mm256_set1_epi8(32);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;
+        for (int64_t b = 0; b < B; b++, w += Q6_BLOCK) {
+            const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
+            uint16_t dh;
+            memcpy(&dh, blk + 208, 2);
+            const float d = _cvtsh_ss(dh);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = blk + 64 * h;
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                __m256i q[4];
+                q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+                q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+                for (int j = 0; j < 4; j++) {
+                    int8_t c[32];
+                    _mm256_storeu_si256((__m256i *)c, _mm256_sub_epi8(q[j], c32));
+                    float *wj = w + 128 * h + 32 * j;
+                    for (int k = 0; k < 4; k++) { /* group 8 h + 2 j + k / 2 */
+                        const float ds = d * (float)(int8_t)blk[192 + 8 * h + 2 * j + k / 2];
+                        _mm256_storeu_ps(wj + 8 * k, _mm256_mul_ps(widen_i8(c + 8 * k), _mm256_set1_ps(ds)));
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------------------
  * Dequantization for the GEMM (the formats' definitions: no FMA)
  * ---------------------------------------------------------------------------------- */
@@ -889,12 +928,12 @@ TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const flo
 
 const kernel_table kernels_avx2 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
-    .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits,
+    .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits, .q6_dequant = q6_dequant,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .q5_dequant = q5_dequant,
 };
 const kernel_table kernels_avx2_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
-    q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni,
+    q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni, q6_dequant,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits_vnni, .q5_dequant = q5_dequant,
 };
 

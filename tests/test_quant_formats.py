@@ -395,6 +395,49 @@ def test_int6_error_within_half_step(kind):
         assert sse(best) < 0.97 * sse(q)
 
 
+def q6_k_rounding(w: torch.Tensor) -> torch.Tensor:
+    """ggml's Q6_K without an importance matrix (quantize_row_q6_K_ref), dequantized. Each
+    group of 16: make_qx_quants with errors weighted by w^2, codes -32..31 from the step
+    putting the largest-magnitude element on -32 and 18 steps near it, each refitted by
+    least squares, the best kept. Each block of 256: d puts the largest-magnitude group
+    scale on -128; sub-scales rounded to nearest (at most 127); codes chosen again."""
+    N, K = w.shape
+    x = w.view(N, K // 256, 16, 16)
+    top = x.gather(-1, x.abs().argmax(-1, keepdim=True))
+    top = torch.where(top == 0, 1.0, top)
+    imp = x * x
+    best = scale = torch.zeros_like(top)
+    for i in [0] + [i for i in range(-9, 10) if i]:
+        c = (-(32 + 0.1 * i) / top * x).round().clamp(-32, 31)
+        s_lx, s_l2 = (imp * x * c).sum(-1, keepdim=True), (imp * c * c).sum(-1, keepdim=True)
+        better = (s_l2 > 0) & ((s_lx * s_lx > best * s_l2) | (i == 0))
+        scale = torch.where(better, s_lx / s_l2.clamp(min=1e-30), scale)
+        best = torch.where(better, scale * s_lx, best)
+    scale = scale.squeeze(-1)  # (N, B, 16)
+    s_top = scale.gather(-1, scale.abs().argmax(-1, keepdim=True))
+    d = torch.where(s_top == 0, 0.0, s_top / -128).half().float()
+    sc = torch.where(d == 0, 0.0, scale / d).round().clamp(max=127)
+    step = (d * sc).unsqueeze(-1)
+    c = torch.where(step == 0, 0.0, x / step).round().clamp(-32, 31)
+    return (c * step).view_as(w)
+
+
+@pytest.mark.parametrize("kind", ["random", "heavy_tailed"])
+def test_int6_fit_beats_q6_k_rounding(kind):
+    """int6's fit has less error than Q6_K's own procedure on the same layout, by the error
+    it minimizes and by the plain squared error. (By Q6_K's w^2-weighted error it is not
+    always less: on these heavy-tailed rows 5 % more.)"""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 512, generator=g)
+    if kind == "heavy_tailed":  # Student's t with 3 degrees of freedom
+        w = w / (torch.randn(64, 512, 3, generator=g).square().mean(-1)).sqrt()
+    q = FORMATS["int6"].from_float(w).dequantize()
+    ref = q6_k_rounding(w)
+    imp = importance(w.view(64, -1, 16)).view_as(w)
+    assert ((q - w).square() * imp).sum() < 0.99 * ((ref - w).square() * imp).sum()
+    assert (q - w).square().sum() < 0.99 * (ref - w).square().sum()
+
+
 def test_int6_bad_input():
     with pytest.raises(GroupSizeError, match="256"):
         FORMATS["int6"].from_float(torch.randn(4, 576))  # the default model's width

@@ -192,6 +192,18 @@ def test_the_output_layer_falls_back_where_int6_does_not_fit(K, fmt, params):
     assert isinstance(model.lm_head, QuantLinear) and model.lm_head.format == fmt
 
 
+def test_int6_recipe_falls_back_to_int8_g32():
+    """As llama.cpp's Q6_K falls back to Q8_0: rows of 576 (the default model's q, k, v,
+    o, gate, up) in int8 g32, not per-channel int8."""
+    spec = get_recipe("int6")("layers.0.self_attn.q_proj")
+    assert spec == {"format": "int6", "fallback": {"format": "int8", "group_size": 32}}
+    model = nn.Module()
+    model.q_proj, model.down_proj = nn.Linear(576, 64), nn.Linear(512, 48)
+    reports = quantize_model(model, get_recipe("int6"))
+    got = {r.name: (r.format, r.params) for r in reports}
+    assert got == {"q_proj": ("int8", {"group_size": 32}), "down_proj": ("int6", {})}
+
+
 def test_quantize_keeps_what_the_recipe_skips(tiny_dirs):
     model = build(open_source(tiny_dirs["smollm2"]), torch.float32, max_seq_len=64)
     ref = logits(model)

@@ -151,7 +151,7 @@ def _lut_m(main: dict, n_layers: int | None) -> Recipe:
 # name -> (main format spec, which the CLI's overrides change; builder(main, n_layers))
 RECIPES: dict[str, tuple[dict, Callable[[dict, int | None], Recipe]]] = {
     "int8": (INT8, _everything),
-    "int6": ({"format": "int6"}, _everything),  # as llama.cpp's Q6_K: every weight
+    "int6": (INT6, _everything),  # as llama.cpp's Q6_K: every weight (Q8_0 where K % 256)
     "int5": (INT5, _uniform),  # as GGUF Q5_1 (Q5_0 with --symmetric)
     "int4": (INT4, _uniform),
     "q4_k": ({"format": "q4_k"}, _uniform_q4_k),  # as GGUF Q4_K: every block linear
@@ -176,9 +176,11 @@ def get_recipe(name: str, *, n_layers: int | None = None, **overrides) -> Recipe
     main = {**main, **{k: v for k, v in overrides.items() if v is not None}}
     cls = FORMATS[main["format"]]
     # Validate now, before any weight is touched: unknown or unsupported params raise.
+    # The fallback stays: without it, rows its format cannot split get per-channel int8.
     main = {
         "format": cls.format,
         **cls.resolve_params(spec_params(main)),
+        **({"fallback": main["fallback"]} if "fallback" in main else {}),
     }
     if name in _NEEDS_LAYERS and n_layers is None:
         raise InferError(f"recipe {name!r} needs the model's layer count (n_layers)")

@@ -138,7 +138,8 @@ int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     ig_job j = {.a = a, .kt = kt, .bits = bits, .o = bits == 8 ? 128 : a->mins ? 0 : 8};
     int8_t *digits = alloc64((size_t)(T * B * 8 * 256));
     float *sx = alloc64((size_t)(T * B * IG_MR) * (2 * sizeof(float) + sizeof(int32_t)));
-    j.x = (ig_x){digits, sx, sx + T * B * IG_MR, (int32_t *)(sx + 2 * T * B * IG_MR), a->M, Kp};
+    j.x = (ig_x){digits, sx, sx + T * B * IG_MR, (int32_t *)(sx + 2 * T * B * IG_MR), a->M, Kp,
+                 bits == 8 ? 255 : 15};
     j.bad = calloc((size_t)T, 1);
     j.panel_bytes = (IG_NR * Kp + 2 * IG_NR * B * (int64_t)sizeof(float) + 63) / 64 * 64;
     const int64_t n_panels = (a->N + IG_NR - 1) / IG_NR;

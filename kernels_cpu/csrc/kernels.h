@@ -254,6 +254,7 @@ typedef struct {
     float *sx, *xs;     /* (Mp / IG_MR, Kp / 32, IG_MR) */
     int32_t *off;       /* (Mp / IG_MR, Kp / 32, IG_MR) */
     int64_t M, Kp;
+    int cmax;           /* W's largest code: 15 (int4, q4_k), 31 (int5), 255 (int8) */
 } ig_x;
 /* A row's terms for one block, at i = (t * Kp / 32 + b) * IG_MR + row in its tile: the
  * step sx from the block's amax, and o * sum X and sx * sum X from the sum of its X. */
@@ -288,7 +289,9 @@ typedef struct {
     xprep_fn q5_xprep;      /* NULL: the path has no int5 digit GEMV; else q4_xprep's layout */
     gemv_fn q5_gemv_digits;
     dequant_fn q5_dequant;  /* NULL: q5_dequant_c */
+    unsigned ig_kinds;      /* the formats its integer GEMM takes: IG_KIND(bits) of each */
 } kernel_table;
+#define IG_KIND(bits) (1u << (bits))
 
 /* int6 in plain C (scalar.c), every path's fallback: the GEMV in float32 (x with inf or
  * NaN, or no digit GEMV) and the GEMM's dequantization (exact; AVX-512 has its own). */
@@ -329,6 +332,9 @@ extern const kernel_table kernels_avx512, kernels_avx512_vnni;
 int avx2_q4_xprep(const float *x, int64_t K, void *buf);
 void avx2_q5_gemv_digits(const qmat *a, int64_t n0, int64_t n1);
 void avx2_q5_dequant(const qmat *a, int64_t n0, int64_t n1, float *w);
+/* The integer GEMM's panel kernel on plain AVX2 (igemm_avx2.c). */
+void avx2_ig_panel(const ig_x *x, const uint8_t *w, const float *d, const float *m, float *y,
+                   int64_t ldy, int64_t nb);
 #endif
 #if defined(__aarch64__)
 extern const kernel_table kernels_neon, kernels_neon_dot;

@@ -286,7 +286,7 @@ def test_integer_gemm_paths_and_formats():
     formats = {
         "avx512vnni": {"int4", "int8"},
         "avx2vnni": {"int4", "int8"},
-        "avx2": {"int4"},
+        "avx2": {"int4", "int5", "q4_k"},
     }
     for isa in ops.supported_isas():
         want = formats.get(isa, set())

@@ -317,6 +317,9 @@ typedef struct {
 const q4k_kernels *q4k_for(const kernel_table *kt);
 void q4k_gemv_c(const qmat *a, int64_t n0, int64_t n1);
 void q4k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
+/* A block's sub-block scales d * sc[j] and mins -(dmin * m[j]), rounded as the
+ * dequantization rounds them (the integer GEMM's panel). */
+void q4k_block_scales(const uint8_t *blk, float d[8], float m[8]);
 /* Bytes of one row of W: K * bits / 8, or int6's or q4_k's blocks. */
 static inline int64_t q_row_bytes(int bits, int64_t K) {
     return bits == 6     ? K / Q6_BLOCK * Q6_BLOCK_BYTES

@@ -6,8 +6,9 @@
  * int4: x as two int8 digits, 64 weights (32 bytes) per load. int6: x as
  * int8's digits, a block's quarter (32 weights) widened to bytes per dot product.
  * GEMM: 4 x 2 blocks of dot products (8 accumulators, 6 loads per 8 FMAs: 16 registers
- * do not hold the 4 x 4 block avx512.c uses). With AVX-VNNI, from 16 rows of x, the
- * integer GEMM (igemm.c), 16 rows of x by 3 rows of codes.
+ * do not hold the 4 x 4 block avx512.c uses). From 16 rows of x, the integer GEMM
+ * (igemm.c): with AVX-VNNI here, 16 rows of x by 3 rows of codes; without it the same x
+ * (ig_xprep) and igemm_avx2.c's vpmaddubsw panel.
  */
 #include <string.h>
 
@@ -774,8 +775,9 @@ T void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, 
 }
 
 /* ------------------------------------------------------------------------------------
- * Integer GEMM (igemm.c; layouts in kernels.h), with AVX-VNNI: as avx512.c's, in 16
- * registers. 16 rows of x at a time (two vectors of 8) by NR = 3 rows of W, the digits
+ * Integer GEMM (igemm.c; layouts in kernels.h): x's digits for both AVX2 tables; with
+ * AVX-VNNI the panel kernel below, as avx512.c's, in 16 registers. 16 rows of x at a
+ * time (two vectors of 8) by NR = 3 rows of W, the digits
  * one after the other into the same accumulators (shifted by 8 between them), so that 6
  * accumulators, 6 sums and 2 vectors of digits fit: per 4 elements and digit, two loads
  * of digits, three broadcasts of codes, six vpdpbusd.

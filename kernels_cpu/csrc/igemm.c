@@ -3,10 +3,12 @@
  * The float GEMM (matmul.c) dequantizes a tile of W to float32 and runs FMAs: one
  * multiply-add per weight and row of x. Here each row of x becomes two int8 digits per
  * element (kernels.h: 15 significant bits per block of 32) and W's codes stay bytes:
- * vpdpbusd does 4 multiply-adds per 32-bit lane. x, prepared once per call, is laid out
+ * vpdpbusd does 4 multiply-adds per 32-bit lane; plain AVX2's vpmaddubsw 2 per 16-bit
+ * lane, summed in int16 over a block (igemm_avx2.c), which is why it takes only codes
+ * up to 31 (int4, q4_k, int5). x, prepared once per call, is laid out
  * for the kernel (16 rows' digits per vector); W is read in its own row order, a byte
- * per code, so a panel's preparation is a sequential widening of nibbles (int4) or a
- * flip of sign bits (int8), nothing strided. llama.cpp's one int8 digit (Q8
+ * per code, so a panel's preparation is a sequential widening of nibbles (int4, q4_k;
+ * int5 adds its qh bits) or a flip of sign bits (int8), nothing strided. llama.cpp's one int8 digit (Q8
  * activations) would be faster still and costs accuracy; two digits keep `infer eval`'s
  * KL where the float GEMM has it (benchmarks/README.md).
  *

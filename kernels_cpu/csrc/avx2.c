@@ -891,7 +891,8 @@ TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const flo
 
 const kernel_table kernels_avx2 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
-    .ig_xprep = ig_xprep, .ig_panel = avx2_ig_panel, .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(Q4K),
+    .ig_xprep = ig_xprep, .ig_panel = avx2_ig_panel, /* vpmaddubsw: codes up to 31 */
+    .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(Q4K),
     .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .q5_dequant = q5_dequant,
 };

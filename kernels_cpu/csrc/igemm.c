@@ -8,9 +8,9 @@
  * up to 31 (int4, q4_k, int5). x, prepared once per call, is laid out
  * for the kernel (16 rows' digits per vector); W is read in its own row order, a byte
  * per code, so a panel's preparation is a sequential widening of nibbles (int4, q4_k;
- * int5 adds its qh bits) or a flip of sign bits (int8), nothing strided. llama.cpp's one int8 digit (Q8
- * activations) would be faster still and costs accuracy; two digits keep `infer eval`'s
- * KL where the float GEMM has it (benchmarks/README.md).
+ * int5 adds its qh bits) or a flip of sign bits (int8), nothing strided. llama.cpp's one
+ * int8 digit (Q8 activations) would be faster still and costs accuracy; two digits keep
+ * `infer eval`'s KL where the float GEMM has it (benchmarks/README.md).
  *
  * Steps: tiles of 32 rows of x become digits on the pool (the path's ig_xprep); then each
  * task widens one panel of IG_NR rows of W into its thread's scratch and runs the path's

@@ -3,7 +3,8 @@
  * x's digits and W's panel are igemm.c's layouts (kernels.h), prepared by avx2.c's
  * ig_xprep. Without vpdpbusd a product of 4 bytes is vpmaddubsw (codes times digits, int16
  * pairs) then vpmaddwd (pairs to int32): two multiply-pipe instructions per 32 products,
- * what float FMAs cost for one digit. Here the int16 pairs are summed over whole runs of
+ * so four per 32 elements for x's two digits, what float FMAs (8 a vector) cost. Here
+ * the int16 pairs are summed over whole runs of
  * groups of 4 with vpaddw and widened by one vpmaddwd per run and digit (by 256 for the
  * high digit, by 1 for the low one), so a digit costs ~1.1 multiply-pipe instructions per
  * 32 products. A pair is at most 2 * cmax * 128 (|digit| <= 128), and a word sums one pair
@@ -47,7 +48,8 @@ TI void ig_block8(const ig_x *x, int64_t t, int u, const uint8_t *w, const float
                 const __m256i xl = _mm256_load_si256((const __m256i *)(xd + j * 256 + 128));
                 for (int n = 0; n < NR; n++) {
                     const __m256i c = _mm256_set1_epi32(load_i32(w + n * Kp + 32 * b + 4 * j));
-                    const __m256i ph = _mm256_maddubs_epi16(c, xh), pl = _mm256_maddubs_epi16(c, xl);
+                    const __m256i ph = _mm256_maddubs_epi16(c, xh);
+                    const __m256i pl = _mm256_maddubs_epi16(c, xl);
                     sh[n] = j == r0 ? ph : _mm256_add_epi16(sh[n], ph);
                     sl[n] = j == r0 ? pl : _mm256_add_epi16(sl[n], pl);
                     /* keep the sums in order: reassociated into trees they spill */

@@ -13,8 +13,8 @@
  *
  * Registers: 8 rows of x (one vector per digit) by NR rows of W, each row's 4 codes
  * broadcast to every lane: 2 NR int16 sums, NR float results, 2 digit vectors and a
- * broadcast. int4 takes NR = 4 (15 registers); int5 NR = 3, its first half-block's int32
- * sums held while the second half runs (15).
+ * broadcast: NR = 4 fits 15 registers. int5's int32 sums of a block's first half then
+ * wait on the stack while the second half runs, still faster than NR = 3 without spills.
  */
 #include "kernels.h"
 
@@ -85,25 +85,21 @@ TI void ig_block8(const ig_x *x, int64_t t, int u, const uint8_t *w, const float
         ig_block8(x, t, u, w + n * Kp, d + n * B, m ? m + n * B : NULL, y + n, ldy, NR_, RUN_);  \
         break;
 
-/* Codes of at most 15 (int4, q4_k) take blocks of 4 rows of W, larger ones (int5) 3. */
+/* Codes of at most 15 (int4, q4_k) sum a whole block in int16, larger ones (int5) half. */
 TARGET_AVX2 void avx2_ig_panel(const ig_x *x, const uint8_t *w, const float *d, const float *m,
                                float *y, int64_t ldy, int64_t nb) {
     const int64_t Kp = x->Kp, B = Kp / 32;
     const int wide = x->cmax > 15;
     for (int64_t t = 0; t * IG_MR < x->M; t++)
         for (int u = 0; u < 4 && t * IG_MR + 8 * u < x->M; u++)
-            if (!wide)
-                for (int64_t n = 0; n < nb; n += 4) {
-                    switch (nb - n < 4 ? (int)(nb - n) : 4) {
-                        IG_CASE(4, 8) IG_CASE(3, 8) IG_CASE(2, 8) IG_CASE(1, 8)
-                    }
+            for (int64_t n = 0; n < nb; n += 4) {
+                const int nr = nb - n < 4 ? (int)(nb - n) : 4;
+                if (!wide) {
+                    switch (nr) { IG_CASE(4, 8) IG_CASE(3, 8) IG_CASE(2, 8) IG_CASE(1, 8) }
+                } else {
+                    switch (nr) { IG_CASE(4, 4) IG_CASE(3, 4) IG_CASE(2, 4) IG_CASE(1, 4) }
                 }
-            else
-                for (int64_t n = 0; n < nb; n += 3) {
-                    switch (nb - n < 3 ? (int)(nb - n) : 3) {
-                        IG_CASE(3, 4) IG_CASE(2, 4) IG_CASE(1, 4)
-                    }
-                }
+            }
 }
 
 #endif

@@ -5,10 +5,11 @@ builds alike. Separate processes run minutes apart cannot resolve a 10-20 % chan
     # OTHER.so: kernels_cpu/_C*.so of another commit (a clone built with pip install -e .)
     python benchmarks/ab_extension.py OTHER.so                       # int4 matmuls, M 1-8
     python benchmarks/ab_extension.py OTHER.so --rows 16 128 --shapes 2048x2048 8192x2048
+    python benchmarks/ab_extension.py OTHER.so --rows 128 --shapes 8960x1536 --format q4_k
     python benchmarks/ab_extension.py OTHER.so --model DIR --tokens 2 4 8 64 [--decode 64]
 
-The kernel mode times `q4_matmul` (2 threads) on cold copies of each shape for M rows of
-x; the model mode times a whole prompt's forward, and with --decode single-token steps
+The kernel mode times a matmul (2 threads; int4 g32 asymmetric, int5 symmetric or q4_k)
+on cold copies of each shape for M rows of x; the model mode times a whole prompt's forward, and with --decode single-token steps
 (the fused decode step) after the last prompt. Both print medians for this tree's
 build ("this") and the other ("other"), and this / other as a speed ratio.
 """
@@ -59,22 +60,40 @@ def alternate(builds: dict, run, rounds: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def bench_kernels(builds: dict, threads: int, shapes: list, rows: list[int]) -> None:
+def weights(fmt: str, N: int, K: int, gen: torch.Generator) -> dict:
+    """Random weights of one format (the kernels' speed does not depend on values)."""
+    if fmt == "int4":
+        return packed(4, 32, False, N, K, gen)
+    if fmt == "int5":
+        w = packed(4, 32, True, N, K, gen)
+        return {**w, "qh": torch.randint(0, 256, (N, K // 8), dtype=torch.uint8, generator=gen)}
+    b = torch.randint(0, 256, (N, K // 256, 144), dtype=torch.uint8, generator=gen)
+    b[..., :4] = (torch.rand(N, K // 256, 2, generator=gen) * 1e-3).half().view(torch.uint8)
+    return {"qweight": b.view(N, -1)}
+
+
+def matmul(fmt: str, x: torch.Tensor, w: dict, threads: int) -> torch.Tensor:
+    if fmt == "int4":
+        return ops.q4_matmul(x, w["qweight"], w["scales"], w["mins"], 32, threads=threads)
+    if fmt == "int5":
+        return ops.q5_matmul(x, w["qweight"], w["qh"], w["scales"], None, threads=threads)
+    return ops.q4k_matmul(x, w["qweight"], threads=threads)
+
+
+def bench_kernels(builds: dict, threads: int, shapes: list, rows: list[int], fmt: str) -> None:
     gen = torch.Generator().manual_seed(0)
-    print(f"q4_matmul g32 asymmetric, {threads} threads, median us: this / other (speed ratio)")
+    print(f"{fmt} matmul, {threads} threads, median us: this / other (speed ratio)")
     print("| N x K | " + " | ".join(f"M = {m}" for m in rows) + " |")
     print("|---|" + "---|" * len(rows))
     for N, K in shapes:
-        copies = [
-            packed(4, 32, False, N, K, gen) for _ in range(max(2, COLD_BYTES // (N * K // 2)))
-        ]
+        copies = [weights(fmt, N, K, gen) for _ in range(max(2, COLD_BYTES // (N * K // 2)))]
         cells = []
         for M in rows:
             x = torch.randn(M, K, generator=gen)
 
             def run(x=x, copies=copies):
                 for w in copies:
-                    ops.q4_matmul(x, w["qweight"], w["scales"], w["mins"], 32, threads=threads)
+                    matmul(fmt, x, w, threads)
 
             t = alternate(builds, run, rounds=7)
             n = len(copies)
@@ -128,6 +147,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="kernels: rows of x")
+    ap.add_argument("--format", choices=["int4", "int5", "q4_k"], default="int4")
     ap.add_argument(
         "--shapes",
         nargs="+",
@@ -142,7 +162,7 @@ def main() -> None:
     if args.model is None:
         torch.set_num_threads(1)  # torch's threads would spin on the kernels' cores
         shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
-        bench_kernels(builds, args.threads, shapes, args.rows)
+        bench_kernels(builds, args.threads, shapes, args.rows, args.format)
     else:
         bench_model(builds, args.model, args.tokens, args.decode, args.rounds)
 

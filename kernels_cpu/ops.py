@@ -85,13 +85,19 @@ def integer_gemm_error(x: torch.Tensor, w: torch.Tensor, block: int = 32) -> tor
     return (0.5 / IG_XMAX + 2.0**-21) * xb @ wb.T
 
 
-def integer_gemm(isa: str | None = None) -> bool:
+# the formats the integer GEMM may take, by their kernels' `bits` (csrc/kernels.h IG_KIND)
+_IG_KINDS = {"int4": 4, "int5": 5, "int8": 8, "q4_k": 12}
+
+
+def integer_gemm(isa: str | None = None, fmt: str | None = None) -> bool:
     """Whether a path (default: the default one) multiplies several rows of x (a prompt)
     by integer dot products, with x as two int8 digits: 15 significant bits per block of
-    32 (csrc/kernels.h, "The integer GEMM"). Other paths dequantize W to float32."""
+    32 (csrc/kernels.h, "The integer GEMM"), for weights in `fmt` ("int4", "int5", "int8",
+    "q4_k"; default: any of them). Other paths and formats dequantize W to float32."""
     if _C is None:
         return False
-    return _C.isa_integer_gemm(_default_isa() if isa is None else _isa_id(isa))
+    kinds = _C.isa_integer_gemm(_default_isa() if isa is None else _isa_id(isa))
+    return bool(kinds) if fmt is None else bool(kinds >> _IG_KINDS[fmt] & 1)
 
 
 def int4_gemv_fifteen_bits(isa: str | None = None) -> bool:

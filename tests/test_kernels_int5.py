@@ -14,6 +14,7 @@ from infer.kernels_cpu import ops, reference
 needs_c = pytest.mark.skipif(not ops.available(), reason="C extension not built")
 ISAS = ops.supported_isas() or ["none"]
 SMALL_M, WIDE_M, WIDE_K = 4, 8, 768  # matmul.c: M rows that run one GEMV each
+IGEMM_MIN_M = 16  # matmul.c: from this many rows the GEMM is the integer one, if any
 
 
 def packed(sym: bool, N: int, K: int, seed: int = 0) -> dict:
@@ -36,8 +37,12 @@ def dequantized(w):
 
 
 def takes_digits(M: int, K: int, isa: str) -> bool:
+    """Whether the rows' x becomes two int8 digits: in the GEMV of paths with them, and in
+    the integer GEMM (prompts) of paths that take int5 there."""
     runs_gemv = M <= SMALL_M or (M <= WIDE_M and K >= WIDE_K)
-    return runs_gemv and ops.int5_gemv_fifteen_bits(isa)
+    if runs_gemv:
+        return ops.int5_gemv_fifteen_bits(isa)
+    return M >= IGEMM_MIN_M and ops.integer_gemm(isa, "int5")
 
 
 def assert_matches(y, x, w, isa):
@@ -86,10 +91,12 @@ def test_long_rows_and_threads(isa, sym):
 
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("M", [1, 9])
-def test_extreme_activations(isa, M):
-    """Zeros, tiny and subnormal blocks, a huge value; then inf takes the float GEMV."""
-    w = packed(False, 9, 256)
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("M", [1, 9, 17])
+def test_extreme_activations(isa, sym, M):
+    """Zeros, tiny and subnormal blocks, a huge value; then inf takes the float GEMV (or
+    GEMM: 17 rows run the integer one where the path has it)."""
+    w = packed(sym, 9, 256)
     x = torch.randn(M, 256)
     x[:, :32] = 0
     x[:, 32:64] *= 1e-30
@@ -99,6 +106,31 @@ def test_extreme_activations(isa, M):
     x[-1, 200] = float("inf")
     ref = x @ dequantized(w).T
     assert torch.equal(run(w, x, isa=isa).isfinite(), ref.isfinite())
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_which_prompts_keep_fifteen_bits_of_x(isa, sym):
+    """The integer GEMM multiplies x's digits, round(x / sx) sx with sx = amax / IG_XMAX
+    per block of 32, and the float GEMM x itself: a block holding 1.0 and values under
+    half a step (1.54e-5) shows which one ran."""
+    M, K = IGEMM_MIN_M + 3, 96
+    w = packed(sym, 7, K, seed=2)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.zeros(M, K)
+    x[:, 32:64] = (1 + 0.4 * torch.rand(M, 32, generator=gen)) * 1e-5
+    x[:, 40] = 1.0
+    xb = x.unflatten(-1, (-1, 32))
+    step = xb.abs().amax(-1, keepdim=True) / ops.IG_XMAX
+    digits = torch.where(step > 0, (xb / step).round() * step, 0).flatten(-2)
+    wf = dequantized(w)
+    integer = ops.integer_gemm(isa, "int5")
+    xs = digits if integer else x
+    y = run(w, x, isa=isa)
+    assert ((y - xs @ wf.T).abs() <= 1e-5 * (xs.abs() @ wf.abs().T)).all()
+    other = x if integer else digits
+    assert ((y - other @ wf.T).abs() > 1e-5 * (xs.abs() @ wf.abs().T)).any()
 
 
 @needs_c

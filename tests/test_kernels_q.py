@@ -83,8 +83,8 @@ def dequantized(bits, g, w):
 
 def runs_integer_gemm(M: int, isa: str, bits: int = 4) -> bool:
     """Whether matmul.c multiplies M rows of x by the integer GEMM (int6 never: its scales
-    are per 16)."""
-    return M >= IGEMM_MIN_M and ops.integer_gemm(isa) and bits != 6
+    are per 16; int8 only with vpdpbusd)."""
+    return M >= IGEMM_MIN_M and bits != 6 and ops.integer_gemm(isa, f"int{bits}")
 
 
 def runs_gemv(M: int, K: int) -> bool:
@@ -280,9 +280,19 @@ def test_which_paths_keep_fifteen_bits_of_x(isa, M, kind):
 
 
 @needs_c
-def test_integer_gemm_where_vpdpbusd_is():
+def test_integer_gemm_paths_and_formats():
+    """vpdpbusd paths take int4 and int8; plain AVX2 (vpmaddubsw's int16 pairs) int4, int5
+    and q4_k, not int8 (its codes overflow a pair)."""
+    formats = {
+        "avx512vnni": {"int4", "int8"},
+        "avx2vnni": {"int4", "int8"},
+        "avx2": {"int4", "int5", "q4_k"},
+    }
     for isa in ops.supported_isas():
-        assert ops.integer_gemm(isa) == (isa in ("avx512vnni", "avx2vnni")), isa
+        want = formats.get(isa, set())
+        assert ops.integer_gemm(isa) == bool(want), isa
+        for fmt in ("int4", "int5", "int8", "q4_k"):
+            assert ops.integer_gemm(isa, fmt) == (fmt in want), (isa, fmt)
 
 
 @needs_c

@@ -19,6 +19,7 @@ from infer.quant.formats.q4k import Q4KLinear, pack_blocks, pack_scales
 needs_c = pytest.mark.skipif(not ops.available(), reason="C extension not built")
 ISAS = ops.supported_isas() or ["none"]
 SMALL_M, WIDE_M, WIDE_K = 4, 8, 768  # matmul.c: M rows that run one GEMV each
+IGEMM_MIN_M = 16  # matmul.c: from this many rows the GEMM is the integer one, if any
 
 
 def blocks(N: int, K: int, seed: int = 0) -> torch.Tensor:
@@ -30,17 +31,22 @@ def blocks(N: int, K: int, seed: int = 0) -> torch.Tensor:
     return b.view(N, -1)
 
 
-def takes_digits(M: int, K: int, isa: str) -> bool:
+def digit_block(M: int, K: int, isa: str) -> int:
+    """The block of x that gets one step when the rows' x becomes two int8 digits: 256 in
+    the GEMV of paths with them, 32 in the integer GEMM (prompts) of paths that take q4_k
+    there; 0 where x stays float32."""
     runs_gemv = M <= SMALL_M or (M <= WIDE_M and K >= WIDE_K)
-    return runs_gemv and ops.q4k_gemv_fifteen_bits(isa)
+    if runs_gemv:
+        return 256 if ops.q4k_gemv_fifteen_bits(isa) else 0
+    return 32 if M >= IGEMM_MIN_M and ops.integer_gemm(isa, "q4_k") else 0
 
 
 def assert_matches(y, x, qw, isa):
     wf = reference.dequantize_q4k(qw)
     ref = x @ wf.T
     tol = 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
-    if takes_digits(*x.shape, isa):
-        tol = tol + ops.integer_gemm_error(x, wf, block=256)
+    if block := digit_block(*x.shape, isa):
+        tol = tol + ops.integer_gemm_error(x, wf, block=block)
     assert y.shape == ref.shape and y.dtype == torch.float32
     bad = (y - ref).abs() > tol
     assert not bad.any(), f"{bad.sum()} of {bad.numel()} outside; max {(y - ref).abs().max()}"
@@ -63,8 +69,12 @@ def test_digit_paths():
 @pytest.mark.parametrize("isa", ISAS)
 def test_dequantization_is_gguf_bit_for_bit(isa):
     qw = blocks(37, 512, seed=1)
-    # x = I: every y[k, n] is the one product 1 * w[n, k], so y is W^T as dequantized
-    y = ops.q4k_matmul(torch.eye(512), qw, isa=isa, threads=2)
+    # x = I: every y[k, n] is the one product 1 * w[n, k], so y is W^T as dequantized; in
+    # runs of 12 rows, which take the float GEMM (the integer one scales the digits)
+    eye = torch.eye(512)
+    y = torch.cat(
+        [ops.q4k_matmul(eye[i : i + 12], qw, isa=isa, threads=2) for i in range(0, 512, 12)]
+    )
     assert torch.equal(y.T, reference.dequantize_q4k(qw))
 
 
@@ -93,9 +103,10 @@ def test_long_rows_and_threads(isa):
 
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("M", [1, 9])
+@pytest.mark.parametrize("M", [1, 9, 17])
 def test_extreme_activations(isa, M):
-    """Zeros, tiny and subnormal blocks, a huge value; then inf takes the float GEMV."""
+    """Zeros, tiny and subnormal blocks, a huge value; then inf takes the float GEMV (or
+    GEMM: 17 rows run the integer one where the path has it)."""
     qw = blocks(9, 1024)
     x = torch.randn(M, 1024)
     x[:, :256] = 0
@@ -106,6 +117,31 @@ def test_extreme_activations(isa, M):
     x[-1, 900] = float("inf")
     ref = x @ reference.dequantize_q4k(qw).T
     assert torch.equal(ops.q4k_matmul(x, qw, isa=isa).isfinite(), ref.isfinite())
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+def test_which_prompts_keep_fifteen_bits_of_x(isa):
+    """The integer GEMM multiplies x's digits, round(x / sx) sx with sx = amax / IG_XMAX
+    per block of 32 (not q4_k's 256), and the float GEMM x itself: a block holding 1.0 and
+    values under half a step (1.54e-5) shows which one ran."""
+    M, K = IGEMM_MIN_M + 3, 512
+    qw = blocks(7, K, seed=2)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.zeros(M, K)
+    x[:, 32:64] = (1 + 0.4 * torch.rand(M, 32, generator=gen)) * 1e-5
+    x[:, 40] = 1.0
+    xb = x.unflatten(-1, (-1, 32))
+    step = xb.abs().amax(-1, keepdim=True) / ops.IG_XMAX
+    digits = torch.where(step > 0, (xb / step).round() * step, 0).flatten(-2)
+    wf = reference.dequantize_q4k(qw)
+    integer = ops.integer_gemm(isa, "q4_k")
+    xs = digits if integer else x
+    y = ops.q4k_matmul(x, qw, isa=isa)
+    tol = 1e-5 * (xs.abs() @ wf.abs().T)
+    assert ((y - xs @ wf.T).abs() <= tol).all()
+    other = x if integer else digits
+    assert ((y - other @ wf.T).abs() > tol).any()
 
 
 @needs_c

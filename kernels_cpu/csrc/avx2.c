@@ -6,8 +6,9 @@
  * int4: x as two int8 digits, 64 weights (32 bytes) per load. int6: x as
  * int8's digits, a block's quarter (32 weights) widened to bytes per dot product.
  * GEMM: 4 x 2 blocks of dot products (8 accumulators, 6 loads per 8 FMAs: 16 registers
- * do not hold the 4 x 4 block avx512.c uses). With AVX-VNNI, from 16 rows of x, the
- * integer GEMM (igemm.c), 16 rows of x by 3 rows of codes.
+ * do not hold the 4 x 4 block avx512.c uses). From 16 rows of x, the integer GEMM
+ * (igemm.c): with AVX-VNNI here, 16 rows of x by 3 rows of codes; without it the same x
+ * (ig_xprep) and igemm_avx2.c's vpmaddubsw panel.
  */
 #include <string.h>
 
@@ -813,8 +814,9 @@ T void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, 
 }
 
 /* ------------------------------------------------------------------------------------
- * Integer GEMM (igemm.c; layouts in kernels.h), with AVX-VNNI: as avx512.c's, in 16
- * registers. 16 rows of x at a time (two vectors of 8) by NR = 3 rows of W, the digits
+ * Integer GEMM (igemm.c; layouts in kernels.h): x's digits for both AVX2 tables; with
+ * AVX-VNNI the panel kernel below, as avx512.c's, in 16 registers. 16 rows of x at a
+ * time (two vectors of 8) by NR = 3 rows of W, the digits
  * one after the other into the same accumulators (shifted by 8 between them), so that 6
  * accumulators, 6 sums and 2 vectors of digits fit: per 4 elements and digit, two loads
  * of digits, three broadcasts of codes, six vpdpbusd.
@@ -928,6 +930,8 @@ TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const flo
 
 const kernel_table kernels_avx2 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
+    .ig_xprep = ig_xprep, .ig_panel = avx2_ig_panel, /* vpmaddubsw: codes up to 31 */
+    .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(Q4K),
     .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits, .q6_dequant = q6_dequant,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .q5_dequant = q5_dequant,
 };
@@ -935,6 +939,7 @@ const kernel_table kernels_avx2_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni, q6_dequant,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits_vnni, .q5_dequant = q5_dequant,
+    .ig_kinds = IG_KIND(4) | IG_KIND(8),
 };
 
 /* For the AVX-512 tables (kernels.h): their CPUs run this AVX2 code. */

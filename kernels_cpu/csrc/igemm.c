@@ -3,12 +3,14 @@
  * The float GEMM (matmul.c) dequantizes a tile of W to float32 and runs FMAs: one
  * multiply-add per weight and row of x. Here each row of x becomes two int8 digits per
  * element (kernels.h: 15 significant bits per block of 32) and W's codes stay bytes:
- * vpdpbusd does 4 multiply-adds per 32-bit lane. x, prepared once per call, is laid out
+ * vpdpbusd does 4 multiply-adds per 32-bit lane; plain AVX2's vpmaddubsw 2 per 16-bit
+ * lane, summed in int16 over a block (igemm_avx2.c), which is why it takes only codes
+ * up to 31 (int4, q4_k, int5). x, prepared once per call, is laid out
  * for the kernel (16 rows' digits per vector); W is read in its own row order, a byte
- * per code, so a panel's preparation is a sequential widening of nibbles (int4) or a
- * flip of sign bits (int8), nothing strided. llama.cpp's one int8 digit (Q8
- * activations) would be faster still and costs accuracy; two digits keep `infer eval`'s
- * KL where the float GEMM has it (benchmarks/README.md).
+ * per code, so a panel's preparation is a sequential widening of nibbles (int4, q4_k;
+ * int5 adds its qh bits) or a flip of sign bits (int8), nothing strided. llama.cpp's one
+ * int8 digit (Q8 activations) would be faster still and costs accuracy; two digits keep
+ * `infer eval`'s KL where the float GEMM has it (benchmarks/README.md).
  *
  * Steps: tiles of 32 rows of x become digits on the pool (the path's ig_xprep); then each
  * task widens one panel of IG_NR rows of W into its thread's scratch and runs the path's
@@ -68,6 +70,46 @@ static void panel_q4(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d
     }
 }
 
+/* int5: int4's nibbles, ORed with 16 where the block's qh bit (one uint32 per 32) is set. */
+static void panel_q5(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d, float *m) {
+    const int64_t K = a->K, B = K / 32;
+    const uint64_t nib = 0x0f0f0f0f0f0f0f0full, ones = 0x7f7f7f7f7f7f7f7full;
+    const uint8_t *q = (const uint8_t *)a->qw + n0 * (K / 2), *h = a->qh + n0 * (K / 8);
+    for (int64_t i = 0; i < nb * B; i++, q += 16, h += 4, w += 32) {
+        uint64_t v[2];
+        uint32_t hb;
+        memcpy(v, q, 16);
+        memcpy(&hb, h, 4);
+        uint64_t e[4] = {v[0] & nib, v[1] & nib, (v[0] >> 4) & nib, (v[1] >> 4) & nib};
+        for (int k = 0; k < 4; k++) { /* bit i of 8 -> 16 in byte i */
+            const uint64_t bits = ((hb >> (8 * k)) & 0xff) * 0x0101010101010101ull;
+            e[k] |= (((bits & 0x8040201008040201ull) + ones) & ~ones) >> 3;
+        }
+        memcpy(w, e, 32);
+    }
+    for (int64_t r = 0; r < nb; r++) {
+        row_scales((const uint16_t *)a->scales + (n0 + r) * B, B, 1, d + r * B);
+        if (m) row_scales(a->mins + (n0 + r) * B, B, 1, m + r * B);
+    }
+}
+
+/* q4_k: per block of 256, 4 runs of 32 bytes, low nibbles one sub-block, high the next;
+ * d and m per sub-block from q4k.c, as its dequantization rounds them. */
+static void panel_q4k(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d, float *m) {
+    const int64_t NB = a->K / Q4K_BLOCK;
+    const uint64_t nib = 0x0f0f0f0f0f0f0f0full;
+    const uint8_t *blk = (const uint8_t *)a->qw + n0 * NB * Q4K_BLOCK_BYTES;
+    for (int64_t i = 0; i < nb * NB; i++, blk += Q4K_BLOCK_BYTES, w += Q4K_BLOCK, d += 8, m += 8) {
+        q4k_block_scales(blk, d, m);
+        for (int r = 0; r < 4; r++) {
+            uint64_t v[4], e[8];
+            memcpy(v, blk + 16 + 32 * r, 32);
+            for (int k = 0; k < 4; k++) e[k] = v[k] & nib, e[4 + k] = (v[k] >> 4) & nib;
+            memcpy(w + 64 * r, e, 64);
+        }
+    }
+}
+
 /* int8: K bytes per row, any K when per channel (zeros past K meet x's zero digits). */
 static void panel_q8(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d) {
     const int64_t K = a->K, Kp = (K + 31) / 32 * 32, B = Kp / 32;
@@ -124,9 +166,13 @@ static void panel_task(void *ctx, int64_t t, int tid) {
     const int64_t Kp = j->x.Kp, B = Kp / 32, n0 = t * IG_NR;
     const int64_t nb = a->N - n0 < IG_NR ? a->N - n0 : IG_NR;
     uint8_t *w = j->scratch + tid * j->panel_bytes;
-    float *d = (float *)(w + IG_NR * Kp), *m = a->mins ? d + IG_NR * B : NULL;
+    float *d = (float *)(w + IG_NR * Kp), *m = j->o == 0 ? d + IG_NR * B : NULL;
     if (j->bits == 8)
         panel_q8(a, n0, nb, w, d);
+    else if (j->bits == 5)
+        panel_q5(a, n0, nb, w, d, m);
+    else if (j->bits == Q4K)
+        panel_q4k(a, n0, nb, w, d, m);
     else
         panel_q4(a, n0, nb, w, d, m);
     j->kt->ig_panel(&j->x, w, d, m, a->y + n0, a->N, nb);
@@ -135,10 +181,13 @@ static void panel_task(void *ctx, int64_t t, int tid) {
 int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     if (!kt->ig_xprep) return 1;
     const int64_t Kp = (a->K + 31) / 32 * 32, B = Kp / 32, T = (a->M + IG_MR - 1) / IG_MR;
-    ig_job j = {.a = a, .kt = kt, .bits = bits, .o = bits == 8 ? 128 : a->mins ? 0 : 8};
+    /* the codes' offset: asymmetric (mins, q4_k's too) 0, else int4 8, int5 16, int8 128 */
+    const int o = bits == 8 ? 128 : a->mins || bits == Q4K ? 0 : bits == 5 ? 16 : 8;
+    ig_job j = {.a = a, .kt = kt, .bits = bits, .o = o};
     int8_t *digits = alloc64((size_t)(T * B * 8 * 256));
     float *sx = alloc64((size_t)(T * B * IG_MR) * (2 * sizeof(float) + sizeof(int32_t)));
-    j.x = (ig_x){digits, sx, sx + T * B * IG_MR, (int32_t *)(sx + 2 * T * B * IG_MR), a->M, Kp};
+    j.x = (ig_x){digits, sx, sx + T * B * IG_MR, (int32_t *)(sx + 2 * T * B * IG_MR), a->M, Kp,
+                 bits == 8 ? 255 : bits == 5 ? 31 : 15};
     j.bad = calloc((size_t)T, 1);
     j.panel_bytes = (IG_NR * Kp + 2 * IG_NR * B * (int64_t)sizeof(float) + 63) / 64 * 64;
     const int64_t n_panels = (a->N + IG_NR - 1) / IG_NR;

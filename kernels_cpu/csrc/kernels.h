@@ -138,7 +138,8 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * dot product, which only long rows repay.
  * Larger M (prefill) runs the GEMM: a tile of weight rows is dequantized once, exactly as
  * the format defines it, into float32 scratch and multiplied with all M rows. From 16
- * rows, paths with vpdpbusd (avx512vnni, avx2vnni) run the integer GEMM instead (below):
+ * rows, paths with vpdpbusd (avx512vnni, avx2vnni) run the integer GEMM instead (below)
+ * for int4 and int8, plain AVX2 (vpmaddubsw, igemm_avx2.c) for int4, int5 and q4_k:
  * x as two int8 digits, 15 significant bits per block of 32 (bf16 keeps 8 per element,
  * llama.cpp's Q8 activations 8 per block), faster than the float GEMM on prompts.
  *
@@ -158,7 +159,8 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  *      x's two digits (the same layout and xprep; 2 * 31 * 128 still fits vpmaddubsw's
  *      int16 pairs), each code ORed with 16 where its qh bit is set, the -16 d (or m)
  *      term from the group sums; without digits (x with inf or NaN, or a path with
- *      none) q5_gemv_c in float. The GEMM dequantizes tiles (no integer GEMM).
+ *      none) q5_gemv_c in float. The GEMM dequantizes tiles, or on plain AVX2 runs the
+ *      integer GEMM (codes 0..31, o = 16 or mins).
  * ---------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -227,7 +229,8 @@ static inline void xprep8_pad(void *buf, int64_t K) {
 }
 
 /* The integer GEMM (igemm.c), for prefill: x as two int8 digits per element and W's
- * codes as bytes, multiplied by integer dot products (vpdpbusd), then scaled per block.
+ * codes as bytes, multiplied by integer dot products (vpdpbusd; on plain AVX2
+ * vpmaddubsw with int16 sums, igemm_avx2.c), then scaled per block.
  *
  * x, row m, block b of 32: X = round(x / sx) with sx = amax / IG_XMAX (a block of zeros
  * has sx = 0), so |X| <= IG_XMAX = 32512: 15 significant bits of the block's largest
@@ -239,13 +242,15 @@ static inline void xprep8_pad(void *buf, int64_t K) {
  * offset, below) and xs = sx * sum X (the asymmetric mins' term).
  *
  * W, a panel of rows: codes as unsigned bytes c, Kp per row (zeros past K). int4: c = q,
- * w = d (c - 8) symmetric, w = d c + m asymmetric; int8: c = q + 128, w = d (c - 128).
- * Per row and block, float d (the scale of the row's group holding the block, or its
- * channel's) and, asymmetric, m.
+ * w = d (c - 8) symmetric, w = d c + m asymmetric; int5: c = q (0..31), w = d (c - 16) or
+ * d c + m; q4_k: c = q, per sub-block d = d sc and m = -dmin m (asymmetric); int8:
+ * c = q + 128, w = d (c - 128). Per row and block, float d (the scale of the row's group
+ * holding the block, or its channel's) and, asymmetric, m.
  *
  *     y[m, n] = sum_b  d[n,b] sx[m,b] (sum_k c[n,k] X[m,k] - o sum_k X[m,k])  +  m[n,b] xs[m,b]
  *
- * with o = 8 (int4 symmetric), 0 (asymmetric) or 128 (int8); the integer sums are exact
+ * with o = 8 (int4 symmetric), 16 (int5 symmetric), 0 (asymmetric) or 128 (int8); the
+ * integer sums are exact
  * (256 * 32 * 255 * 127 + 32 * 255 * 128 + 128 * 32 * 32512 < 2^31). */
 #define IG_XMAX 32512
 enum { IG_MR = 32 };
@@ -254,6 +259,7 @@ typedef struct {
     float *sx, *xs;     /* (Mp / IG_MR, Kp / 32, IG_MR) */
     int32_t *off;       /* (Mp / IG_MR, Kp / 32, IG_MR) */
     int64_t M, Kp;
+    int cmax;           /* W's largest code: 15 (int4, q4_k), 31 (int5), 255 (int8) */
 } ig_x;
 /* A row's terms for one block, at i = (t * Kp / 32 + b) * IG_MR + row in its tile: the
  * step sx from the block's amax, and o * sum X and sx * sum X from the sum of its X. */
@@ -288,7 +294,9 @@ typedef struct {
     xprep_fn q5_xprep;      /* NULL: the path has no int5 digit GEMV; else q4_xprep's layout */
     gemv_fn q5_gemv_digits;
     dequant_fn q5_dequant;  /* NULL: q5_dequant_c */
+    unsigned ig_kinds;      /* the formats its integer GEMM takes: IG_KIND(bits) of each */
 } kernel_table;
+#define IG_KIND(bits) (1u << (bits))
 
 /* int6 in plain C (scalar.c), every path's fallback: the GEMV in float32 (x with inf or
  * NaN, or no digit GEMV) and the GEMM's dequantization (exact; AVX-512 has its own). */
@@ -314,6 +322,9 @@ typedef struct {
 const q4k_kernels *q4k_for(const kernel_table *kt);
 void q4k_gemv_c(const qmat *a, int64_t n0, int64_t n1);
 void q4k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
+/* A block's sub-block scales d * sc[j] and mins -(dmin * m[j]), rounded as the
+ * dequantization rounds them (the integer GEMM's panel). */
+void q4k_block_scales(const uint8_t *blk, float d[8], float m[8]);
 /* Bytes of one row of W: K * bits / 8, or int6's or q4_k's blocks. */
 static inline int64_t q_row_bytes(int bits, int64_t K) {
     return bits == 6     ? K / Q6_BLOCK * Q6_BLOCK_BYTES
@@ -329,6 +340,9 @@ extern const kernel_table kernels_avx512, kernels_avx512_vnni;
 int avx2_q4_xprep(const float *x, int64_t K, void *buf);
 void avx2_q5_gemv_digits(const qmat *a, int64_t n0, int64_t n1);
 void avx2_q5_dequant(const qmat *a, int64_t n0, int64_t n1, float *w);
+/* The integer GEMM's panel kernel on plain AVX2 (igemm_avx2.c). */
+void avx2_ig_panel(const ig_x *x, const uint8_t *w, const float *d, const float *m, float *y,
+                   int64_t ldy, int64_t nb);
 #endif
 #if defined(__aarch64__)
 extern const kernel_table kernels_neon, kernels_neon_dot;
@@ -352,8 +366,9 @@ static inline int gemv_threads(int64_t bytes, int nthreads) {
  * Q4K.
  * Returns 0, or -1 when out of memory. */
 int q_matmul(int bits, const qmat *a, int isa, int nthreads);
-/* igemm.c: q_matmul's GEMM on the integer path (bits 8 or 4). Returns 0, -1 when out of
- * memory, or 1 when it does not apply (the path has none, or x has inf or NaN). */
+/* igemm.c: q_matmul's GEMM on the integer path (bits in the table's ig_kinds). Returns
+ * 0, -1 when out of memory, or 1 when it does not apply (the path has none, or x has inf
+ * or NaN). */
 int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads);
 /* n GEMVs (bits[i] 8, 6, 5, 4 or Q4K) as one pool job, e.g. q, k and v of a block, or the gate
  * and up projections of 8 experts: one wake-up of the pool instead of n, and small

@@ -279,8 +279,7 @@ int q_matmul(int bits, const qmat *a_in, int isa, int nthreads) {
         const qmat *pa = &a;
         return q_gemv_many(1, &bits, &pa, isa, nthreads);
     }
-    /* int6, int5 and q4_k have no integer GEMM: their codes are not int4's or int8's bytes */
-    const int igemm = a.M >= IGEMM_MIN_M && (bits == 8 || bits == 4);
+    const int igemm = a.M >= IGEMM_MIN_M && (kt->ig_kinds & IG_KIND(bits));
     const int rc = igemm ? q_igemm(bits, &a, kt, nthreads) : 1;
     return rc <= 0 ? rc : gemm(bits, &a, kt, nthreads);
 }

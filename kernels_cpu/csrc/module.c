@@ -176,7 +176,7 @@ static int table_of(PyObject *arg, const kernel_table **kt) {
 static PyObject *py_isa_integer_gemm(PyObject *self, PyObject *arg) {
     (void)self;
     const kernel_table *kt;
-    return table_of(arg, &kt) ? NULL : PyBool_FromLong(kt && kt->ig_xprep);
+    return table_of(arg, &kt) ? NULL : PyLong_FromUnsignedLong(kt && kt->ig_xprep ? kt->ig_kinds : 0);
 }
 
 static PyObject *py_isa_int4_digits(PyObject *self, PyObject *arg) {
@@ -229,7 +229,8 @@ static PyMethodDef methods[] = {
     {"isa_supported", py_isa_supported, METH_O, "whether this CPU can run path `isa`"},
     {"isa_best", py_isa_best, METH_NOARGS, "the fastest path this CPU can run"},
     {"isa_integer_gemm", py_isa_integer_gemm, METH_O,
-     "whether path `isa` multiplies prompts (the GEMM) with integer dot products"},
+     "the formats path `isa` multiplies prompts (the GEMM) of with integer dot products: "
+     "bit b set for bits b (4, 5, 8; 12 q4_k)"},
     {"isa_int4_digits", py_isa_int4_digits, METH_O,
      "whether path `isa`'s int4 GEMV takes x as the integer GEMM's two int8 digits"},
     {"isa_int5_digits", py_isa_int5_digits, METH_O,

@@ -85,6 +85,13 @@ void q4k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) {
     }
 }
 
+void q4k_block_scales(const uint8_t *blk, float d[8], float m[8]) {
+    const float d0 = q4k_half(blk), dmin = q4k_half(blk + 2);
+    uint8_t sm[16];
+    q4k_scale_bytes(blk + 4, sm);
+    for (int j = 0; j < 8; j++) d[j] = d0 * (float)sm[j], m[j] = -(dmin * (float)sm[8 + j]);
+}
+
 static const q4k_kernels q4k_plain = {NULL, NULL, q4k_dequant_c};
 
 #ifdef INFER_X86

@@ -1,0 +1,105 @@
+/* The integer GEMM's panel kernel on plain AVX2 (no VNNI): vpmaddubsw with int16 sums.
+ *
+ * x's digits and W's panel are igemm.c's layouts (kernels.h), prepared by avx2.c's
+ * ig_xprep. Without vpdpbusd a product of 4 bytes is vpmaddubsw (codes times digits, int16
+ * pairs) then vpmaddwd (pairs to int32): two multiply-pipe instructions per 32 products,
+ * so four per 32 elements for x's two digits, what float FMAs (8 a vector) cost. Here
+ * the int16 pairs are summed over whole runs of
+ * groups of 4 with vpaddw and widened by one vpmaddwd per run and digit (by 256 for the
+ * high digit, by 1 for the low one), so a digit costs ~1.1 multiply-pipe instructions per
+ * 32 products. A pair is at most 2 * cmax * 128 (|digit| <= 128), and a word sums one pair
+ * per group: int4's codes (<= 15) allow 8 groups (a block: 30720 < 32767), int5's (<= 31)
+ * 4 (31744). int8's codes (<= 255) overflow a single pair, so int8 stays on the float GEMM.
+ *
+ * Registers: 8 rows of x (one vector per digit) by NR rows of W, each row's 4 codes
+ * broadcast to every lane: 2 NR int16 sums, NR float results, 2 digit vectors and a
+ * broadcast: NR = 4 fits 15 registers. int5's int32 sums of a block's first half then
+ * wait on the stack while the second half runs, still faster than NR = 3 without spills.
+ */
+#include "kernels.h"
+
+#ifdef INFER_X86
+#include <immintrin.h>
+#include <string.h>
+
+#define TI TARGET_AVX2 static inline __attribute__((always_inline))
+
+TI int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* y for rows [32 t + 8 u, + 8) of x and NR rows of W; RUN groups of 4 summed in int16. */
+TI void ig_block8(const ig_x *x, int64_t t, int u, const uint8_t *w, const float *d,
+                  const float *mins, float *y, int64_t ldy, const int NR, const int RUN) {
+    const int64_t Kp = x->Kp, B = Kp / 32;
+    const int8_t *xd = x->digits + t * B * 8 * 256 + 32 * u;
+    const __m256i by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
+    __m256 f[4];
+    for (int n = 0; n < NR; n++) f[n] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; b++, xd += 8 * 256) {
+        __m256i s[4]; /* int32: 256 sum(c hi) + sum(c lo) over the block */
+        for (int r0 = 0; r0 < 8; r0 += RUN) {
+            __m256i sh[4], sl[4];
+#pragma GCC unroll 8
+            for (int j = r0; j < r0 + RUN; j++) {
+                const __m256i xh = _mm256_load_si256((const __m256i *)(xd + j * 256));
+                const __m256i xl = _mm256_load_si256((const __m256i *)(xd + j * 256 + 128));
+                for (int n = 0; n < NR; n++) {
+                    const __m256i c = _mm256_set1_epi32(load_i32(w + n * Kp + 32 * b + 4 * j));
+                    const __m256i ph = _mm256_maddubs_epi16(c, xh);
+                    const __m256i pl = _mm256_maddubs_epi16(c, xl);
+                    sh[n] = j == r0 ? ph : _mm256_add_epi16(sh[n], ph);
+                    sl[n] = j == r0 ? pl : _mm256_add_epi16(sl[n], pl);
+                    /* keep the sums in order: reassociated into trees they spill */
+                    __asm__("" : "+x"(sh[n]), "+x"(sl[n]));
+                }
+            }
+            for (int n = 0; n < NR; n++) {
+                const __m256i v = _mm256_add_epi32(_mm256_madd_epi16(sh[n], by256),
+                                                   _mm256_madd_epi16(sl[n], by1));
+                s[n] = r0 ? _mm256_add_epi32(s[n], v) : v;
+            }
+        }
+        const int64_t i = (t * B + b) * IG_MR + 8 * u;
+        const __m256i off = _mm256_load_si256((const __m256i *)(x->off + i));
+        const __m256 sx = _mm256_load_ps(x->sx + i);
+        for (int n = 0; n < NR; n++) {
+            const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[n], off));
+            f[n] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(d[n * B + b])), f[n]);
+            if (mins)
+                f[n] = _mm256_fmadd_ps(_mm256_load_ps(x->xs + i), _mm256_set1_ps(mins[n * B + b]),
+                                       f[n]);
+        }
+    }
+    const int64_t row0 = t * IG_MR + 8 * u, rows = x->M - row0 < 8 ? x->M - row0 : 8;
+    float out[4][8];
+    for (int n = 0; n < NR; n++) _mm256_storeu_ps(out[n], f[n]);
+    for (int r = 0; r < rows; r++)
+        for (int n = 0; n < NR; n++) y[(row0 + r) * ldy + n] = out[n][r];
+}
+
+#define IG_CASE(NR_, RUN_)                                                                       \
+    case NR_:                                                                                    \
+        ig_block8(x, t, u, w + n * Kp, d + n * B, m ? m + n * B : NULL, y + n, ldy, NR_, RUN_);  \
+        break;
+
+/* Codes of at most 15 (int4, q4_k) sum a whole block in int16, larger ones (int5) half. */
+TARGET_AVX2 void avx2_ig_panel(const ig_x *x, const uint8_t *w, const float *d, const float *m,
+                               float *y, int64_t ldy, int64_t nb) {
+    const int64_t Kp = x->Kp, B = Kp / 32;
+    const int wide = x->cmax > 15;
+    for (int64_t t = 0; t * IG_MR < x->M; t++)
+        for (int u = 0; u < 4 && t * IG_MR + 8 * u < x->M; u++)
+            for (int64_t n = 0; n < nb; n += 4) {
+                const int nr = nb - n < 4 ? (int)(nb - n) : 4;
+                if (!wide) {
+                    switch (nr) { IG_CASE(4, 8) IG_CASE(3, 8) IG_CASE(2, 8) IG_CASE(1, 8) }
+                } else {
+                    switch (nr) { IG_CASE(4, 4) IG_CASE(3, 4) IG_CASE(2, 4) IG_CASE(1, 4) }
+                }
+            }
+}
+
+#endif

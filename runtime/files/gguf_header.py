@@ -193,8 +193,30 @@ class _Cursor:
         return [self.array(what, depth + 1) for _ in range(count)]
 
     def _string_array(self, count: int, what: str) -> list[str]:
-        # The vocabulary and merges: ~150k strings, so the loop is bare; a length past the
-        # end shows as a failed read or as an end beyond the file, checked once.
+        # The vocabulary and merges: ~150k strings. Only the lengths are read one by one;
+        # the strings are cut and decoded together (_decode_strings).
+        if count < _BULK_STRINGS:
+            return self._string_loop(count, what)
+        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+        heads = []  # where each string's length is
+        append = heads.append
+        try:
+            for _ in itertools.repeat(None, count):
+                append(pos)
+                pos += 8 + unpack(buf, pos)[0]
+        except (struct.error, OverflowError):
+            raise self.truncated(what) from None
+        if pos > self.size:
+            raise self.truncated(what)
+        out = _decode_strings(buf, heads, pos)
+        if out is None:  # some string is not UTF-8: the loop says which
+            return self._string_loop(count, what)
+        self.pos = pos
+        return out
+
+    def _string_loop(self, count: int, what: str) -> list[str]:
+        # A length past the end shows as a failed read or as an end beyond the file,
+        # checked once.
         buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
         out = []
         append = out.append
@@ -219,6 +241,34 @@ class _Cursor:
         if not isinstance(value, _Array):
             return value
         return _Cursor(self.buf, self.path, value.at).array(f"value of {key!r}", depth=1)
+
+
+# String arrays at least this long are decoded in bulk (numpy is imported for them only).
+_BULK_STRINGS = 4096
+# Bytes that are not UTF-8, as decoding with surrogateescape spells them (0xFF apart).
+_NOT_UTF8 = re.compile("[\udc80-\udcfe]")
+
+
+def _decode_strings(buf: memoryview, heads: list[int], end: int) -> list[str] | None:
+    """The strings whose 8-byte lengths are at `heads`, the last ending at `end`; None if
+    one is not valid UTF-8. Every length's last byte becomes 0xFF, a byte UTF-8 never
+    holds, the other seven are dropped, and the whole decodes once and splits there."""
+    import numpy as np
+
+    start = heads[0]
+    raw = np.frombuffer(buf, np.uint8, end - start, start)
+    at = np.array(heads, np.int64) - start
+    step = np.zeros(len(raw) + 1, np.int8)
+    step[at] = 1
+    step[at + 7] = -1
+    joined = raw[np.cumsum(step[:-1], dtype=np.int8) == 0]
+    joined[at - 7 * np.arange(len(at))] = 0xFF  # where each length's last byte went
+    text = joined.tobytes().decode("utf-8", "surrogateescape")
+    out = text.split("\udcff")
+    # A string holding 0xFF splits in two; any other byte that is not UTF-8 shows as such.
+    if len(out) != len(heads) + 1 or _NOT_UTF8.search(text):
+        return None
+    return out[1:]
 
 
 def _file_bytes(path: Path) -> int:

@@ -16,8 +16,10 @@ Two GGUF tokenizer models are supported:
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.processors import TemplateProcessing
@@ -123,8 +125,9 @@ class Tokenizer:
     def __init__(
         self,
         backend: _HFTokenizer,
-        pieces: list[bytes],
+        pieces: list[bytes | None],
         *,
+        spell: Callable[[int], bytes] | None = None,
         bos_id: int | None,
         eos_id: int | None,
         add_bos: bool,
@@ -134,7 +137,10 @@ class Tokenizer:
         strip_leading_space: bool = False,
     ):
         self._backend = backend
-        self._pieces = pieces  # id -> the bytes it decodes to
+        # id -> the bytes it decodes to; a None is spelled by `spell` when first asked for
+        # (spelling a 262k vocabulary up front took a third of its construction).
+        self._pieces = pieces
+        self._spell = spell
         self._special_ids = special_ids  # dropped by decode(skip_special=True)
         # SentencePiece puts a space before the text; decoding a sequence takes it off.
         self._strip_leading_space = strip_leading_space
@@ -212,11 +218,21 @@ class Tokenizer:
         keeps a SentencePiece leading space that `decode` of a whole text would drop."""
         return StreamDecoder(self, skip_special)
 
+    @property
+    def pieces(self) -> list[bytes]:
+        """Every id's bytes, in id order."""
+        if None in self._pieces:
+            self._pieces = [self._piece(i, False) for i in range(self.vocab_size)]
+        return self._pieces
+
     def _piece(self, token_id, skip_special: bool) -> bytes:
         i = int(token_id)
-        if not 0 <= i < len(self._pieces) or (skip_special and i in self._special_ids):
+        if not 0 <= i < self.vocab_size or (skip_special and i in self._special_ids):
             return b""
-        return self._pieces[i]
+        piece = self._pieces[i]
+        if piece is None:
+            piece = self._pieces[i] = self._spell(i)
+        return piece
 
     def _token_text(self, token_id: int | None) -> str | None:
         if token_id is None:
@@ -315,8 +331,9 @@ def _gguf_tokens(md: dict) -> tuple[list[str], dict[str, int]]:
     """The token texts and text -> id. Like llama.cpp, empty tokens get a placeholder
     name (every id needs a distinct text) and duplicates are refused."""
     tokens = _gguf_list(md, "tokenizer.ggml.tokens", str)
-    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-    vocab = {t: i for i, t in enumerate(tokens)}
+    if "" in tokens:
+        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+    vocab = dict(zip(tokens, range(len(tokens))))
     if len(vocab) != len(tokens):
         raise InferError("GGUF tokenizer has duplicate tokens in its vocabulary")
     return tokens, vocab
@@ -347,13 +364,25 @@ def _bpe(**kwargs) -> _HFTokenizer:
 def _add_gguf_specials(backend: _HFTokenizer, tokens: list[str], types: list[int]) -> frozenset:
     """Make control, unknown and user-defined tokens match whole in text, as llama.cpp's
     tokenizer_st_partition does. Each is already in the vocabulary, so it keeps its id."""
-    special = [i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)]
-    user = [i for i, t in enumerate(types) if t == USER_DEFINED]
+    kinds = np.array(types)
+    special = np.flatnonzero((kinds == CONTROL) | (kinds == UNKNOWN)).tolist()
+    user = np.flatnonzero(kinds == USER_DEFINED).tolist()
     backend.add_special_tokens(
         [AddedToken(tokens[i], special=True, normalized=False) for i in special]
     )
     backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
     return frozenset(special)
+
+
+def _spelled(tokens: list[str], types: list[int], spell: Callable[[str], bytes]):
+    """id -> bytes: control, user-defined and unknown tokens are their plain text, the
+    rest as `spell` reads a token."""
+
+    def piece(i: int) -> bytes:
+        text = tokens[i]
+        return text.encode("utf-8") if types[i] in (CONTROL, USER_DEFINED, UNKNOWN) else spell(text)
+
+    return piece
 
 
 def _gguf_common(md: dict, n_vocab: int, default_add_bos: bool) -> dict:
@@ -379,6 +408,27 @@ def _space_merge(m: str) -> tuple[str, ...]:
     return (m[:cut], m[cut + 1 :]) if cut > 0 else ()
 
 
+# Lines "left right", neither part empty nor holding a space.
+_SIMPLE_MERGES = re.compile(r"(?:[^ \n]+ [^ \n]+\n)*[^ \n]+ [^ \n]+")
+
+
+def _merge_pairs(merges: list[str]) -> list[tuple[str, ...]]:
+    """Each merge "left right" as (left, right). llama.cpp splits at the first space
+    after the first character, so a left part that is itself a space still parses."""
+    # Nearly always every merge is two non-empty parts around one space: then one split
+    # of them all. The lines matching, one pair a merge, means no merge holds a newline.
+    joined = "\n".join(merges)
+    if _SIMPLE_MERGES.fullmatch(joined):
+        parts = joined.replace("\n", " ").split(" ")
+        if len(parts) == 2 * len(merges):
+            return list(zip(parts[0::2], parts[1::2]))
+    pairs = [tuple(m.split(" ", 1)) if m[:1] != " " else _space_merge(m) for m in merges]
+    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
+    if bad is not None:
+        raise InferError(f"GGUF tokenizer has a malformed merge {bad!r}")
+    return pairs
+
+
 def _from_gguf_byte_level(md: dict) -> Tokenizer:
     tokens, vocab = _gguf_tokens(md)
     merges = _gguf_list(md, "tokenizer.ggml.merges", str)
@@ -388,26 +438,19 @@ def _from_gguf_byte_level(md: dict) -> Tokenizer:
         raise InferError(f"GGUF tokenizer.ggml.pre = {pre!r:.40}: not a name")
     splits, ignore_merges = PRE_TOKENIZERS.get(pre, PRE_TOKENIZERS[FALLBACK_PRE_TOKENIZER])
 
-    # A merge is "left right"; llama.cpp splits at the first space after the first
-    # character, so a left part that is itself a space still parses.
-    pairs = [tuple(m.split(" ", 1)) if m[:1] != " " else _space_merge(m) for m in merges]
-    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
-    if bad is not None:
-        raise InferError(f"GGUF tokenizer has a malformed merge {bad!r}")
-    backend = _bpe(vocab=vocab, merges=pairs, ignore_merges=ignore_merges)
+    backend = _bpe(vocab=vocab, merges=_merge_pairs(merges), ignore_merges=ignore_merges)
     backend.pre_tokenizer = byte_level_pre_tokenizer(splits)
     backend.decoder = decoders.ByteLevel()
     special_ids = _add_gguf_specials(backend, tokens, types)
 
-    # Control and user-defined tokens are stored as plain text, the rest byte-level spelled.
-    pieces = [
-        t.encode("utf-8") if types[i] in (CONTROL, USER_DEFINED, UNKNOWN) else _byte_level_piece(t)
-        for i, t in enumerate(tokens)
-    ]
     # llama.cpp turns BOS on for these pre-tokenizers unless the file says otherwise.
     default_add_bos = pre in ("llama3", "llama-v3", "llama-bpe", "tekken", "chameleon")
     tok = Tokenizer(
-        backend, pieces, special_ids=special_ids, **_gguf_common(md, len(tokens), default_add_bos)
+        backend,
+        [None] * len(tokens),
+        spell=_spelled(tokens, types, _byte_level_piece),
+        special_ids=special_ids,
+        **_gguf_common(md, len(tokens), default_add_bos),
     )
     _set_bos_post_processor(tok)
     return tok
@@ -418,10 +461,141 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
 
     llama.cpp's SPM tokenizer repeatedly joins the adjacent pair whose concatenation is
     the best-scoring token. As BPE: every split of a token into two tokens is a merge,
-    ranked by the joined token's score (highest first), as transformers' GGUF converter
-    builds them. Only normal and user-defined tokens take part: control, byte and unused
-    tokens are never produced by merging (SentencePiece's rule).
+    ranked by the joined token's score (highest first), then the longer left part, then
+    vocabulary order, as transformers' GGUF converter builds them. Only normal and
+    user-defined tokens take part: control, byte and unused tokens are never produced by
+    merging (SentencePiece's rule). `_spm_merges_reference` is the same in plain Python.
+
+    Every split of every token (1.2M for Gemma 3's vocabulary) is looked up at once: the
+    two parts by a hash of their characters, each found pair then compared in full.
     """
+    n = len(tokens)
+    if n == 0:
+        return []
+    kept = np.isin(np.array(types, np.int64), (NORMAL, USER_DEFINED))
+    chars = np.frombuffer("".join(tokens).encode("utf-32-le"), np.uint32)
+    separator = _unused_char(chars)
+    if separator is None:
+        return _spm_merges_reference(tokens, scores, types)
+    lens = np.fromiter(map(len, tokens), np.int64, n)
+    starts = np.zeros(n + 1, np.int64)
+    np.cumsum(lens, out=starts[1:])
+    table = _SubstringHash(chars)
+
+    # The kept tokens by hash; two with one hash (never seen) leave it to the reference.
+    ids = np.flatnonzero(kept)
+    if len(ids) == 0:
+        return []
+    find = _HashIndex(table.of(starts[ids], starts[ids + 1]), ids)
+    if not find.unique:
+        return _spm_merges_reference(tokens, scores, types)
+
+    # Every split: token `whole`, left part of `k` characters.
+    wholes = ids[lens[ids] > 1]
+    cuts = lens[wholes] - 1
+    whole = np.repeat(wholes, cuts)
+    k = np.arange(len(whole)) - np.repeat(np.cumsum(cuts) - cuts, cuts) + 1
+    cut = starts[whole] + k
+    left = find(table.of(starts[whole], cut))
+    hit = (left >= 0) & (lens[left] == k)
+    whole, k, cut, left = whole[hit], k[hit], cut[hit], left[hit]
+    right = find(table.of(cut, starts[whole + 1]))
+    hit = (right >= 0) & (lens[right] == lens[whole] - k)
+    whole, k, left, right = whole[hit], k[hit], left[hit], right[hit]
+
+    # Characters compared in full, so a hash collision cannot make a merge.
+    size = lens[whole]
+    pair = np.repeat(np.arange(len(whole)), size)
+    j = np.arange(len(pair)) - np.repeat(np.cumsum(size) - size, size)
+    kj = k[pair]
+    part = np.where(j < kj, starts[left][pair] + j, starts[right][pair] + j - kj)
+    wrong = np.zeros(len(whole), bool)
+    wrong[pair[chars[starts[whole][pair] + j] != chars[part]]] = True
+    whole, k, left, right = whole[~wrong], k[~wrong], left[~wrong], right[~wrong]
+
+    rank = np.lexsort((whole, -k, -np.array(scores, np.float64)[whole]))
+    # The parts' texts cut from one string: picking each out of `tokens` reads objects
+    # all over memory and took longer than the rest of this function.
+    parts = np.stack([left[rank], right[rank]], axis=1).ravel()
+    size = lens[parts] + 1  # each part and a separator after it
+    ends = np.cumsum(size)
+    at = np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - size - starts[parts], size)
+    text = chars[np.minimum(at, len(chars) - 1)]
+    text[ends - 1] = separator
+    words = text.tobytes().decode("utf-32-le").split(chr(separator))
+    return list(zip(words[0:-1:2], words[1::2]))
+
+
+def _unused_char(chars: np.ndarray) -> int | None:
+    """A character below the surrogates that `chars` does not hold, if there is one."""
+    seen = np.zeros(0xD800, bool)
+    seen[chars[chars < 0xD800]] = True
+    unused = np.flatnonzero(~seen)
+    return int(unused[0]) if len(unused) else None
+
+
+class _SubstringHash:
+    """Polynomial hashes of substrings of one character array, modulo 2**64:
+    h(s) = sum s[j] * B**j, for chars[start:end] from prefix sums in O(1)."""
+
+    BASE = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
+
+    def __init__(self, chars: np.ndarray):
+        powers = np.full(len(chars) + 1, self.BASE, np.uint64)
+        powers[0] = 1
+        inverse = np.full(len(chars) + 1, pow(self.BASE, -1, 2**64), np.uint64)
+        inverse[0] = 1
+        with np.errstate(over="ignore"):
+            self._inverse = np.cumprod(inverse, dtype=np.uint64)
+            self._prefix = np.zeros(len(chars) + 1, np.uint64)
+            np.cumsum(chars * np.cumprod(powers, dtype=np.uint64)[:-1], out=self._prefix[1:])
+
+    def of(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """The hash of each chars[start:end], its bits mixed (splitmix64's finalizer, a
+        bijection) so that short strings spread over the top bits too."""
+        with np.errstate(over="ignore"):
+            h = (self._prefix[end] - self._prefix[start]) * self._inverse[start]
+            h ^= h >> np.uint64(30)
+            h *= np.uint64(0xBF58476D1CE4E5B9)
+            h ^= h >> np.uint64(27)
+            h *= np.uint64(0x94D049BB133111EB)
+            h ^= h >> np.uint64(31)
+            return h
+
+
+class _HashIndex:
+    """Finds the id of a hash among `hashes` (uniformly spread): the sorted hashes are
+    cut into buckets by their top bits, about one hash a bucket, so a lookup reads a
+    bucket or two rather than binary-searching the whole array."""
+
+    def __init__(self, hashes: np.ndarray, ids: np.ndarray):
+        order = np.argsort(hashes)
+        self._hashes, self._ids = hashes[order], ids[order]
+        self.unique = not np.any(self._hashes[1:] == self._hashes[:-1])
+        bits = len(ids).bit_length()
+        self._shift = np.uint64(64 - bits)
+        top = (self._hashes >> self._shift).astype(np.int64)
+        self._bucket = np.searchsorted(top, np.arange(2**bits + 1))
+
+    def __call__(self, h: np.ndarray) -> np.ndarray:
+        """The id with each hash of `h`, else -1."""
+        top = (h >> self._shift).astype(np.int64)
+        at, end = self._bucket[top], self._bucket[top + 1]
+        out = np.full(len(h), -1, np.int64)
+        todo = np.flatnonzero(at < end)
+        while len(todo):
+            found = self._hashes[at[todo]] == h[todo]
+            out[todo[found]] = self._ids[at[todo[found]]]
+            todo = todo[~found]
+            at[todo] += 1
+            todo = todo[at[todo] < end[todo]]
+        return out
+
+
+def _spm_merges_reference(
+    tokens: list[str], scores: list[float], types: list[int]
+) -> list[tuple[str, str]]:
+    """`_spm_merges` in plain Python, one split at a time."""
     keep = (NORMAL, USER_DEFINED)
     names = {t for t, kind in zip(tokens, types) if kind in keep}
     # Ranked by score, then the longer left part, then vocabulary order (i).
@@ -444,7 +618,7 @@ def _from_gguf_sentencepiece(md: dict) -> Tokenizer:
 
     backend = _bpe(
         vocab=vocab,
-        merges=_spm_merges(tokens, [float(s) for s in scores], types),
+        merges=_spm_merges(tokens, scores, types),
         unk_token=tokens[unk_id] if unk_id is not None else None,
         fuse_unk=True,
         byte_fallback=True,
@@ -465,15 +639,10 @@ def _from_gguf_sentencepiece(md: dict) -> Tokenizer:
     backend.decoder = decoders.Sequence(steps)
     special_ids = _add_gguf_specials(backend, tokens, types)
 
-    pieces = [
-        t.encode("utf-8")
-        if types[i] in (CONTROL, USER_DEFINED, UNKNOWN)
-        else _sentencepiece_piece(t)
-        for i, t in enumerate(tokens)
-    ]
     tok = Tokenizer(
         backend,
-        pieces,
+        [None] * len(tokens),
+        spell=_spelled(tokens, types, _sentencepiece_piece),
         special_ids=special_ids,
         strip_leading_space=add_space_prefix,
         **_gguf_common(md, len(tokens), default_add_bos=True),

@@ -778,7 +778,7 @@ def test_real_vocabulary_bulk_equals_one_by_one(smollm2_gguf):
     for key, n in (("tokenizer.ggml.tokens", 49152), ("tokenizer.ggml.merges", 48900)):
         at = f._values[key].at
         r = _Cursor(f._buf, f.path, at + 12)  # past the element type and count
-        assert f.get(key) == r._string_loop(n, key) and len(f.get(key)) == n
+        assert f.get(key) == r._string_array(n, key) and len(f.get(key)) == n
 
 
 def _patch_tensor_offset(path: Path, name: str, value: int) -> None:

@@ -29,7 +29,7 @@ import mmap
 import re
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -83,10 +83,13 @@ _U64 = struct.Struct("<Q")
 @dataclass(frozen=True)
 class _Array:
     """An array value stepped over, not yet decoded: where it starts (its element type)
-    and how many elements it has."""
+    and how many elements it has; for a long array of strings, where each string's
+    length is and where the last ends (so decoding it reads no length again)."""
 
     at: int
     count: int
+    heads: list[int] | None = field(default=None, compare=False, repr=False)
+    end: int = 0
 
 
 class _Cursor:
@@ -166,14 +169,22 @@ class _Cursor:
         elif etype == _STRING:
             # Only the lengths are read: a vocabulary is ~100k strings.
             buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+            heads = [] if count >= _BULK_STRINGS and depth == 1 else None
             try:
-                for _ in itertools.repeat(None, count):
-                    pos += 8 + unpack(buf, pos)[0]
+                if heads is None:
+                    for _ in itertools.repeat(None, count):
+                        pos += 8 + unpack(buf, pos)[0]
+                else:
+                    append = heads.append
+                    for _ in itertools.repeat(None, count):
+                        append(pos)
+                        pos += 8 + unpack(buf, pos)[0]
             except (struct.error, OverflowError):  # a length that leads past the end
                 raise self.truncated(what) from None
             if pos > self.size:
                 raise self.truncated(what)
             self.pos = pos
+            return _Array(at, count, heads, pos)
         else:
             for _ in range(count):
                 self.skip_array(what, depth + 1)
@@ -193,29 +204,8 @@ class _Cursor:
         return [self.array(what, depth + 1) for _ in range(count)]
 
     def _string_array(self, count: int, what: str) -> list[str]:
-        # The vocabulary and merges: ~150k strings. Only the lengths are read one by one;
-        # the strings are cut and decoded together (_decode_strings).
-        if count < _BULK_STRINGS:
-            return self._string_loop(count, what)
-        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
-        heads = []  # where each string's length is
-        append = heads.append
-        try:
-            for _ in itertools.repeat(None, count):
-                append(pos)
-                pos += 8 + unpack(buf, pos)[0]
-        except (struct.error, OverflowError):
-            raise self.truncated(what) from None
-        if pos > self.size:
-            raise self.truncated(what)
-        out = _decode_strings(buf, heads, pos)
-        if out is None:  # some string is not UTF-8: the loop says which
-            return self._string_loop(count, what)
-        self.pos = pos
-        return out
-
-    def _string_loop(self, count: int, what: str) -> list[str]:
-        # A length past the end shows as a failed read or as an end beyond the file,
+        # Short arrays, and long ones holding a string that is not UTF-8 (named here). A
+        # length past the end shows as a failed read or as an end beyond the file,
         # checked once.
         buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
         out = []
@@ -240,10 +230,17 @@ class _Cursor:
         """`value` of `key`, an array stepped over decoded now."""
         if not isinstance(value, _Array):
             return value
+        if value.heads:  # the vocabulary, merges: decoded together (_decode_strings)
+            strings = _decode_strings(self.buf, value.heads, value.end)
+            if strings is not None:
+                return strings
+        # Otherwise one at a time, which also names a string that is not UTF-8.
         return _Cursor(self.buf, self.path, value.at).array(f"value of {key!r}", depth=1)
 
 
-# String arrays at least this long are decoded in bulk (numpy is imported for them only).
+# String arrays at least this long are decoded in bulk (numpy is imported for them only):
+# where their lengths are is kept when the header is read, and the strings are cut and
+# decoded at once.
 _BULK_STRINGS = 4096
 # Bytes that are not UTF-8, as decoding with surrogateescape spells them (0xFF apart).
 _NOT_UTF8 = re.compile("[\udc80-\udcfe]")

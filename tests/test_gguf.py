@@ -207,12 +207,13 @@ def test_real_model_matches_gguf_reader(real):
     assert ours.data_offset == reader.data_offset
     assert ours.file_bytes == len(reader.data)
     keys = [k for k in reader.fields if not k.startswith("GGUF.")]
-    assert list(ours.metadata) == keys
+    md = ours.metadata  # decoded anew on each call
+    assert list(md) == keys
     for key in keys:
-        assert ours.metadata[key] == reader.fields[key].contents(), key
-    assert len(ours.metadata["tokenizer.ggml.tokens"]) == 49152
-    assert len(ours.metadata["tokenizer.ggml.merges"]) == 48900
-    assert ours.metadata["tokenizer.chat_template"].startswith("{% for message in messages %}")
+        assert md[key] == reader.fields[key].contents(), key
+    assert len(md["tokenizer.ggml.tokens"]) == 49152
+    assert len(md["tokenizer.ggml.merges"]) == 48900
+    assert md["tokenizer.chat_template"].startswith("{% for message in messages %}")
 
     assert list(ours.tensors) == [t.name for t in reader.tensors]
     for rt in reader.tensors:

@@ -15,8 +15,9 @@ u64 count, then the elements (arrays may nest). GGUF lists dims innermost first,
 torch shapes are the reversed dims.
 
 Arrays (the vocabulary, merges, token types: a few hundred thousand values) are only
-stepped over when the header is parsed, and decoded when first asked for (`get`,
-`metadata`): describing a model never decodes its vocabulary. We parse the header
+stepped over when the header is parsed, and decoded each time they are asked for (`get`,
+`metadata`), not kept: describing a model never decodes its vocabulary, and a loaded
+model does not hold its vocabulary's strings twice. We parse the header
 ourselves rather than with gguf.GGUFReader, which builds a numpy view per field and so
 takes seconds to open a file with a large vocabulary.
 """
@@ -28,9 +29,9 @@ import math
 import mmap
 import re
 import struct
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,7 @@ class _Array:
 
     at: int
     count: int
-    heads: list[int] | None = field(default=None, compare=False, repr=False)
+    heads: array | None = field(default=None, compare=False, repr=False)
     end: int = 0
 
 
@@ -184,7 +185,8 @@ class _Cursor:
             if pos > self.size:
                 raise self.truncated(what)
             self.pos = pos
-            return _Array(at, count, heads, pos)
+            # 8 bytes a position, not a python int each (36 bytes)
+            return _Array(at, count, None if heads is None else array("q", heads), pos)
         else:
             for _ in range(count):
                 self.skip_array(what, depth + 1)
@@ -246,7 +248,7 @@ _BULK_STRINGS = 4096
 _NOT_UTF8 = re.compile("[\udc80-\udcfe]")
 
 
-def _decode_strings(buf: memoryview, heads: list[int], end: int) -> list[str] | None:
+def _decode_strings(buf: memoryview, heads: array, end: int) -> list[str] | None:
     """The strings whose 8-byte lengths are at `heads`, the last ending at `end`; None if
     one is not valid UTF-8. Every length's last byte becomes 0xFF, a byte UTF-8 never
     holds, the other seven are dropped, and the whole decodes once and splits there."""
@@ -254,7 +256,7 @@ def _decode_strings(buf: memoryview, heads: list[int], end: int) -> list[str] | 
 
     start = heads[0]
     raw = np.frombuffer(buf, np.uint8, end - start, start)
-    at = np.array(heads, np.int64) - start
+    at = np.frombuffer(heads, np.int64) - start
     step = np.zeros(len(raw) + 1, np.int8)
     step[at] = 1
     step[at + 7] = -1
@@ -344,7 +346,7 @@ class TensorInfo:
 
 class GGUFHeader:
     """A GGUF file's key/values and tensor infos, every count, offset and size checked
-    against the file; array values decoded when first asked for."""
+    against the file; array values decoded when asked for."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -456,10 +458,12 @@ class GGUFHeader:
         )
 
     def get(self, key: str, default: Any = None) -> Any:
-        """The value of `key` as a python value (an array decoded now, once), else `default`."""
+        """The value of `key` as a python value, else `default`. An array is decoded each
+        time it is asked for and not kept: a vocabulary and its merges (tens of MB as
+        python strings) live only as long as the tokenizer being built needs them."""
         value = self._values.get(key, default)
         if isinstance(value, _Array):
-            value = self._values[key] = _Cursor(self._buf, self.path).decoded(key, value)
+            return _Cursor(self._buf, self.path).decoded(key, value)
         return value
 
     def count(self, key: str) -> int | None:
@@ -469,9 +473,9 @@ class GGUFHeader:
             return value.count
         return len(value) if isinstance(value, list) else None
 
-    @cached_property
+    @property
     def metadata(self) -> dict[str, Any]:
-        """Every key/value, in file order, as python values (every array decoded)."""
+        """Every key/value, in file order, as python values (every array decoded anew)."""
         return {key: self.get(key) for key in self._values}
 
     def floats(self, name: str) -> list[float]:

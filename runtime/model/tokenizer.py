@@ -361,9 +361,12 @@ def _bpe(**kwargs) -> _HFTokenizer:
         raise InferError(f"GGUF tokenizer is inconsistent: {' '.join(str(err).split())}") from None
 
 
-def _add_gguf_specials(backend: _HFTokenizer, tokens: list[str], types: list[int]) -> frozenset:
+def _add_gguf_specials(
+    backend: _HFTokenizer, tokens: list[str], types: list[int]
+) -> tuple[frozenset, frozenset]:
     """Make control, unknown and user-defined tokens match whole in text, as llama.cpp's
-    tokenizer_st_partition does. Each is already in the vocabulary, so it keeps its id."""
+    tokenizer_st_partition does. Each is already in the vocabulary, so it keeps its id.
+    Returns the ids of the special (control, unknown) and of the user-defined ones."""
     kinds = np.array(types)
     special = np.flatnonzero((kinds == CONTROL) | (kinds == UNKNOWN)).tolist()
     user = np.flatnonzero(kinds == USER_DEFINED).tolist()
@@ -371,16 +374,17 @@ def _add_gguf_specials(backend: _HFTokenizer, tokens: list[str], types: list[int
         [AddedToken(tokens[i], special=True, normalized=False) for i in special]
     )
     backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
-    return frozenset(special)
+    return frozenset(special), frozenset(user)
 
 
-def _spelled(tokens: list[str], types: list[int], spell: Callable[[str], bytes]):
-    """id -> bytes: control, user-defined and unknown tokens are their plain text, the
-    rest as `spell` reads a token."""
+def _spelled(backend: _HFTokenizer, plain: frozenset, spell: Callable[[str], bytes]):
+    """id -> bytes: the tokens of `plain` (control, user-defined, unknown) are their text,
+    the rest as `spell` reads a token. The text comes from the backend, which holds the
+    vocabulary anyway (a list of its strings would be 17 MB more for Qwen's)."""
 
     def piece(i: int) -> bytes:
-        text = tokens[i]
-        return text.encode("utf-8") if types[i] in (CONTROL, USER_DEFINED, UNKNOWN) else spell(text)
+        text = backend.id_to_token(i)
+        return text.encode("utf-8") if i in plain else spell(text)
 
     return piece
 
@@ -441,14 +445,14 @@ def _from_gguf_byte_level(md: dict) -> Tokenizer:
     backend = _bpe(vocab=vocab, merges=_merge_pairs(merges), ignore_merges=ignore_merges)
     backend.pre_tokenizer = byte_level_pre_tokenizer(splits)
     backend.decoder = decoders.ByteLevel()
-    special_ids = _add_gguf_specials(backend, tokens, types)
+    special_ids, user_ids = _add_gguf_specials(backend, tokens, types)
 
     # llama.cpp turns BOS on for these pre-tokenizers unless the file says otherwise.
     default_add_bos = pre in ("llama3", "llama-v3", "llama-bpe", "tekken", "chameleon")
     tok = Tokenizer(
         backend,
         [None] * len(tokens),
-        spell=_spelled(tokens, types, _byte_level_piece),
+        spell=_spelled(backend, special_ids | user_ids, _byte_level_piece),
         special_ids=special_ids,
         **_gguf_common(md, len(tokens), default_add_bos),
     )
@@ -637,12 +641,12 @@ def _from_gguf_sentencepiece(md: dict) -> Tokenizer:
     if add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     backend.decoder = decoders.Sequence(steps)
-    special_ids = _add_gguf_specials(backend, tokens, types)
+    special_ids, user_ids = _add_gguf_specials(backend, tokens, types)
 
     tok = Tokenizer(
         backend,
         [None] * len(tokens),
-        spell=_spelled(tokens, types, _sentencepiece_piece),
+        spell=_spelled(backend, special_ids | user_ids, _sentencepiece_piece),
         special_ids=special_ids,
         strip_leading_space=add_space_prefix,
         **_gguf_common(md, len(tokens), default_add_bos=True),

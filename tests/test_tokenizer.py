@@ -15,7 +15,7 @@ from tokenizers import pre_tokenizers
 
 from infer import InferError
 from infer.runtime.files.gguf import GGUFFile
-from infer.runtime.model import tokenizer as tokenizer_module
+from infer.runtime.model import spm_merges as spm_module
 from infer.runtime.model.pretokenizers import PRE_TOKENIZERS
 from infer.runtime.model.tokenizer import (
     Tokenizer,
@@ -23,8 +23,6 @@ from infer.runtime.model.tokenizer import (
     _merge_pairs,
     _sentencepiece_piece,
     _space_merge,
-    _spm_merges,
-    _spm_merges_reference,
 )
 
 TEXTS = [
@@ -506,31 +504,31 @@ def test_sentencepiece_lazy_pieces_equal_eager_ones():
 @pytest.mark.parametrize("base", [None, 1])
 def test_spm_merges_match_the_reference(monkeypatch, base):
     """The vectorized recovery of merges against the plain one on random vocabularies:
-    ties in score, parts of every token type, multi-byte characters. Base 1 makes
+    ties in score, tokens that take no part, multi-byte characters. Base 1 makes
     anagrams hash alike, which sends some to the reference and others through the
     full comparison."""
     if base is not None:
-        monkeypatch.setattr(tokenizer_module._SubstringHash, "BASE", base)
+        monkeypatch.setattr(spm_module._SubstringHash, "BASE", base)
     rng = random.Random(7)
     for alphabet in ("ab", "ab▁é中😀x"):
         tokens = list({"".join(rng.choices(alphabet, k=rng.randint(1, 7))) for _ in range(4000)})
         rng.shuffle(tokens)
-        types = [rng.choice([1] * 8 + [3, 4, 5, 6]) for _ in tokens]
+        kept = [rng.random() < 0.7 for _ in tokens]
         scores = [float(rng.randint(-30, 0)) for _ in tokens]
-        merges = _spm_merges(tokens, scores, types)
-        assert merges == _spm_merges_reference(tokens, scores, types)
-        assert len(merges) > len(tokens) // 2
+        merges = spm_module.spm_merges(tokens, scores, kept)
+        assert merges == spm_module.spm_merges_reference(tokens, scores, kept)
+        assert len(merges) > len(tokens) // 4
 
 
 def test_spm_merges_compare_parts_in_full(monkeypatch):
     """With base 1 a hash is the sum of the characters: "ba" hashes as the token "ab" and
     must not make ("c", "ba") a merge."""
-    monkeypatch.setattr(tokenizer_module._SubstringHash, "BASE", 1)
-    reference = _spm_merges_reference
-    monkeypatch.setattr(tokenizer_module, "_spm_merges_reference", None)  # not taken
-    tokens, types, scores = ["a", "b", "c", "ab", "cba"], [1] * 5, [0.0, 0.0, 0.0, -1.0, -2.0]
-    assert _spm_merges(tokens, scores, types) == [("a", "b")]
-    assert reference(tokens, scores, types) == [("a", "b")]
+    monkeypatch.setattr(spm_module._SubstringHash, "BASE", 1)
+    reference = spm_module.spm_merges_reference
+    monkeypatch.setattr(spm_module, "spm_merges_reference", None)  # not taken
+    tokens, kept, scores = ["a", "b", "c", "ab", "cba"], [True] * 5, [0.0, 0.0, 0.0, -1.0, -2.0]
+    assert spm_module.spm_merges(tokens, scores, kept) == [("a", "b")]
+    assert reference(tokens, scores, kept) == [("a", "b")]
 
 
 GEMMA3 = Path(os.environ.get("INFER_TEST_GEMMA3", "/work/models/gemma3/gemma-3-270m-q4_k_m.gguf"))
@@ -544,9 +542,9 @@ def test_gemma3_merges_and_pieces():
         pytest.skip(f"{GEMMA3} not present (INFER_TEST_GEMMA3 names another copy)")
     md = GGUFFile(GEMMA3).metadata
     tokens, scores = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.scores"]
-    types = md["tokenizer.ggml.token_type"]
-    merges = _spm_merges(tokens, scores, types)
-    assert len(merges) == 514847 and merges == _spm_merges_reference(tokens, scores, types)
+    kept = [t in (1, 4) for t in md["tokenizer.ggml.token_type"]]  # normal, user-defined
+    merges = spm_module.spm_merges(tokens, scores, kept)
+    assert len(merges) == 514847 and merges == spm_module.spm_merges_reference(tokens, scores, kept)
     tok = Tokenizer.from_gguf_metadata(md)
     assert tok.pieces == _eager_pieces(md, _sentencepiece_piece)
 

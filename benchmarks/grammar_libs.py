@@ -56,7 +56,7 @@ class LLGuidance:
 
         class Wrapper:  # what llguidance.TokenizerWrapper reads
             eos_token_id, bos_token_id = tok.eos_id, tok.bos_id
-            tokens = tok._pieces + [b""] * (vocab - tok.vocab_size)
+            tokens = tok.pieces + [b""] * (vocab - tok.vocab_size)
             special_token_ids = sorted(tok._special_ids | tok.stop_ids)
 
             def __call__(self, text):
@@ -90,7 +90,7 @@ class XGrammar:
     def __init__(self, tok, vocab):
         # Special tokens as empty pieces: xgrammar then never lets them into the text.
         specials = tok._special_ids | tok.stop_ids
-        pieces = [b"" if i in specials else p for i, p in enumerate(tok._pieces)]
+        pieces = [b"" if i in specials else p for i, p in enumerate(tok.pieces)]
         self.info = xgrammar.TokenizerInfo(
             pieces, vocab_size=vocab, stop_token_ids=sorted(tok.stop_ids)
         )
@@ -116,7 +116,7 @@ class OutlinesCore:
 
     def __init__(self, tok, vocab):
         by_piece: dict[bytes, list[int]] = {}
-        for i, piece in enumerate(tok._pieces):
+        for i, piece in enumerate(tok.pieces):
             if i not in tok._special_ids and i not in tok.stop_ids:
                 by_piece.setdefault(piece, []).append(i)
         self.vocab = outlines_core.Vocabulary(tok.eos_id, by_piece)

@@ -335,7 +335,7 @@ class ModelDrafter(Drafter):
 def check_draft_tokenizer(draft: Tokenizer, target: Tokenizer, draft_name: str, name: str):
     """Raise InferError (one line) unless `draft` encodes and decodes as `target` does."""
     # The pieces (id -> bytes) define the vocabulary, as structured.py reads them.
-    same = draft._pieces == target._pieces and draft._special_ids == target._special_ids
+    same = draft.pieces == target.pieces and draft._special_ids == target._special_ids
     if not same:
         raise InferError(
             f"--draft {draft_name}: its tokenizer ({draft.vocab_size} tokens) is not "

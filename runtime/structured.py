@@ -134,7 +134,7 @@ class _Vocabulary:
     def __init__(self, tok: Tokenizer):
         self.eos_token_id = tok.eos_id
         self.bos_token_id = tok.bos_id
-        self.tokens = tok._pieces
+        self.tokens = tok.pieces
         self.special_token_ids = sorted(tok._special_ids | tok.stop_ids)
         self._encode = tok._backend.encode  # Tokenizer.encode(text, add_special=False)
 

@@ -207,12 +207,13 @@ def test_real_model_matches_gguf_reader(real):
     assert ours.data_offset == reader.data_offset
     assert ours.file_bytes == len(reader.data)
     keys = [k for k in reader.fields if not k.startswith("GGUF.")]
-    assert list(ours.metadata) == keys
+    md = ours.metadata  # decoded anew on each call
+    assert list(md) == keys
     for key in keys:
-        assert ours.metadata[key] == reader.fields[key].contents(), key
-    assert len(ours.metadata["tokenizer.ggml.tokens"]) == 49152
-    assert len(ours.metadata["tokenizer.ggml.merges"]) == 48900
-    assert ours.metadata["tokenizer.chat_template"].startswith("{% for message in messages %}")
+        assert md[key] == reader.fields[key].contents(), key
+    assert len(md["tokenizer.ggml.tokens"]) == 49152
+    assert len(md["tokenizer.ggml.merges"]) == 48900
+    assert md["tokenizer.chat_template"].startswith("{% for message in messages %}")
 
     assert list(ours.tensors) == [t.name for t in reader.tensors]
     for rt in reader.tensors:
@@ -722,6 +723,73 @@ def test_string_not_utf8(tmp_path):
     for read in (GGUFFile, GGUFMeta):
         with pytest.raises(InferError, match="element 1 is not valid UTF-8"):
             read(path).get("t.strs")
+
+
+# Strings of every kind for an array long enough to be decoded in bulk: empty, spaces,
+# NUL and control bytes, multi-byte characters, a length needing two bytes.
+BULK_STRINGS = ["", " ", "a b", "\x00", "\n\t", "é", "中文", "😀👍🏽", "Ġthe", "x" * 300, "\x7f"]
+
+
+def _bulk_strings(n: int = 5000) -> list[str]:
+    return [f"{BULK_STRINGS[i % len(BULK_STRINGS)]}{i}" if i % 3 else "" for i in range(n)]
+
+
+def test_long_string_arrays_decode_in_bulk(tmp_path):
+    from infer.runtime.files.gguf_header import _BULK_STRINGS
+    from infer.runtime.files.gguf_meta import GGUFMeta
+
+    strings = _bulk_strings()
+    assert len(strings) >= _BULK_STRINGS
+    kv = [
+        ("add_array", "t.strs", strings),
+        ("add_array", "t.more", strings[:7]),
+        ("add_uint32", "t.after", 9),
+    ]
+    path = write_gguf(tmp_path / "s.gguf", "llama", {}, kv)
+    for read in (GGUFFile, GGUFMeta):
+        f = read(path)
+        assert f.get("t.strs") == strings and f.get("t.more") == strings[:7]
+        assert f.get("t.after") == 9
+
+
+def test_long_string_array_not_utf8(tmp_path):
+    """Each way a string can be invalid UTF-8, in the bulk decoder: the element is named."""
+    from infer.runtime.files.gguf_meta import GGUFMeta
+
+    strings = _bulk_strings()
+    strings[4321] = "abcd"
+    path = write_gguf(tmp_path / "s.gguf", "llama", {}, [("add_array", "t.strs", strings)])
+    good = struct.pack("<Q", 4) + b"abcd"
+    data = path.read_bytes()
+    assert data.count(good) == 1
+    # 0xFF; a lead byte cut off; a surrogate; a lone continuation byte; an overlong "/"
+    for bad in (b"ab\xffd", b"abc\xc3", b"a\xed\xb3\xbf", b"\x80bcd", b"ab\xc0\xaf"):
+        path.write_bytes(data.replace(good, struct.pack("<Q", 4) + bad))
+        for read in (GGUFFile, GGUFMeta):
+            with pytest.raises(InferError, match="element 4321 is not valid UTF-8"):
+                read(path).get("t.strs")
+
+
+def test_long_string_array_length_past_the_end(tmp_path):
+    strings = _bulk_strings()
+    path = write_gguf(tmp_path / "s.gguf", "llama", {}, [("add_array", "t.strs", strings)])
+    data = path.read_bytes()
+    last = struct.pack("<Q", len(strings[-1].encode())) + strings[-1].encode()
+    assert data.count(last) == 1
+    path.write_bytes(data.replace(last, struct.pack("<Q", 2**40) + strings[-1].encode()))
+    with pytest.raises(InferError, match="truncated GGUF file: value of 't.strs'"):
+        GGUFFile(path)
+
+
+def test_real_vocabulary_bulk_equals_one_by_one(smollm2_gguf):
+    """The default model's tokens and merges, decoded in bulk and one string at a time."""
+    from infer.runtime.files.gguf_header import _Cursor
+
+    f = GGUFFile(smollm2_gguf)
+    for key, n in (("tokenizer.ggml.tokens", 49152), ("tokenizer.ggml.merges", 48900)):
+        at = f._values[key].at
+        r = _Cursor(f._buf, f.path, at + 12)  # past the element type and count
+        assert f.get(key) == r._string_array(n, key) and len(f.get(key)) == n
 
 
 def _patch_tensor_offset(path: Path, name: str, value: int) -> None:

@@ -4,6 +4,8 @@ against transformers' renderer, and the sandbox against hostile templates."""
 
 import io
 import json
+import os
+import random
 import time
 from pathlib import Path
 
@@ -13,8 +15,15 @@ from tokenizers import pre_tokenizers
 
 from infer import InferError
 from infer.runtime.files.gguf import GGUFFile
+from infer.runtime.model import spm_merges as spm_module
 from infer.runtime.model.pretokenizers import PRE_TOKENIZERS
-from infer.runtime.model.tokenizer import Tokenizer
+from infer.runtime.model.tokenizer import (
+    Tokenizer,
+    _byte_level_piece,
+    _merge_pairs,
+    _sentencepiece_piece,
+    _space_merge,
+)
 
 TEXTS = [
     "Hello, world!",
@@ -369,6 +378,35 @@ def test_merges_split_at_the_first_space_after_the_first_character():
             Tokenizer.from_gguf_metadata(md)
 
 
+def test_merge_pairs_of_the_default_model(metadata):
+    merges = metadata["tokenizer.ggml.merges"]
+    one_by_one = [tuple(m.split(" ", 1)) if m[:1] != " " else _space_merge(m) for m in merges]
+    assert _merge_pairs(merges) == one_by_one
+    assert len(one_by_one) == 48900
+
+
+def _eager_pieces(md: dict, spell) -> list[bytes]:
+    """Every id's bytes, spelled up front as the tokenizer once built them."""
+    tokens, types = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"]
+    return [t.encode() if types[i] in (2, 3, 4) else spell(t) for i, t in enumerate(tokens)]
+
+
+def test_lazy_pieces_equal_eager_ones(metadata):
+    """Pieces are spelled on first use, in any order: the same bytes as spelled up front,
+    and, where they are whole characters, what tokenizers' ByteLevel decoder makes."""
+    eager = _eager_pieces(metadata, _byte_level_piece)
+    tok = Tokenizer.from_gguf_metadata(metadata)
+    some = list(range(len(eager) - 1, 0, -97))
+    assert [tok._piece(i, False) for i in some] == [eager[i] for i in some]
+    assert tok.decode(range(0, len(eager), 5)) == b"".join(eager[::5]).decode(errors="replace")
+    assert tok.pieces == eager and len(eager) == 49152
+    decoder = tok._backend.decoder
+    tokens = metadata["tokenizer.ggml.tokens"]
+    for i in range(0, len(eager), 3):
+        if metadata["tokenizer.ggml.token_type"][i] == 1 and eager[i].isascii():
+            assert decoder.decode([tokens[i]]).encode() == eager[i], tokens[i]
+
+
 # ---------------------------------------------------------------------------------------
 # SentencePiece ("llama" tokenizer model)
 # ---------------------------------------------------------------------------------------
@@ -453,6 +491,62 @@ def test_sentencepiece_synthetic():
     )
     assert no_prefix.encode("hello", add_special=False)[0] == ids["h"]
     assert no_prefix.decode(no_prefix.encode(" hello", add_special=False)) == " hello"
+
+
+def test_sentencepiece_lazy_pieces_equal_eager_ones():
+    md = _spm_metadata()
+    tok = Tokenizer.from_gguf_metadata(md)
+    eager = _eager_pieces(md, _sentencepiece_piece)
+    assert [tok._piece(i, False) for i in range(len(eager) - 1, -1, -1)] == eager[::-1]
+    assert eager[3 + 0xC3] == b"\xc3" and eager[-1] == b"<tool>"
+
+
+@pytest.mark.parametrize("base", [None, 1])
+def test_spm_merges_match_the_reference(monkeypatch, base):
+    """The vectorized recovery of merges against the plain one on random vocabularies:
+    ties in score, tokens that take no part, multi-byte characters. Base 1 makes
+    anagrams hash alike, which sends some to the reference and others through the
+    full comparison."""
+    if base is not None:
+        monkeypatch.setattr(spm_module._SubstringHash, "BASE", base)
+    rng = random.Random(7)
+    for alphabet in ("ab", "ab▁é中😀x"):
+        tokens = list({"".join(rng.choices(alphabet, k=rng.randint(1, 7))) for _ in range(4000)})
+        rng.shuffle(tokens)
+        kept = [rng.random() < 0.7 for _ in tokens]
+        scores = [float(rng.randint(-30, 0)) for _ in tokens]
+        merges = spm_module.spm_merges(tokens, scores, kept)
+        assert merges == spm_module.spm_merges_reference(tokens, scores, kept)
+        assert len(merges) > len(tokens) // 4
+
+
+def test_spm_merges_compare_parts_in_full(monkeypatch):
+    """With base 1 a hash is the sum of the characters: "ba" hashes as the token "ab" and
+    must not make ("c", "ba") a merge."""
+    monkeypatch.setattr(spm_module._SubstringHash, "BASE", 1)
+    reference = spm_module.spm_merges_reference
+    monkeypatch.setattr(spm_module, "spm_merges_reference", None)  # not taken
+    tokens, kept, scores = ["a", "b", "c", "ab", "cba"], [True] * 5, [0.0, 0.0, 0.0, -1.0, -2.0]
+    assert spm_module.spm_merges(tokens, scores, kept) == [("a", "b")]
+    assert reference(tokens, scores, kept) == [("a", "b")]
+
+
+GEMMA3 = Path(os.environ.get("INFER_TEST_GEMMA3", "/work/models/gemma3/gemma-3-270m-q4_k_m.gguf"))
+
+
+@pytest.mark.slow
+def test_gemma3_merges_and_pieces():
+    """Gemma 3's 262,144 tokens: the same 514,847 merges, in the same order, as the plain
+    recovery; the same pieces as spelled up front."""
+    if not GEMMA3.is_file():
+        pytest.skip(f"{GEMMA3} not present (INFER_TEST_GEMMA3 names another copy)")
+    md = GGUFFile(GEMMA3).metadata
+    tokens, scores = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.scores"]
+    kept = [t in (1, 4) for t in md["tokenizer.ggml.token_type"]]  # normal, user-defined
+    merges = spm_module.spm_merges(tokens, scores, kept)
+    assert len(merges) == 514847 and merges == spm_module.spm_merges_reference(tokens, scores, kept)
+    tok = Tokenizer.from_gguf_metadata(md)
+    assert tok.pieces == _eager_pieces(md, _sentencepiece_piece)
 
 
 def test_sentencepiece_missing_scores():

@@ -15,8 +15,9 @@ u64 count, then the elements (arrays may nest). GGUF lists dims innermost first,
 torch shapes are the reversed dims.
 
 Arrays (the vocabulary, merges, token types: a few hundred thousand values) are only
-stepped over when the header is parsed, and decoded when first asked for (`get`,
-`metadata`): describing a model never decodes its vocabulary. We parse the header
+stepped over when the header is parsed, and decoded each time they are asked for (`get`,
+`metadata`), not kept: describing a model never decodes its vocabulary, and a loaded
+model does not hold its vocabulary's strings twice. We parse the header
 ourselves rather than with gguf.GGUFReader, which builds a numpy view per field and so
 takes seconds to open a file with a large vocabulary.
 """
@@ -28,9 +29,9 @@ import math
 import mmap
 import re
 import struct
+from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,10 +84,13 @@ _U64 = struct.Struct("<Q")
 @dataclass(frozen=True)
 class _Array:
     """An array value stepped over, not yet decoded: where it starts (its element type)
-    and how many elements it has."""
+    and how many elements it has; for a long array of strings, where each string's
+    length is and where the last ends (so decoding it reads no length again)."""
 
     at: int
     count: int
+    heads: array | None = field(default=None, compare=False, repr=False)
+    end: int = 0
 
 
 class _Cursor:
@@ -166,14 +170,23 @@ class _Cursor:
         elif etype == _STRING:
             # Only the lengths are read: a vocabulary is ~100k strings.
             buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+            heads = [] if count >= _BULK_STRINGS and depth == 1 else None
             try:
-                for _ in itertools.repeat(None, count):
-                    pos += 8 + unpack(buf, pos)[0]
+                if heads is None:
+                    for _ in itertools.repeat(None, count):
+                        pos += 8 + unpack(buf, pos)[0]
+                else:
+                    append = heads.append
+                    for _ in itertools.repeat(None, count):
+                        append(pos)
+                        pos += 8 + unpack(buf, pos)[0]
             except (struct.error, OverflowError):  # a length that leads past the end
                 raise self.truncated(what) from None
             if pos > self.size:
                 raise self.truncated(what)
             self.pos = pos
+            # 8 bytes a position, not a python int each (36 bytes)
+            return _Array(at, count, None if heads is None else array("q", heads), pos)
         else:
             for _ in range(count):
                 self.skip_array(what, depth + 1)
@@ -193,8 +206,9 @@ class _Cursor:
         return [self.array(what, depth + 1) for _ in range(count)]
 
     def _string_array(self, count: int, what: str) -> list[str]:
-        # The vocabulary and merges: ~150k strings, so the loop is bare; a length past the
-        # end shows as a failed read or as an end beyond the file, checked once.
+        # Short arrays, and long ones holding a string that is not UTF-8 (named here). A
+        # length past the end shows as a failed read or as an end beyond the file,
+        # checked once.
         buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
         out = []
         append = out.append
@@ -218,7 +232,42 @@ class _Cursor:
         """`value` of `key`, an array stepped over decoded now."""
         if not isinstance(value, _Array):
             return value
+        if value.heads:  # the vocabulary, merges: decoded together (_decode_strings)
+            strings = _decode_strings(self.buf, value.heads, value.end)
+            if strings is not None:
+                return strings
+        # Otherwise one at a time, which also names a string that is not UTF-8.
         return _Cursor(self.buf, self.path, value.at).array(f"value of {key!r}", depth=1)
+
+
+# String arrays at least this long are decoded in bulk (numpy is imported for them only):
+# where their lengths are is kept when the header is read, and the strings are cut and
+# decoded at once.
+_BULK_STRINGS = 4096
+# Bytes that are not UTF-8, as decoding with surrogateescape spells them (0xFF apart).
+_NOT_UTF8 = re.compile("[\udc80-\udcfe]")
+
+
+def _decode_strings(buf: memoryview, heads: array, end: int) -> list[str] | None:
+    """The strings whose 8-byte lengths are at `heads`, the last ending at `end`; None if
+    one is not valid UTF-8. Every length's last byte becomes 0xFF, a byte UTF-8 never
+    holds, the other seven are dropped, and the whole decodes once and splits there."""
+    import numpy as np
+
+    start = heads[0]
+    raw = np.frombuffer(buf, np.uint8, end - start, start)
+    at = np.frombuffer(heads, np.int64) - start
+    step = np.zeros(len(raw) + 1, np.int8)
+    step[at] = 1
+    step[at + 7] = -1
+    joined = raw[np.cumsum(step[:-1], dtype=np.int8) == 0]
+    joined[at - 7 * np.arange(len(at))] = 0xFF  # where each length's last byte went
+    text = joined.tobytes().decode("utf-8", "surrogateescape")
+    out = text.split("\udcff")
+    # A string holding 0xFF splits in two; any other byte that is not UTF-8 shows as such.
+    if len(out) != len(heads) + 1 or _NOT_UTF8.search(text):
+        return None
+    return out[1:]
 
 
 def _file_bytes(path: Path) -> int:
@@ -297,7 +346,7 @@ class TensorInfo:
 
 class GGUFHeader:
     """A GGUF file's key/values and tensor infos, every count, offset and size checked
-    against the file; array values decoded when first asked for."""
+    against the file; array values decoded when asked for."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -409,10 +458,12 @@ class GGUFHeader:
         )
 
     def get(self, key: str, default: Any = None) -> Any:
-        """The value of `key` as a python value (an array decoded now, once), else `default`."""
+        """The value of `key` as a python value, else `default`. An array is decoded each
+        time it is asked for and not kept: a vocabulary and its merges (tens of MB as
+        python strings) live only as long as the tokenizer being built needs them."""
         value = self._values.get(key, default)
         if isinstance(value, _Array):
-            value = self._values[key] = _Cursor(self._buf, self.path).decoded(key, value)
+            return _Cursor(self._buf, self.path).decoded(key, value)
         return value
 
     def count(self, key: str) -> int | None:
@@ -422,9 +473,9 @@ class GGUFHeader:
             return value.count
         return len(value) if isinstance(value, list) else None
 
-    @cached_property
+    @property
     def metadata(self) -> dict[str, Any]:
-        """Every key/value, in file order, as python values (every array decoded)."""
+        """Every key/value, in file order, as python values (every array decoded anew)."""
         return {key: self.get(key) for key in self._values}
 
     def floats(self, name: str) -> list[float]:

@@ -16,8 +16,10 @@ Two GGUF tokenizer models are supported:
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.processors import TemplateProcessing
@@ -25,6 +27,7 @@ from tokenizers.processors import TemplateProcessing
 from ... import InferError
 from .chat_template import ChatTemplate
 from .pretokenizers import FALLBACK_PRE_TOKENIZER, PRE_TOKENIZERS, byte_level_pre_tokenizer
+from .spm_merges import spm_merges
 
 # GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -123,8 +126,9 @@ class Tokenizer:
     def __init__(
         self,
         backend: _HFTokenizer,
-        pieces: list[bytes],
+        pieces: list[bytes | None],
         *,
+        spell: Callable[[int], bytes] | None = None,
         bos_id: int | None,
         eos_id: int | None,
         add_bos: bool,
@@ -134,7 +138,10 @@ class Tokenizer:
         strip_leading_space: bool = False,
     ):
         self._backend = backend
-        self._pieces = pieces  # id -> the bytes it decodes to
+        # id -> the bytes it decodes to; a None is spelled by `spell` when first asked for
+        # (spelling a 262k vocabulary up front took a third of its construction).
+        self._pieces = pieces
+        self._spell = spell
         self._special_ids = special_ids  # dropped by decode(skip_special=True)
         # SentencePiece puts a space before the text; decoding a sequence takes it off.
         self._strip_leading_space = strip_leading_space
@@ -212,11 +219,21 @@ class Tokenizer:
         keeps a SentencePiece leading space that `decode` of a whole text would drop."""
         return StreamDecoder(self, skip_special)
 
+    @property
+    def pieces(self) -> list[bytes]:
+        """Every id's bytes, in id order."""
+        if None in self._pieces:
+            self._pieces = [self._piece(i, False) for i in range(self.vocab_size)]
+        return self._pieces
+
     def _piece(self, token_id, skip_special: bool) -> bytes:
         i = int(token_id)
-        if not 0 <= i < len(self._pieces) or (skip_special and i in self._special_ids):
+        if not 0 <= i < self.vocab_size or (skip_special and i in self._special_ids):
             return b""
-        return self._pieces[i]
+        piece = self._pieces[i]
+        if piece is None:
+            piece = self._pieces[i] = self._spell(i)
+        return piece
 
     def _token_text(self, token_id: int | None) -> str | None:
         if token_id is None:
@@ -315,8 +332,9 @@ def _gguf_tokens(md: dict) -> tuple[list[str], dict[str, int]]:
     """The token texts and text -> id. Like llama.cpp, empty tokens get a placeholder
     name (every id needs a distinct text) and duplicates are refused."""
     tokens = _gguf_list(md, "tokenizer.ggml.tokens", str)
-    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-    vocab = {t: i for i, t in enumerate(tokens)}
+    if "" in tokens:
+        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+    vocab = dict(zip(tokens, range(len(tokens))))
     if len(vocab) != len(tokens):
         raise InferError("GGUF tokenizer has duplicate tokens in its vocabulary")
     return tokens, vocab
@@ -344,16 +362,32 @@ def _bpe(**kwargs) -> _HFTokenizer:
         raise InferError(f"GGUF tokenizer is inconsistent: {' '.join(str(err).split())}") from None
 
 
-def _add_gguf_specials(backend: _HFTokenizer, tokens: list[str], types: list[int]) -> frozenset:
+def _add_gguf_specials(
+    backend: _HFTokenizer, tokens: list[str], types: list[int]
+) -> tuple[frozenset, frozenset]:
     """Make control, unknown and user-defined tokens match whole in text, as llama.cpp's
-    tokenizer_st_partition does. Each is already in the vocabulary, so it keeps its id."""
-    special = [i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)]
-    user = [i for i, t in enumerate(types) if t == USER_DEFINED]
+    tokenizer_st_partition does. Each is already in the vocabulary, so it keeps its id.
+    Returns the ids of the special (control, unknown) and of the user-defined ones."""
+    kinds = np.array(types)
+    special = np.flatnonzero((kinds == CONTROL) | (kinds == UNKNOWN)).tolist()
+    user = np.flatnonzero(kinds == USER_DEFINED).tolist()
     backend.add_special_tokens(
         [AddedToken(tokens[i], special=True, normalized=False) for i in special]
     )
     backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
-    return frozenset(special)
+    return frozenset(special), frozenset(user)
+
+
+def _spelled(backend: _HFTokenizer, plain: frozenset, spell: Callable[[str], bytes]):
+    """id -> bytes: the tokens of `plain` (control, user-defined, unknown) are their text,
+    the rest as `spell` reads a token. The text comes from the backend, which holds the
+    vocabulary anyway (a list of its strings would be 17 MB more for Qwen's)."""
+
+    def piece(i: int) -> bytes:
+        text = backend.id_to_token(i)
+        return text.encode("utf-8") if i in plain else spell(text)
+
+    return piece
 
 
 def _gguf_common(md: dict, n_vocab: int, default_add_bos: bool) -> dict:
@@ -379,6 +413,27 @@ def _space_merge(m: str) -> tuple[str, ...]:
     return (m[:cut], m[cut + 1 :]) if cut > 0 else ()
 
 
+# Lines "left right", neither part empty nor holding a space.
+_SIMPLE_MERGES = re.compile(r"(?:[^ \n]+ [^ \n]+\n)*[^ \n]+ [^ \n]+")
+
+
+def _merge_pairs(merges: list[str]) -> list[tuple[str, ...]]:
+    """Each merge "left right" as (left, right). llama.cpp splits at the first space
+    after the first character, so a left part that is itself a space still parses."""
+    # Nearly always every merge is two non-empty parts around one space: then one split
+    # of them all. The lines matching, one pair a merge, means no merge holds a newline.
+    joined = "\n".join(merges)
+    if _SIMPLE_MERGES.fullmatch(joined):
+        parts = joined.replace("\n", " ").split(" ")
+        if len(parts) == 2 * len(merges):
+            return list(zip(parts[0::2], parts[1::2]))
+    pairs = [tuple(m.split(" ", 1)) if m[:1] != " " else _space_merge(m) for m in merges]
+    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
+    if bad is not None:
+        raise InferError(f"GGUF tokenizer has a malformed merge {bad!r}")
+    return pairs
+
+
 def _from_gguf_byte_level(md: dict) -> Tokenizer:
     tokens, vocab = _gguf_tokens(md)
     merges = _gguf_list(md, "tokenizer.ggml.merges", str)
@@ -388,52 +443,22 @@ def _from_gguf_byte_level(md: dict) -> Tokenizer:
         raise InferError(f"GGUF tokenizer.ggml.pre = {pre!r:.40}: not a name")
     splits, ignore_merges = PRE_TOKENIZERS.get(pre, PRE_TOKENIZERS[FALLBACK_PRE_TOKENIZER])
 
-    # A merge is "left right"; llama.cpp splits at the first space after the first
-    # character, so a left part that is itself a space still parses.
-    pairs = [tuple(m.split(" ", 1)) if m[:1] != " " else _space_merge(m) for m in merges]
-    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
-    if bad is not None:
-        raise InferError(f"GGUF tokenizer has a malformed merge {bad!r}")
-    backend = _bpe(vocab=vocab, merges=pairs, ignore_merges=ignore_merges)
+    backend = _bpe(vocab=vocab, merges=_merge_pairs(merges), ignore_merges=ignore_merges)
     backend.pre_tokenizer = byte_level_pre_tokenizer(splits)
     backend.decoder = decoders.ByteLevel()
-    special_ids = _add_gguf_specials(backend, tokens, types)
+    special_ids, user_ids = _add_gguf_specials(backend, tokens, types)
 
-    # Control and user-defined tokens are stored as plain text, the rest byte-level spelled.
-    pieces = [
-        t.encode("utf-8") if types[i] in (CONTROL, USER_DEFINED, UNKNOWN) else _byte_level_piece(t)
-        for i, t in enumerate(tokens)
-    ]
     # llama.cpp turns BOS on for these pre-tokenizers unless the file says otherwise.
     default_add_bos = pre in ("llama3", "llama-v3", "llama-bpe", "tekken", "chameleon")
     tok = Tokenizer(
-        backend, pieces, special_ids=special_ids, **_gguf_common(md, len(tokens), default_add_bos)
+        backend,
+        [None] * len(tokens),
+        spell=_spelled(backend, special_ids | user_ids, _byte_level_piece),
+        special_ids=special_ids,
+        **_gguf_common(md, len(tokens), default_add_bos),
     )
     _set_bos_post_processor(tok)
     return tok
-
-
-def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """BPE merges equivalent to SentencePiece's scores.
-
-    llama.cpp's SPM tokenizer repeatedly joins the adjacent pair whose concatenation is
-    the best-scoring token. As BPE: every split of a token into two tokens is a merge,
-    ranked by the joined token's score (highest first), as transformers' GGUF converter
-    builds them. Only normal and user-defined tokens take part: control, byte and unused
-    tokens are never produced by merging (SentencePiece's rule).
-    """
-    keep = (NORMAL, USER_DEFINED)
-    names = {t for t, kind in zip(tokens, types) if kind in keep}
-    # Ranked by score, then the longer left part, then vocabulary order (i).
-    found = [
-        (-scores[i], -k, i, t[:k], t[k:])
-        for i, (t, kind) in enumerate(zip(tokens, types))
-        if kind in keep
-        for k in range(1, len(t))
-        if t[:k] in names and t[k:] in names
-    ]
-    found.sort()
-    return [(left, right) for *_, left, right in found]
 
 
 def _from_gguf_sentencepiece(md: dict) -> Tokenizer:
@@ -444,7 +469,7 @@ def _from_gguf_sentencepiece(md: dict) -> Tokenizer:
 
     backend = _bpe(
         vocab=vocab,
-        merges=_spm_merges(tokens, [float(s) for s in scores], types),
+        merges=spm_merges(tokens, scores, np.isin(types, (NORMAL, USER_DEFINED))),
         unk_token=tokens[unk_id] if unk_id is not None else None,
         fuse_unk=True,
         byte_fallback=True,
@@ -463,17 +488,12 @@ def _from_gguf_sentencepiece(md: dict) -> Tokenizer:
     if add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     backend.decoder = decoders.Sequence(steps)
-    special_ids = _add_gguf_specials(backend, tokens, types)
+    special_ids, user_ids = _add_gguf_specials(backend, tokens, types)
 
-    pieces = [
-        t.encode("utf-8")
-        if types[i] in (CONTROL, USER_DEFINED, UNKNOWN)
-        else _sentencepiece_piece(t)
-        for i, t in enumerate(tokens)
-    ]
     tok = Tokenizer(
         backend,
-        pieces,
+        [None] * len(tokens),
+        spell=_spelled(backend, special_ids | user_ids, _sentencepiece_piece),
         special_ids=special_ids,
         strip_leading_space=add_space_prefix,
         **_gguf_common(md, len(tokens), default_add_bos=True),

@@ -575,6 +575,21 @@ TARGET_AVX2_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t n
  * 4l..4l+3: the half's group of 16 number 2j + l / 4. vpmaddubsw pairs hold for codes <= 63.
  * ---------------------------------------------------------------------------------- */
 
+/* Half h of an int6 block widened to codes (0..63): q[j] holds the half's elements
+ * 32 j .. 32 j + 31 in order. */
+TI void q6_quarters(const uint8_t *blk, int h, __m256i q[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    const uint8_t *ql = blk + 64 * h;
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+}
+
 #define DOT1_MADD(t, q, x) _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)))
 #define DOT1_VNNI(t, q, x) _mm256_dpbusd_avx_epi32(t, q, x)
 
@@ -591,7 +606,6 @@ TARGET_AVX2_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t n
         const int64_t K = a->K, B = K / Q6_BLOCK;                                               \
         const int8_t *xd = a->xq;                                                               \
         const float *lanes = (const float *)(xd + K / 64 * XPREP8_CHUNK_BYTES);                 \
-        const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);                \
         const __m256i g0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), two = _mm256_set1_epi32(2); \
         for (int64_t n = n0; n < n1; n++) {                                                     \
             const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;               \
@@ -612,19 +626,8 @@ TARGET_AVX2_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t n
                 }                                                                               \
                 __m256 f = _mm256_setzero_ps();                                                 \
                 for (int h = 0; h < 2; h++) {                                                   \
-                    const uint8_t *ql = blk + 64 * h;                                           \
-                    const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);                 \
-                    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));          \
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)); \
                     __m256i q[4];                                                               \
-                    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4),                            \
-                                           _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));    \
-                    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),                            \
-                                           _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));    \
-                    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),      \
-                                           _mm256_and_si256(qh, m30));                          \
-                    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),      \
-                                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));    \
+                    q6_quarters(blk, h, q);                                                     \
                     __m256i gj = g0;                                                            \
                     for (int j = 0; j < 4; j++, gj = _mm256_add_epi32(gj, two)) {               \
                         const int64_t xb = 8 * b + 4 * h + j; /* x's block of 32 */             \
@@ -644,12 +647,10 @@ TARGET_AVX2_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t n
 Q6_GEMV_DIGITS(q6_gemv_digits, TARGET_AVX2, DOT1_MADD)
 Q6_GEMV_DIGITS(q6_gemv_digits_vnni, TARGET_AVX2_VNNI, DOT1_VNNI)
 
-/* int6, as q6_dequant_c: each half block widened as the GEMV widens it (quarter j: the
- * half's elements 32 j .. 32 j + 31 in order), 8 codes at a time to float times their
- * group's d * sc (every product exact) */
+/* int6, as q6_dequant_c: each half block widened as the GEMV widens it (q6_quarters), 8
+ * codes at a time to float times their group's d * sc (every product exact) */
 T void q6_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
     const int64_t B = a->K / Q6_BLOCK;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
     const __m256i c32 = _mm256_set1_epi8(32);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;
@@ -659,16 +660,8 @@ T void q6_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
             memcpy(&dh, blk + 208, 2);
             const float d = _cvtsh_ss(dh);
             for (int h = 0; h < 2; h++) {
-                const uint8_t *ql = blk + 64 * h;
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
                 __m256i q[4];
-                q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-                q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
-                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                       _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+                q6_quarters(blk, h, q);
                 for (int j = 0; j < 4; j++) {
                     int8_t c[32];
                     _mm256_storeu_si256((__m256i *)c, _mm256_sub_epi8(q[j], c32));

@@ -375,7 +375,8 @@ def test_default_model_batched_equals_alone(smollm2_gguf, guess, kv_cache):
                 prefill_chunk=64,
             )  # fmt: skip
             assert r.wait().text == want.text and r.answer.tokens == want.tokens
-        assert "Paris" in runs[0].answer.text
+        if kv_cache is None:  # on int8 caches "The" and "L" (L'Étoile) start within 0.01
+            assert "Paris" in runs[0].answer.text
         assert scheduler.stats.batched > scheduler.stats.steps
         # "Count from 1 to 10" copies its prompt; the model as its own draft guesses right
         assert (scheduler.stats.accepted > 0) == (guess is not None)

@@ -379,9 +379,10 @@ def read_bandwidth(nbytes: int = 1 << 30, *, isa=None, threads=None, repeats: in
 
 def q3k_to_q6k(blocks: torch.Tensor, *, threads=None) -> torch.Tensor:
     """GGUF Q3_K blocks (n, 110) uint8 -> int6's blocks (n, 210) with the same values
-    (csrc/convert.c), or None without the extension."""
+    (csrc/convert.c; reference.q3k_to_q6k without the extension)."""
     if _C is None:
-        return None
+        _warn_missing()
+        return reference.q3k_to_q6k(blocks)
     if not (blocks.dtype is torch.uint8 and blocks.dim() == 2 and blocks.shape[1] == 110
             and blocks.is_contiguous()):  # fmt: skip
         _fail("q3k_to_q6k", "blocks", blocks, "uint8 (n, 110)")

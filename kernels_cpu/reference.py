@@ -103,6 +103,55 @@ def unpack_int6(qweight: torch.Tensor):
     return q, sc, d
 
 
+def pack_int6(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """unpack_int6's inverse: codes q (N, K) in 0..63, sc (N, K/16) int8, d (N, K/256)
+    float16 -> (N, K/256*210) uint8 blocks."""
+    N, K = q.shape
+    B = K // 256
+    q = q.to(torch.uint8).view(N, B, 2, 4, 32)  # (block, half, quarter, i): 128 h + 32 j + i
+    lo, hi = q & 15, q >> 4
+    ql = (lo[:, :, :, 0:2] | (lo[:, :, :, 2:4] << 4)).reshape(N, B, 128)
+    qh = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
+    blocks = torch.cat(
+        (
+            ql,
+            qh.reshape(N, B, 64),
+            sc.contiguous().view(torch.uint8).view(N, B, 16),
+            d.contiguous().view(torch.uint8).view(N, B, 2),
+        ),
+        -1,
+    )
+    return blocks.reshape(N, B * 210)
+
+
+def q3k_to_q6k(blocks: torch.Tensor, rows: int = 16384) -> torch.Tensor:
+    """GGUF Q3_K blocks (n, 110) uint8 -> int6's (Q6_K's) blocks (n, 210) with the same
+    values: scale sc - 32, code q + 32 (runtime/files/gguf_blocks.py has both layouts),
+    `rows` blocks at a time (their temporaries stay in cache). ggml's
+    dequantize_row_q3_K reads element 128 h + 32 j + i (half h, quarter j, i < 32) as bits
+    2j of qs[32 h + i] and bit 4h + j of hmask[i] (set: no -4), in group
+    (128 h + 32 j + i) // 16; the 16 6-bit scales take their low 4 bits from byte g % 8
+    (nibble g // 8) and their high 2 from byte 8 + g % 4 (bits 2 (g // 4))."""
+    out = torch.empty(blocks.shape[0], 210, dtype=torch.uint8)
+    g = torch.arange(16)
+    j = torch.arange(4, dtype=torch.uint8).view(4, 1)
+    for start in range(0, blocks.shape[0], rows):
+        b = blocks[start : start + rows]
+        n = b.shape[0]
+        hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
+        d = b[:, 108:110].contiguous().view(torch.float16)
+        low = (packed[:, g % 8] >> (4 * (g // 8)).to(torch.uint8)) & 15
+        high = (packed[:, 8 + g % 4] >> (2 * (g // 4)).to(torch.uint8)) & 3
+        sc = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8)
+        q = torch.empty(n, 2, 4, 32, dtype=torch.uint8)  # (block, h, j, i)
+        for h in range(2):
+            low2 = (qs[:, 32 * h : 32 * h + 32].unsqueeze(-2) >> (2 * j)) & 3
+            set_ = (hmask.unsqueeze(-2) >> (4 * h + j)) & 1
+            q[:, h] = low2 + 4 * set_ + 28  # q' = q + 32, q = low2 - 4 (+ 4 if set)
+        out[start : start + n] = pack_int6(q.view(n, 256), sc, d)
+    return out
+
+
 def dequantize_int6(qweight: torch.Tensor) -> torch.Tensor:
     """(N, K/256*210) uint8 -> (N, K): d * sc * (q - 32), every product exact."""
     q, sc, d = unpack_int6(qweight)

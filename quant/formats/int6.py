@@ -37,31 +37,12 @@ import torch
 from ... import InferError
 from ...kernels_cpu import ops as kernels
 from ...kernels_cpu.reference import dequantize_int6
+from ...kernels_cpu.reference import pack_int6 as pack_blocks
 from .base import register
 from .fit import fit_groups, nearest_codes, round_up
 from .superblock import QK, SuperBlockLinear
 
 BLOCK_BYTES = 210  # 128 ql + 64 qh + 16 scales + 2 d
-
-
-def pack_blocks(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """Codes q (N, K) in 0..63, sc (N, K/16) int8, d (N, K/256) float16 -> (N, K/256*210)."""
-    N, K = q.shape
-    B = K // QK
-    q = q.to(torch.uint8).view(N, B, 2, 4, 32)  # (block, half, quarter, i): 128 h + 32 j + i
-    lo, hi = q & 15, q >> 4
-    ql = (lo[:, :, :, 0:2] | (lo[:, :, :, 2:4] << 4)).reshape(N, B, 128)
-    qh = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
-    blocks = torch.cat(
-        (
-            ql,
-            qh.reshape(N, B, 64),
-            sc.contiguous().view(torch.uint8).view(N, B, 16),
-            d.contiguous().view(torch.uint8).view(N, B, 2),
-        ),
-        -1,
-    )
-    return blocks.reshape(N, B * BLOCK_BYTES)
 
 
 def fit(w: torch.Tensor, search: bool = True):

@@ -64,7 +64,7 @@ from ...quant.formats.base import FORMATS, QuantLinear
 from ...quant.formats.int4 import Int4Linear, pack_nibbles
 from ...quant.formats.int5 import Int5Linear, pack_high_bits
 from ...quant.formats.int6 import BLOCK_BYTES as Q6_K_BYTES
-from ...quant.formats.int6 import Int6Linear, pack_blocks
+from ...quant.formats.int6 import Int6Linear
 from ...quant.formats.int8 import Int8Linear
 from ...quant.formats.q4k import BLOCK_BYTES as Q4_K_BYTES
 from ...quant.formats.q4k import Q4KLinear
@@ -227,40 +227,10 @@ def _held_in_int8(t: GGUFTensor, bias: torch.Tensor | None) -> Int8Linear:
 
 
 def _from_q3_k(t: GGUFTensor, bias: torch.Tensor | None) -> Int6Linear:
-    """Q3_K's blocks rewritten as Q6_K's (the module docstring): in C, or without the
-    extension in torch, ROWS_AT_ONCE rows at a time (their temporaries stay in cache)."""
+    """Q3_K's blocks rewritten as Q6_K's (the module docstring)."""
     N, K = t.shape
-    blocks = torch.from_numpy(t.data).view(N, K // 256, 110)
-    out = ops.q3k_to_q6k(blocks.view(-1, 110))
-    if out is not None:  # in C
-        return Int6Linear(out.view(N, K // 256 * Q6_K_BYTES), {}, bias)
-    out = torch.empty(N, K // 256 * Q6_K_BYTES, dtype=torch.uint8)
-    for start in range(0, N, ROWS_AT_ONCE):
-        part = blocks[start : start + ROWS_AT_ONCE]
-        out[start : start + ROWS_AT_ONCE] = pack_blocks(*_q3_k_as_q6_k(part))
-    return Int6Linear(out, {}, bias)
-
-
-def _q3_k_as_q6_k(blocks: torch.Tensor):
-    """Q3_K blocks (n, B, 110) -> int6's codes (n, 256 B), scales (n, 16 B) and d (n, B).
-    ggml's dequantize_row_q3_K reads element 128 h + 32 j + i (half h, quarter j, i < 32)
-    as bits 2j of qs[32 h + i] and bit 4h + j of hmask[i] (set: no -4), in group
-    (128 h + 32 j + i) // 16; the 16 6-bit scales take their low 4 bits from byte g % 8
-    (nibble g // 8) and their high 2 from byte 8 + g % 4 (bits 2 (g // 4))."""
-    n, B, _ = blocks.shape
-    hmask, qs, packed = blocks[..., :32], blocks[..., 32:96], blocks[..., 96:108]
-    d = blocks[..., 108:110].contiguous().view(torch.float16).view(n, B)
-    g = torch.arange(16)
-    low = (packed[..., g % 8] >> (4 * (g // 8)).to(torch.uint8)) & 15
-    high = (packed[..., 8 + g % 4] >> (2 * (g // 4)).to(torch.uint8)) & 3
-    sc = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).view(n, B * 16)
-    j = torch.arange(4, dtype=torch.uint8).view(4, 1)
-    q = torch.empty(n, B, 2, 4, 32, dtype=torch.uint8)  # (block, h, j, i)
-    for h in range(2):
-        low2 = (qs[..., 32 * h : 32 * h + 32].unsqueeze(-2) >> (2 * j)) & 3
-        set_ = (hmask.unsqueeze(-2) >> (4 * h + j)) & 1
-        q[:, :, h] = low2 + 4 * set_ + 28  # q' = q + 32, q = low2 - 4 (+ 4 if set)
-    return q.view(n, B * 256), sc, d
+    blocks = torch.from_numpy(t.data).view(N * K // 256, 110)
+    return Int6Linear(ops.q3k_to_q6k(blocks).view(N, K // 256 * Q6_K_BYTES), {}, bias)
 
 
 def _k_scales(blocks: torch.Tensor):

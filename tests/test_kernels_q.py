@@ -340,6 +340,25 @@ def test_threads_give_identical_bits(isa, kind, M):
 
 
 @needs_c
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_rows_together_equal_each_alone(isa, kind):
+    """A GEMV of a few rows (sequences decoded together, guesses checked) unpacks each
+    weight row once for all of them; each row's output is still its one-row output, bit
+    for bit, for every count of rows that takes the GEMV, and beside a row holding inf."""
+    bits, g, sym = kind
+    N, K = 67, 1024  # K >= 768: up to 8 rows take the GEMV
+    w = packed(bits, g, sym, N, K, seed=4)
+    x = torch.randn(WIDE_M, K, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([run(bits, g, w, x[i : i + 1], isa=isa, threads=2) for i in range(WIDE_M)])
+    for M in range(2, WIDE_M + 1):
+        assert torch.equal(run(bits, g, w, x[:M], isa=isa, threads=2), alone[:M]), M
+    x[2, 100] = float("inf")
+    y = run(bits, g, w, x, isa=isa, threads=2)
+    assert torch.equal(torch.cat([y[:2], y[3:]]), torch.cat([alone[:2], alone[3:]]))
+
+
+@needs_c
 def test_leading_dims_empty_rows_and_non_contiguous_x():
     w = packed(4, 32, False, 10, 64)
     x = torch.randn(2, 3, 64)

@@ -103,6 +103,23 @@ def test_long_rows_and_threads(isa):
 
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
+def test_rows_together_equal_each_alone(isa):
+    """A GEMV of a few rows unpacks each block once for all of them (int16 x on AVX2,
+    where one row takes its two digits); each row's output is its one-row output bit for
+    bit, for every count of rows that takes the GEMV, and beside a row holding inf."""
+    qw = blocks(67, 1024, seed=6)
+    x = torch.randn(WIDE_M, 1024, generator=torch.Generator().manual_seed(6))
+    x[1, :256] *= 1e-39  # a block of subnormals
+    alone = torch.cat([ops.q4k_matmul(x[i : i + 1], qw, isa=isa) for i in range(WIDE_M)])
+    for M in range(2, WIDE_M + 1):
+        assert torch.equal(ops.q4k_matmul(x[:M], qw, isa=isa, threads=2), alone[:M]), M
+    x[2, 100] = float("inf")
+    y = ops.q4k_matmul(x, qw, isa=isa, threads=2)
+    assert torch.equal(torch.cat([y[:2], y[3:]]), torch.cat([alone[:2], alone[3:]]))
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("M", [1, 9, 17])
 def test_extreme_activations(isa, M):
     """Zeros, tiny and subnormal blocks, a huge value; then inf takes the float GEMV (or

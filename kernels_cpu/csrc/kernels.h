@@ -179,6 +179,10 @@ typedef struct {
 
 /* One instruction set's kernels. Each computes the columns [n0, n1) of y. */
 typedef void (*gemv_fn)(const qmat *a, int64_t n0, int64_t n1);
+/* The digit GEMV for R rows of x at once (a[r]: row r's x, digits and y; the same
+ * weights): each weight row is unpacked once for all rows, and each output element is
+ * computed exactly as the one-row GEMV computes it. */
+typedef void (*gemv_rows_fn)(const qmat *const *a, int R, int64_t n0, int64_t n1);
 /* Dequantize rows [n0, n1) of W into w (n1 - n0, K) float32, bit for bit as the format's
  * definition evaluates it (one product, then a separate sum; no FMA). */
 typedef void (*dequant_fn)(const qmat *a, int64_t n0, int64_t n1, float *w);
@@ -295,6 +299,8 @@ typedef struct {
     gemv_fn q5_gemv_digits;
     dequant_fn q5_dequant;  /* NULL: q5_dequant_c */
     unsigned ig_kinds;      /* the formats its integer GEMM takes: IG_KIND(bits) of each */
+    /* the digit GEMVs over several rows of x (NULL: one row at a time) */
+    gemv_rows_fn q4_gemv_rows, q5_gemv_rows, q6_gemv_rows;
 } kernel_table;
 #define IG_KIND(bits) (1u << (bits))
 
@@ -311,12 +317,14 @@ void q5_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
  * place of bits (ggml's type id), qw uint8 (N, K / 256 * 144), K % 256 == 0, g = 256,
  * scales and mins unused. Its kernels hang off the path's table by q4k_for, not in it:
  * xprep (x as two int8 digits, Q4K_XPREP_BYTES; NULL: no digit GEMV), the digit GEMV,
- * and the GEMM's dequantization; q4k_gemv_c is the float GEMV of every path. */
+ * its form over several rows, and the GEMM's dequantization; q4k_gemv_c is the float
+ * GEMV of every path. */
 enum { Q4K = 12, Q4K_BLOCK = 256, Q4K_BLOCK_BYTES = 144 };
-#define Q4K_XPREP_BYTES(K) (2 * (K) + (K) / Q4K_BLOCK * 4 + (K) / 32 * 4)
+#define Q4K_XPREP_BYTES(K) (4 * (K) + (K) / Q4K_BLOCK * 4 + (K) / 32 * 4)
 typedef struct {
     xprep_fn xprep;
     gemv_fn gemv_digits;
+    gemv_rows_fn gemv_rows; /* NULL: one row at a time */
     dequant_fn dequant;
 } q4k_kernels;
 const q4k_kernels *q4k_for(const kernel_table *kt);

@@ -194,6 +194,8 @@ typedef struct {
     int n;
     int64_t M[Q_GEMV_MANY_MAX];                /* rows of x of each matrix */
     job_t (*jobs)[GEMV_ROWS_MAX];              /* [matrix][row of x]: one GEMV each */
+    gemv_rows_fn rows[Q_GEMV_MANY_MAX];        /* NULL: matrix i's rows one by one */
+    const qmat *(*a)[GEMV_ROWS_MAX];           /* [matrix][row of x] */
     int64_t first[Q_GEMV_MANY_MAX + 1];        /* first task of each matrix; first[n] = all */
 } many_job;
 
@@ -201,7 +203,22 @@ static void many_task(void *ctx, int64_t t, int tid) {
     const many_job *m = ctx;
     int i = 0;
     while (t >= m->first[i + 1]) i++;
+    if (m->rows[i]) {
+        const job_t *j = &m->jobs[i][0];
+        const int64_t n0 = (t - m->first[i]) * j->rows, N = j->a->N;
+        m->rows[i](m->a[i], (int)m->M[i], n0, n0 + j->rows < N ? n0 + j->rows : N);
+        return;
+    }
     for (int64_t r = 0; r < m->M[i]; r++) gemv_task((void *)&m->jobs[i][r], t - m->first[i], tid);
+}
+
+/* The path's GEMV over several rows for a matrix whose rows all took `gemv`, or NULL. */
+static gemv_rows_fn rows_of(const kernel_table *kt, int bits, gemv_fn gemv) {
+    if (bits == Q4K) return gemv == q4k_for(kt)->gemv_digits ? q4k_for(kt)->gemv_rows : NULL;
+    if (bits == 6) return gemv == kt->q6_gemv_digits ? kt->q6_gemv_rows : NULL;
+    if (bits == 5) return gemv == kt->q5_gemv_digits ? kt->q5_gemv_rows : NULL;
+    if (bits == 4) return gemv == kt->q4_gemv_digits ? kt->q4_gemv_rows : NULL;
+    return NULL;
 }
 
 int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nthreads) {
@@ -217,9 +234,10 @@ int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nt
     const int64_t M = GEMV_ROWS_MAX;
     qmat *a = malloc(sizeof(qmat) * (size_t)(n * M));
     job_t(*jobs)[GEMV_ROWS_MAX] = malloc(sizeof *jobs * (size_t)n);
+    const qmat *(*ptrs)[GEMV_ROWS_MAX] = malloc(sizeof *ptrs * (size_t)n);
     void **tmp = calloc((size_t)(2 * n * M), sizeof(void *));
-    many_job m = {.n = n, .jobs = jobs};
-    int rc = a && jobs && tmp ? 0 : -1;
+    many_job m = {.n = n, .jobs = jobs, .a = ptrs};
+    int rc = a && jobs && ptrs && tmp ? 0 : -1;
     for (int i = 0; i < n && !rc; i++) {
         const int64_t row_bytes = q_row_bytes(bits[i], a_in[i]->K), Mi = m.M[i] = a_in[i]->M;
         for (int64_t r = 0; r < Mi && !rc; r++) {
@@ -233,8 +251,12 @@ int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nt
                     xprep_of(kt, bits[k]) == xprep_of(kt, bits[i]))
                     xq = a[k * M + r].xq;
             rc = gemv_prepare(bits[i], ar, kt, nthreads, &jobs[i][r], &tmp[2 * (i * M + r)], xq);
+            ptrs[i][r] = ar;
         }
         if (rc) break;
+        m.rows[i] = Mi > 1 ? rows_of(kt, bits[i], jobs[i][0].gemv) : NULL;
+        for (int64_t r = 1; r < Mi; r++) /* a row with inf or NaN took the float GEMV */
+            if (jobs[i][r].gemv != jobs[i][0].gemv) m.rows[i] = NULL;
         if (Mi > 1) { /* tasks small enough that their weights stay in L2 while rows pass */
             int64_t rows = (SMALL_TASK_BYTES + row_bytes - 1) / row_bytes;
             rows = rows < jobs[i][0].rows ? rows : jobs[i][0].rows;
@@ -246,6 +268,7 @@ int q_gemv_many(int n, const int *bits, const qmat *const *a_in, int isa, int nt
     if (tmp)
         for (int64_t k = 0; k < 2 * n * M; k++) free(tmp[k]);
     free(tmp);
+    free(ptrs);
     free(jobs);
     free(a);
     return rc;

@@ -92,7 +92,7 @@ void q4k_block_scales(const uint8_t *blk, float d[8], float m[8]) {
     for (int j = 0; j < 8; j++) d[j] = d0 * (float)sm[j], m[j] = -(dmin * (float)sm[8 + j]);
 }
 
-static const q4k_kernels q4k_plain = {NULL, NULL, q4k_dequant_c};
+static const q4k_kernels q4k_plain = {NULL, NULL, NULL, q4k_dequant_c};
 
 #ifdef INFER_X86
 #include <immintrin.h>
@@ -104,19 +104,27 @@ static const q4k_kernels q4k_plain = {NULL, NULL, q4k_dequant_c};
 #define T TARGET_AVX2 static
 #define TI TARGET_AVX2 static inline __attribute__((always_inline))
 
-/* x's digits (Q4K_XPREP_BYTES): per block of 256, per sub-block of 32, 32 high digits
- * then 32 low digits in element order (512 bytes a block); then per block sx; then per
- * sub-block sx * sum X. */
+/* x prepared (Q4K_XPREP_BYTES), X = round(x / sx) with one sx per block of 256:
+ * - for one row (q4k_row): per block, per sub-block of 32, its 32 high digits then its
+ *   32 low digits (X = 256 hi + lo) in element order, 512 bytes a block;
+ * - for several (q4k_rows): X as int16, per block, per sub-block its 16 even elements
+ *   then its 16 odd ones, 512 bytes a block;
+ * then per block sx, then per sub-block sx * sum X. */
+static inline const int16_t *q4k_x16(const void *buf, int64_t K) {
+    return (const int16_t *)((const int8_t *)buf + 2 * K);
+}
 static inline const float *q4k_sx(const void *buf, int64_t K) {
-    return (const float *)((const int8_t *)buf + 2 * K);
+    return (const float *)((const int8_t *)buf + 4 * K);
 }
 
 T int q4k_xprep(const float *x, int64_t K, void *buf) {
     const int64_t B = K / Q4K_BLOCK;
     int8_t *xd = buf;
-    float *sxs = (float *)(xd + 2 * K), *xs = sxs + B;
+    int16_t *x16 = (int16_t *)(xd + 2 * K);
+    float *sxs = (float *)(xd + 4 * K), *xs = sxs + B;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i evens_first = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     for (int64_t b = 0; b < B; b++) {
         const float *xb = x + b * Q4K_BLOCK;
         __m256 mx = _mm256_setzero_ps(), bad = mx;
@@ -138,13 +146,14 @@ T int q4k_xprep(const float *x, int64_t K, void *buf) {
         const float sx = amax / IG_XMAX;
         sxs[b] = sx;
         for (int j = 0; j < 8; j++) {
-            __m256i D[2][4], sum = _mm256_setzero_si256();
+            __m256i X[4], D[2][4], sum = _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
                 const __m256 v = _mm256_loadu_ps(xb + 32 * j + 8 * i);
-                const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v, vup), inv));
-                sum = _mm256_add_epi32(sum, X);
-                D[1][i] = _mm256_srai_epi32(_mm256_slli_epi32(X, 24), 24); /* X = 256 hi + lo */
-                D[0][i] = _mm256_srai_epi32(_mm256_sub_epi32(X, D[1][i]), 8);
+                X[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v, vup), inv));
+                sum = _mm256_add_epi32(sum, X[i]);
+                D[1][i] = _mm256_srai_epi32(_mm256_slli_epi32(X[i], 24), 24); /* X = 256 hi + lo */
+                D[0][i] = _mm256_srai_epi32(_mm256_sub_epi32(X[i], D[1][i]), 8);
+                X[i] = _mm256_permutevar8x32_epi32(X[i], evens_first);
             }
             for (int p = 0; p < 2; p++) { /* digits fit int8: the packs do not saturate */
                 const __m256i ab = _mm256_packs_epi32(D[p][0], D[p][1]);
@@ -152,6 +161,13 @@ T int q4k_xprep(const float *x, int64_t K, void *buf) {
                 _mm256_store_si256((__m256i *)(xd + 512 * b + 64 * j + 32 * p),
                                    _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), order));
             }
+            /* |X| <= IG_XMAX: these packs do not saturate either */
+            const __m256i ev = _mm256_packs_epi32(_mm256_permute2x128_si256(X[0], X[1], 0x20),
+                                                  _mm256_permute2x128_si256(X[2], X[3], 0x20));
+            const __m256i od = _mm256_packs_epi32(_mm256_permute2x128_si256(X[0], X[1], 0x31),
+                                                  _mm256_permute2x128_si256(X[2], X[3], 0x31));
+            _mm256_store_si256((__m256i *)(x16 + 256 * b + 32 * j), _mm256_permute4x64_epi64(ev, 0xd8));
+            _mm256_store_si256((__m256i *)(x16 + 256 * b + 32 * j + 16), _mm256_permute4x64_epi64(od, 0xd8));
             __m128i s4 = _mm256_castsi256_si128(sum);
             s4 = _mm_add_epi32(s4, _mm256_extracti128_si256(sum, 1));
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
@@ -172,7 +188,8 @@ TI __m256i lane16(__m256i v, int j) {
     return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
 }
 
-/* One row: per block, sum over its sub-blocks of sc[j] q X as int32 lanes, then floats. */
+/* One row: per block, sum over its sub-blocks of sc[j] q X as int32 lanes (per lane, the
+ * elements 4l..4l+3 of each sub-block, as q4k_rows sums them), then floats. */
 TI float q4k_row(const qmat *a, int64_t n) {
     const int64_t K = a->K, B = K / Q4K_BLOCK;
     const uint8_t *blk = (const uint8_t *)a->qw + n * B * Q4K_BLOCK_BYTES;
@@ -214,6 +231,96 @@ TI float q4k_row(const qmat *a, int64_t n) {
     return _mm_cvtss_f32(s);
 }
 
+/* vpshufb controls that spread sub-block j's scale byte over int16 lanes: (sc_j, 0)
+ * pairs (row 2j: times even codes) and (0, sc_j) pairs (row 2j + 1: odd codes) */
+#define PAIRS(a, b) {a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b,                            \
+                     a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b}
+#define SUB(j) PAIRS(j, -128), PAIRS(-128, j)
+static const int8_t pair_ctl[16][32] __attribute__((aligned(32))) = {
+    SUB(0), SUB(1), SUB(2), SUB(3), SUB(4), SUB(5), SUB(6), SUB(7)};
+#undef SUB
+#undef PAIRS
+
+/* Run r of a block (sub-blocks 2r and 2r + 1, 32 bytes w) for R rows: its codes times
+ * their scale as int16, even and odd elements apart (vpmaddubsw by the scale pairs),
+ * then per row one vpmaddwd per 16 codes with X, into t[m]. */
+TI void q4k_run(__m256i w, __m256i sc, int r, const int R, const int16_t *const *xb,
+                __m256i *t) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+    const __m256i *ctl = (const __m256i *)pair_ctl[4 * r];
+    const __m256i p[4] = {_mm256_maddubs_epi16(lo, _mm256_shuffle_epi8(sc, _mm256_load_si256(ctl))),
+                          _mm256_maddubs_epi16(lo, _mm256_shuffle_epi8(sc, _mm256_load_si256(ctl + 1))),
+                          _mm256_maddubs_epi16(hi, _mm256_shuffle_epi8(sc, _mm256_load_si256(ctl + 2))),
+                          _mm256_maddubs_epi16(hi, _mm256_shuffle_epi8(sc, _mm256_load_si256(ctl + 3)))};
+    for (int m = 0; m < R; m++) {
+        const __m256i *x = (const __m256i *)(xb[m] + 64 * r);
+        const __m256i u01 = _mm256_add_epi32(_mm256_madd_epi16(p[0], x[0]), _mm256_madd_epi16(p[1], x[1]));
+        const __m256i u23 = _mm256_add_epi32(_mm256_madd_epi16(p[2], x[2]), _mm256_madd_epi16(p[3], x[3]));
+        t[m] = _mm256_add_epi32(t[m], _mm256_add_epi32(u01, u23));
+    }
+}
+
+/* Up to 4 rows of x against weight row n. Per block, its codes times their sub-block's
+ * scale sc[j] as int16 (at most 15 * 63), once for all rows; then per row one vpmaddwd
+ * per 16 codes with X: sum sc q X over the block in int32 lanes (each at most 32 * 945
+ * * 32512 < 2^31), and one float FMA by d sx. The mins' term dmin * m[j] * (sx * sum X)
+ * per sub-block from x's sums. Each row's sums are those it takes alone. */
+TI void q4k_rows(const qmat *const *a, const int R, int64_t n) {
+    const int64_t K = a[0]->K, B = K / Q4K_BLOCK;
+    const uint8_t *blk = (const uint8_t *)a[0]->qw + n * B * Q4K_BLOCK_BYTES;
+    const int16_t *xd[4];
+    const float *sxs[4], *xs[4];
+    __m256 acc[4], accm[4];
+    for (int m = 0; m < R; m++) {
+        xd[m] = q4k_x16(a[m]->xq, K), sxs[m] = q4k_sx(a[m]->xq, K), xs[m] = sxs[m] + B;
+        acc[m] = accm[m] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < B; b++, blk += Q4K_BLOCK_BYTES) {
+        for (int i = 0; i < 3; i++) PREFETCH_STREAM_L1(blk + 64 * i);
+        uint32_t u[4]; /* in registers: a store and a wider load would stall on forwarding */
+        q4k_scale_words(blk + 4, u);
+        const __m128i sm = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+        const __m256i sc = _mm256_broadcastsi128_si256(sm); /* bytes sc[0..7], m[0..7] */
+        const int16_t *xb[4];
+        __m256i t[4];
+        for (int m = 0; m < R; m++) xb[m] = xd[m] + 256 * b, t[m] = _mm256_setzero_si256();
+        const __m256i *w = (const __m256i *)(blk + 16);
+        if (R <= 2) {
+            for (int r = 0; r < 4; r++) q4k_run(_mm256_loadu_si256(w + r), sc, r, R, xb, t);
+        } else {
+#pragma GCC unroll 1 /* unrolled, gcc hoists the four runs' products and spills them */
+            for (int r = 0; r < 4; r++) q4k_run(_mm256_loadu_si256(w + r), sc, r, R, xb, t);
+        }
+        const uint16_t *h = (const uint16_t *)blk;
+        const float d = _cvtsh_ss(h[0]), dmin = _cvtsh_ss(h[1]);
+        const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm)));
+        for (int m = 0; m < R; m++) {
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[m]), _mm256_set1_ps(d * sxs[m][b]), acc[m]);
+            const __m256 xm = _mm256_mul_ps(_mm256_loadu_ps(xs[m] + 8 * b), _mm256_set1_ps(dmin));
+            accm[m] = _mm256_fmadd_ps(mins, xm, accm[m]);
+        }
+    }
+    for (int m = 0; m < R; m++) {
+        __m256 v = _mm256_sub_ps(acc[m], accm[m]);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_hadd_ps(s, s);
+        s = _mm_hadd_ps(s, s);
+        a[m]->y[n] = _mm_cvtss_f32(s);
+    }
+}
+
+/* R rows of x, 4 at a time per weight row (its later passes read it from L1) */
+T void q4k_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int m = 0; m < R; m += 4) switch (R - m) {
+            case 1: q4k_rows(a + m, 1, n); break;
+            case 2: q4k_rows(a + m, 2, n); break;
+            case 3: q4k_rows(a + m, 3, n); break;
+            default: q4k_rows(a + m, 4, n); break;
+            }
+}
+
 T void q4k_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) a->y[n] = q4k_row(a, n);
 }
@@ -243,7 +350,7 @@ T void q4k_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
     }
 }
 
-static const q4k_kernels q4k_avx2 = {q4k_xprep, q4k_gemv_digits, q4k_dequant};
+static const q4k_kernels q4k_avx2 = {q4k_xprep, q4k_gemv_digits, q4k_gemv_rows, q4k_dequant};
 #endif
 
 const q4k_kernels *q4k_for(const kernel_table *kt) {

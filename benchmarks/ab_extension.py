@@ -8,7 +8,7 @@ builds alike. Separate processes run minutes apart cannot resolve a 10-20 % chan
     python benchmarks/ab_extension.py OTHER.so --rows 128 --shapes 8960x1536 --format q4_k
     python benchmarks/ab_extension.py OTHER.so --model DIR --tokens 2 4 8 64 [--decode 64]
 
-The kernel mode times a matmul (2 threads; int4 g32 asymmetric, int5 symmetric or q4_k)
+The kernel mode times a matmul (2 threads; int4 g32 asymmetric, int5 symmetric, int6 or q4_k)
 on cold copies of each shape for M rows of x; the model mode times a whole prompt's forward, and with --decode single-token steps
 (the fused decode step) after the last prompt. Both print medians for this tree's
 build ("this") and the other ("other"), and this / other as a speed ratio.
@@ -67,6 +67,10 @@ def weights(fmt: str, N: int, K: int, gen: torch.Generator) -> dict:
     if fmt == "int5":
         w = packed(4, 32, True, N, K, gen)
         return {**w, "qh": torch.randint(0, 256, (N, K // 8), dtype=torch.uint8, generator=gen)}
+    if fmt == "int6":  # Q6_K blocks: float16 d in the last two bytes
+        b = torch.randint(0, 256, (N, K // 256, 210), dtype=torch.uint8, generator=gen)
+        b[..., 208:] = (torch.rand(N, K // 256, 1, generator=gen) * 1e-3).half().view(torch.uint8)
+        return {"qweight": b.view(N, -1)}
     b = torch.randint(0, 256, (N, K // 256, 144), dtype=torch.uint8, generator=gen)
     b[..., :4] = (torch.rand(N, K // 256, 2, generator=gen) * 1e-3).half().view(torch.uint8)
     return {"qweight": b.view(N, -1)}
@@ -77,6 +81,8 @@ def matmul(fmt: str, x: torch.Tensor, w: dict, threads: int) -> torch.Tensor:
         return ops.q4_matmul(x, w["qweight"], w["scales"], w["mins"], 32, threads=threads)
     if fmt == "int5":
         return ops.q5_matmul(x, w["qweight"], w["qh"], w["scales"], None, threads=threads)
+    if fmt == "int6":
+        return ops.q6_matmul(x, w["qweight"], threads=threads)
     return ops.q4k_matmul(x, w["qweight"], threads=threads)
 
 
@@ -147,7 +153,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="kernels: rows of x")
-    ap.add_argument("--format", choices=["int4", "int5", "q4_k"], default="int4")
+    ap.add_argument("--format", choices=["int4", "int5", "int6", "q4_k"], default="int4")
     ap.add_argument(
         "--shapes",
         nargs="+",

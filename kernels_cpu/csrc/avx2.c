@@ -590,62 +590,155 @@ TI void q6_quarters(const uint8_t *blk, int h, __m256i q[4]) {
                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
 }
 
-#define DOT1_MADD(t, q, x) _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)))
-#define DOT1_VNNI(t, q, x) _mm256_dpbusd_avx_epi32(t, q, x)
+/* ---- plain AVX2: x as int16 X, 15 significant bits per block of 32 -----------------
+ * (kernels.h Q6_X16_BYTES): per block of 32, its 16 even elements' X then its 16 odd
+ * ones (64 bytes); then per block sx. A quarter's codes as int16, even and odd bytes
+ * apart, take one vpmaddwd per 16 with X, so dword lane l sums elements 4l..4l+3 as the
+ * digit kernels' lanes do. The codes are unpacked once for up to 4 rows of x. */
 
-#define Q6_GEMV_DIGITS(NAME, TARGET, DOT1)                                                       \
-    /* sum q X per dword lane, q against one block of x's three digits */                      \
-    TARGET static inline __attribute__((always_inline)) __m256 NAME##_dot(__m256i q,            \
-                                                                        const int8_t *xb) {     \
-        __m256i t = DOT1(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i *)xb));  \
-        t = DOT1(_mm256_slli_epi32(t, 8), q, _mm256_loadu_si256((const __m256i *)(xb + 64)));  \
-        t = DOT1(_mm256_slli_epi32(t, 8), q, _mm256_loadu_si256((const __m256i *)(xb + 128))); \
-        return _mm256_cvtepi32_ps(t);                                                           \
-    }                                                                                           \
-    TARGET static void NAME(const qmat *a, int64_t n0, int64_t n1) {                            \
-        const int64_t K = a->K, B = K / Q6_BLOCK;                                               \
-        const int8_t *xd = a->xq;                                                               \
-        const float *lanes = (const float *)(xd + K / 64 * XPREP8_CHUNK_BYTES);                 \
-        const __m256i g0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), two = _mm256_set1_epi32(2); \
-        for (int64_t n = n0; n < n1; n++) {                                                     \
-            const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;               \
-            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                         \
-            __m256 off = _mm256_setzero_ps();                                                   \
-            for (int64_t b = 0; b < B; b++) {                                                   \
-                const uint8_t *blk = row + b * Q6_BLOCK_BYTES;                                  \
-                for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM_L1(blk + p);         \
-                uint16_t dh;                                                                    \
-                memcpy(&dh, blk + 208, 2);                                                      \
-                const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));                                 \
-                __m256 sc[2];                                                                   \
-                for (int h = 0; h < 2; h++) {                                                   \
-                    sc[h] = widen_i8((const int8_t *)(blk + 192 + 8 * h));                      \
-                    /* the groups' -32 sx sum X terms, times d sc */                            \
-                    off = _mm256_fmadd_ps(_mm256_mul_ps(sc[h], d),                              \
-                                          _mm256_loadu_ps(a->xsum + 16 * b + 8 * h), off);      \
-                }                                                                               \
-                __m256 f = _mm256_setzero_ps();                                                 \
-                for (int h = 0; h < 2; h++) {                                                   \
-                    __m256i q[4];                                                               \
-                    q6_quarters(blk, h, q);                                                     \
-                    __m256i gj = g0;                                                            \
-                    for (int j = 0; j < 4; j++, gj = _mm256_add_epi32(gj, two)) {               \
-                        const int64_t xb = 8 * b + 4 * h + j; /* x's block of 32 */             \
-                        const int8_t *dg = xd + (xb / 2) * XPREP8_CHUNK_BYTES + 32 * (xb % 2);  \
-                        const float sx = lanes[16 * (xb / 2) + 8 * (xb % 2)];                  \
-                        const __m256 s = _mm256_mul_ps(_mm256_permutevar8x32_ps(sc[h], gj),     \
-                                                       _mm256_set1_ps(sx));                     \
-                        f = _mm256_fmadd_ps(NAME##_dot(q[j], dg), s, f);                        \
-                    }                                                                           \
-                }                                                                               \
-                acc[b & 1] = _mm256_fmadd_ps(f, d, acc[b & 1]);                                 \
-            }                                                                                   \
-            a->y[n] = hsum(_mm256_add_ps(acc[0], acc[1])) + hsum(off);                          \
-        }                                                                                       \
+T int q6_xprep16(const float *x, int64_t K, void *buf) {
+    int16_t *xd = buf;
+    float *sxs = (float *)(xd + K);
+    const __m256i evens_first = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int64_t k = 0; k < K; k += 32) {
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + k + 8 * i);
+        const float amax = block_amax(v);
+        if (amax < 0) return -1;
+        __m256i X[4];
+        ig_block_X(v, amax, X);
+        for (int i = 0; i < 4; i++) X[i] = _mm256_permutevar8x32_epi32(X[i], evens_first);
+        /* |X| <= IG_XMAX: the packs do not saturate */
+        const __m256i ev = _mm256_packs_epi32(_mm256_permute2x128_si256(X[0], X[1], 0x20),
+                                              _mm256_permute2x128_si256(X[2], X[3], 0x20));
+        const __m256i od = _mm256_packs_epi32(_mm256_permute2x128_si256(X[0], X[1], 0x31),
+                                              _mm256_permute2x128_si256(X[2], X[3], 0x31));
+        _mm256_store_si256((__m256i *)(xd + k), _mm256_permute4x64_epi64(ev, 0xd8));
+        _mm256_store_si256((__m256i *)(xd + k + 16), _mm256_permute4x64_epi64(od, 0xd8));
+        sxs[k / 32] = amax / IG_XMAX;
     }
+    return 0;
+}
 
-Q6_GEMV_DIGITS(q6_gemv_digits, TARGET_AVX2, DOT1_MADD)
-Q6_GEMV_DIGITS(q6_gemv_digits_vnni, TARGET_AVX2_VNNI, DOT1_VNNI)
+/* per 16 elements -32 sx sum X, the groups' offset term, from q6_xprep16's x */
+T void q6_xsum16(const void *xq, int64_t K, float *xsum) {
+    const int16_t *xd = xq;
+    const float *sxs = (const float *)(xd + K);
+    for (int64_t k = 0; k < K; k += 16) {
+        int32_t t = 0; /* elements k..k+15: evens and odds of the first or second half */
+        const int16_t *e = xd + (k & ~31) + (k & 16) / 2;
+        for (int i = 0; i < 8; i++) t += e[i] + e[16 + i];
+        xsum[k / 16] = -32.0f * sxs[k / 32] * (float)t;
+    }
+}
+
+/* Up to 4 rows of x against int6 weight row n (each row's sums as it takes them alone) */
+TI void q6_rows(const qmat *const *a, const int R, int64_t n) {
+    const int64_t K = a[0]->K, B = K / Q6_BLOCK;
+    const uint8_t *row = (const uint8_t *)a[0]->qw + n * B * Q6_BLOCK_BYTES;
+    const __m256i g0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), two = _mm256_set1_epi32(2);
+    const __m256i low8 = _mm256_set1_epi16(0xff);
+    __m256 acc[4][2], off[4];
+    for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = off[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; b++) {
+        const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
+        for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM_L1(blk + p);
+        uint16_t dh;
+        memcpy(&dh, blk + 208, 2);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
+        __m256 sc[2], f[4];
+        for (int h = 0; h < 2; h++) {
+            sc[h] = widen_i8((const int8_t *)(blk + 192 + 8 * h));
+            for (int m = 0; m < R; m++) /* the groups' -32 sx sum X terms, times d sc */
+                off[m] = _mm256_fmadd_ps(_mm256_mul_ps(sc[h], d),
+                                         _mm256_loadu_ps(a[m]->xsum + 16 * b + 8 * h), off[m]);
+        }
+        for (int m = 0; m < R; m++) f[m] = _mm256_setzero_ps();
+        for (int h = 0; h < 2; h++) {
+            __m256i q[4];
+            q6_quarters(blk, h, q);
+            __m256i gj = g0;
+#pragma GCC unroll 1 /* unrolled, gcc hoists the quarters' codes and spills them */
+            for (int j = 0; j < 4; j++, gj = _mm256_add_epi32(gj, two)) {
+                const int64_t xb = 8 * b + 4 * h + j; /* x's block of 32 */
+                const __m256i ev = _mm256_and_si256(q[j], low8), od = _mm256_srli_epi16(q[j], 8);
+                const __m256 scj = _mm256_permutevar8x32_ps(sc[h], gj);
+                for (int m = 0; m < R; m++) {
+                    const int16_t *xd = a[m]->xq;
+                    const float sx = ((const float *)(xd + K))[xb];
+                    const __m256i *X = (const __m256i *)(xd + 32 * xb);
+                    const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(ev, X[0]), _mm256_madd_epi16(od, X[1]));
+                    f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(scj, _mm256_set1_ps(sx)), f[m]);
+                }
+            }
+        }
+        for (int m = 0; m < R; m++) acc[m][b & 1] = _mm256_fmadd_ps(f[m], d, acc[m][b & 1]);
+    }
+    for (int m = 0; m < R; m++) a[m]->y[n] = hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + hsum(off[m]);
+}
+
+/* R rows of x, 4 at a time per weight row (its later passes read it from L1) */
+T void q6_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int m = 0; m < R; m += 4) switch (R - m) {
+            case 1: q6_rows(a + m, 1, n); break;
+            case 2: q6_rows(a + m, 2, n); break;
+            case 3: q6_rows(a + m, 3, n); break;
+            default: q6_rows(a + m, 4, n); break;
+            }
+}
+
+T void q6_gemv_x16(const qmat *a, int64_t n0, int64_t n1) { q6_gemv_rows(&a, 1, n0, n1); }
+
+/* ---- AVX-VNNI: x as the int8 GEMV's three digits (22 bits), one vpdpbusd each ---- */
+
+/* sum q X per dword lane, q against one block of x's three digits */
+TARGET_AVX2_VNNI static inline __attribute__((always_inline)) __m256 q6_dot_vnni(__m256i q, const int8_t *xb) {
+    __m256i t = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i *)xb));
+    t = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(t, 8), q, _mm256_loadu_si256((const __m256i *)(xb + 64)));
+    t = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(t, 8), q, _mm256_loadu_si256((const __m256i *)(xb + 128)));
+    return _mm256_cvtepi32_ps(t);
+}
+
+TARGET_AVX2_VNNI static void q6_gemv_digits_vnni(const qmat *a, int64_t n0, int64_t n1) {
+    const int64_t K = a->K, B = K / Q6_BLOCK;
+    const int8_t *xd = a->xq;
+    const float *lanes = (const float *)(xd + K / 64 * XPREP8_CHUNK_BYTES);
+    const __m256i g0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), two = _mm256_set1_epi32(2);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 off = _mm256_setzero_ps();
+        for (int64_t b = 0; b < B; b++) {
+            const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
+            for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM_L1(blk + p);
+            uint16_t dh;
+            memcpy(&dh, blk + 208, 2);
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
+            __m256 sc[2];
+            for (int h = 0; h < 2; h++) {
+                sc[h] = widen_i8((const int8_t *)(blk + 192 + 8 * h));
+                /* the groups' -32 sx sum X terms, times d sc */
+                off = _mm256_fmadd_ps(_mm256_mul_ps(sc[h], d), _mm256_loadu_ps(a->xsum + 16 * b + 8 * h), off);
+            }
+            __m256 f = _mm256_setzero_ps();
+            for (int h = 0; h < 2; h++) {
+                __m256i q[4];
+                q6_quarters(blk, h, q);
+                __m256i gj = g0;
+                for (int j = 0; j < 4; j++, gj = _mm256_add_epi32(gj, two)) {
+                    const int64_t xb = 8 * b + 4 * h + j; /* x's block of 32 */
+                    const int8_t *dg = xd + (xb / 2) * XPREP8_CHUNK_BYTES + 32 * (xb % 2);
+                    const float sx = lanes[16 * (xb / 2) + 8 * (xb % 2)];
+                    const __m256 s = _mm256_mul_ps(_mm256_permutevar8x32_ps(sc[h], gj), _mm256_set1_ps(sx));
+                    f = _mm256_fmadd_ps(q6_dot_vnni(q[j], dg), s, f);
+                }
+            }
+            acc[b & 1] = _mm256_fmadd_ps(f, d, acc[b & 1]);
+        }
+        a->y[n] = hsum(_mm256_add_ps(acc[0], acc[1])) + hsum(off);
+    }
+}
 
 /* int6, as q6_dequant_c: each half block widened as the GEMV widens it (q6_quarters), 8
  * codes at a time to float times their group's d * sc (every product exact) */
@@ -925,7 +1018,8 @@ const kernel_table kernels_avx2 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
     .ig_xprep = ig_xprep, .ig_panel = avx2_ig_panel, /* vpmaddubsw: codes up to 31 */
     .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(Q4K),
-    .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits, .q6_dequant = q6_dequant,
+    .q6_xprep = q6_xprep16, .q6_gemv_digits = q6_gemv_x16, .q6_dequant = q6_dequant,
+    .q6_xsum = q6_xsum16, .q6_gemv_rows = q6_gemv_rows,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .q5_dequant = q5_dequant,
 };
 const kernel_table kernels_avx2_vnni = {

@@ -84,14 +84,18 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
             if (kt->q6_xprep(a->x, K, tmp[1]) == 0) xq_ready = tmp[1];
         }
         if (xq_ready) { /* per 16: -32 sx sum X, from the digits the kernel multiplies */
-            const int8_t *xd = xq_ready;
-            const float *lanes = (const float *)(xd + (K + 63) / 64 * XPREP8_CHUNK_BYTES);
             float *xsum = tmp[0];
-            for (int64_t s = 0; s < K / 16; s++) {
-                const int8_t *d = xd + (s / 4) * XPREP8_CHUNK_BYTES + 16 * (s % 4);
-                int32_t t = 0;
-                for (int i = 0; i < 16; i++) t += d[i] * 65536 + d[64 + i] * 256 + d[128 + i];
-                xsum[s] = -32.0f * lanes[16 * (s / 4) + 4 * (s % 4)] * (float)t;
+            if (kt->q6_xsum) {
+                kt->q6_xsum(xq_ready, K, xsum);
+            } else {
+                const int8_t *xd = xq_ready;
+                const float *lanes = (const float *)(xd + (K + 63) / 64 * XPREP8_CHUNK_BYTES);
+                for (int64_t s = 0; s < K / 16; s++) {
+                    const int8_t *d = xd + (s / 4) * XPREP8_CHUNK_BYTES + 16 * (s % 4);
+                    int32_t t = 0;
+                    for (int i = 0; i < 16; i++) t += d[i] * 65536 + d[64 + i] * 256 + d[128 + i];
+                    xsum[s] = -32.0f * lanes[16 * (s / 4) + 4 * (s % 4)] * (float)t;
+                }
             }
             a->xq = xq_ready;
             a->xsum = xsum;

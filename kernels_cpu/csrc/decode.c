@@ -272,12 +272,34 @@ VI v16 load16(const float *p) {
 VI void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
 /* The 16 lanes' sum: lanes i and i + 8, then i and i + 4, then (0 + 2) + (1 + 3). */
+/* The 16 lanes' sum: lanes i and i + 8, then i and i + 4, then (0 + 2) + (1 + 3). */
 VI float hsum16(v16 v) {
     float t[16], a[8];
     memcpy(t, &v, sizeof t);
     for (int i = 0; i < 8; i++) a[i] = t[i] + t[i + 8];
     for (int i = 0; i < 4; i++) a[i] = a[i] + a[i + 4];
     return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+/* 16 lanes held as two halves of 8 (lo: lanes 0-7): on AVX2 a v16 variable lives on the
+   stack (gcc has no register for it), so its hot loops keep the same lanes in two v8s,
+   which give the same bits. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+VI v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+VI void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+/* hsum16 of the lanes lo, hi, in its order */
+VI float hsum8x2(v8 lo, v8 hi) {
+    const v8 a = lo + hi;
+    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 /* exp(x) for x <= 0: Cephes' expf (x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6
@@ -377,7 +399,7 @@ VI const float *kv_rows(const attn_job *J, const void *cache, const uint16_t *sc
    it leaves in J->part (h, b): the block's largest score mx, sum of e_t = exp(score_t -
    mx), and sum of e_t v_t (each element summed over t in order); attn_combine weighs the
    blocks together. */
-VI void attn_block(const attn_job *J, int64_t task) {
+VI void attn_block(const attn_job *J, int64_t task, const int halves) {
     const model_t *m = J->m;
     const int64_t g = task / J->blocks, b = task % J->blocks, rep = m->n_heads / m->n_kv;
     const int64_t d = m->head_dim, d16 = d / 16 * 16;
@@ -402,9 +424,19 @@ VI void attn_block(const attn_job *J, int64_t task) {
                     const float *k = kb + t * d;
                     if (prefetch)
                         for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(k + 8 * d + i, 0, 3);
-                    v16 acc = {0};
-                    for (int64_t i = 0; i < d16; i += 16) acc += load16(q + i) * load16(k + i);
-                    float dot = hsum16(acc);
+                    float dot;
+                    if (halves) {
+                        v8 lo = {0}, hi = {0};
+                        for (int64_t i = 0; i < d16; i += 16) {
+                            lo += load8(q + i) * load8(k + i);
+                            hi += load8(q + i + 8) * load8(k + i + 8);
+                        }
+                        dot = hsum8x2(lo, hi);
+                    } else {
+                        v16 acc = {0};
+                        for (int64_t i = 0; i < d16; i += 16) acc += load16(q + i) * load16(k + i);
+                        dot = hsum16(acc);
+                    }
                     for (int64_t i = d16; i < d; i++) dot += q[i] * k[i];
                     s[j][t0 + t] = dot * scale;
                     if (s[j][t0 + t] > mx[j]) mx[j] = s[j][t0 + t];
@@ -450,6 +482,17 @@ VI void attn_block(const attn_job *J, int64_t task) {
                         if (nv > 3) a3 = load16(out + i + 48);
                     }
                     const float *v = vb + i;
+                    if (nv == 4 && halves) { /* the same lanes, in v8 halves */
+                        v8 b[8];
+                        for (int u = 0; u < 8; u++) b[u] = t0 ? load8(out + i + 8 * u) : (v8){0};
+                        for (int64_t t = 0; t < nt; t++, v += d) {
+                            if (prefetch)
+                                for (int u = 0; u < 4; u++) __builtin_prefetch(v + 8 * d + 16 * u, 0, 3);
+                            for (int u = 0; u < 8; u++) b[u] += load8(v + 8 * u) * e[t];
+                        }
+                        for (int u = 0; u < 8; u++) store8(out + i + 8 * u, b[u]);
+                        continue;
+                    }
                     if (nv == 4) {
                         for (int64_t t = 0; t < nt; t++, v += d) {
                             if (prefetch) {
@@ -514,18 +557,18 @@ typedef struct {
 } attn_rows;
 
 /* attn_block compiled for each instruction set */
-#define ATTN_TASK(NAME, TARGET)                                                                  \
+#define ATTN_TASK(NAME, TARGET, HALVES)                                                          \
     TARGET static void NAME(void *ctx, int64_t task, int tid) {                                 \
         (void)tid;                                                                              \
         const attn_rows *A = ctx;                                                               \
         int r = 0;                                                                              \
         while (task >= A->first[r + 1]) r++;                                                    \
-        attn_block(&A->row[r], task - A->first[r]);                                             \
+        attn_block(&A->row[r], task - A->first[r], HALVES);                                     \
     }
-ATTN_TASK(attn_task, )
+ATTN_TASK(attn_task, , 0)
 #ifdef INFER_X86
-ATTN_TASK(attn_task_avx2, TARGET_AVX2)
-ATTN_TASK(attn_task_avx512, TARGET_AVX512)
+ATTN_TASK(attn_task_avx2, TARGET_AVX2, 1) /* 8 float lanes a register */
+ATTN_TASK(attn_task_avx512, TARGET_AVX512, 0)
 #endif
 
 static pool_fn attn_task_for(int isa) {

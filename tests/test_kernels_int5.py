@@ -115,8 +115,8 @@ def test_rows_together_equal_each_alone(isa, sym):
     """A GEMV of a few rows unpacks each weight row once for all of them; each row's
     output is still its one-row output, bit for bit, for every count of rows that takes
     the GEMV, and beside a row holding inf. K: whole rounds of 4 chunks of 64, a chunk's
-    second block missing, chunks left over, and fewer chunks than a round."""
-    for K in (1024, 1120, 32 * 7, 96):
+    second block missing, chunks left over, fewer chunks than a round, and half a chunk."""
+    for K in (1024, 1120, 32 * 7, 96, 32):
         w = packed(sym, 37, K, seed=K)
         x = torch.randn(WIDE_M, K, generator=torch.Generator().manual_seed(K))
         alone = torch.cat([run(w, x[i : i + 1], isa=isa, threads=2) for i in range(WIDE_M)])

@@ -363,9 +363,9 @@ def test_rows_together_equal_each_alone(isa, kind):
 @pytest.mark.parametrize("kind", INT4, ids=KIND_IDS[len(INT8) : len(INT8) + len(INT4)])
 def test_rows_together_on_partial_chunks(isa, kind):
     """As above for int4 on rows whose chunks of 64 do not fill rounds of 4 (chunks left
-    over, a chunk's second block missing, fewer chunks than a round)."""
+    over, a chunk's second block missing, fewer chunks than a round, half a chunk)."""
     bits, g, sym = kind
-    for K in {32: (1120, 32 * 7, 96), 64: (64 * 17, 64 * 3), 128: (128 * 9, 128)}[g]:
+    for K in {32: (1120, 32 * 7, 96, 32), 64: (64 * 17, 64 * 3), 128: (128 * 9, 128)}[g]:
         w = packed(bits, g, sym, 19, K, seed=K)
         x = torch.randn(WIDE_M, K, generator=torch.Generator().manual_seed(K))
         alone = torch.cat(

@@ -111,6 +111,26 @@ def test_extreme_activations(isa, sym, M):
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_rows_together_equal_each_alone(isa, sym):
+    """A GEMV of a few rows unpacks each weight row once for all of them; each row's
+    output is still its one-row output, bit for bit, for every count of rows that takes
+    the GEMV, and beside a row holding inf. K: whole rounds of 4 chunks of 64, a chunk's
+    second block missing, chunks left over, fewer chunks than a round, and half a chunk."""
+    for K in (1024, 1120, 32 * 7, 96, 32):
+        w = packed(sym, 37, K, seed=K)
+        x = torch.randn(WIDE_M, K, generator=torch.Generator().manual_seed(K))
+        alone = torch.cat([run(w, x[i : i + 1], isa=isa, threads=2) for i in range(WIDE_M)])
+        rows = WIDE_M if K >= WIDE_K else SMALL_M
+        for M in range(2, rows + 1):
+            assert torch.equal(run(w, x[:M], isa=isa, threads=2), alone[:M]), (K, M)
+        x[1, K // 2] = float("inf")
+        y = run(w, x[:rows], isa=isa, threads=2)
+        assert torch.equal(torch.cat([y[:1], y[2:]]), torch.cat([alone[:1], alone[2:rows]])), K
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
 def test_which_prompts_keep_fifteen_bits_of_x(isa, sym):
     """The integer GEMM multiplies x's digits, round(x / sx) sx with sx = amax / IG_XMAX
     per block of 32, and the float GEMM x itself: a block holding 1.0 and values under

@@ -364,6 +364,23 @@ def test_rows_together_equal_each_alone(isa, kind):
 
 
 @needs_c
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", INT4, ids=KIND_IDS[len(INT8) : len(INT8) + len(INT4)])
+def test_rows_together_on_partial_chunks(isa, kind):
+    """As above for int4 on rows whose chunks of 64 do not fill rounds of 4 (chunks left
+    over, a chunk's second block missing, fewer chunks than a round, half a chunk)."""
+    bits, g, sym = kind
+    for K in {32: (1120, 32 * 7, 96, 32), 64: (64 * 17, 64 * 3), 128: (128 * 9, 128)}[g]:
+        w = packed(bits, g, sym, 19, K, seed=K)
+        x = torch.randn(WIDE_M, K, generator=torch.Generator().manual_seed(K))
+        alone = torch.cat(
+            [run(bits, g, w, x[i : i + 1], isa=isa, threads=2) for i in range(WIDE_M)]
+        )
+        for M in range(2, (WIDE_M if K >= WIDE_K else SMALL_M) + 1):
+            assert torch.equal(run(bits, g, w, x[:M], isa=isa, threads=2), alone[:M]), (K, M)
+
+
+@needs_c
 def test_leading_dims_empty_rows_and_non_contiguous_x():
     w = packed(4, 32, False, 10, 64)
     x = torch.randn(2, 3, 64)

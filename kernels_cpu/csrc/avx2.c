@@ -3,8 +3,9 @@
  *
  * GEMV: one row at a time. int8: 8 weights widened per FMA; with AVX-VNNI x as three
  * int8 digits, 32 weights per load (fewer instructions a weight than widening to float).
- * int4: x as two int8 digits, 64 weights (32 bytes) per load. int6: x as
- * int8's digits, a block's quarter (32 weights) widened to bytes per dot product.
+ * int4: x as two int8 digits, 64 weights (32 bytes) per load; for several rows of x
+ * (batched decode) int4 and int5 unpack the codes once for up to 4 rows, x as int16. int6:
+ * x as int8's digits, a block's quarter (32 weights) widened to bytes per dot product.
  * GEMM: 4 x 2 blocks of dot products (8 accumulators, 6 loads per 8 FMAs: 16 registers
  * do not hold the 4 x 4 block avx512.c uses). From 16 rows of x, the integer GEMM
  * (igemm.c): with AVX-VNNI here, 16 rows of x by 3 rows of codes; without it the same x
@@ -197,7 +198,9 @@ T void q4_gemv(const qmat *a, int64_t n0, int64_t n1) {
  * int4 GEMV on x as int8 digits (avx512.c describes the digits)
  *
  * Chunks of 64 elements = 2 blocks = 32 bytes of a row; a chunk's digits are stored as
- * [digit 1, 0][low, high][32 bytes], then its 8 lane scales (lane l: block l / 4).
+ * [digit 1, 0][low, high][32 bytes], then its 8 lane scales (lane l: block l / 4), then
+ * for the rows kernels X as int16 (x16_of): per chunk 4 vectors, lane k of vector v the
+ * X that the chunk's weight byte 2k + v % 2 multiplies in its low (v < 2) or high nibble.
  * ---------------------------------------------------------------------------------- */
 
 /* 2^k as a float, for -126 <= k <= 127 (the int8 digit GEMV's block scales) */
@@ -220,6 +223,11 @@ TI int block_exponent(float amax) {
 }
 
 enum { CHUNK = 64, CHUNK_BYTES = 2 * 2 * 32 };
+
+/* where q4_xprep's int16 X starts: after C chunks of digits and lane scales */
+TI int16_t *x16_of(const void *buf, int64_t C) {
+    return (int16_t *)((int8_t *)buf + C * (CHUNK_BYTES + 32));
+}
 
 /* 32 int32 X (4 vectors) -> three digits as 32 bytes each, in element order (int8's) */
 TI void digits32(const __m256i X[4], __m256i d[3]) {
@@ -285,15 +293,18 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
     const int64_t C = (K + CHUNK - 1) / CHUNK;
     int8_t *xd = buf;
     float *lanes = (float *)(xd + C * CHUNK_BYTES);
+    const __m256i evens_first = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     for (int64_t c = 0; c < C; c++) {
         int8_t *d = xd + c * CHUNK_BYTES;
         for (int j = 0; j < 2; j++) {
             const int64_t k = c * CHUNK + 32 * j;
+            __m128i *x16 = (__m128i *)(x16_of(buf, C) + 64 * c + 8 * j); /* block j's halves */
             if (k >= K) { /* past the end: zero digits, zero scale */
                 for (int p = 0; p < 2; p++) {
                     _mm_store_si128((__m128i *)(d + 64 * p + 16 * j), _mm_setzero_si128());
                     _mm_store_si128((__m128i *)(d + 64 * p + 32 + 16 * j), _mm_setzero_si128());
                 }
+                for (int v = 0; v < 4; v++) _mm_store_si128(x16 + 2 * v, _mm_setzero_si128());
                 for (int i = 0; i < 4; i++) lanes[8 * c + 4 * j + i] = 0;
                 continue;
             }
@@ -307,6 +318,15 @@ T int q4_xprep(const float *x, int64_t K, void *buf) {
             for (int p = 0; p < 2; p++) { /* elements 0..15 -> low, 16..31 -> high */
                 _mm_store_si128((__m128i *)(d + 64 * p + 16 * j), _mm256_castsi256_si128(dg[p]));
                 _mm_store_si128((__m128i *)(d + 64 * p + 32 + 16 * j), _mm256_extracti128_si256(dg[p], 1));
+            }
+            /* elements 0..15 (16..31) as int16, evens then odds: the low (high) nibbles of
+             * the block's bytes 0, 2, .. then 1, 3, ..; |X| <= IG_XMAX: no saturation */
+            for (int h = 0; h < 2; h++) {
+                const __m256i eo = _mm256_packs_epi32(
+                    _mm256_permutevar8x32_epi32(X[2 * h], evens_first),
+                    _mm256_permutevar8x32_epi32(X[2 * h + 1], evens_first));
+                _mm_store_si128(x16 + 4 * h, _mm256_castsi256_si128(eo));
+                _mm_store_si128(x16 + 4 * h + 2, _mm256_extracti128_si256(eo, 1));
             }
             const float sx = amax / IG_XMAX;
             for (int i = 0; i < 4; i++) lanes[8 * c + 4 * j + i] = sx;
@@ -399,29 +419,35 @@ TI __m256i q5_high(__m256i h, __m256i idx) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
 }
 
+/* chunk c's codes (bytes, <= 31): lo of its bytes' low nibbles, hi of their high ones;
+ * full: the chunk has both its blocks */
+TI void q5_codes(const uint8_t *q, const uint8_t *qh, int64_t c, const int full, __m256i *lo,
+                 __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    /* lanes: block 2c's low (high) 16 codes, then block 2c + 1's: qh bytes 0-1 (2-3) of
+     * each block, the blocks' qh at bytes 0-3 and 4-7 */
+    const __m256i lo_idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5);
+    const __m256i hi_idx = _mm256_add_epi8(lo_idx, _mm256_set1_epi8(2));
+    const uint8_t *qc = q + 32 * c;
+    if (!(c & 1)) PREFETCH_STREAM_L1(qc); /* once per 64 bytes */
+    if (!(c & 7)) PREFETCH_STREAM_L1(qh + 8 * c);
+    __m256i w = full ? _mm256_loadu_si256((const __m256i *)qc)
+                     : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)qc));
+    int64_t hb = full ? 0 : (int64_t)(uint32_t)load_i32(qh + 8 * c);
+    if (full) memcpy(&hb, qh + 8 * c, 8);
+    const __m256i h = _mm256_set1_epi64x(hb);
+    *lo = _mm256_or_si256(_mm256_and_si256(w, m4), q5_high(h, lo_idx));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4), q5_high(h, hi_idx));
+}
+
 #define Q5_GEMV_DIGITS(NAME, TARGET, DOT2)                                                       \
     /* sum over chunk c of q * X, per dword lane (8 elements of block 2c + lane / 4) */         \
     TARGET static inline __attribute__((always_inline)) __m256i NAME##_chunk(                   \
         const uint8_t *q, const uint8_t *qh, const int8_t *xd, int64_t KB, int64_t c) {         \
         const __m256i *xc = (const __m256i *)(xd + c * CHUNK_BYTES);                            \
-        const __m256i m4 = _mm256_set1_epi8(0x0f);                                              \
-        /* lanes: block 2c's low (high) 16 codes, then block 2c + 1's: qh bytes 0-1 (2-3) of  \
-         * each block, the blocks' qh at bytes 0-3 and 4-7 */                                    \
-        const __m256i lo_idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, \
-                                                4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5); \
-        const __m256i hi_idx = _mm256_add_epi8(lo_idx, _mm256_set1_epi8(2));                    \
-        const uint8_t *qc = q + 32 * c;                                                         \
-        if (!(c & 1)) PREFETCH_STREAM_L1(qc); /* once per 64 bytes */                              \
-        if (!(c & 7)) PREFETCH_STREAM_L1(qh + 8 * c);                                           \
-        const int full = KB - 32 * c >= 32;                                                     \
-        __m256i w = full ? _mm256_loadu_si256((const __m256i *)qc)                              \
-                         : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)qc));         \
-        int64_t hb = full ? 0 : (int64_t)(uint32_t)load_i32(qh + 8 * c);                        \
-        if (full) memcpy(&hb, qh + 8 * c, 8);                                                   \
-        const __m256i h = _mm256_set1_epi64x(hb);                                               \
-        __m256i lo = _mm256_or_si256(_mm256_and_si256(w, m4), q5_high(h, lo_idx));              \
-        __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4),            \
-                                     q5_high(h, hi_idx));                                       \
+        __m256i lo, hi;                                                                         \
+        q5_codes(q, qh, c, KB - 32 * c >= 32, &lo, &hi);                                        \
         __m256i t = DOT2(_mm256_setzero_si256(), lo, xc[0], hi, xc[1]);                         \
         return DOT2(_mm256_slli_epi32(t, 8), lo, xc[2], hi, xc[3]);                             \
     }                                                                                           \
@@ -461,6 +487,115 @@ TI __m256i q5_high(__m256i h, __m256i idx) {
 
 Q5_GEMV_DIGITS(q5_gemv_digits, TARGET_AVX2, DOT2_MADD)
 Q5_GEMV_DIGITS(q5_gemv_digits_vnni, TARGET_AVX2_VNNI, DOT2_VNNI)
+
+/* ------------------------------------------------------------------------------------
+ * int4 and int5 GEMVs over several rows of x (plain AVX2)
+ *
+ * A chunk's codes are unpacked once for up to 4 rows of x, as int16 with even and odd
+ * bytes apart; then per row one vpmaddwd per 16 codes with X as int16 (x16_of): lane l
+ * sums the products of the weight bytes 4l..4l+3, DOT2_MADD's lane l, exactly. The
+ * floats are the one-row kernel's, op for op, so each row's y is its one-row y bit for bit.
+ * ---------------------------------------------------------------------------------- */
+
+/* chunk c's codes as int16: the low nibbles of its even bytes, of its odd bytes, then
+ * the high nibbles the same (the order of x16_of's vectors) */
+TI void q45_codes(const uint8_t *q, const uint8_t *qh, int64_t c, const int full, const int five,
+                  __m256i v[4]) {
+    if (five) {
+        __m256i lo, hi;
+        q5_codes(q, qh, c, full, &lo, &hi);
+        const __m256i ff = _mm256_set1_epi16(0xff);
+        v[0] = _mm256_and_si256(lo, ff), v[1] = _mm256_srli_epi16(lo, 8);
+        v[2] = _mm256_and_si256(hi, ff), v[3] = _mm256_srli_epi16(hi, 8);
+        return;
+    }
+    const uint8_t *qc = q + 32 * c;
+    if (!(c & 1)) PREFETCH_STREAM_L1(qc); /* once per 64 bytes */
+    const __m256i w = full ? _mm256_loadu_si256((const __m256i *)qc)
+                           : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)qc));
+    const __m256i m4 = _mm256_set1_epi16(0x0f);
+    v[0] = _mm256_and_si256(w, m4), v[1] = _mm256_and_si256(_mm256_srli_epi16(w, 8), m4);
+    v[2] = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4), v[3] = _mm256_srli_epi16(w, 12);
+}
+
+/* chunk c's group scales d over its lanes, the values the one-row kernel takes */
+TI __m256 q45_d(const uint16_t *s, int64_t c, const int full, const int64_t g) {
+    const uint16_t *sc = s + c * CHUNK / g;
+    if (g > 32) return _mm256_set1_ps(_cvtsh_ss(sc[0]));
+    const int32_t h2 = full ? load_i32(sc) : sc[0];
+    const __m256i gidx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(h2));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), gidx);
+}
+
+/* Chunk c into acc[m] for each of R rows, as one row adds it to its accumulator. */
+TI void q45_chunk_rows(const uint8_t *q, const uint8_t *qh, const uint16_t *s, int64_t c,
+                       const int full, const int64_t g, const int five, const int R,
+                       const int16_t *const *x16, const float *const *lanes, __m256 *acc) {
+    __m256i v[4];
+    q45_codes(q, qh, c, full, five, v);
+    const __m256 d = q45_d(s, c, full, g);
+    for (int m = 0; m < R; m++) {
+        const __m256i *x = (const __m256i *)(x16[m] + 64 * c);
+        const __m256i t = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(v[0], x[0]), _mm256_madd_epi16(v[1], x[1])),
+            _mm256_add_epi32(_mm256_madd_epi16(v[2], x[2]), _mm256_madd_epi16(v[3], x[3])));
+        const __m256 scale = _mm256_mul_ps(d, _mm256_loadu_ps(lanes[m] + 8 * c));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[m]);
+    }
+}
+
+/* Up to 4 rows of x against weight row n, in one pass: each row adds chunk c to its
+ * accumulator c % ACC (the last C % ACC chunks to the first), as one row does. Their 16
+ * accumulators stay in memory (an FMA's operand, then a store): faster than a pass over
+ * the row per accumulator (x read strided, slow on long rows) or rows in pairs. */
+TI void q45_rows(const qmat *const *a, const int R, int64_t n, const int64_t g, const int five) {
+    const int64_t K = a[0]->K, KB = K / 2, G = K / g, C = (K + CHUNK - 1) / CHUNK;
+    const int64_t F = C / ACC * ACC, W = KB / 32 / ACC * ACC; /* in rounds; whole ones */
+    const uint8_t *q = (const uint8_t *)a[0]->qw + n * KB;
+    const uint8_t *qh = five ? a[0]->qh + n * (K / 8) : NULL;
+    const uint16_t *s = (const uint16_t *)a[0]->scales + n * G;
+    const int16_t *x16[4];
+    const float *lanes[4];
+    for (int m = 0; m < R; m++) {
+        lanes[m] = (const float *)((const int8_t *)a[m]->xq + C * CHUNK_BYTES);
+        x16[m] = x16_of(a[m]->xq, C);
+    }
+    __m256 acc[ACC][4];
+    for (int u = 0; u < ACC; u++)
+        for (int m = 0; m < R; m++) acc[u][m] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < W; c += ACC)
+        for (int u = 0; u < ACC; u++)
+            q45_chunk_rows(q, qh, s, c + u, 1, g, five, R, x16, lanes, acc[u]);
+    for (int64_t c = W; c < C; c++) /* a half chunk, and the chunks past the rounds */
+        q45_chunk_rows(q, qh, s, c, KB - 32 * c >= 32, g, five, R, x16, lanes,
+                       acc[c < F ? c % ACC : 0]);
+    const uint16_t *off = (a[0]->mins ? a[0]->mins : (const uint16_t *)a[0]->scales) + n * G;
+    for (int m = 0; m < R; m++) {
+        const __m256 am[ACC] = {acc[0][m], acc[1][m], acc[2][m], acc[3][m]};
+        a[m]->y[n] = hsum_acc(am) + group_offset(off, G, a[m]->xsum);
+    }
+}
+
+/* R rows of x, 4 at a time per weight row (its later passes read it from L1) */
+#define Q45_ROWS(g, five)                                                                        \
+    for (int64_t n = n0; n < n1; n++)                                                            \
+        for (int m = 0; m < R; m += 4) switch (R - m) {                                          \
+            case 1: q45_rows(a + m, 1, n, g, five); break;                                       \
+            case 2: q45_rows(a + m, 2, n, g, five); break;                                       \
+            case 3: q45_rows(a + m, 3, n, g, five); break;                                       \
+            default: q45_rows(a + m, 4, n, g, five); break;                                      \
+            }
+
+T void q4_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) {
+    switch (a[0]->g) {
+    case 32: Q45_ROWS(32, 0); break;
+    case 64: Q45_ROWS(64, 0); break;
+    default: Q45_ROWS(128, 0); break;
+    }
+}
+
+T void q5_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) { Q45_ROWS(32, 1); }
 
 /* ------------------------------------------------------------------------------------
  * int8 GEMV on x as int8 digits (AVX-VNNI only: vpmaddubsw's int16 pairs overflow on
@@ -1021,6 +1156,7 @@ const kernel_table kernels_avx2 = {
     .q6_xprep = q6_xprep16, .q6_gemv_digits = q6_gemv_x16, .q6_dequant = q6_dequant,
     .q6_xsum = q6_xsum16, .q6_gemv_rows = q6_gemv_rows,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .q5_dequant = q5_dequant,
+    .q4_gemv_rows = q4_gemv_rows, .q5_gemv_rows = q5_gemv_rows,
 };
 const kernel_table kernels_avx2_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,

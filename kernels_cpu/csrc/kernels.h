@@ -194,12 +194,12 @@ typedef void (*tile_fn)(const float *x, int64_t ldx, const float *w, int64_t ldw
 /* x (K) -> digits and block scales in the layout the path's q4_gemv_digits reads, in a
  * 64-byte aligned buffer of XPREP_BYTES(K): at most 320 bytes per 128 elements (two
  * digit bytes each, and a float scale per 4: avx512.c's layout; AVX2's and NEON's take
- * no more), then at the buffer's end (xprep4_xs) each block's term sx * sum X: the int4
- * GEMV's mins (or -8 d) term then multiplies the same x as its codes do, and y is
- * exactly x's digits times W, as in the integer GEMM. Returns -1 (and leaves the buffer)
- * if x has inf or NaN. */
+ * no more), AVX2's then X as int16 for its rows kernels (256 bytes per 128), then at the
+ * buffer's end (xprep4_xs) each block's term sx * sum X: the int4 GEMV's mins (or -8 d)
+ * term then multiplies the same x as its codes do, and y is exactly x's digits times W,
+ * as in the integer GEMM. Returns -1 (and leaves the buffer) if x has inf or NaN. */
 typedef int (*xprep_fn)(const float *x, int64_t K, void *buf);
-#define XPREP_BYTES(K) ((((K) + 127) / 128) * 320 + 64 + (((K) + 31) / 32) * 4)
+#define XPREP_BYTES(K) ((((K) + 127) / 128) * (320 + 256) + 64 + (((K) + 31) / 32) * 4)
 static inline float *xprep4_xs(void *buf, int64_t K) {
     return (float *)((int8_t *)buf + XPREP_BYTES(K)) - (K + 31) / 32;
 }

@@ -8,7 +8,8 @@ builds alike. Separate processes run minutes apart cannot resolve a 10-20 % chan
     python benchmarks/ab_extension.py OTHER.so --rows 128 --shapes 8960x1536 --format q4_k
     python benchmarks/ab_extension.py OTHER.so --model DIR --tokens 2 4 8 64 [--decode 64]
 
-The kernel mode times a matmul (2 threads; int4 g32 asymmetric, int5 symmetric, int6 or q4_k)
+The kernel mode times a matmul (2 threads; int4 g32 asymmetric, int5 symmetric, int6, int8
+g32 or q4_k)
 on cold copies of each shape for M rows of x; the model mode times a whole prompt's forward, and with --decode single-token steps
 (the fused decode step) after the last prompt. Both print medians for this tree's
 build ("this") and the other ("other"), and this / other as a speed ratio.
@@ -64,6 +65,8 @@ def weights(fmt: str, N: int, K: int, gen: torch.Generator) -> dict:
     """Random weights of one format (the kernels' speed does not depend on values)."""
     if fmt == "int4":
         return packed(4, 32, False, N, K, gen)
+    if fmt == "int8":  # GGUF Q8_0's layout: int8 codes, a float16 scale per 32
+        return packed(8, 32, True, N, K, gen)
     if fmt == "int5":
         w = packed(4, 32, True, N, K, gen)
         return {**w, "qh": torch.randint(0, 256, (N, K // 8), dtype=torch.uint8, generator=gen)}
@@ -79,6 +82,8 @@ def weights(fmt: str, N: int, K: int, gen: torch.Generator) -> dict:
 def matmul(fmt: str, x: torch.Tensor, w: dict, threads: int) -> torch.Tensor:
     if fmt == "int4":
         return ops.q4_matmul(x, w["qweight"], w["scales"], w["mins"], 32, threads=threads)
+    if fmt == "int8":
+        return ops.q8_matmul(x, w["qweight"], w["scales"], 32, threads=threads)
     if fmt == "int5":
         return ops.q5_matmul(x, w["qweight"], w["qh"], w["scales"], None, threads=threads)
     if fmt == "int6":
@@ -153,7 +158,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="kernels: rows of x")
-    ap.add_argument("--format", choices=["int4", "int5", "int6", "q4_k"], default="int4")
+    ap.add_argument("--format", choices=["int4", "int5", "int6", "int8", "q4_k"], default="int4")
     ap.add_argument(
         "--shapes",
         nargs="+",

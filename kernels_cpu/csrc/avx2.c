@@ -726,7 +726,7 @@ TI void q6_quarters(const uint8_t *blk, int h, __m256i q[4]) {
 }
 
 /* ---- plain AVX2: x as int16 X, 15 significant bits per block of 32 -----------------
- * (kernels.h Q6_X16_BYTES): per block of 32, its 16 even elements' X then its 16 odd
+ * (in the XPREP8_BYTES buffer): per block of 32, its 16 even elements' X then its 16 odd
  * ones (64 bytes); then per block sx. A quarter's codes as int16, even and odd bytes
  * apart, take one vpmaddwd per 16 with X, so dword lane l sums elements 4l..4l+3 as the
  * digit kernels' lanes do. The codes are unpacked once for up to 4 rows of x. */

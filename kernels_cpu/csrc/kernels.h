@@ -133,7 +133,9 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * 128 * X that adds taken back per block of x: sum q X = sum (q + 128) X - 128 sum X.
  * 1 < M <= 4, or M <= 8 with K >= 768 (a prompt's tokens routed to one expert; a short
  * prompt) runs the GEMV once per row of x (q_gemv_many), task by task, so a task's weights come from
- * memory once and from cache for the other rows: the same arithmetic as decode. Past
+ * memory once and from cache for the other rows: the same arithmetic as decode. Where the
+ * path has a rows kernel (kernel_table.*_gemv_rows), it unpacks each weight row once for
+ * up to 4 rows of x, each row's sums those of its one-row GEMV. Past
  * those bounds the GEMM is faster: a row's GEMV has work per output element besides its
  * dot product, which only long rows repay.
  * Larger M (prefill) runs the GEMM: a tile of weight rows is dequantized once, exactly as
@@ -146,10 +148,11 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * int6 (quant/formats/int6.py, GGUF Q6_K's blocks): qw uint8 (N, K / 256 * 210), K % 256 == 0,
  *      w = d * sc * (q - 32), q 6 bits, sc an int8 per 16, d a float16 per 256; scales
  *      and mins unused, g = 256. The GEMV runs on x as the int8 GEMV's digits (kernels.h
- *      XPREP8; |X| <= 2^21, 22 significant bits; 4 * 63 * 2^21 < 2^31) where the path
- *      has them: per group of 16, d sc sx (sum q X) plus the group's term
- *      d sc (-32 sx sum X) (xsum, from the same digits). Without them (x with inf or NaN,
- *      or a path with no digits) it runs q6_gemv_c in float. The GEMM dequantizes tiles
+ *      XPREP8; |X| <= 2^21, 22 significant bits; 4 * 63 * 2^21 < 2^31) on the VNNI
+ *      paths, as int16 X (avx2.c, 15 bits per block of 32) on plain AVX2: per group of 16,
+ *      d sc sx (sum q X) plus the group's term d sc (-32 sx sum X) (xsum, from the same
+ *      X). Without them (x with inf or NaN, or a path with neither) it runs q6_gemv_c in
+ *      float. The GEMM dequantizes tiles
  *      (q6_dequant_c; no integer GEMM: its scales are per 32).
  *
  * int5 (quant/formats/int5.py, GGUF Q5_0 / Q5_1's blocks split into columns): qw uint8

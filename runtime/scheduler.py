@@ -12,10 +12,15 @@ is prefilled, so the running answers pause for a chunk at most. A job that ends 
 cancelled, its client gone) leaves the batch at once and frees its slot for the next
 queued job, in order of arrival. A job hands its text and its end to its `on_event`
 callback from the scheduler's thread.
+
+Over pipeline stages the running jobs go in as many groups as there are stages, each
+group's pass begun while the others are on the ring (session.start_decode): every stage
+works on one group while the coordinator samples another's tokens.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import traceback
@@ -29,7 +34,7 @@ from .answer import Answer, Answering
 from .generate import Penalties, Sampler, make_sampler
 from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
-from .session import Session, decode
+from .session import DecodePass, Session, start_decode
 from .speculative import Drafter, LookupDrafter, ModelDrafter
 
 if TYPE_CHECKING:
@@ -124,6 +129,9 @@ class Scheduler:
         self._queue: deque[Job] = deque()
         # Running jobs by slot, in order of arrival; changed by the thread, under the lock.
         self._active: dict[int, tuple[Job, Answering]] = {}
+        # Decode passes begun and not yet taken, oldest first: (slots with answers, pass).
+        self._flying: deque[tuple[list[tuple[int, Answering]], DecodePass]] = deque()
+        self.in_flight = len(stages.workers) if stages is not None else 1
         self._lock = threading.Condition()
         self._closing = False
         self.stopped = False  # cancel_all was called: no job runs any more
@@ -264,8 +272,9 @@ class Scheduler:
                 self._queue.remove(job)
         for job in gone:
             self._end(job, Answer(len(job.prompt), finish_reason="cancelled"))
+        flying = {i for group, _ in self._flying for i, _ in group}
         for i, (job, answering) in list(self._active.items()):
-            if job.cancelled:
+            if job.cancelled and i not in flying:  # else once its pass is back
                 self._run(i, lambda a=answering: a.finish("cancelled"))
 
     def _prefill(self) -> None:
@@ -276,19 +285,33 @@ class Scheduler:
                 return
 
     def _step(self) -> None:
-        """One decode pass over every job past its prefill."""
-        batch = [(i, a) for i, (_, a) in self._active.items() if not a.prefilling]
-        if not batch:
+        """Start a decode pass over the answers past their prefill that no pass holds,
+        in as many groups as may fly (one; over pipeline stages one a stage); then
+        take the oldest pass's tokens."""
+        flying = {i for group, _ in self._flying for i, _ in group}
+        ready = [
+            (i, a) for i, (_, a) in self._active.items() if not a.prefilling and i not in flying
+        ]
+        for group in _groups(ready, self.in_flight - len(self._flying)):
+            try:
+                p = start_decode([a.session for _, a in group], [a.feed() for _, a in group])
+            except Exception as err:  # noqa: BLE001  (every answer of the pass fails with it)
+                for i, _ in group:
+                    self._leave(i, err)
+                continue
+            self._flying.append((group, p))
+        if not self._flying:
             return
+        group, p = self._flying.popleft()
         try:
-            logits = decode([a.session for _, a in batch], [a.feed() for _, a in batch])
-        except Exception as err:  # noqa: BLE001  (every answer of the pass fails with it)
-            for i, _ in batch:
+            logits = p.wait()
+        except Exception as err:  # noqa: BLE001
+            for i, _ in group:
                 self._leave(i, err)
             return
         self.stats.steps += 1
-        self.stats.batched += len(batch)
-        for (i, a), rows in zip(batch, logits):
+        self.stats.batched += len(group)
+        for (i, a), rows in zip(group, logits):
             self._run(i, lambda a=a, rows=rows: a.take(rows))
 
     def _run(self, i: int, action: Callable[[], None]) -> None:
@@ -325,6 +348,13 @@ class Scheduler:
         st.prefix_hits += result.cached_tokens > 0
         st.generated_tokens += len(result.tokens)
         _tell(job, "done", result)
+
+
+def _groups(items: list, n: int) -> list[list]:
+    """items in at most n runs of near-equal length, in order (none empty)."""
+    n = min(n, len(items))
+    bounds = [len(items) * k // n for k in range(n + 1)] if n > 0 else []
+    return [items[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def _tell(job: Job, kind: str, value: object) -> None:

@@ -10,6 +10,7 @@ can share one model, each with its own cache.
     session.prefill_chunk(prompt_ids, 256) # the same a chunk a call: None until the last
     logits = session.step(token)           # one token on: the fused step where it runs
     out = decode([s1, s2], [[t1], [t2, t3]])  # several sequences in one pass: logits per row
+    p = start_decode([s1], [[t1]]); ...; out = p.wait()  # the same, the pass begun first
 """
 
 from __future__ import annotations
@@ -120,7 +121,6 @@ class Session:
         del self.tokens[n:]
 
 
-@torch.inference_mode()
 def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[torch.Tensor]:
     """One pass over several sequences of one model: session i's sequence goes on by
     `tokens[i]` (a token as it decodes, or a run of guessed tokens to check). Returns
@@ -130,8 +130,15 @@ def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[tor
     sequences share the pass: the fused step (where the model runs on it) reads every
     weight once for all rows, up to its most rows a call, and computes each row as alone.
     Over pipeline stages each stage runs its blocks so (pipeline/stage.py)."""
+    return start_decode(sessions, tokens).wait()
+
+
+@torch.inference_mode()
+def start_decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> DecodePass:
+    """`decode`'s pass, begun: over pipeline stages it is on the ring when this returns
+    (another group of sequences can start its own meanwhile); elsewhere it is done."""
     if not sessions:
-        return []
+        return DecodePass([], torch.empty(0))
     model = sessions[0].model
     if any(s.model is not model for s in sessions):
         raise ValueError("decode: the sessions run different models")
@@ -153,22 +160,44 @@ def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[tor
             spans.append((len(s.tokens), 1, s.cache))
             owners.append(i)
     ids, spans = torch.tensor([[t for _, t in rows]]), Rows(spans)
-    fused = sessions[0].fused
-    with sessions[0].threads.forward():  # torch's own ops on one thread too
-        blocks = None
-        if sessions[0].stages is not None:
+    first = sessions[0]
+    with first.threads.forward():  # torch's own ops on one thread too
+        if first.stages is not None:
             seqs = [(sessions[i].sequence, p, n) for i, (p, n, _) in zip(owners, spans.spans)]
-            blocks = sessions[0].stages.blocks(seqs, rows=True)
-        elif fused is not None:
-            words = torch.stack([sessions[i].cache_words for i, _ in rows])
-            blocks = functools.partial(_fused_rows, fused, spans, words)
-        logits = model(ids, None, spans, all_logits=True, blocks=blocks)[0]
-    out, a = [], 0
+            flight = first.stages.start(model.embed(ids), seqs, rows=True)
+            logits = None
+        else:
+            blocks = None
+            if first.fused is not None:
+                words = torch.stack([sessions[i].cache_words for i, _ in rows])
+                blocks = functools.partial(_fused_rows, first.fused, spans, words)
+            logits = model(ids, None, spans, all_logits=True, blocks=blocks)[0]
+
+    @torch.inference_mode()
+    def finish() -> torch.Tensor:  # the output layer over the stages' states
+        x = flight.wait()
+        with first.threads.forward():
+            return model.head(x, spans, all_logits=True)[0]
+
+    parts, a = [], 0
     for i, (_, n, _) in zip(owners, spans.spans):
         sessions[i].tokens.extend(t for _, t in rows[a : a + n])
-        out.append(logits[a : a + n])
+        parts.append((a, a + n))
         a += n
-    return out
+    return DecodePass(parts, logits, finish)
+
+
+class DecodePass:
+    """A pass of `start_decode`: `wait()` gives per session the logits (n, vocab) after
+    each of its tokens; over pipeline stages the output layer runs then."""
+
+    def __init__(self, parts: list[tuple[int, int]], logits=None, finish=None):
+        self.parts, self._logits, self._finish = parts, logits, finish
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._logits is None:
+            self._logits = self._finish()
+        return [self._logits[a:b] for a, b in self.parts]
 
 
 def _fused_rows(fused: FusedDecode, rows: Rows, words: torch.Tensor, x, _pos) -> torch.Tensor:

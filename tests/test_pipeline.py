@@ -30,7 +30,7 @@ from infer.runtime.pipeline import handshake
 from infer.runtime.pipeline.coordinator import assign_layers, load_pipelined
 from infer.runtime.pipeline.link import Op, Pass
 from infer.runtime.pipeline.stage import load_stage, stage_bytes
-from infer.runtime.session import Session, decode
+from infer.runtime.session import Session, decode, start_decode
 from infer.runtime.speculative import LookupDrafter
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
@@ -230,8 +230,8 @@ def test_stage_rows_on_the_fused_step_equal_its_torch_blocks(models):
 
 
 def test_batched_step_over_stages(models, workers):
-    """Several sequences in one pass (micro-batches, one a stage) give each sequence's
-    logits of the single-process batched step, on the fused step on both sides."""
+    """Several sequences in one pass give each sequence's logits of the single-process
+    batched step, on the fused step on both sides."""
     path = models / "moe-int4"
     prompts = [PROMPT, PROMPT[:5], PROMPT[3:]]
     guesses = [list(range(10, 19)), [3], list(range(30, 40))]  # more rows than a C call's
@@ -249,6 +249,33 @@ def test_batched_step_over_stages(models, workers):
     finally:
         lm.stages.close()
     for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["dense", "moe-int4"])
+def test_passes_in_flight_equal_one_at_a_time(models, workers, arch):
+    """Two groups' passes on the ring at once (a server keeps one a stage), a prompt's
+    chunk sent behind them, the passes taken in the other order: each sequence's
+    logits are those of the single process."""
+    path = models / arch
+    prompts = [PROMPT, PROMPT[:5], PROMPT[3:], PROMPT[7:]]
+
+    def run(model, stages=None):
+        sessions = [Session(model, 128, stages=stages) for _ in prompts]
+        firsts = [int(s.prefill(p).argmax()) for s, p in zip(sessions, prompts[:3])]
+        a = start_decode(sessions[:2], [[firsts[0]], [firsts[1], 7, 8]])
+        b = start_decode(sessions[2:3], [[firsts[2], 5]])
+        late = sessions[3].prefill(prompts[3])
+        return [late[None], *b.wait(), *a.wait()]
+
+    want = run(load_model(path, max_seq_len=128).model)
+    lm = _pipelined(path, workers[:2])
+    try:
+        got = run(lm.model, lm.stages)
+        assert not lm.stages._flying
+    finally:
+        lm.stages.close()
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 

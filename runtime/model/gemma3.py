@@ -104,7 +104,7 @@ class Block(nn.Module):
 
 
 class Gemma3(nn.Module):
-    """The model: the same interface as llama.Transformer (forward, new_cache,
+    """The model: the same interface as llama.Transformer (forward, embed, head, new_cache,
     setup_rope, sanitize, runs_on_kernels)."""
 
     mlp_act = "gelu_tanh"  # the fused step's activation
@@ -163,19 +163,27 @@ class Gemma3(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab), as
         llama.Transformer.forward."""
-        T = tokens.shape[1]
-        rope = {
-            False: rope_rows(self.global_cos, self.global_sin, pos, T, cache),
-            True: rope_rows(self.local_cos, self.local_sin, pos, T, cache),
-        }
-        dtype = self.global_cos.dtype
-        # The scale rounded to the compute dtype first, as transformers does.
-        x = self.embed_tokens(tokens).to(dtype) * torch.tensor(self.args.dim**0.5, dtype=dtype)
+        x = self.embed(tokens)
         if blocks is not None:
             x = blocks(x, pos)
         else:
+            T = tokens.shape[1]
+            rope = {
+                False: rope_rows(self.global_cos, self.global_sin, pos, T, cache),
+                True: rope_rows(self.local_cos, self.local_sin, pos, T, cache),
+            }
             for layer, layer_cache in zip(self.layers, cache):
                 x = layer(x, pos, *rope[layer.sliding], layer_cache)
+        return self.head(x, cache, all_logits)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The states (1, T, dim) the first block takes: scaled by sqrt(dim)."""
+        dtype = self.global_cos.dtype
+        # The scale rounded to the compute dtype first, as transformers does.
+        return self.embed_tokens(tokens).to(dtype) * torch.tensor(self.args.dim**0.5, dtype=dtype)
+
+    def head(self, x: torch.Tensor, cache, all_logits: bool) -> torch.Tensor:
+        """Logits of the last block's states, soft-capped (llama.Transformer.head)."""
         if not all_logits:
             x = x[:, -1:]
         logits = rows_apply(lambda h: self.lm_head(self.norm(h)), x, cache)

@@ -325,15 +325,22 @@ class Transformer(nn.Module):
         several sequences at the Rows' positions (`pos` unused). `blocks`, when given,
         runs every block on (x, pos) in place of the loop below, which is its definition
         (the fused step)."""
-        T = tokens.shape[1]
-        cos, sin = rope_rows(self.rope_cos, self.rope_sin, pos, T, cache)
-        # .to(): a quantized embedding table dequantizes rows in float32.
-        x = self.embed_tokens(tokens).to(cos.dtype)
+        x = self.embed(tokens)
         if blocks is not None:
             x = blocks(x, pos)
         else:
+            cos, sin = rope_rows(self.rope_cos, self.rope_sin, pos, tokens.shape[1], cache)
             for layer, layer_cache in zip(self.layers, cache):
                 x = layer(x, pos, cos, sin, layer_cache)
+        return self.head(x, cache, all_logits)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The states (1, T, dim) the first block takes, in the compute dtype."""
+        # .to(): a quantized embedding table dequantizes rows in float32.
+        return self.embed_tokens(tokens).to(self.rope_cos.dtype)
+
+    def head(self, x: torch.Tensor, cache, all_logits: bool) -> torch.Tensor:
+        """Logits (1, T or 1, vocab) of the last block's states x (1, T, dim)."""
         if not all_logits:
             x = x[:, -1:]  # generation needs only the last position's logits
         return rows_apply(lambda h: self.lm_head(self.norm(h)), x, cache)

@@ -6,9 +6,10 @@ the sampler; the workers, in order, hold every block.
     logits = session.prefill(prompt)            # hidden states round the ring
 
 A model's forward takes a `blocks` callable in place of its loop over blocks; `blocks`
-here sends the states to the first worker and waits for the last one's. A pass of rows
-of several sequences (the batched step) goes as micro-batches, sequences kept whole,
-so that while one stage works on one micro-batch the previous stage works on the next.
+here sends the states to the first worker and waits for the last one's. `start` sends
+a pass without waiting: a server keeps as many groups of sequences on the ring as
+there are stages (scheduler.py), so that every stage works while the coordinator
+samples one group's tokens.
 
 A worker that dies or a link that drops fails the pass in progress (or the idle ping)
 with a LinkError, and every later pass with the same error (`failed`). A server then
@@ -18,6 +19,8 @@ when the others can hold every block.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import itertools
 import sys
 import threading
@@ -99,7 +102,8 @@ class Pipeline:
     def __init__(self, workers: list[Worker], dim: int, dtype: torch.dtype, timeout: float):
         self.workers, self.dim, self.dtype, self.timeout = workers, dim, dtype, timeout
         self._sequences = 0
-        self._lock = threading.Lock()  # one pass on the ring at a time (and the pings)
+        self._lock = threading.RLock()  # posting and waiting for passes (and the pings)
+        self._flying: collections.deque[Flight] = collections.deque()  # started, not back
         self._failed: str | None = None
         self._used = time.monotonic()
         self._closed = threading.Event()
@@ -186,36 +190,37 @@ class Pipeline:
 
     def run(self, x: torch.Tensor, spans: list[tuple[int, int, int]], rows: bool):
         """x (1, T, dim) after every block, each stage in turn."""
-        op = Op.ROWS if rows else Op.CHUNK
-        passes = [Pass(op, s, x[:, a:b]) for s, a, b in _micro(spans, rows, len(self.workers))]
+        return self.start(x, spans, rows).wait()
+
+    def start(self, x: torch.Tensor, spans: list[tuple[int, int, int]], rows: bool) -> Flight:
+        """Send x (1, T, dim) round the ring and return at once: the pass's Flight gives
+        its states after every block. Passes started one after another come back in
+        that order; the stages work on them at the same time, each on its own."""
         with self._lock:
             self._check()
-            try:
-                with link.failures("a pipeline stage failed (a worker died or a link dropped)"):
-                    out = self._round(passes)
-            except LinkError as e:
-                self._failed = str(e)
-                raise
-            finally:
-                self._used = time.monotonic()
-        return out
-
-    def _round(self, passes: list[Pass]) -> torch.Tensor:
-        """Send every micro-batch to the first stage, then take each back from the last:
-        the recvs posted first, so that no send waits for one (link.py)."""
-        first, last = 1, len(self.workers)
-        receiving = [link.Receiving(last) for _ in passes]
-        sending = [link.Sending(p, first) for p in passes]
-        out = [r.wait(self.dim, self.dtype).x for r in receiving]
-        for s in sending:
-            s.wait()
-        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+            # A pass whose states follow its header as a second message (link.py) must
+            # be the last recv posted until they are in: no other recv may match them.
+            if self._flying and self._flying[-1].large:
+                self._flying[-1].wait()
+            flight = Flight(self, Pass(Op.ROWS if rows else Op.CHUNK, spans, x))
+            self._flying.append(flight)
+        return flight
 
     def _check(self) -> None:
         if self._failed is not None:
             raise LinkError(self._failed)
         if self._closed.is_set():
             raise InferError("the pipeline is closed")
+
+    @contextlib.contextmanager
+    def _failures(self):
+        """A stage's failure as a LinkError, which fails every pass from now on."""
+        try:
+            with link.failures("a pipeline stage failed (a worker died or a link dropped)"):
+                yield
+        except LinkError as e:
+            self._failed = str(e)
+            raise
 
     def _ping_while_idle(self) -> None:
         """A ping round the ring whenever it has been idle a quarter of the timeout: a
@@ -227,6 +232,8 @@ class Pipeline:
             with self._lock:
                 if self._closed.is_set() or self._failed is not None:
                     return
+                if self._flying:
+                    continue
                 try:
                     with link.failures("a pipeline stage failed while idle"):
                         receiving = link.Receiving(len(self.workers))
@@ -254,23 +261,30 @@ class Pipeline:
                 w.sock.close()
 
 
-def _micro(spans, rows: bool, stages: int):
-    """A pass's micro-batches: (spans, first row, end row), a sequence's rows kept in
-    one; as many as there are stages (fewer with fewer sequences), of similar rows."""
-    if not rows or len(spans) < 2 or stages < 2:
-        return [(spans, 0, sum(n for _, _, n in spans))]
-    total = sum(n for _, _, n in spans)
-    k = min(stages, len(spans))
-    batches, current, a, done = [], [], 0, 0
-    for s in spans:
-        current.append(s)
-        done += s[2]
-        if done * k >= total * (len(batches) + 1) and len(batches) < k - 1:
-            batches.append((current, a, done))
-            current, a = [], done
-    if current:
-        batches.append((current, a, done))
-    return batches
+class Flight:
+    """A pass on the ring (Pipeline.start): `wait` gives its states after every block;
+    a stage's failure fails it, and the pipeline, with a LinkError."""
+
+    def __init__(self, pipeline: Pipeline, p: Pass):
+        self.pipeline = pipeline
+        self.large = p.x.numel() * p.x.element_size() > link.INLINE_BYTES
+        self._out: torch.Tensor | None = None
+        pipeline._used = time.monotonic()
+        with pipeline._failures():
+            self._receiving = link.Receiving(len(pipeline.workers))
+            self._sending = link.Sending(p, 1)
+
+    def wait(self) -> torch.Tensor:
+        pipeline = self.pipeline
+        with pipeline._lock:
+            if self._out is None:
+                pipeline._check()
+                with pipeline._failures():
+                    self._out = self._receiving.wait(pipeline.dim, pipeline.dtype).x
+                    self._sending.wait()
+                pipeline._flying.remove(self)
+            pipeline._used = time.monotonic()
+        return self._out
 
 
 class _about:

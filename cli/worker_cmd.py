@@ -39,8 +39,9 @@ def worker(
             "--max-memory",
             metavar="SIZE",
             help="Memory this worker offers, e.g. 12GB: the coordinator gives it layers in "
-            "proportion, and it refuses layers that would not fit. Default: 80% of the "
-            "memory available when it starts.",
+            "proportion; layers beyond it stream from this machine's disk (infer's own "
+            "format; others are refused). Default: 80% of the memory available when it "
+            "starts.",
             show_default=False,
         ),
     ] = None,

@@ -62,16 +62,17 @@ def placeholder_tensor(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> torch
 
 
 def build_unbound(
-    ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, units: list[str]
+    ckpt: Checkpoint, dtype: torch.dtype, max_seq_len: int, units: list[str], part=None
 ) -> tuple[Transformer, dict[str, torch.Tensor]]:
     """`ckpt`'s model from the common build with `units`' tensors left out, and the
     placeholders (placeholder_tensor) standing in for them: offload binds the real ones
-    as it reads them, so the file's pages for them are never faulted in."""
+    as it reads them, so the file's pages for them are never faulted in. `part`: only
+    a pipeline stage's weights (build's)."""
     names = [n for u in units for n in ckpt.units[u]]
     placeholders = {n: placeholder_tensor(ckpt, n, dtype) for n in names}
     tensors = {**ckpt.tensors, **placeholders}
-    model = build(CheckpointSource(dataclasses.replace(ckpt, tensors=tensors)), dtype, max_seq_len)
-    return model, placeholders
+    source = CheckpointSource(dataclasses.replace(ckpt, tensors=tensors))
+    return build(source, dtype, max_seq_len, part=part), placeholders
 
 
 def tensor_slots(model: Transformer, ckpt: Checkpoint, units, placeholders) -> list[TensorSlot]:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .. import InferError
+from ..runtime.files.build import Part
 from ..runtime.files.checkpoint import GLOBALS, Checkpoint, unit_views
 from ..runtime.model.config import ModelArgs
 from ..runtime.model.kvcache import cache_bytes, float_kind
@@ -84,9 +85,13 @@ def converted_bytes(ckpt: Checkpoint, units: list[str], dtype: torch.dtype) -> i
     return n
 
 
-def layer_costs(ckpt: Checkpoint, groups: list[list[str]], dtype: torch.dtype) -> list[LayerCost]:
+def layer_costs(
+    ckpt: Checkpoint, groups: list[list[str]], dtype: torch.dtype, layers: range | None = None
+) -> list[LayerCost]:
+    """Each layer's costs, of `layers` (default all; groups: layer_units)."""
     costs = []
-    for i, units in enumerate(groups):
+    for i in range(len(groups)) if layers is None else layers:
+        units = groups[i]
         spans = [ckpt.ranges[u] for u in units]
         read = sum(round_up(e - b) for b, e in spans)
         convert = converted_bytes(ckpt, units, dtype)
@@ -103,20 +108,26 @@ def overheads(
     max_seq_len: int,
     process: int,
     kv_cache: str | None = None,
+    layers: range | None = None,
 ) -> Overheads:
     """What every plan pays besides the layers (estimates, at the full context, with a KV
-    cache of `kv_cache`'s format: default the compute dtype's)."""
+    cache of `kv_cache`'s format: default the compute dtype's). `layers`: a pipeline
+    stage's blocks, which hold no embeddings, output layer or logits, and whose budget
+    does not count the process (pipeline/stage.py)."""
+    stage = layers is not None
     b, e = ckpt.ranges.get(GLOBALS, (0, 0))
     globals_ = (e - b) + converted_bytes(ckpt, [GLOBALS], dtype) if GLOBALS in ckpt.ranges else 0
     el = dtype.itemsize
     kind = kv_cache or float_kind(dtype)
     kv = cache_bytes(args, max_seq_len, kind)
+    if stage:
+        globals_, kv = 0, kv * len(layers) // args.n_layers
     rope = 2 * max_seq_len * args.head_dim * el
     T = min(max_seq_len, PREFILL_CHUNK)
     qkv = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
     acts = T * (6 * args.dim + 3 * args.hidden_dim + qkv) * 4  # float32 at most
     scores = args.n_heads * T * T * 4  # attention weights of a masked prefill chunk
-    logits = T * args.vocab_size * 4  # every position's logits (infer eval)
+    logits = 0 if stage else T * args.vocab_size * 4  # every position's (infer eval)
     # Formats without a kernel for this dtype dequantize a whole weight per call
     # (QuantLinear.forward's reference path): float32, then the compute dtype.
     dequant = 0
@@ -125,7 +136,7 @@ def overheads(
     if kind != float_kind(dtype):  # the torch path reads a layer's cache converted
         dequant += 2 * args.n_kv_heads * max_seq_len * args.head_dim * el
     scratch = acts + scores + logits + dequant
-    return Overheads(process, globals_, kv + rope, scratch, RUNTIME_BYTES)
+    return Overheads(process, globals_, kv + rope, scratch, 0 if stage else RUNTIME_BYTES)
 
 
 def _linear_elements(ckpt: Checkpoint, module: str) -> int:
@@ -217,7 +228,10 @@ class LayerStream:
         reader: UnitReader,
         *,
         prefetch: bool = True,
+        begins: nn.Module | None = None,
     ):
+        """`begins`: the module whose call begins a pass (default the model; a pipeline
+        stage's first block, since a stage runs no model forward)."""
         self.plan = plan
         self.reader = reader
         self.prefetch = prefetch
@@ -247,7 +261,8 @@ class LayerStream:
         self._t = 0  # position in the endless cycle of streamed layers to compute next
         self._tickets: dict[int, list[Ticket]] = {}  # slot -> reads in flight
         self._bound: int | None = None
-        self._handles = [model.register_forward_pre_hook(self._begin_pass)]
+        begins = model if begins is None else begins
+        self._handles = [begins.register_forward_pre_hook(self._begin_pass)]
         for i in self.order:
             block = model.layers[i]
             self._handles.append(block.register_forward_pre_hook(self._before(i)))
@@ -356,6 +371,7 @@ def load_streamed(
     workers: int = 2,
     raise_to_minimum: bool = False,
     kv_cache: str | None = None,
+    layers: range | None = None,
 ) -> tuple[Transformer, LayerStream | None, Plan]:
     """Build `ckpt`'s model to run within `budget` bytes of process footprint.
 
@@ -366,13 +382,16 @@ def load_streamed(
     raise_to_minimum: a budget below the minimum working set becomes that minimum
     (the automatic budget of a model too large for the memory available) instead of
     being refused. kv_cache: the KV cache's format the plan counts.
+    layers: only these blocks, a pipeline stage's (pipeline/stage.py): the budget holds
+    them and their caches, not the embeddings and the output layer.
     """
     args = ckpt.args
     max_seq_len = min(max_seq_len, args.max_seq_len)
     groups = layer_units(ckpt, args.n_layers)
-    costs = layer_costs(ckpt, groups, dtype)
+    held = range(args.n_layers) if layers is None else layers
+    costs = layer_costs(ckpt, groups, dtype, held)
     process = process_rss() if process_bytes is None else process_bytes
-    fixed = overheads(ckpt, args, dtype, max_seq_len, process, kv_cache)
+    fixed = overheads(ckpt, args, dtype, max_seq_len, process, kv_cache, layers)
     if raise_to_minimum:
         budget = max(budget, minimum_bytes(costs, fixed))
     plan = plan_memory(costs, fixed, budget)
@@ -388,7 +407,9 @@ def load_streamed(
             streamed_bytes=sum(c.read_bytes for c in costs),
         )
 
-    model, placeholders = build_unbound(ckpt, dtype, max_seq_len, [u for g in groups for u in g])
+    part = Part(held, ends=False) if layers is not None else None
+    units = [u for i in held for u in groups[i]]
+    model, placeholders = build_unbound(ckpt, dtype, max_seq_len, units, part)
     stream = attach_stream(
         model,
         ckpt,
@@ -398,6 +419,7 @@ def load_streamed(
         check=check,
         direct=direct,
         workers=workers,
+        layers=layers,
     )
     return model, stream, plan
 
@@ -412,16 +434,19 @@ def attach_stream(
     check: str | None = "first",
     direct: bool = True,
     workers: int = 2,
+    layers: range | None = None,
 ) -> LayerStream | None:
     """Bind `model`'s layers (built by build_unbound with `placeholders` for them) as
     `plan` says: pinned ones to the file map, the rest to a LayerStream (None when every
     layer is pinned). The keyword arguments are load_streamed's."""
     groups = layer_units(ckpt, ckpt.args.n_layers)
-    targets = {i: tensor_slots(model, ckpt, g, placeholders) for i, g in enumerate(groups)}
+    held = range(len(groups)) if layers is None else layers
+    targets = {i: tensor_slots(model, ckpt, groups[i], placeholders) for i in held}
     pinned = [int(u.split(".")[1]) for u in plan.pinned]
     # Resident units are read and checked now, as load_model checks a resident model;
     # streamed ones as they are read.
-    map_resident(ckpt, [GLOBALS, *(u for i in pinned for u in groups[i])])
+    ends = [GLOBALS] if layers is None else []
+    map_resident(ckpt, [*ends, *(u for i in pinned for u in groups[i])])
     for i in pinned:  # mapped from the file, as a normal load keeps them
         for tg in targets[i]:
             t = ckpt.tensors[tg.name]
@@ -444,7 +469,10 @@ def attach_stream(
         direct=direct,
     )
     try:
-        return LayerStream(model, ckpt, plan, groups, targets, reader, prefetch=prefetch)
+        begins = None if layers is None else model.layers[layers.start]
+        return LayerStream(
+            model, ckpt, plan, groups, targets, reader, prefetch=prefetch, begins=begins
+        )
     except BaseException:
         reader.close()
         raise

@@ -279,6 +279,38 @@ def test_passes_in_flight_equal_one_at_a_time(models, workers, arch):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_workers_stream_the_layers_their_memory_does_not_hold(token_file, tmp_path, arch):
+    """Two workers each offered less memory than its half of the layers: each streams
+    what does not fit from its own copy (its log says so), and the greedy output over
+    the stages is the single process's on the same (torch) blocks."""
+    hf, path = tmp_path / "hf", tmp_path / "int8"
+    layers = 16 if arch == "llama" else 8
+    make_hf_model(arch, hf, num_hidden_layers=layers, hidden_size=256, intermediate_size=768)
+    cmd = _infer("quantize", hf, "-o", path, "--to", "int8")
+    r = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, env=_env(), timeout=STARTUP
+    )
+    assert r.returncode == 0, r.stderr
+    half = stage_bytes(path, torch.float32, 128, range(layers // 2))
+    budget = half - 2 * half // layers  # two layers' worth short of holding all
+    workers = _start(2, token_file, "--max-memory", f"{budget}B")
+    try:
+        lm = _pipelined(path, workers)
+        try:
+            got = list(generate(Session(lm.model, stages=lm.stages), PROMPT, make_sampler(0), 12))
+        finally:
+            lm.stages.close()
+        logs = [w.wait_for("loaded layers") for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+    assert all("streamed from disk" in line for line in logs), logs
+    alone = Session(load_model(path, max_seq_len=128).model)
+    alone.fused = None  # the blocks a streamed stage runs
+    assert got == list(generate(alone, PROMPT, make_sampler(0), 12))
+
+
 def test_a_stage_of_a_checkpoint_needs_its_blocks_as_stored(models):
     """A worker's budget check counts a quantized checkpoint's blocks at their bytes in
     the file, not at float32 (a stage of int4 blocks fits a budget a quarter the size)."""
@@ -365,6 +397,19 @@ def test_a_differing_model_file_is_refused(models, token_file):
         r = subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
         assert_one_line_error(r, 2, "model refused", "sha256")
         worker.wait_for("model refused")
+    finally:
+        worker.kill()
+
+
+def test_layers_that_do_not_fit_and_cannot_stream_are_refused(models, token_file):
+    """A Hugging Face directory (or a GGUF file) does not stream: a worker whose memory
+    does not hold its layers says so, and the run ends with that one line."""
+    worker = Worker(token_file, "--max-memory", "1KB")
+    try:
+        proc = _run(models / "dense", token_file, [worker.address], "Hello", "-n", 2)
+        out, err = proc.communicate(timeout=STARTUP)
+        r = subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
+        assert_one_line_error(r, 2, "do not fit", "infer quantize")
     finally:
         worker.kill()
 

@@ -4,7 +4,8 @@
 each: the handshake (handshake.py: the token, the model's sha256, its layers), then the
 process group, then passes from the previous rank run through its blocks and on to the
 next, until the coordinator stops or a link fails; then it waits for the next one. The
-blocks loaded stay loaded for a coordinator that asks for the same ones.
+blocks loaded stay loaded for a coordinator that asks for the same ones. Blocks beyond
+the worker's memory stream from its disk (offload/stream.py over the stage's layers).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import torch
 
 from ... import InferError
 from ...kernels_cpu.threads import ThreadPolicy
+from ...offload.stream import load_streamed
 from ..files.build import Part, build
-from ..files.sources import open_source
+from ..files.sources import CheckpointSource, open_source
 from ..model import kvcache
 from ..model.fused_decode import FusedDecode, cache_words
 from ..model.llama import KVCache, Rows, rope_rows
@@ -40,8 +42,11 @@ class Stage:
     (session.py): a prompt's chunk on the torch blocks, rows on the fused step over these
     blocks where it runs the model."""
 
-    def __init__(self, model, layers: range, dtype: torch.dtype, threads: int | None = None):
+    def __init__(
+        self, model, layers: range, dtype: torch.dtype, threads: int | None = None, stream=None
+    ):
         self.model, self.layers, self.dtype = model, layers, dtype
+        self.stream = stream  # offload's LayerStream of the blocks that do not fit, or None
         self.kv_cache = kvcache.float_kind(dtype)
         self.caches: dict[int, list[KVCache]] = {}
         self.words: dict[int, torch.Tensor] = {}  # each cache's fused_decode.cache_words
@@ -87,11 +92,27 @@ class Stage:
         return x
 
 
-def load_stage(path: Path, dtype: torch.dtype, ctx: int, layers: range, threads=None) -> Stage:
-    """The blocks `layers` of the model at `path`, read from it alone."""
+def load_stage(
+    path: Path, dtype: torch.dtype, ctx: int, layers: range, threads=None,
+    budget: int | None = None, kv_cache: str | None = None,
+) -> Stage:  # fmt: skip
+    """The blocks `layers` of the model at `path`, read from it alone. With `budget`
+    (the bytes they and a sequence's KV cache of `kv_cache` may hold) the blocks that do
+    not fit stream from the disk as in one process (offload/stream.py)."""
     source = open_source(path)
-    model = build(source, dtype, ctx, part=Part(layers, ends=False))
-    return Stage(model, layers, dtype, threads)
+    if budget is None:
+        model = build(source, dtype, ctx, part=Part(layers, ends=False))
+        return Stage(model, layers, dtype, threads)
+    if not isinstance(source, CheckpointSource):
+        raise InferError(
+            f"layers {layers.start}-{layers.stop - 1} do not fit this worker's "
+            f"{budget / 1e9:.2f} GB, and only infer's own format streams from disk: "
+            f"infer quantize {path.name} -o DIR --to int8 (or int4)"
+        )
+    model, stream, _ = load_streamed(
+        source.checkpoint, dtype, ctx, budget, process_bytes=0, kv_cache=kv_cache, layers=layers
+    )
+    return Stage(model, layers, dtype, threads, stream)
 
 
 def stage_bytes(
@@ -187,19 +208,19 @@ def _load(conn: socket.socket, s: WorkerSettings, held: dict, log) -> tuple[Stag
     handshake.send(conn, {"memory": s.budget, "speed": s.speed})
     plan = handshake.receive(conn, timeout=LOAD_TIMEOUT)  # after every worker's check
     layers = range(*plan["layers"])
-    need = stage_bytes(path, dtype, ctx, layers, kind)
-    if need > s.budget:
-        raise InferError(
-            f"layers {layers.start}-{layers.stop - 1} need about {need / 1e9:.2f} GB, "
-            f"more than this worker's {s.budget / 1e9:.2f} GB"
-        )
-    key = (path, sha, layers, dtype, ctx)
+    # Blocks that do not fit the budget stream from this machine's disk.
+    budget = s.budget if stage_bytes(path, dtype, ctx, layers, kind) > s.budget else None
+    key = (path, sha, layers, dtype, ctx, budget, kind)
     if held.get("key") != key:
         held.pop("stage", None)
         t0 = time.perf_counter()
-        held["stage"] = load_stage(path, dtype, ctx, layers, s.threads)
+        held["stage"] = load_stage(path, dtype, ctx, layers, s.threads, budget, kind)
         held["key"] = key
-        step = "the fused C step" if held["stage"].fused is not None else "torch blocks"
+        stage = held["stage"]
+        step = "the fused C step" if stage.fused is not None else "torch blocks"
+        if stage.stream is not None:
+            n = len(stage.stream.order)
+            step += f"; {n} of {len(layers)} layers streamed from disk"
         log(f"loaded layers {layers.start}-{layers.stop - 1} of {path.name} in "
             f"{time.perf_counter() - t0:.2f} s (decode: {step})")  # fmt: skip
     stage = held["stage"]

@@ -11,6 +11,10 @@ run     `infer run MODEL --no-chat --temp 0 -n TOKENS --json` --rounds times in 
         coordinator of --workers workers (each -t --worker-threads, --max-memory
         --worker-memory); the best round's decode tok/s, its TTFT, and whether every
         answer's text is the one process's.
+boundary  with --boundary: in one coordinator process (in namespace 0 with --delay), the
+        median of 300 PING rounds of the ring (no work), and of 200 decode steps of one
+        sequence over the stages against the same steps in one process (-t --threads):
+        the overhead per stage boundary is the difference / (workers + 1).
 serve   with --serve N,M: `infer serve MODEL --workers ... --parallel max(N, M)` and
         serve_batch.py's decode measurement at those stream counts (no one-process run).
 
@@ -202,11 +206,16 @@ def main() -> None:
     ap.add_argument("--serve-tokens", type=int, default=64)
     ap.add_argument("--skip-single", action="store_true", help="only the pipelined runs")
     ap.add_argument("--delay", type=float, help="ms of netem delay a hop (namespaces)")
+    ap.add_argument("--boundary", action="store_true", help="the ring's own cost (above)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--probe", nargs=2, metavar=("ADDRESSES", "TOKEN"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.probe:  # --boundary's coordinator, in its own process (namespace)
+        print(json.dumps(probe(args.model, *args.probe, args.threads)))
+        return
 
     results = {}
-    if not args.serve and not args.skip_single and args.delay is None:
+    if not (args.serve or args.boundary or args.skip_single) and args.delay is None:
         extra = ["-t", str(args.threads)] + (
             ["--max-memory", args.max_memory] if args.max_memory else []
         )
@@ -231,6 +240,13 @@ def main() -> None:
             link = ["--workers", addresses, "--token-file", str(token)]
             if args.serve:
                 results["serve"] = serve(args, link, Path(tmp))
+            elif args.boundary:
+                cmd = [*(prefixes[0] if prefixes else ()), sys.executable, __file__, args.model,
+                       "--threads", str(args.threads), "--probe", addresses, str(token)]  # fmt: skip
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT, check=False)
+                if r.returncode != 0:
+                    sys.exit(f"the probe failed:\n{r.stderr}")
+                results["boundary"] = json.loads(r.stdout.splitlines()[-1])
             else:
                 results[f"{args.workers} workers"] = best(
                     args.model,
@@ -245,6 +261,59 @@ def main() -> None:
             for w in workers:
                 w.kill()
     report(results, args)
+
+
+def probe(model: str, addresses: str, token: str, threads: int) -> dict:
+    """--boundary's figures, medians in ms: a PING round, a decode step over the stages,
+    the same step in one process."""
+    import statistics
+
+    import torch
+
+    from infer.runtime.loader import load_model
+    from infer.runtime.pipeline import link
+    from infer.runtime.pipeline.coordinator import load_pipelined
+    from infer.runtime.registry import resolve
+    from infer.runtime.session import Session
+
+    torch.set_num_threads(threads)
+    path = resolve(model).path
+    workers = [(h, int(p)) for h, _, p in (a.rpartition(":") for a in addresses.split(","))]
+    secret = Path(token).read_bytes().strip()
+    lm = load_pipelined(model, path, workers, secret, torch.float32, 2048)
+
+    def ms(fn, n: int) -> float:
+        for _ in range(10):
+            fn()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    def ping():
+        receiving = link.Receiving(len(workers))
+        link.Sending(link.Pass(link.Op.PING), 1).wait()
+        receiving.wait(lm.stages.dim, lm.stages.dtype)
+
+    def stepper(session: Session):
+        token = [int(session.prefill(list(range(100, 140))).argmax())]
+
+        def step():
+            token[0] = int(session.step(token[0]).argmax())
+
+        return step
+
+    try:
+        ring = ms(ping, 300)
+        staged = ms(stepper(Session(lm.model, stages=lm.stages)), 200)
+    finally:
+        lm.stages.close()
+    alone = ms(stepper(Session(load_model(path, max_seq_len=2048).model)), 200)
+    hops = len(workers) + 1
+    return {"ping_round_ms": ring, "step_ms": staged, "one_process_step_ms": alone,
+            "per_boundary_ms": (staged - alone) / hops, "hops": hops}  # fmt: skip
 
 
 def serve(args, link: list[str], tmp: Path) -> dict:
@@ -275,6 +344,11 @@ def report(results: dict, args) -> None:
         print(json.dumps(results["serve"], indent=1))
     if "ping ms" in results:
         print(f"TCP round trip between namespaces: {results['ping ms']:.3f} ms")
+    if "boundary" in results:
+        b = results["boundary"]
+        print(f"PING round of {b['hops']} hops {b['ping_round_ms']:.3f} ms; decode step "
+              f"{b['step_ms']:.2f} ms over the stages, {b['one_process_step_ms']:.2f} ms in "
+              f"one process: {b['per_boundary_ms']:.2f} ms a stage boundary")  # fmt: skip
     texts = {k: v["texts"] for k, v in results.items() if isinstance(v, dict) and "texts" in v}
     for name, r in results.items():
         if isinstance(r, dict) and "decode_tok_s" in r:

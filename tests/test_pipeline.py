@@ -279,22 +279,22 @@ def test_passes_in_flight_equal_one_at_a_time(models, workers, arch):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
-def test_workers_stream_the_layers_their_memory_does_not_hold(token_file, tmp_path, arch):
-    """Two workers each offered less memory than its half of the layers: each streams
-    what does not fit from its own copy (its log says so), and the greedy output over
-    the stages is the single process's on the same (torch) blocks."""
+@pytest.mark.parametrize(("arch", "stages"), [("llama", 2), ("llama", 3), ("mixtral", 2)])
+def test_workers_stream_the_layers_their_memory_does_not_hold(token_file, tmp_path, arch, stages):
+    """Workers each offered less memory than its share of the layers: each streams what
+    does not fit from its own copy (its log says so), and the greedy output over the
+    stages is the single process's on the same (torch) blocks."""
     hf, path = tmp_path / "hf", tmp_path / "int8"
-    layers = 16 if arch == "llama" else 8
+    layers = 8 * stages if arch == "llama" else 4 * stages
     make_hf_model(arch, hf, num_hidden_layers=layers, hidden_size=256, intermediate_size=768)
     cmd = _infer("quantize", hf, "-o", path, "--to", "int8")
     r = subprocess.run(
         cmd, check=False, capture_output=True, text=True, env=_env(), timeout=STARTUP
     )
     assert r.returncode == 0, r.stderr
-    half = stage_bytes(path, torch.float32, 128, range(layers // 2))
-    budget = half - 2 * half // layers  # two layers' worth short of holding all
-    workers = _start(2, token_file, "--max-memory", f"{budget}B")
+    share = stage_bytes(path, torch.float32, 128, range(layers // stages))
+    budget = share - share * stages // layers  # a layer's worth short of holding all
+    workers = _start(stages, token_file, "--max-memory", f"{budget}B")
     try:
         lm = _pipelined(path, workers)
         try:

@@ -102,13 +102,16 @@ class DraftLength:
     """How many tokens to guess at the next pass. The length k starts at 1, grows by one
     after a pass that kept every guess and shrinks by one after a miss (1 to `k_max`).
 
-    Whether guessing pays comes from measured costs: a plain pass t, each checked row
-    beyond the first r, each guess's drafting d, and the share of guesses kept a. Guessing
-    k gives 1 + a + ... + a^k tokens a pass for t + k (r + d) seconds; when no k up to the
-    current one beats a plain pass's 1 token in t, guessing pauses for a number of passes
-    that doubles each time (16 up to 256), then one guess probes again. Where guesses
-    always fail that costs about one guess per doubling pause: a pass whose guesses cost
-    as much as itself keeps 0.95 of plain decoding's speed over 200 tokens, 0.97 over 500.
+    Whether guessing pays comes from measured costs: a plain pass t, a checking pass of k
+    guesses c(k), each guess's drafting d, and the share of guesses kept a. Guessing k
+    gives 1 + a + ... + a^k tokens a pass for c(k) + k d seconds. c(k) is measured for
+    each k that ran (the kernels take rows in groups, so it is not linear in k); for
+    others it is t + k r, r the mean cost of a checked row beyond the first. When no k
+    up to the current one beats a plain pass's 1 token in t, guessing pauses for a number
+    of passes that doubles each time (16 up to 256), then one guess probes again. Where
+    guesses always fail that costs about one guess per doubling pause: a pass whose
+    guesses cost as much as itself keeps 0.95 of plain decoding's speed over 200 tokens,
+    0.97 over 500.
     Where a guess costs at least a plain pass (r + d >= t), no acceptance could pay, and
     guessing stops for the rest of the drafter's life: a draft model's probe also costs
     it the prefill of every token it skipped. Not `adaptive`: always k_max, as tests want.
@@ -124,6 +127,7 @@ class DraftLength:
         self.k = 1
         self.plain_s: float | None = None  # t
         self.row_s: float | None = None  # r
+        self.check_s: dict[int, float] = {}  # c(k), by k
         self.draft_s: float | None = None  # d
         self.kept = self.tries = 0.0  # decayed counts of guesses kept and of guesses judged
         self.pause_left = 0  # plain passes to go before guessing again
@@ -156,7 +160,8 @@ class DraftLength:
         """Tokens per second guessing k, over a plain pass's, by the estimates."""
         a = self.kept / self.tries
         tokens = sum(a**i for i in range(k + 1))
-        return tokens * self.plain_s / (self.plain_s + k * (self.row_s + self.draft_s))
+        check = self.check_s.get(k, self.plain_s + k * self.row_s)
+        return tokens * self.plain_s / (check + k * self.draft_s)
 
     def record(self, guessed: int, accepted: int, draft_s: float, pass_s: float) -> None:
         """A pass that checked `guessed` guesses (drafted in `draft_s` seconds) and kept
@@ -175,6 +180,7 @@ class DraftLength:
         self.tries = self.DECAY * self.tries + accepted + missed
         if self.plain_s is not None:
             self.row_s = self._mix(self.row_s, max(0.0, pass_s - self.plain_s) / guessed)
+        self.check_s[guessed] = self._mix(self.check_s.get(guessed), pass_s)
         if self.probing:
             # A probe teaches acceptance and the rows' cost, not the drafting's: a draft
             # model caught up on the tokens it skipped. Nor does it move k.

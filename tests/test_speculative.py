@@ -400,6 +400,25 @@ def test_guessing_goes_on_while_it_pays():
     assert max(passes) == 4
 
 
+def test_draft_length_follows_the_measured_cost_of_each_length():
+    """Checking costs that jump past 4 rows (the kernels' group), 90 % of guesses kept at
+    random: the length settles at 3 guesses (4 rows), where tokens a second peak (one
+    cost a row, averaged over the lengths that ran, settles at 4: 5 rows)."""
+    import random
+
+    rng = random.Random(0)
+    cost = {0: 1.0, 1: 1.37, 2: 1.6, 3: 1.85, 4: 2.6, 5: 2.9, 6: 3.2, 7: 3.5, 8: 4.0}
+    n = DraftLength(k_max=8)
+    passes = []
+    for _ in range(400):
+        k = n.next()
+        kept = next((i for i in range(k) if rng.random() > 0.9), k)
+        n.record(k, kept, 0.0, cost[k])
+        passes.append(k)
+    late = [k for k in passes[200:] if k]
+    assert max(set(late), key=late.count) == 3, passes
+
+
 def test_draft_tokenizer_must_match(tiny, smollm2):
     check_draft_tokenizer(tiny.tokenizer, tiny.tokenizer, "a", "b")
     with pytest.raises(InferError, match="--draft smollm2-135m: its tokenizer"):

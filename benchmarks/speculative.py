@@ -26,7 +26,7 @@ from infer.runtime.bench_speculative import run_speculative_bench
 from infer.runtime.registry import resolve
 
 HERE = Path(__file__).resolve().parent
-REWRITE_FILE = HERE.parent / "runtime" / "session.py"  # 116 lines
+REWRITE_FILE = HERE / "rewrite_input.txt"  # runtime/session.py as of 2026-11-27, 176 lines
 REWRITE = (
     "Add type hints to every function of this file that lacks them, and a one-line "
     "docstring to each function without one. Reply with the whole file and nothing else."

@@ -108,11 +108,11 @@ class DraftLength:
     each k that ran (the kernels take rows in groups, so it is not linear in k); for
     others it is t + k r, r the mean cost of a checked row beyond the first. When no k
     up to the current one beats a plain pass's 1 token in t, guessing pauses for a number
-    of passes that doubles each time (16 up to 256), then one guess probes again. Where
-    guesses always fail that costs about one guess per doubling pause: a pass whose
-    guesses cost as much as itself keeps 0.95 of plain decoding's speed over 200 tokens,
-    0.97 over 500.
-    Where a guess costs at least a plain pass (r + d >= t), no acceptance could pay, and
+    of passes that doubles each time (16 up to 256), then one guess probes again; a kept
+    probe resets the pause and earns 3 checking passes before the next. Where guesses
+    always fail that costs about one guess per doubling pause: a pass whose guesses cost
+    as much as itself keeps 0.95 of plain decoding's speed over 200 tokens, 0.97 over
+    500. Where a guess costs at least a plain pass (r + d >= t), no acceptance could pay, and
     guessing stops for the rest of the drafter's life: a draft model's probe also costs
     it the prefill of every token it skipped. Not `adaptive`: always k_max, as tests want.
     """
@@ -134,6 +134,7 @@ class DraftLength:
         self.pause_len = self.PAUSE
         self.since_plain = 0  # checking passes since the last plain one
         self.probing = False  # a pause ended: the next pass probes with one guess
+        self.grace = 0  # checking passes to go before guessing may pause again
         self.checks = 0  # checking passes measured
 
     def next(self) -> int:
@@ -147,6 +148,9 @@ class DraftLength:
         if self.row_s is None:
             return self.k  # nothing measured yet: guess, to measure
         best = max(range(1, self.k + 1), key=self.speedup)
+        if self.grace > 0 and self.row_s + self.draft_s < self.plain_s:
+            self.grace -= 1
+            return best
         if self.speedup(best) > 1.0:
             self.pause_len = self.PAUSE
             return best
@@ -183,8 +187,12 @@ class DraftLength:
         self.check_s[guessed] = self._mix(self.check_s.get(guessed), pass_s)
         if self.probing:
             # A probe teaches acceptance and the rows' cost, not the drafting's: a draft
-            # model caught up on the tokens it skipped. Nor does it move k.
+            # model caught up on the tokens it skipped. Nor does it move k. A kept probe
+            # earns a few checks before the next pause, for the estimates to follow.
             self.probing = False
+            if accepted == guessed:
+                self.grace = self.MIN_CHECKS
+                self.pause_len = self.PAUSE
             return
         self.draft_s = self._mix(self.draft_s, draft_s / guessed)
         self.k = max(1, self.k - 1) if missed else min(self.k + 1, self.k_max)

@@ -419,6 +419,21 @@ def test_draft_length_follows_the_measured_cost_of_each_length():
     assert max(set(late), key=late.count) == 3, passes
 
 
+def test_a_kept_probe_brings_guessing_back():
+    """Guesses refused for the first 40 passes (the answer's own words), then always
+    kept (it copies): once a probe is kept guessing goes on, not into a longer pause."""
+    n = DraftLength(k_max=4)
+    passes = []
+    for i in range(160):
+        k = n.next()
+        passes.append(k)
+        n.record(k, 0 if i < 40 else k, 0.0, 1.0 + 0.5 * k)
+    first_kept = next(i for i, k in enumerate(passes) if i >= 40 and k)
+    assert first_kept < 40 + 2 * DraftLength.PAUSE, passes
+    plain = passes[first_kept:].count(0)  # a plain pass every REFRESH keeps t current
+    assert plain <= len(passes[first_kept:]) // DraftLength.REFRESH + 1, passes
+
+
 def test_draft_tokenizer_must_match(tiny, smollm2):
     check_draft_tokenizer(tiny.tokenizer, tiny.tokenizer, "a", "b")
     with pytest.raises(InferError, match="--draft smollm2-135m: its tokenizer"):

@@ -6,6 +6,7 @@ attach (a layer stream or an expert cache from offload/ for the parts that do no
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import time
 from dataclasses import dataclass
@@ -144,10 +145,20 @@ def load_model(
     if recorder is not None and not experts:  # resident experts: hooks that only record
         RoutingRecorder(model, recorder)
     model.kv_cache = kv_cache  # what Session(model) makes
+    _give_back_freed_heap()
     load_s = time.perf_counter() - t0
     return LoadedModel(
         model, tokenizer, source, dtype, load_s, plan, stream, auto, offload, recorder
     )
+
+
+def _give_back_freed_heap() -> None:
+    """Return to the system the heap that loading freed (the tokenizer's construction,
+    the weights' temporaries): glibc keeps it in the process otherwise. A few ms."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _budget(

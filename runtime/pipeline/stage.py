@@ -210,7 +210,7 @@ def _load(conn: socket.socket, s: WorkerSettings, held: dict, log) -> tuple[Stag
     layers = range(*plan["layers"])
     # Blocks that do not fit the budget stream from this machine's disk.
     budget = s.budget if stage_bytes(path, dtype, ctx, layers, kind) > s.budget else None
-    key = (path, sha, layers, dtype, ctx, budget, kind)
+    key = (path, sha, layers, dtype, ctx, budget, budget and kind)  # a stream plans its KV
     if held.get("key") != key:
         held.pop("stage", None)
         t0 = time.perf_counter()

@@ -160,25 +160,23 @@ def start_decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> De
             spans.append((len(s.tokens), 1, s.cache))
             owners.append(i)
     ids, spans = torch.tensor([[t for _, t in rows]]), Rows(spans)
-    first = sessions[0]
+    first, logits, finish = sessions[0], None, None
     with first.threads.forward():  # torch's own ops on one thread too
         if first.stages is not None:
             seqs = [(sessions[i].sequence, p, n) for i, (p, n, _) in zip(owners, spans.spans)]
             flight = first.stages.start(model.embed(ids), seqs, rows=True)
-            logits = None
+
+            @torch.inference_mode()
+            def finish() -> torch.Tensor:  # the output layer over the stages' states
+                x = flight.wait()
+                with first.threads.forward():
+                    return model.head(x, spans, all_logits=True)[0]
         else:
             blocks = None
             if first.fused is not None:
                 words = torch.stack([sessions[i].cache_words for i, _ in rows])
                 blocks = functools.partial(_fused_rows, first.fused, spans, words)
             logits = model(ids, None, spans, all_logits=True, blocks=blocks)[0]
-
-    @torch.inference_mode()
-    def finish() -> torch.Tensor:  # the output layer over the stages' states
-        x = flight.wait()
-        with first.threads.forward():
-            return model.head(x, spans, all_logits=True)[0]
-
     parts, a = [], 0
     for i, (_, n, _) in zip(owners, spans.spans):
         sessions[i].tokens.extend(t for _, t in rows[a : a + n])
@@ -192,6 +190,7 @@ class DecodePass:
     each of its tokens; over pipeline stages the output layer runs then."""
 
     def __init__(self, parts: list[tuple[int, int]], logits=None, finish=None):
+        """`logits` (rows, vocab) of a pass done, or `finish` gives them (on the ring)."""
         self.parts, self._logits, self._finish = parts, logits, finish
 
     def wait(self) -> list[torch.Tensor]:

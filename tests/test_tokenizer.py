@@ -501,14 +501,16 @@ def test_sentencepiece_lazy_pieces_equal_eager_ones():
     assert eager[3 + 0xC3] == b"\xc3" and eager[-1] == b"<tool>"
 
 
-@pytest.mark.parametrize("base", [None, 1])
-def test_spm_merges_match_the_reference(monkeypatch, base):
+@pytest.mark.parametrize("base, at_once", [(None, None), (1, None), (None, 5)])
+def test_spm_merges_match_the_reference(monkeypatch, base, at_once):
     """The vectorized recovery of merges against the plain one on random vocabularies:
     ties in score, tokens that take no part, multi-byte characters. Base 1 makes
     anagrams hash alike, which sends some to the reference and others through the
-    full comparison."""
+    full comparison; a few characters at once makes many runs of comparisons."""
     if base is not None:
         monkeypatch.setattr(spm_module._SubstringHash, "BASE", base)
+    if at_once is not None:
+        monkeypatch.setattr(spm_module, "_AT_ONCE", at_once)
     rng = random.Random(7)
     for alphabet in ("ab", "ab▁é中😀x"):
         tokens = list({"".join(rng.choices(alphabet, k=rng.randint(1, 7))) for _ in range(4000)})

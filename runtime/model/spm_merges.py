@@ -9,6 +9,8 @@ definition it must equal (tests/test_tokenizer.py compares them, Gemma 3's 514,8
 merges included).
 """
 
+import itertools
+
 import numpy as np
 
 
@@ -31,9 +33,6 @@ def spm_merges(tokens: list[str], scores: list[float], kept: list[bool]) -> list
         return []
     kept = np.array(kept, bool)
     chars = np.frombuffer("".join(tokens).encode("utf-32-le"), np.uint32)
-    separator = _unused_char(chars)
-    if separator is None:
-        return spm_merges_reference(tokens, scores, kept)
     lens = np.fromiter(map(len, tokens), np.int64, n)
     starts = np.zeros(n + 1, np.int64)
     np.cumsum(lens, out=starts[1:])
@@ -60,35 +59,44 @@ def spm_merges(tokens: list[str], scores: list[float], kept: list[bool]) -> list
     hit = (right >= 0) & (lens[right] == lens[whole] - k)
     whole, k, left, right = whole[hit], k[hit], left[hit], right[hit]
 
-    # Characters compared in full, so a hash collision cannot make a merge.
-    size = lens[whole]
+    same = np.ones(len(whole), bool)
+    for run in _runs(lens[whole], _AT_ONCE):
+        same[run] = _joined(chars, starts, whole[run], k[run], left[run], right[run])
+    whole, k, left, right = whole[same], k[same], left[same], right[same]
+
+    rank = np.lexsort((whole, -k, -np.array(scores, np.float64)[whole]))
+    # Each part is the vocabulary's own string: a new one per part would hold ~100 MB
+    # more (Gemma 3's) while tokenizers builds its BPE from them.
+    parts = np.stack([left[rank], right[rank]], axis=1).ravel()
+    merges = []
+    for start in range(0, len(parts), 2 * _AT_ONCE):  # whole pairs
+        found = map(tokens.__getitem__, parts[start : start + 2 * _AT_ONCE].tolist())
+        merges += zip(found, found)
+    return merges
+
+
+_AT_ONCE = 1 << 18  # characters compared, or merges picked, at once (arrays of 2-4 MB)
+
+
+def _runs(sizes: np.ndarray, total: int) -> list[slice]:
+    """Consecutive slices of `sizes` summing to about `total` each (one item at least)."""
+    ends = np.cumsum(sizes)
+    cuts = np.searchsorted(ends, np.arange(total, ends[-1] if len(ends) else 0, total))
+    bounds = np.unique(np.concatenate(([0], cuts + 1, [len(sizes)])))
+    return [slice(a, b) for a, b in itertools.pairwise(bounds.tolist())]
+
+
+def _joined(chars, starts, whole, k, left, right) -> np.ndarray:
+    """Whether each token `whole` is the text of `left` (`k` characters) then of `right`,
+    compared character by character, so that a hash collision cannot make a merge."""
+    size = starts[whole + 1] - starts[whole]
     pair = np.repeat(np.arange(len(whole)), size)
     j = np.arange(len(pair)) - np.repeat(np.cumsum(size) - size, size)
     kj = k[pair]
     part = np.where(j < kj, starts[left][pair] + j, starts[right][pair] + j - kj)
-    wrong = np.zeros(len(whole), bool)
-    wrong[pair[chars[starts[whole][pair] + j] != chars[part]]] = True
-    whole, k, left, right = whole[~wrong], k[~wrong], left[~wrong], right[~wrong]
-
-    rank = np.lexsort((whole, -k, -np.array(scores, np.float64)[whole]))
-    # The parts' texts cut from one string: picking each out of `tokens` reads objects
-    # all over memory and took longer than the rest of this function.
-    parts = np.stack([left[rank], right[rank]], axis=1).ravel()
-    size = lens[parts] + 1  # each part and a separator after it
-    ends = np.cumsum(size)
-    at = np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - size - starts[parts], size)
-    text = chars[np.minimum(at, len(chars) - 1)]
-    text[ends - 1] = separator
-    words = text.tobytes().decode("utf-32-le").split(chr(separator))
-    return list(zip(words[0:-1:2], words[1::2]))
-
-
-def _unused_char(chars: np.ndarray) -> int | None:
-    """A character below the surrogates that `chars` does not hold, if there is one."""
-    seen = np.zeros(0xD800, bool)
-    seen[chars[chars < 0xD800]] = True
-    unused = np.flatnonzero(~seen)
-    return int(unused[0]) if len(unused) else None
+    same = np.ones(len(whole), bool)
+    same[pair[chars[starts[whole][pair] + j] != chars[part]]] = False
+    return same
 
 
 class _SubstringHash:

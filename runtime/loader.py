@@ -6,7 +6,6 @@ attach (a layer stream or an expert cache from offload/ for the parts that do no
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from ..offload.stream import (
 from ..offload.trace import TraceRecorder
 from .files.build import build
 from .files.checkpoint import Checkpoint, verify
+from .files.hugepages import give_back_freed_heap
 from .files.sources import CheckpointSource, Source, open_source
 from .model.config import ModelArgs
 from .model.kvcache import KINDS, cache_bytes, float_kind
@@ -113,6 +113,7 @@ def load_model(
     ckpt = source.checkpoint if isinstance(source, CheckpointSource) else None
     experts = budget is not None and _offloads_experts(ckpt, dtype, ctx, budget, now, kv_cache)
     tokenizer = source.tokenizer()
+    give_back_freed_heap()  # before the weights: what building the tokenizer freed
     recorder = new_recorder(args, {"model": str(source.path)}) if record_routing else None
     stream = plan = offload = None
     if experts:  # build and attach an expert cache
@@ -145,20 +146,11 @@ def load_model(
     if recorder is not None and not experts:  # resident experts: hooks that only record
         RoutingRecorder(model, recorder)
     model.kv_cache = kv_cache  # what Session(model) makes
-    _give_back_freed_heap()
+    give_back_freed_heap()  # what the weights' temporaries freed
     load_s = time.perf_counter() - t0
     return LoadedModel(
         model, tokenizer, source, dtype, load_s, plan, stream, auto, offload, recorder
     )
-
-
-def _give_back_freed_heap() -> None:
-    """Return to the system the heap that loading freed (the tokenizer's construction,
-    the weights' temporaries): glibc keeps it in the process otherwise. A few ms."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _budget(

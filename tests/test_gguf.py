@@ -550,7 +550,7 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
     assert loaded_bytes(t) == q.nbytes  # what the auto budget counts it at
     arena = hugepages.Arena.of(placed_bytes(t))
     if arena is not None:  # the same weights, written into a huge-page arena of that size
-        placed = to_kernels(t, bias, arena.place)
+        placed = to_kernels(t, bias, arena.empty)
         assert torch.equal(placed.dequantize(), q.dequantize())
         in_place = qtype in (T.Q6_K, T.Q4_K)
         held = [placed.qweight] + ([placed.scales] if hasattr(placed, "scales") else [])

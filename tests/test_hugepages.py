@@ -12,14 +12,18 @@ from infer.runtime.files import hugepages
 needs_thp = pytest.mark.skipif(not hugepages.available(), reason="no transparent huge pages")
 
 
+def _copy(arena, t):
+    return arena.empty(t.shape, t.dtype).copy_(t)
+
+
 @needs_thp
-def test_an_arena_places_copies_in_huge_pages():
+def test_an_arena_holds_copies_in_huge_pages():
     arena = hugepages.Arena.of(1 << 20)
     blocks = torch.arange(4 * 6 * 34, dtype=torch.int32).to(torch.uint8).view(4, 6, 34)
-    codes = arena.place(blocks[:, :, 2:])  # a strided view, as GGUF blocks are split
-    scales = arena.place(blocks[:, :, :2].view(torch.int16))
+    codes = _copy(arena, blocks[:, :, 2:])  # a strided view, as GGUF blocks are split
+    scales = _copy(arena, blocks[:, :, :2].view(torch.int16))
     floats = torch.randn(3, 5, dtype=torch.float64)
-    placed = arena.place(floats)
+    placed = _copy(arena, floats)
     for t, want in ((codes, blocks[:, :, 2:]), (scales, blocks[:, :, :2].view(torch.int16))):
         assert t.is_contiguous() and t.dtype == want.dtype and torch.equal(t, want)
     assert torch.equal(placed, floats)
@@ -34,8 +38,8 @@ def test_an_arena_places_copies_in_huge_pages():
 @needs_thp
 def test_a_full_arena_copies_into_torchs_memory():
     arena = hugepages.Arena.of(100)
-    first = arena.place(torch.ones(25, dtype=torch.float32))  # 100 bytes: fits
-    second = arena.place(torch.ones(2, 3).t())  # no room: torch's copy, same values
+    first = _copy(arena, torch.ones(25, dtype=torch.float32))  # 100 bytes: fits
+    second = _copy(arena, torch.ones(2, 3).t())  # no room: torch's memory, same values
     assert not first.untyped_storage().resizable()
     assert second.untyped_storage().resizable() and second.is_contiguous()
     assert torch.equal(second, torch.ones(3, 2))

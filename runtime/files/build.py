@@ -21,6 +21,7 @@ from ...quant.formats.base import QuantEmbedding, QuantLinear
 from ..model.families import model_class
 from ..model.llama import Transformer
 from . import hugepages
+from .gguf_blocks import new_tensor
 from .sources import Source
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -57,8 +58,8 @@ def build(
     with torch.device("meta"):
         model = model_class(args)(args)
     arena = hugepages.Arena.of(source.placed_bytes(dtype, dequantize))
-    place = arena.place if arena else torch.Tensor.contiguous
-    weights = source.weights(dtype, place, dequantize, keep=part and part.holds)
+    alloc = arena.empty if arena else new_tensor
+    weights = source.weights(dtype, alloc, dequantize, keep=part and part.holds)
     if arena:
         arena.close()
     floats = {k: v for k, v in weights.items() if not isinstance(v, QuantLinear)}

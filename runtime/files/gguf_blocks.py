@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -94,8 +93,30 @@ HELD_IN_INT8 = ON_KERNELS - {*GGUF_SPECS, GGMLQuantizationType.Q5_K, GGMLQuantiz
 IN_PLACE = {GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_K}
 ROWS_AT_ONCE = 4096
 
-# A contiguous copy of a tensor: where the kernels' weights are written at load
-Place = Callable[[torch.Tensor], torch.Tensor]
+# Where the kernels' weights are written at load: a new tensor of a shape and dtype
+Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+# Lets the file's pages of a tensor, copied, go (GGUFFile.release)
+Release = Callable[[GGUFTensor], None]
+
+
+def new_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor in torch's memory (the Alloc without a huge-page arena)."""
+    return torch.empty(shape, dtype=dtype)
+
+
+def _keep(t: GGUFTensor) -> None:
+    """The Release that lets nothing go."""
+
+
+# Where each piece of a block of 32 weights lies, in bytes: scale d, min m, the fifth
+# bits qh, the codes q (ggml-common.h).
+_PIECES = {
+    GGMLQuantizationType.Q8_0: {"d": (0, 2), "q": (2, 34)},
+    GGMLQuantizationType.Q5_0: {"d": (0, 2), "qh": (2, 6), "q": (6, 22)},
+    GGMLQuantizationType.Q5_1: {"d": (0, 2), "m": (2, 4), "qh": (4, 8), "q": (8, 24)},
+    GGMLQuantizationType.Q4_0: {"d": (0, 2), "q": (2, 18)},
+    GGMLQuantizationType.Q4_1: {"d": (0, 2), "m": (2, 4), "q": (4, 20)},
+}
 
 
 def importable(t: GGUFTensor, spec: dict) -> bool:
@@ -126,12 +147,16 @@ def kernel_weights(gguf: GGUFFile) -> set[str]:
 
 
 def from_gguf(
-    t: GGUFTensor, bias: torch.Tensor | None = None, place: Place = torch.Tensor.contiguous
+    t: GGUFTensor,
+    bias: torch.Tensor | None = None,
+    alloc: Alloc = new_tensor,
+    release: Release = _keep,
 ) -> QuantLinear:
     """The Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 tensor `t` (rows already
     un-permuted) as int8 / int6 / int5 / q4_k / int4. Q6_K's and Q4_K's blocks stay where
-    they are (the file's map); the others' codes and scales are copied apart by `place` (a
-    contiguous copy: torch's by default, or into the build's huge-page arena)."""
+    they are (the file's map); the others' codes and scales are copied apart into memory
+    from `alloc` (torch's by default, or the build's huge-page arena), `release` letting
+    each run of rows' file pages go once copied."""
     if t.ggml_type not in GGUF_SPECS:
         supported = ", ".join(k.name for k in GGUF_SPECS)
         raise InferError(
@@ -144,27 +169,32 @@ def from_gguf(
         return Int6Linear(torch.from_numpy(t.data).view(N, K // 256 * Q6_K_BYTES), {}, bias)
     if t.ggml_type == GGMLQuantizationType.Q4_K:
         return Q4KLinear(torch.from_numpy(t.data).view(N, K // 256 * Q4_K_BYTES), {}, bias)
-    _, type_size = GGML_QUANT_SIZES[t.ggml_type]
-    blocks = torch.from_numpy(t.data).view(N, K // 32, type_size)  # (N, K/32, bytes)
-
-    def f16(at: int) -> torch.Tensor:  # the float16 at byte `at` of every block: (N, K/32)
-        return place(blocks[:, :, at : at + 2]).view(torch.float16).view(N, K // 32)
-
+    p = _copied(t, _PIECES[t.ggml_type], alloc, release)
+    d = p["d"].view(torch.float16).view(N, K // 32)
+    m = p["m"].view(torch.float16).view(N, K // 32) if "m" in p else None
     params = spec_params(GGUF_SPECS[t.ggml_type])
     if t.ggml_type == GGMLQuantizationType.Q8_0:
-        qweight = place(blocks[:, :, 2:]).view(torch.int8).view(N, K)
-        return Int8Linear(qweight, f16(0), params, bias)
-    if t.ggml_type in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1):
-        at = 2 if t.ggml_type == GGMLQuantizationType.Q5_0 else 4  # qh after d (and m)
-        qh = place(blocks[:, :, at : at + 4]).view(N, K // 8)
-        qweight = place(blocks[:, :, at + 4 :]).view(N, K // 2)
-        mins = f16(2) if at == 4 else None
-        return Int5Linear(qweight, qh, f16(0), mins, params, bias)
-    if t.ggml_type == GGMLQuantizationType.Q4_0:
-        qweight = place(blocks[:, :, 2:]).view(N, K // 2)
-        return Int4Linear(qweight, f16(0), None, params, bias)
-    qweight = place(blocks[:, :, 4:]).view(N, K // 2)  # Q4_1
-    return Int4Linear(qweight, f16(0), f16(2), params, bias)
+        return Int8Linear(p["q"].view(torch.int8).view(N, K), d, params, bias)
+    if "qh" in p:
+        return Int5Linear(p["q"].view(N, K // 2), p["qh"].view(N, K // 8), d, m, params, bias)
+    return Int4Linear(p["q"].view(N, K // 2), d, m, params, bias)
+
+
+def _copied(
+    t: GGUFTensor, pieces: dict[str, tuple[int, int]], alloc: Alloc, release: Release
+) -> dict[str, torch.Tensor]:
+    """Each piece of every block of `t` (bytes [a, b) of `pieces`), as (rows, blocks,
+    b - a) uint8 from `alloc`. Copied ROWS_AT_ONCE rows at a time, each run's file pages
+    released once copied: a large table is never whole in memory twice."""
+    N = t.shape[0]
+    blocks = torch.from_numpy(t.data).view(N, -1, GGML_QUANT_SIZES[t.ggml_type][1])
+    out = {k: alloc((N, blocks.shape[1], b - a), torch.uint8) for k, (a, b) in pieces.items()}
+    for start in range(0, N, ROWS_AT_ONCE):
+        run = slice(start, start + ROWS_AT_ONCE)
+        for k, (a, b) in pieces.items():
+            out[k][run].copy_(blocks[run, :, a:b])
+        release(t.rows(start, start + ROWS_AT_ONCE))
+    return out
 
 
 def loaded_bytes(t: GGUFTensor) -> int:
@@ -180,7 +210,7 @@ def loaded_bytes(t: GGUFTensor) -> int:
 
 
 def placed_bytes(t: GGUFTensor) -> int:
-    """The bytes that `to_kernels` copies with `place` for `t` (all its experts, for a
+    """The bytes that `to_kernels` copies into `alloc`'s memory for `t` (all its experts, for a
     stacked tensor): none for Q6_K and Q4_K, left in the file's map; for the others their
     codes, scales and mins (and int5's high bits), each rounded up to a cache line as an
     arena lays them."""
@@ -194,34 +224,38 @@ def placed_bytes(t: GGUFTensor) -> int:
 
 
 def to_kernels(
-    t: GGUFTensor, bias: torch.Tensor | None = None, place: Place = torch.Tensor.contiguous
+    t: GGUFTensor,
+    bias: torch.Tensor | None = None,
+    alloc: Alloc = new_tensor,
+    release: Release = _keep,
 ) -> QuantLinear:
     """The 2-D tensor `t` (a type of ON_KERNELS) as the QuantLinear that runs it: Q8_0 /
     Q6_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 bit for bit, Q3_K's values bit for bit in
-    int6, Q5_K with its codes, any other type in int8 g32. Its codes and scales are put
-    where `place` copies them (from_gguf)."""
+    int6, Q5_K with its codes, any other type in int8 g32. Its codes and scales are
+    copied into memory from `alloc`; `release` lets the file's pages go (from_gguf)."""
     if t.ggml_type in GGUF_SPECS:
-        return from_gguf(t, bias, place)
+        return from_gguf(t, bias, alloc, release)
     if t.ggml_type == GGMLQuantizationType.Q5_K:
         q = _from_q5_k(t, bias)
     elif t.ggml_type == GGMLQuantizationType.Q3_K:
         q = _from_q3_k(t, bias)
     elif t.ggml_type in HELD_IN_INT8:
-        q = _held_in_int8(t, bias)
+        q = _held_in_int8(t, bias, release)
     else:
         raise InferError(f"{t.name}: no kernel runs ggml type {t.ggml_type.name}")
     for name in ("qweight", "qh", "scales", "mins"):  # computed in torch's memory: moved whole
         if getattr(q, name, None) is not None:
-            setattr(q, name, place(getattr(q, name)))
+            computed = getattr(q, name)
+            setattr(q, name, alloc(computed.shape, computed.dtype).copy_(computed))
     return q
 
 
-def _held_in_int8(t: GGUFTensor, bias: torch.Tensor | None) -> Int8Linear:
+def _held_in_int8(t: GGUFTensor, bias: torch.Tensor | None, release: Release) -> Int8Linear:
     runs = []  # ROWS_AT_ONCE rows at a time: a large table is never whole in float32
     for start in range(0, t.shape[0], ROWS_AT_ONCE):
-        rows = t.data[start : start + ROWS_AT_ONCE]
-        part = replace(t, shape=(rows.shape[0], t.shape[1]), data=rows)
+        part = t.rows(start, start + ROWS_AT_ONCE)
         runs.append(Int8Linear.from_float(dequantize(part), group_size=32, search=False))
+        release(part)
     qweight, scales = (torch.cat([getattr(r, k) for r in runs]) for k in ("qweight", "scales"))
     return Int8Linear(qweight, scales, runs[0].params, bias)
 

@@ -4,7 +4,7 @@ Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q6_K are dequantized here, bit-exact with
 gguf.quants.dequantize; other types through that function.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -40,6 +40,12 @@ class GGUFTensor:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+    def rows(self, start: int, stop: int) -> "GGUFTensor":
+        """Rows [start, stop) of a 2-D tensor: a view, at its place in the file."""
+        data = self.data[start:stop]
+        offset = self.offset + start * self.data.strides[0] if self.offset >= 0 else -1
+        return replace(self, shape=(len(data), *self.shape[1:]), data=data, offset=offset)
 
 
 def block_bytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> tuple[int, ...]:

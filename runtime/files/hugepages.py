@@ -17,6 +17,7 @@ there: large float models gain nothing from huge pages and would load slower.)
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 from pathlib import Path
 
@@ -80,20 +81,19 @@ class Arena:
         except OSError:  # no room, or the kernel refused the advice
             return None
 
-    def place(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous copy of `t` in the arena (same dtype, shape and values)."""
-        n = t.numel() * t.element_size()
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor in the arena, its values unset (in torch's memory once full)."""
+        n = math.prod(shape) * dtype.itemsize
         if self._used + n > self._memory.numel():
-            return t.contiguous()
-        out = self._memory[self._used : self._used + n].view(t.dtype).view(t.shape)
-        out.copy_(t)
+            return torch.empty(shape, dtype=dtype)
+        out = self._memory[self._used : self._used + n].view(dtype).view(shape)
         self._used += -(-n // ALIGN) * ALIGN
         return out
 
     def close(self) -> None:
         """Loading is done: glibc hands back the heap that the temporaries of the copies
         (a Q4_K's codes, a tensor held in int8) took."""
-        _give_back_freed_memory()
+        give_back_freed_heap()
 
 
 def _huge_map(nbytes: int) -> torch.Tensor:
@@ -107,10 +107,10 @@ def _huge_map(nbytes: int) -> torch.Tensor:
     return whole[skip : skip + nbytes]
 
 
-def _give_back_freed_memory() -> None:
+def give_back_freed_heap() -> None:
     """glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in its
     heap, counted in RSS; malloc_trim returns them to the system (other C libraries have
-    no such call, and nothing to do here)."""
+    no such call, and nothing to do here). A few ms."""
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
     if trim is not None:
         trim(0)

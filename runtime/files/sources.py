@@ -26,7 +26,15 @@ from ..model.tokenizer import Tokenizer
 from .checkpoint import Checkpoint, read_checkpoint
 from .checkpoint_header import ROPE_FREQS
 from .gguf import GGUFFile
-from .gguf_blocks import ON_KERNELS, Place, kernel_weights, loaded_bytes, placed_bytes, to_kernels
+from .gguf_blocks import (
+    ON_KERNELS,
+    Alloc,
+    kernel_weights,
+    loaded_bytes,
+    new_tensor,
+    placed_bytes,
+    to_kernels,
+)
 from .model_file import (
     CheckpointFile,
     GGUFModelFile,
@@ -52,17 +60,18 @@ class Source(ModelFile):
     def weights(
         self,
         dtype: torch.dtype,
-        place: Place = torch.Tensor.contiguous,
+        alloc: Alloc = new_tensor,
         dequantize=False,
         keep: Keep | None = None,
     ) -> Weights:
-        """The model's tensors; weights copied for the kernels go where `place` puts them.
+        """The model's tensors; weights copied for the kernels go into memory from `alloc`.
         `dequantize`: a GGUF file's blocks in `dtype` too, the exact float reference.
         `keep`: only the tensors whose name it accepts are read (build.Part.holds)."""
         raise NotImplementedError
 
     def placed_bytes(self, dtype: torch.dtype, dequantize=False) -> int:
-        """The bytes `weights` copies with `place` (build sizes its huge-page arena so)."""
+        """The bytes `weights` copies into `alloc`'s memory (build sizes its huge-page
+        arena so)."""
         return 0
 
     def held_bytes(self, dtype: torch.dtype) -> int:
@@ -119,7 +128,7 @@ class GGUFSource(GGUFModelFile, Source):
     def _on_kernels(self, dtype: torch.dtype, dequantize: bool) -> bool:
         return dtype == torch.float32 and not dequantize
 
-    def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False, keep=None) -> Weights:
+    def weights(self, dtype, alloc=new_tensor, dequantize=False, keep=None) -> Weights:
         blocks = kernel_weights(self.gguf) if self._on_kernels(dtype, dequantize) else set()
         # A tied model's output layer is its table, whatever the file holds beside it.
         unused = {"lm_head.weight"} if self.args.tie_embeddings else set()
@@ -131,7 +140,7 @@ class GGUFSource(GGUFModelFile, Source):
         for hf in sorted(blocks - unused):
             t = self.gguf.hf_tensor(hf)
             name = hf.removeprefix("model.").removesuffix(".weight")
-            sd[name] = to_kernels(t, sd.pop(f"{name}.bias", None), place)
+            sd[name] = to_kernels(t, sd.pop(f"{name}.bias", None), alloc, self.gguf.release)
             self.gguf.release(t)  # copied: its pages need not stay in memory
         return sd
 
@@ -178,7 +187,7 @@ class HFSource(HFModelFile, Source):
             shapes["rope_freqs.weight"] = rope_freqs
         return {k: tuple(v.shape) for k, v in shapes.items()}
 
-    def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False, keep=None) -> Weights:
+    def weights(self, dtype, alloc=new_tensor, dequantize=False, keep=None) -> Weights:
         sd = {}
         for f in self.files:
             tensors, _ = read_safetensors(f, self.headers[f])
@@ -209,7 +218,7 @@ class CheckpointSource(CheckpointFile, Source):
         ranges = self.checkpoint.ranges
         return sum(e - b for unit, (b, e) in ranges.items() if _layer(unit) in layers)
 
-    def weights(self, dtype, place=torch.Tensor.contiguous, dequantize=False, keep=None) -> Weights:
+    def weights(self, dtype, alloc=new_tensor, dequantize=False, keep=None) -> Weights:
         ckpt = self.checkpoint
         quant = {k: v for k, v in ckpt.quant.items() if keep is None or keep(k)}
         sd, parts = {}, {name: {} for name in quant}

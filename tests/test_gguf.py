@@ -523,6 +523,28 @@ def test_q5_blocks_run_as_int5_in_the_fused_step(tmp_path):
     torch.testing.assert_close(last, want_last, atol=1e-4 * want_last.abs().max(), rtol=0)
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_0, T.Q4_1, T.Q2_K])
+def test_copied_blocks_go_a_run_of_rows_at_a_time(monkeypatch, qtype):
+    """A copied tensor goes a few rows at a time, each run's file pages let go once
+    copied (its place in the file given), and equals the tensor copied whole."""
+    from infer.runtime.files import gguf_blocks
+
+    N, K = 7, 256
+    if qtype == T.Q2_K:  # held in int8, requantized a run at a time
+        data = random_blocks(qtype, N, K)
+    else:
+        w = np.random.default_rng(2).standard_normal((N, K)).astype(np.float32)
+        data = gguf.quants.quantize(w, qtype)
+    t = GGUFTensor("w", qtype, (N, K), data, 4096)
+    whole = gguf_blocks.to_kernels(t)
+    monkeypatch.setattr(gguf_blocks, "ROWS_AT_ONCE", 3)
+    released = []
+    runs = gguf_blocks.to_kernels(t, release=lambda r: released.append((r.offset, r.shape)))
+    assert torch.equal(runs.dequantize(), whole.dequantize())
+    row = data.shape[1]
+    assert released == [(4096 + i * row, (n, K)) for i, n in ((0, 3), (3, 3), (6, 1))]
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.Q5_0, T.Q5_1])
 def test_other_types_go_onto_the_kernels_closely(qtype):
     """Q6_K's blocks are int6's, Q4_K's q4_k's, Q5_0's and Q5_1's int5's, as they are;

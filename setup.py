@@ -27,6 +27,10 @@ else:
                 # a * b + c stays two roundings unless a kernel asks for an FMA, so the
                 # dequantization matches the formats' definitions bit for bit.
                 "-ffp-contract=off",
+                # Python's CFLAGS carry -fwrapv (signed overflow defined, for CPython's own
+                # code); it keeps gcc from simplifying the kernels' index arithmetic, and
+                # made the int8 GEMV 15-30 % slower. The kernels never overflow a signed int.
+                "-fno-wrapv",
                 "-fvisibility=hidden",
                 "-pthread",
             ],

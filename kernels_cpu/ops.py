@@ -118,13 +118,13 @@ def int5_gemv_fifteen_bits(isa: str | None = None) -> bool:
     return _C.isa_int5_digits(_default_isa() if isa is None else _isa_id(isa))
 
 
-def x16_gemv(isa: str | None = None) -> bool:
-    """Whether a path's int8 and int6 GEMVs take x as int16, 15 significant bits per
-    block of 32 (plain AVX2); the VNNI paths take the int8 GEMV's three digits (22 bits),
-    the rest float32."""
+def int6_gemv_fifteen_bits(isa: str | None = None) -> bool:
+    """Whether a path's int6 GEMV takes x as int16, 15 significant bits per block of 32
+    (plain AVX2); the VNNI paths take the int8 GEMV's three digits (22 bits), the rest
+    float32."""
     if _C is None:
         return False
-    return _C.isa_x16(_default_isa() if isa is None else _isa_id(isa))
+    return _C.isa_int6_x16(_default_isa() if isa is None else _isa_id(isa))
 
 
 def q4k_gemv_fifteen_bits(isa: str | None = None) -> bool:

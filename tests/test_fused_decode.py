@@ -131,12 +131,7 @@ def test_fused_runs_mixtures_of_experts(hf_dirs, arch, recipe, overrides):
     ]
     ref = decode_logits(model, fused=False)
     got = decode_logits(model, fused=True)
-    # The kernels round activations (15 bits a block; a LUT layer's tables to int8): where
-    # the two paths' inputs differ in the last bits (C attention against torch's), one
-    # value can round to the next step, and a LUT layer's steps (1/127) make that larger
-    tol = 5e-3 if recipe.startswith("lut") else 1e-4
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=tol * ref.abs().max().item())
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
 def test_fused_moe_runs_the_blocks_pre_hooks(hf_dirs):

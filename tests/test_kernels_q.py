@@ -5,8 +5,8 @@ when K >= 768, else the GEMM), 12 (the float GEMM) and 33 (the integer GEMM wher
 has one, else the float GEMM; partial tiles and blocks), N odd, K = 32 x odd
 (not a multiple of 256), per-channel int8 with K odd. Results must match the reference
 up to float summation order and what x's digits lose (15 significant bits per block of
-32 in the integer GEMM, the int4 GEMV and plain AVX2's int8 and int6 GEMVs; 22 in the
-VNNI paths' int8 and int6 GEMVs), and be
+32 in the integer GEMM, the int4 GEMV and plain AVX2's int6 GEMV; 22 in the int8 GEMV
+and the VNNI paths' int6), and be
 bit-identical for 1 and 2 threads. Then the quantized layers' forwards, and greedy
 decoding of the default model with kernels against the reference path.
 """
@@ -95,9 +95,9 @@ def runs_gemv(M: int, K: int) -> bool:
 
 def takes_fifteen_bits(M: int, K: int, isa: str, bits: int) -> bool:
     """Whether the rows' x keeps 15 bits per block of 32: in the integer GEMM, in the
-    int4 GEMV of the paths with integer dot products for it, and in plain AVX2's int8
-    and int6 GEMVs (int16 x)."""
-    fifteen = {4: ops.int4_gemv_fifteen_bits, 6: ops.x16_gemv, 8: ops.x16_gemv}.get(bits)
+    int4 GEMV of the paths with integer dot products for it, and in plain AVX2's int6
+    GEMV (int16 x)."""
+    fifteen = {4: ops.int4_gemv_fifteen_bits, 6: ops.int6_gemv_fifteen_bits}.get(bits)
     gemv_digits = fifteen is not None and fifteen(isa) and runs_gemv(M, K)
     return runs_integer_gemm(M, isa, bits) or gemv_digits
 
@@ -242,10 +242,10 @@ def test_special_values(isa, M):
         assert not ((y - ref).abs() > tol).any(), (bits, (y - ref).abs().max())
 
 
-# prompts (the GEMM) of every kind, and decode (the GEMV) of every kind: on VNNI paths
-# int8 and int6 decode take x as three digits (22 bits), which are neither x nor its 15
-# bits exactly
-FIFTEEN_BITS_CASES = [(IGEMM_MIN_M + 1, k) for k in KINDS] + [(1, k) for k in KINDS]
+# prompts (the GEMM) of every kind, and decode (the GEMV) of int4 and int6: int8 decode
+# (and int6's on VNNI paths) takes x as three digits (22 bits), which are neither x nor
+# its 15 bits exactly
+FIFTEEN_BITS_CASES = [(IGEMM_MIN_M + 1, k) for k in KINDS] + [(1, k) for k in INT4 + INT6]
 
 
 @needs_c
@@ -304,7 +304,7 @@ def test_decode_takes_fifteen_bits_where_integer_dots_are():
     on_digits = ("avx2", "avx2vnni", "avx512", "avx512vnni", "neondot")
     for isa in ops.supported_isas():
         assert ops.int4_gemv_fifteen_bits(isa) == (isa in on_digits), isa
-        assert ops.x16_gemv(isa) == (isa == "avx2"), isa
+        assert ops.int6_gemv_fifteen_bits(isa) == (isa == "avx2"), isa
 
 
 @needs_c

@@ -256,11 +256,8 @@ def test_forward_is_matmul_with_dequantized(fmt, params):
             # the LUT kernel's int8 activation tables: within their bound
             bound = lut_table_error_bound(x, q.scales, q.bits, q.group_size)
             assert ((q(x) - want).abs() <= bound + 1e-4 * want.abs() + 1e-4).all()
-        elif (fmt in ("int4", "int5") and ops.int4_gemv_fifteen_bits()) or (
-            fmt in ("int6", "int8") and ops.x16_gemv()
-        ):
-            # decode's x in 15 bits a block (the integer GEMM's two digits, or int16): the
-            # integer GEMM's bound
+        elif fmt in ("int4", "int5") and ops.int4_gemv_fifteen_bits():
+            # decode's x as the integer GEMM's two digits (15 bits a block): its bound
             bound = ops.integer_gemm_error(x.reshape(-1, 256), q.dequantize()).view(want.shape)
             assert ((q(x) - want).abs() <= bound + 1e-5 * want.abs() + 1e-4).all()
         else:

@@ -598,95 +598,6 @@ T void q4_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) {
 T void q5_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) { Q45_ROWS(32, 1); }
 
 /* ------------------------------------------------------------------------------------
- * int8 GEMV on x as int16 X (plain AVX2; X16): per block of 32, the codes as int16
- * (even and odd bytes apart, once for up to 4 rows), per row two vpmaddwd with X (each
- * lane at most 4 * 128 * 32512 < 2^24, exact as a float) and one FMA by sx times the
- * group's scale (or sx alone, the channel's scale at the end).
- * ---------------------------------------------------------------------------------- */
-
-/* The weight scales of blocks b0 .. b0 + nb - 1 (nb <= 8) of 32: groups of g (1.0 for
- * g == 0, whose scale is the channel's) */
-TI __m256 q8_block_scales(const uint16_t *s, int64_t b0, int64_t nb, const int64_t g) {
-    if (!g) return _mm256_set1_ps(1.0f);
-    const int64_t per = g / 32, first = b0 / per, n = (nb + per - 1) / per;
-    const __m256 d = n == 8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + first)))
-                            : halfs_part(s + first, n);
-    if (per == 1) return d;
-    const __m256i idx = per == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)
-                                 : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    return _mm256_permutevar8x32_ps(d, idx); /* b0 is a multiple of 8: of per too */
-}
-
-/* Block b of a weight row (its codes at qb, `left` elements of the row from there; the
- * j-th block of its 8) against R rows of x, into accumulators acc[m][p] */
-TI void q8_block(const qmat *const *a, const int R, const int8_t *qb, int64_t left, int64_t b,
-                 const __m256 *ds, int j, __m256 (*acc)[2], const int p) {
-    if (!(b & 1)) PREFETCH_STREAM_L1(qb); /* once per 64 bytes */
-    __m256i w;
-    if (left >= 32) {
-        w = _mm256_loadu_si256((const __m256i *)qb);
-    } else { /* the row's tail: past K, X is 0 */
-        int8_t tail[32] = {0};
-        memcpy(tail, qb, (size_t)left);
-        w = _mm256_loadu_si256((const __m256i *)tail);
-    }
-    const __m256i ev = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), od = _mm256_srai_epi16(w, 8);
-    const __m256i lane = _mm256_set1_epi32(j);
-    for (int m = 0; m < R; m++) {
-        const __m256i *X = (const __m256i *)((const int16_t *)a[m]->xq + 32 * b);
-        const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(ev, X[0]), _mm256_madd_epi16(od, X[1]));
-        acc[m][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permutevar8x32_ps(ds[m], lane), acc[m][p]);
-    }
-}
-
-TI void q8_rows(const qmat *const *a, const int R, int64_t n, const int64_t g) {
-    const int64_t K = a[0]->K, B = (K + 31) / 32;
-    const int8_t *q = (const int8_t *)a[0]->qw + n * K;
-    const uint16_t *s = g ? (const uint16_t *)a[0]->scales + n * (K / g) : NULL;
-    __m256 acc[4][2];
-    for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t b0 = 0; b0 < B; b0 += 8) {
-        const int64_t nb = B - b0 < 8 ? B - b0 : 8;
-        const __m256 d8 = q8_block_scales(s, b0, nb, g);
-        __m256 ds[4]; /* per row, sx d of the 8 blocks */
-        for (int m = 0; m < R; m++)
-            ds[m] = _mm256_mul_ps(_mm256_maskload_ps(x16_sx(a[m]->xq, K) + b0, first_lanes(nb)), d8);
-        /* blocks in pairs, each of a pair to its own accumulators: an index known at
-         * compile time keeps them in registers */
-        for (int64_t j = 0; j < nb; j += 2) {
-            q8_block(a, R, q + 32 * (b0 + j), K - 32 * (b0 + j), b0 + j, ds, (int)j, acc, 0);
-            if (j + 1 < nb)
-                q8_block(a, R, q + 32 * (b0 + j + 1), K - 32 * (b0 + j + 1), b0 + j + 1, ds, (int)j + 1, acc, 1);
-        }
-    }
-    for (int m = 0; m < R; m++) {
-        const float y = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
-        a[m]->y[n] = g ? y : y * ((const float *)a[0]->scales)[n];
-    }
-}
-
-#define Q8_ROWS(g)                                                                               \
-    for (int64_t n = n0; n < n1; n++)                                                           \
-        for (int m = 0; m < R; m += 4) switch (R - m) {                                          \
-            case 1: q8_rows(a + m, 1, n, g); break;                                              \
-            case 2: q8_rows(a + m, 2, n, g); break;                                              \
-            case 3: q8_rows(a + m, 3, n, g); break;                                              \
-            default: q8_rows(a + m, 4, n, g); break;                                             \
-            }
-
-/* R rows of x, 4 at a time per weight row (its later passes read it from L1) */
-T void q8_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) {
-    switch (a[0]->g) {
-    case 32: Q8_ROWS(32); break;
-    case 64: Q8_ROWS(64); break;
-    case 128: Q8_ROWS(128); break;
-    default: Q8_ROWS(0); break;
-    }
-}
-
-T void q8_gemv_x16(const qmat *a, int64_t n0, int64_t n1) { q8_gemv_rows(&a, 1, n0, n1); }
-
-/* ------------------------------------------------------------------------------------
  * int8 GEMV on x as int8 digits (AVX-VNNI only: vpmaddubsw's int16 pairs overflow on
  * 8-bit weights). x in avx512.c's layout (kernels.h XPREP8_BYTES): per 64 elements three
  * 64-byte digit vectors, 16 lane scales, and per block of 32 its -128 sx sum X. Here a
@@ -814,23 +725,19 @@ TI void q6_quarters(const uint8_t *blk, int h, __m256i q[4]) {
                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
 }
 
-/* ---- plain AVX2: x as int16 X (kernels.h x16_sx), 15 significant bits per block of 32
- * A block's codes as int16, even and odd bytes apart, take one vpmaddwd per 16 with X,
- * so dword lane l sums elements 4l..4l+3 as the digit kernels' lanes do. The codes are
- * unpacked once for up to 4 rows of x. */
+/* ---- plain AVX2: x as int16 X, 15 significant bits per block of 32 -----------------
+ * (in the XPREP8_BYTES buffer): per block of 32, its 16 even elements' X then its 16 odd
+ * ones (64 bytes); then per block sx. A quarter's codes as int16, even and odd bytes
+ * apart, take one vpmaddwd per 16 with X, so dword lane l sums elements 4l..4l+3 as the
+ * digit kernels' lanes do. The codes are unpacked once for up to 4 rows of x. */
 
-T int x16_prep(const float *x, int64_t K, void *buf) {
+T int q6_xprep16(const float *x, int64_t K, void *buf) {
     int16_t *xd = buf;
-    float *sxs = x16_sx(buf, K);
+    float *sxs = (float *)(xd + K);
     const __m256i evens_first = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     for (int64_t k = 0; k < K; k += 32) {
         __m256 v[4];
-        for (int i = 0; i < 4; i++) { /* past K: zeros */
-            const int64_t left = K - k - 8 * i;
-            v[i] = left >= 8  ? _mm256_loadu_ps(x + k + 8 * i)
-                   : left > 0 ? _mm256_maskload_ps(x + k + 8 * i, first_lanes(left))
-                              : _mm256_setzero_ps();
-        }
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + k + 8 * i);
         const float amax = block_amax(v);
         if (amax < 0) return -1;
         __m256i X[4];
@@ -846,6 +753,18 @@ T int x16_prep(const float *x, int64_t K, void *buf) {
         sxs[k / 32] = amax / IG_XMAX;
     }
     return 0;
+}
+
+/* per 16 elements -32 sx sum X, the groups' offset term, from q6_xprep16's x */
+T void q6_xsum16(const void *xq, int64_t K, float *xsum) {
+    const int16_t *xd = xq;
+    const float *sxs = (const float *)(xd + K);
+    for (int64_t k = 0; k < K; k += 16) {
+        int32_t t = 0; /* elements k..k+15: evens and odds of the first or second half */
+        const int16_t *e = xd + (k & ~31) + (k & 16) / 2;
+        for (int i = 0; i < 8; i++) t += e[i] + e[16 + i];
+        xsum[k / 16] = -32.0f * sxs[k / 32] * (float)t;
+    }
 }
 
 /* Up to 4 rows of x against int6 weight row n (each row's sums as it takes them alone) */
@@ -881,7 +800,7 @@ TI void q6_rows(const qmat *const *a, const int R, int64_t n) {
                 const __m256 scj = _mm256_permutevar8x32_ps(sc[h], gj);
                 for (int m = 0; m < R; m++) {
                     const int16_t *xd = a[m]->xq;
-                    const float sx = x16_sx(xd, K)[xb];
+                    const float sx = ((const float *)(xd + K))[xb];
                     const __m256i *X = (const __m256i *)(xd + 32 * xb);
                     const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(ev, X[0]), _mm256_madd_epi16(od, X[1]));
                     f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(scj, _mm256_set1_ps(sx)), f[m]);
@@ -1234,9 +1153,8 @@ const kernel_table kernels_avx2 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
     .ig_xprep = ig_xprep, .ig_panel = avx2_ig_panel, /* vpmaddubsw: codes up to 31 */
     .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(Q4K),
-    .q8_xprep = x16_prep, .q8_gemv_digits = q8_gemv_x16, .q8_gemv_rows = q8_gemv_rows,
-    .q6_xprep = x16_prep, .q6_gemv_digits = q6_gemv_x16, .q6_dequant = q6_dequant,
-    .q6_gemv_rows = q6_gemv_rows, .x16 = 1,
+    .q6_xprep = q6_xprep16, .q6_gemv_digits = q6_gemv_x16, .q6_dequant = q6_dequant,
+    .q6_xsum = q6_xsum16, .q6_gemv_rows = q6_gemv_rows,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .q5_dequant = q5_dequant,
     .q4_gemv_rows = q4_gemv_rows, .q5_gemv_rows = q5_gemv_rows,
 };

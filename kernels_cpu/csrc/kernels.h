@@ -235,14 +235,6 @@ static inline void xprep8_pad(void *buf, int64_t K) {
     for (int i = 0; i < 8; i++) lanes[16 * (B / 2) + 8 + i] = 0;
 }
 
-/* x as int16 X (plain AVX2's int8 and int6 GEMVs): per block of 32, X = round(x / sx)
- * with sx = amax / IG_XMAX (15 significant bits, as the integer GEMM's two digits), its
- * 16 even elements' X then its 16 odd ones (64 bytes a block, zeros past K); then per
- * block sx. Fits in XPREP8_BYTES(K). */
-static inline float *x16_sx(const void *buf, int64_t K) {
-    return (float *)((int16_t *)buf + (K + 31) / 32 * 32);
-}
-
 /* The integer GEMM (igemm.c), for prefill: x as two int8 digits per element and W's
  * codes as bytes, multiplied by integer dot products (vpdpbusd; on plain AVX2
  * vpmaddubsw with int16 sums, igemm_avx2.c), then scaled per block.
@@ -311,8 +303,10 @@ typedef struct {
     dequant_fn q5_dequant;  /* NULL: q5_dequant_c */
     unsigned ig_kinds;      /* the formats its integer GEMM takes: IG_KIND(bits) of each */
     /* the digit GEMVs over several rows of x (NULL: one row at a time) */
-    gemv_rows_fn q4_gemv_rows, q5_gemv_rows, q6_gemv_rows, q8_gemv_rows;
-    int x16; /* its q8_xprep and q6_xprep lay x out as X16 (else XPREP8's digits) */
+    gemv_rows_fn q4_gemv_rows, q5_gemv_rows, q6_gemv_rows;
+    /* int6: per 16 elements -32 sx sum X from the path's prepared x (NULL: its x is
+     * XPREP8's three digits, whose sums matmul.c takes) */
+    void (*q6_xsum)(const void *xq, int64_t K, float *xsum);
 } kernel_table;
 #define IG_KIND(bits) (1u << (bits))
 

@@ -85,15 +85,8 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
         }
         if (xq_ready) { /* per 16: -32 sx sum X, from the digits the kernel multiplies */
             float *xsum = tmp[0];
-            if (kt->x16) { /* elements k..k+15: the evens and odds of a block's half */
-                const int16_t *X = xq_ready;
-                const float *sx = x16_sx(xq_ready, K);
-                for (int64_t s = 0; s < K / 16; s++) {
-                    const int16_t *e = X + 32 * (s / 2) + 8 * (s % 2);
-                    int32_t t = 0;
-                    for (int i = 0; i < 8; i++) t += e[i] + e[16 + i];
-                    xsum[s] = -32.0f * sx[s / 2] * (float)t;
-                }
+            if (kt->q6_xsum) {
+                kt->q6_xsum(xq_ready, K, xsum);
             } else {
                 const int8_t *xd = xq_ready;
                 const float *lanes = (const float *)(xd + (K + 63) / 64 * XPREP8_CHUNK_BYTES);
@@ -155,10 +148,7 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
             if (!(tmp[1] = alloc64(XPREP8_BYTES(K)))) return -1;
             if (kt->q8_xprep(a->x, K, tmp[1]) == 0) xq_ready = tmp[1];
         }
-        if (xq_ready && kt->x16) { /* signed codes times X: no offset term */
-            a->xq = xq_ready;
-            j->gemv = kt->q8_gemv_digits;
-        } else if (xq_ready) {
+        if (xq_ready) {
             const float *xs = xprep8_xs((void *)xq_ready, K);
             float *xsum = tmp[0];
             for (int64_t gi = 0; gi < G; gi++) { /* -128 sx sum X over the group's blocks */
@@ -229,7 +219,6 @@ static void many_task(void *ctx, int64_t t, int tid) {
 /* The path's GEMV over several rows for a matrix whose rows all took `gemv`, or NULL. */
 static gemv_rows_fn rows_of(const kernel_table *kt, int bits, gemv_fn gemv) {
     if (bits == Q4K) return gemv == q4k_for(kt)->gemv_digits ? q4k_for(kt)->gemv_rows : NULL;
-    if (bits == 8) return gemv == kt->q8_gemv_digits ? kt->q8_gemv_rows : NULL;
     if (bits == 6) return gemv == kt->q6_gemv_digits ? kt->q6_gemv_rows : NULL;
     if (bits == 5) return gemv == kt->q5_gemv_digits ? kt->q5_gemv_rows : NULL;
     if (bits == 4) return gemv == kt->q4_gemv_digits ? kt->q4_gemv_rows : NULL;

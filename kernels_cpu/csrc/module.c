@@ -191,10 +191,10 @@ static PyObject *py_isa_int5_digits(PyObject *self, PyObject *arg) {
     return table_of(arg, &kt) ? NULL : PyBool_FromLong(kt && kt->q5_xprep);
 }
 
-static PyObject *py_isa_x16(PyObject *self, PyObject *arg) {
+static PyObject *py_isa_int6_x16(PyObject *self, PyObject *arg) {
     (void)self;
     const kernel_table *kt;
-    return table_of(arg, &kt) ? NULL : PyBool_FromLong(kt && kt->x16);
+    return table_of(arg, &kt) ? NULL : PyBool_FromLong(kt && kt->q6_xsum);
 }
 
 static PyObject *py_isa_q4k_digits(PyObject *self, PyObject *arg) {
@@ -241,8 +241,8 @@ static PyMethodDef methods[] = {
      "whether path `isa`'s int4 GEMV takes x as the integer GEMM's two int8 digits"},
     {"isa_int5_digits", py_isa_int5_digits, METH_O,
      "whether path `isa`'s int5 GEMV takes x as the integer GEMM's two int8 digits"},
-    {"isa_x16", py_isa_x16, METH_O,
-     "whether path `isa`'s int8 and int6 GEMVs take x as int16, 15 bits per block of 32"},
+    {"isa_int6_x16", py_isa_int6_x16, METH_O,
+     "whether path `isa`'s int6 GEMV takes x as int16, 15 bits per block of 32"},
     {"isa_q4k_digits", py_isa_q4k_digits, METH_O,
      "whether path `isa`'s q4_k GEMV takes x as two int8 digits per block of 256"},
     {"cpu_has", py_cpu_has, METH_O, "whether the CPU has a feature (e.g. 'avx512vnni')"},

@@ -162,6 +162,87 @@ T void q8_gemv(const qmat *a, int64_t n0, int64_t n1) {
     }
 }
 
+/* Up to 2 rows of x against int8 weight row n, the codes widened once for both: each
+ * row's sums are q8_gemv_row's, in its order, so each output is its one-row output bit
+ * for bit (2 rows: their accumulators and sums fill the 16 registers) */
+TI void q8_group_rows(const int8_t *q, const qmat *const *a, const int R, int64_t k0,
+                      const int64_t g, __m256 *t) {
+    __m256 w = widen_i8(q + k0);
+    for (int m = 0; m < R; m++) t[m] = _mm256_mul_ps(w, _mm256_loadu_ps(a[m]->x + k0));
+    for (int64_t k = k0 + 8; k < k0 + g; k += 8) {
+        w = widen_i8(q + k);
+        for (int m = 0; m < R; m++) t[m] = _mm256_fmadd_ps(w, _mm256_loadu_ps(a[m]->x + k), t[m]);
+    }
+    for (int64_t l = k0; l < k0 + g; l += 64)
+        if (!(l & 63)) PREFETCH_STREAM_L1(q + l);
+}
+
+TI void q8_rows(const qmat *const *a, const int R, int64_t n, const int64_t g) {
+    const int64_t K = a[0]->K;
+    const int8_t *q = (const int8_t *)a[0]->qw + n * K;
+    __m256 acc[2][ACC], t[2];
+    for (int m = 0; m < R; m++)
+        for (int i = 0; i < ACC; i++) acc[m][i] = _mm256_setzero_ps();
+    if (g) {
+        const int64_t G = K / g;
+        const uint16_t *s = (const uint16_t *)a[0]->scales + n * G;
+        float sc[8] __attribute__((aligned(32)));
+        for (int64_t g0 = 0; g0 < G; g0 += 8) {
+            const int64_t ng = G - g0 < 8 ? G - g0 : 8;
+            _mm256_store_ps(sc, ng == 8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g0)))
+                                        : halfs_part(s + g0, ng));
+            int64_t j = 0;
+            for (; j + ACC <= ng; j += ACC)
+                for (int u = 0; u < ACC; u++) {
+                    q8_group_rows(q, a, R, (g0 + j + u) * g, g, t);
+                    for (int m = 0; m < R; m++)
+                        acc[m][u] = _mm256_fmadd_ps(t[m], _mm256_set1_ps(sc[j + u]), acc[m][u]);
+                }
+            for (; j < ng; j++) {
+                q8_group_rows(q, a, R, (g0 + j) * g, g, t);
+                for (int m = 0; m < R; m++)
+                    acc[m][0] = _mm256_fmadd_ps(t[m], _mm256_set1_ps(sc[j]), acc[m][0]);
+            }
+        }
+        for (int m = 0; m < R; m++) a[m]->y[n] = hsum_acc(acc[m]);
+    } else {
+        int64_t k = 0;
+        for (; k + 8 * ACC <= K; k += 8 * ACC) {
+            if (!(k & 63)) PREFETCH_STREAM_L1(q + k);
+            for (int i = 0; i < ACC; i++) {
+                const __m256 w = widen_i8(q + k + 8 * i);
+                for (int m = 0; m < R; m++)
+                    acc[m][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(a[m]->x + k + 8 * i), acc[m][i]);
+            }
+        }
+        for (; k + 8 <= K; k += 8) {
+            const __m256 w = widen_i8(q + k);
+            for (int m = 0; m < R; m++)
+                acc[m][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(a[m]->x + k), acc[m][0]);
+        }
+        if (k < K) {
+            const __m256 w = widen_i8_part(q + k, K - k);
+            for (int m = 0; m < R; m++)
+                acc[m][0] = _mm256_fmadd_ps(w, _mm256_maskload_ps(a[m]->x + k, first_lanes(K - k)), acc[m][0]);
+        }
+        for (int m = 0; m < R; m++) a[m]->y[n] = hsum_acc(acc[m]) * ((const float *)a[0]->scales)[n];
+    }
+}
+
+#define Q8_ROWS(g)                                                                               \
+    for (int64_t n = n0; n < n1; n++)                                                           \
+        for (int m = 0; m < R; m += 2) R - m == 1 ? q8_rows(a + m, 1, n, g) : q8_rows(a + m, 2, n, g)
+
+/* R rows of float x, 2 at a time per weight row (its later passes read it from L1) */
+T void q8_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) {
+    switch (a[0]->g) {
+    case 32: Q8_ROWS(32); break;
+    case 64: Q8_ROWS(64); break;
+    case 128: Q8_ROWS(128); break;
+    default: Q8_ROWS(0); break;
+    }
+}
+
 /* ------------------------------------------------------------------------------------
  * int4 GEMV, float (for x with inf or NaN)
  * ---------------------------------------------------------------------------------- */
@@ -1156,7 +1237,7 @@ const kernel_table kernels_avx2 = {
     .q6_xprep = q6_xprep16, .q6_gemv_digits = q6_gemv_x16, .q6_dequant = q6_dequant,
     .q6_xsum = q6_xsum16, .q6_gemv_rows = q6_gemv_rows,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .q5_dequant = q5_dequant,
-    .q4_gemv_rows = q4_gemv_rows, .q5_gemv_rows = q5_gemv_rows,
+    .q4_gemv_rows = q4_gemv_rows, .q5_gemv_rows = q5_gemv_rows, .q8_gemv_rows = q8_gemv_rows,
 };
 const kernel_table kernels_avx2_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,

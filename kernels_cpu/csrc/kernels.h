@@ -304,6 +304,7 @@ typedef struct {
     unsigned ig_kinds;      /* the formats its integer GEMM takes: IG_KIND(bits) of each */
     /* the digit GEMVs over several rows of x (NULL: one row at a time) */
     gemv_rows_fn q4_gemv_rows, q5_gemv_rows, q6_gemv_rows;
+    gemv_rows_fn q8_gemv_rows; /* over float x: rows whose GEMV is the float q8_gemv */
     /* int6: per 16 elements -32 sx sum X from the path's prepared x (NULL: its x is
      * XPREP8's three digits, whose sums matmul.c takes) */
     void (*q6_xsum)(const void *xq, int64_t K, float *xsum);

@@ -219,6 +219,7 @@ static void many_task(void *ctx, int64_t t, int tid) {
 /* The path's GEMV over several rows for a matrix whose rows all took `gemv`, or NULL. */
 static gemv_rows_fn rows_of(const kernel_table *kt, int bits, gemv_fn gemv) {
     if (bits == Q4K) return gemv == q4k_for(kt)->gemv_digits ? q4k_for(kt)->gemv_rows : NULL;
+    if (bits == 8 && gemv == kt->q8_gemv) return kt->q8_gemv_rows;
     if (bits == 6) return gemv == kt->q6_gemv_digits ? kt->q6_gemv_rows : NULL;
     if (bits == 5) return gemv == kt->q5_gemv_digits ? kt->q5_gemv_rows : NULL;
     if (bits == 4) return gemv == kt->q4_gemv_digits ? kt->q4_gemv_rows : NULL;

@@ -97,74 +97,9 @@ TI float hsum_acc(const __m256 *acc) {
  * int8 GEMV
  * ---------------------------------------------------------------------------------- */
 
-/* sum over one group of q * x, from element k0 */
-TI __m256 q8_group(const int8_t *q, const float *x, int64_t k0, const int64_t g) {
-    __m256 t = _mm256_mul_ps(widen_i8(q + k0), _mm256_loadu_ps(x + k0));
-    for (int64_t k = k0 + 8; k < k0 + g; k += 8)
-        t = _mm256_fmadd_ps(widen_i8(q + k), _mm256_loadu_ps(x + k), t);
-    for (int64_t l = k0; l < k0 + g; l += 64) /* once per 64 bytes */
-        if (!(l & 63)) PREFETCH_STREAM_L1(q + l);
-    return t;
-}
-
-TI void q8_gemv_row(const qmat *a, int64_t n, const int64_t g) {
-    const int64_t K = a->K;
-    const float *x = a->x;
-    const int8_t *q = (const int8_t *)a->qw + n * K;
-    __m256 acc[ACC];
-    for (int i = 0; i < ACC; i++) acc[i] = _mm256_setzero_ps();
-    if (g) {
-        const int64_t G = K / g;
-        const uint16_t *s = (const uint16_t *)a->scales + n * G;
-        float sc[8] __attribute__((aligned(32))); /* 8 groups' scales, as float */
-        for (int64_t g0 = 0; g0 < G; g0 += 8) {
-            const int64_t ng = G - g0 < 8 ? G - g0 : 8;
-            _mm256_store_ps(sc, ng == 8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g0)))
-                                        : halfs_part(s + g0, ng));
-            /* groups in turn to ACC accumulators (constant indices: kept in registers),
-             * a batch's last ng % ACC groups to the first */
-            int64_t j = 0;
-            for (; j + ACC <= ng; j += ACC)
-                for (int u = 0; u < ACC; u++)
-                    acc[u] = _mm256_fmadd_ps(q8_group(q, x, (g0 + j + u) * g, g),
-                                             _mm256_set1_ps(sc[j + u]), acc[u]);
-            for (; j < ng; j++)
-                acc[0] = _mm256_fmadd_ps(q8_group(q, x, (g0 + j) * g, g), _mm256_set1_ps(sc[j]), acc[0]);
-        }
-        a->y[n] = hsum_acc(acc);
-    } else {
-        int64_t k = 0;
-        for (; k + 8 * ACC <= K; k += 8 * ACC) {
-            if (!(k & 63)) PREFETCH_STREAM_L1(q + k);
-            for (int i = 0; i < ACC; i++)
-                acc[i] = _mm256_fmadd_ps(widen_i8(q + k + 8 * i), _mm256_loadu_ps(x + k + 8 * i), acc[i]);
-        }
-        for (; k + 8 <= K; k += 8)
-            acc[0] = _mm256_fmadd_ps(widen_i8(q + k), _mm256_loadu_ps(x + k), acc[0]);
-        if (k < K)
-            acc[0] = _mm256_fmadd_ps(widen_i8_part(q + k, K - k),
-                                     _mm256_maskload_ps(x + k, first_lanes(K - k)), acc[0]);
-        a->y[n] = hsum_acc(acc) * ((const float *)a->scales)[n];
-    }
-}
-
-#define ROWS_LOOP(ROW, g)                                                                        \
-    do {                                                                                         \
-        for (int64_t n = n0; n < n1; n++) ROW(a, n, g);                                          \
-    } while (0)
-
-T void q8_gemv(const qmat *a, int64_t n0, int64_t n1) {
-    switch (a->g) {
-    case 32: ROWS_LOOP(q8_gemv_row, 32); break;
-    case 64: ROWS_LOOP(q8_gemv_row, 64); break;
-    case 128: ROWS_LOOP(q8_gemv_row, 128); break;
-    default: ROWS_LOOP(q8_gemv_row, 0); break;
-    }
-}
-
-/* Up to 2 rows of x against int8 weight row n, the codes widened once for both: each
- * row's sums are q8_gemv_row's, in its order, so each output is its one-row output bit
- * for bit (2 rows: their accumulators and sums fill the 16 registers) */
+/* Up to 2 rows of x against int8 weight row n, the codes widened once for both; one row
+ * alone is the GEMV (q8_gemv), so a row's output is the same alone or beside another
+ * (2 rows: their accumulators and sums fill the 16 registers) */
 TI void q8_group_rows(const int8_t *q, const qmat *const *a, const int R, int64_t k0,
                       const int64_t g, __m256 *t) {
     __m256 w = widen_i8(q + k0);
@@ -226,6 +161,22 @@ TI void q8_rows(const qmat *const *a, const int R, int64_t n, const int64_t g) {
                 acc[m][0] = _mm256_fmadd_ps(w, _mm256_maskload_ps(a[m]->x + k, first_lanes(K - k)), acc[m][0]);
         }
         for (int m = 0; m < R; m++) a[m]->y[n] = hsum_acc(acc[m]) * ((const float *)a[0]->scales)[n];
+    }
+}
+
+TI void q8_gemv_row(const qmat *a, int64_t n, const int64_t g) { q8_rows(&a, 1, n, g); }
+
+#define ROWS_LOOP(ROW, g)                                                                        \
+    do {                                                                                         \
+        for (int64_t n = n0; n < n1; n++) ROW(a, n, g);                                          \
+    } while (0)
+
+T void q8_gemv(const qmat *a, int64_t n0, int64_t n1) {
+    switch (a->g) {
+    case 32: ROWS_LOOP(q8_gemv_row, 32); break;
+    case 64: ROWS_LOOP(q8_gemv_row, 64); break;
+    case 128: ROWS_LOOP(q8_gemv_row, 128); break;
+    default: ROWS_LOOP(q8_gemv_row, 0); break;
     }
 }
 

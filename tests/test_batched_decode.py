@@ -159,7 +159,10 @@ def test_guessed_tokens_in_one_pass_equal_one_at_a_time(hf_dirs, fused, kv_cache
         assert len(guesses) > together.fused.max_rows
         assert torch.equal(got, ref)
     else:
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        # torch's path takes 20 rows through another kernel (the integer GEMM where the
+        # host has one): keys a hair apart can round to int8 codes one step apart
+        tol = (1e-3 if kv_cache == "int8" else 1e-4) * ref.abs().max().item()
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=tol)
     # guesses that were not accepted go; the next pass writes their positions again
     together.truncate(len(PROMPTS[0]) + 3)
     one.truncate(len(PROMPTS[0]) + 3)

@@ -12,7 +12,8 @@
  * sc[j] * sum q X, at most 32 * 15 * 128 * 63 * 256 + 32 * 15 * 128 * 63 < 2^31 with the
  * high digit's sum shifted by 8. One float FMA per block by d sx, and the mins' term
  * dmin * m[j] * (sx * sum X) per sub-block from x's sums. Without digits (x with inf or
- * NaN, or a path with none: scalar, NEON) q4k_gemv_c runs in float.
+ * NaN, or a path with none: scalar, NEON) q4k_gemv_c runs in float. Several rows of x
+ * (q4k_rows; with AVX-512 VNNI, q4k_rows_vnni) take X as int16 and sum the same integers.
  * GEMM: tiles dequantized exactly (q4k_dequant_c, or AVX2's), then the float tile.
  */
 #include <string.h>
@@ -236,7 +237,7 @@ TI float q4k_row(const qmat *a, int64_t n) {
 #define PAIRS(a, b) {a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b,                            \
                      a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b}
 #define SUB(j) PAIRS(j, -128), PAIRS(-128, j)
-static const int8_t pair_ctl[16][32] __attribute__((aligned(32))) = {
+static const int8_t pair_ctl[16][32] __attribute__((aligned(64))) = {
     SUB(0), SUB(1), SUB(2), SUB(3), SUB(4), SUB(5), SUB(6), SUB(7)};
 #undef SUB
 #undef PAIRS
@@ -351,13 +352,92 @@ T void q4k_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
 }
 
 static const q4k_kernels q4k_avx2 = {q4k_xprep, q4k_gemv_digits, q4k_gemv_rows, q4k_dequant};
+#undef T
+#undef TI
+
+/* ------------------------------------------------------------------------------------
+ * AVX-512 with VNNI: several rows as q4k_rows, with vpdpwssd on 512 bits
+ * ---------------------------------------------------------------------------------- */
+
+#define TI TARGET_AVX512_VNNI static inline __attribute__((always_inline))
+
+/* Up to 8 rows of x against weight row n, summing what q4k_rows sums: a run's codes
+ * (32 bytes) in both 256-bit halves, times the scale pairs of its even elements in the
+ * low half and of its odd ones in the high half, so that one vpdpwssd per row meets the
+ * 64 bytes of X those products pair with. The halves' int32 lanes added at the end of a
+ * block are q4k_rows' t lane for lane (exact integers), so every row's output is the one
+ * q4k_row gives it alone. */
+TI void q4k_rows_vnni(const qmat *const *a, const int R, int64_t n) {
+    const int64_t K = a[0]->K, B = K / Q4K_BLOCK;
+    const uint8_t *blk = (const uint8_t *)a[0]->qw + n * B * Q4K_BLOCK_BYTES;
+    const int16_t *xd[8];
+    const float *sxs[8], *xs[8];
+    __m256 acc[8], accm[8];
+    for (int m = 0; m < R; m++) {
+        xd[m] = q4k_x16(a[m]->xq, K), sxs[m] = q4k_sx(a[m]->xq, K), xs[m] = sxs[m] + B;
+        acc[m] = accm[m] = _mm256_setzero_ps();
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < B; b++, blk += Q4K_BLOCK_BYTES) {
+        for (int i = 0; i < 3; i++) PREFETCH_STREAM_L1(blk + 64 * i);
+        uint32_t u[4];
+        q4k_scale_words(blk + 4, u);
+        const __m128i sm = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+        const __m512i sc = _mm512_broadcast_i32x4(sm);
+        __m512i t[8];
+        for (int m = 0; m < R; m++) t[m] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) { /* sub-block j: run j / 2's low or high nibbles */
+            const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j / 2)));
+            const __m512i w = _mm512_broadcast_i64x4(run);
+            const __m512i q = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(w, 4) : w, m4);
+            const __m512i ctl = _mm512_load_si512((const __m512i *)pair_ctl[2 * j]);
+            const __m512i p = _mm512_maddubs_epi16(q, _mm512_shuffle_epi8(sc, ctl));
+            for (int m = 0; m < R; m++)
+                t[m] = _mm512_dpwssd_epi32(t[m], p, _mm512_loadu_si512(xd[m] + 256 * b + 32 * j));
+        }
+        const uint16_t *h = (const uint16_t *)blk;
+        const float d = _cvtsh_ss(h[0]), dmin = _cvtsh_ss(h[1]);
+        const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm)));
+        for (int m = 0; m < R; m++) {
+            const __m256i t8 =
+                _mm256_add_epi32(_mm512_castsi512_si256(t[m]), _mm512_extracti64x4_epi64(t[m], 1));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t8), _mm256_set1_ps(d * sxs[m][b]), acc[m]);
+            const __m256 xm = _mm256_mul_ps(_mm256_loadu_ps(xs[m] + 8 * b), _mm256_set1_ps(dmin));
+            accm[m] = _mm256_fmadd_ps(mins, xm, accm[m]);
+        }
+    }
+    for (int m = 0; m < R; m++) {
+        __m256 v = _mm256_sub_ps(acc[m], accm[m]);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_hadd_ps(s, s);
+        s = _mm_hadd_ps(s, s);
+        a[m]->y[n] = _mm_cvtss_f32(s);
+    }
+}
+
+TARGET_AVX512_VNNI static void q4k_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0,
+                                                  int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int m = 0; m < R; m += 8) switch (R - m < 8 ? R - m : 8) {
+            case 1: q4k_rows_vnni(a + m, 1, n); break;
+            case 2: q4k_rows_vnni(a + m, 2, n); break;
+            case 3: q4k_rows_vnni(a + m, 3, n); break;
+            case 4: q4k_rows_vnni(a + m, 4, n); break;
+            case 5: q4k_rows_vnni(a + m, 5, n); break;
+            case 6: q4k_rows_vnni(a + m, 6, n); break;
+            case 7: q4k_rows_vnni(a + m, 7, n); break;
+            default: q4k_rows_vnni(a + m, 8, n); break;
+            }
+}
+
+static const q4k_kernels q4k_avx512_vnni = {q4k_xprep, q4k_gemv_digits, q4k_gemv_rows_vnni,
+                                            q4k_dequant};
 #endif
 
 const q4k_kernels *q4k_for(const kernel_table *kt) {
 #ifdef INFER_X86
-    if (kt == &kernels_avx2 || kt == &kernels_avx2_vnni || kt == &kernels_avx512 ||
-        kt == &kernels_avx512_vnni)
-        return &q4k_avx2;
+    if (kt == &kernels_avx512_vnni) return &q4k_avx512_vnni;
+    if (kt == &kernels_avx2 || kt == &kernels_avx2_vnni || kt == &kernels_avx512) return &q4k_avx2;
 #endif
     (void)kt;
     return &q4k_plain;

@@ -278,6 +278,8 @@ def test_which_paths_keep_fifteen_bits_of_x(isa, M, kind):
     integer = takes_fifteen_bits(M, K, isa, bits)
     xs = digits if integer else x  # what the path multiplies
     ref, tol = xs @ wf.T, 1e-5 * (xs.abs() @ wf.abs().T)
+    if bits == 6 and not integer:  # int6 GEMV without 15 bits: three digits (22) or float
+        tol = tol + digit_error(x, bits, g, w)
     assert ((y - ref).abs() <= tol).all()
     other = x @ wf.T if integer else digits @ wf.T
     assert ((y - other).abs() > tol).any()  # and not the other one

@@ -349,12 +349,14 @@ def test_threads_give_identical_bits(isa, kind, M):
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
-def test_rows_together_equal_each_alone(isa, kind):
+@pytest.mark.parametrize("K", [1024, 4608])  # K >= 768: up to 8 rows take the GEMV
+def test_rows_together_equal_each_alone(isa, kind, K):
     """A GEMV of a few rows (sequences decoded together, guesses checked) unpacks each
     weight row once for all of them; each row's output is still its one-row output, bit
-    for bit, for every count of rows that takes the GEMV, and beside a row holding inf."""
+    for bit, for every count of rows that takes the GEMV, and beside a row holding inf.
+    4,608 elements run in two slices where a GEMV takes x a slice at a time."""
     bits, g, sym = kind
-    N, K = 67, 1024  # K >= 768: up to 8 rows take the GEMV
+    N = 67
     w = packed(bits, g, sym, N, K, seed=4)
     x = torch.randn(WIDE_M, K, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([run(bits, g, w, x[i : i + 1], isa=isa, threads=2) for i in range(WIDE_M)])

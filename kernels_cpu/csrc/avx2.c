@@ -1202,6 +1202,9 @@ TARGET_AVX2 int avx2_q4_xprep(const float *x, int64_t K, void *buf) { return q4_
 TARGET_AVX2 void avx2_q5_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
     q5_gemv_digits(a, n0, n1);
 }
+TARGET_AVX2 void avx2_q5_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) {
+    q5_gemv_rows(a, R, n0, n1);
+}
 TARGET_AVX2 void avx2_q5_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
     q5_dequant(a, n0, n1, w);
 }

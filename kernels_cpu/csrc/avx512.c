@@ -596,6 +596,80 @@ TI void q6_widen(const uint8_t *blk, int h, __m512i *lo, __m512i *hi) {
 Q6_GEMV_DIGITS(q6_gemv_digits, TARGET_AVX512, DOT1_MADD)
 Q6_GEMV_DIGITS(q6_gemv_digits_vnni, TARGET_AVX512_VNNI, DOT1_VNNI)
 
+enum { Q6_ROWS_X_BYTES = 24576 };
+
+/* int6 over up to 4 rows of x with VNNI: each half block widened, and its lanes' group
+ * scales permuted, once for every row; each row then takes the one-row GEMV's steps in
+ * its order, so its output is the one q6_gemv_digits_vnni gives it alone. */
+TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q6_rows_vnni(
+    const qmat *const *a, const int R, int64_t n0, int64_t n1, int64_t b0) {
+    const int64_t K = a[0]->K, B = K / Q6_BLOCK;
+    const int64_t b1 = B - b0 < XPREP8_SLICE_CHUNKS / 4 ? B : b0 + XPREP8_SLICE_CHUNKS / 4;
+    const int64_t pf = prefetch_distance(B * Q6_BLOCK_BYTES, B > XPREP8_SLICE_CHUNKS / 4);
+    const int8_t *xd[4];
+    const float *lanes[4];
+    for (int m = 0; m < R; m++)
+        xd[m] = a[m]->xq, lanes[m] = (const float *)(xd[m] + K / 64 * XPREP8_CHUNK_BYTES);
+    const __m512i g_lo =
+        _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+    const __m512i g_hi = _mm512_add_epi32(g_lo, _mm512_set1_epi32(4));
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = (const uint8_t *)a[0]->qw + n * B * Q6_BLOCK_BYTES;
+        __m512 acc[4][2], off[4];
+        for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = off[m] = _mm512_setzero_ps();
+        for (int64_t b = b0; b < b1; b++) {
+            const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
+            for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_AT(blk + p, pf);
+            uint16_t dh;
+            memcpy(&dh, blk + 208, 2);
+            const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+            const __m512 sc = widen_i8((const int8_t *)(blk + 192)), scd = _mm512_mul_ps(sc, d);
+            __m512 f[4];
+            for (int m = 0; m < R; m++) {
+                off[m] = _mm512_fmadd_ps(scd, _mm512_loadu_ps(a[m]->xsum + 16 * b), off[m]);
+                f[m] = _mm512_setzero_ps();
+            }
+            for (int h = 0; h < 2; h++) {
+                __m512i lo, hi;
+                q6_widen(blk, h, &lo, &hi);
+                const int64_t c = 4 * b + 2 * h;
+                const __m512i at = _mm512_set1_epi32(8 * h);
+                const __m512 sc0 = _mm512_permutexvar_ps(_mm512_add_epi32(g_lo, at), sc);
+                const __m512 sc1 = _mm512_permutexvar_ps(_mm512_add_epi32(g_hi, at), sc);
+                for (int m = 0; m < R; m++) {
+                    const __m512 s0 = _mm512_mul_ps(sc0, _mm512_loadu_ps(lanes[m] + 16 * c));
+                    const __m512 s1 = _mm512_mul_ps(sc1, _mm512_loadu_ps(lanes[m] + 16 * (c + 1)));
+                    const int8_t *x = xd[m] + c * XPREP8_CHUNK_BYTES;
+                    f[m] = _mm512_fmadd_ps(q6_gemv_digits_vnni_dot(lo, x), s0, f[m]);
+                    f[m] = _mm512_fmadd_ps(q6_gemv_digits_vnni_dot(hi, x + XPREP8_CHUNK_BYTES), s1, f[m]);
+                }
+            }
+            for (int m = 0; m < R; m++) acc[m][b & 1] = _mm512_fmadd_ps(f[m], d, acc[m][b & 1]);
+        }
+        for (int m = 0; m < R; m++) {
+            const float part = hsum(_mm512_add_ps(acc[m][0], acc[m][1])) + hsum(off[m]);
+            a[m]->y[n] = b0 ? a[m]->y[n] + part : part;
+        }
+    }
+}
+
+/* Rows go together while their slices of x (digits and lanes) fit half of L1 together:
+ * past that, each row's x would come from L2 for every weight row and cost more than the
+ * widening it shares. */
+TARGET_AVX512_VNNI static void q6_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0,
+                                                 int64_t n1) {
+    const int64_t B = a[0]->K / Q6_BLOCK, S = XPREP8_SLICE_CHUNKS / 4;
+    const int64_t slice = (B < S ? B : S) * 4 * (XPREP8_CHUNK_BYTES + 64);
+    const int G = 4 * slice <= Q6_ROWS_X_BYTES ? 4 : 2 * slice <= Q6_ROWS_X_BYTES ? 2 : 1;
+    for (int64_t b0 = 0; b0 < B; b0 += S)
+        for (int m = 0; m < R; m += G) switch (R - m < G ? R - m : G) {
+            case 1: q6_rows_vnni(a + m, 1, n0, n1, b0); break;
+            case 2: q6_rows_vnni(a + m, 2, n0, n1, b0); break;
+            case 3: q6_rows_vnni(a + m, 3, n0, n1, b0); break;
+            default: q6_rows_vnni(a + m, 4, n0, n1, b0); break;
+            }
+}
+
 /* ------------------------------------------------------------------------------------
  * Dequantization for the GEMM (exactly the formats' definitions: no FMA)
  * ---------------------------------------------------------------------------------- */
@@ -880,6 +954,7 @@ const kernel_table kernels_avx512 = {
     .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits, .q6_dequant = q6_dequant,
     .q5_xprep = avx2_q4_xprep, .q5_gemv_digits = avx2_q5_gemv_digits,
     .q5_dequant = avx2_q5_dequant, /* avx2.c's: no AVX-512 int5 code */
+    .q5_gemv_rows = avx2_q5_gemv_rows,
 };
 const kernel_table kernels_avx512_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
@@ -887,6 +962,7 @@ const kernel_table kernels_avx512_vnni = {
     avx2_q4_xprep, avx2_q5_gemv_digits, avx2_q5_dequant, /* avx2.c's (vpmaddubsw: no
                                                           * AVX-VNNI on these CPUs) */
     IG_KIND(4) | IG_KIND(8),
+    .q5_gemv_rows = avx2_q5_gemv_rows, .q6_gemv_rows = q6_gemv_rows_vnni,
 };
 
 #endif

@@ -354,6 +354,7 @@ extern const kernel_table kernels_avx512, kernels_avx512_vnni;
 /* avx2.c's int5 kernels, which the AVX-512 tables use too (no AVX-512 int5 code). */
 int avx2_q4_xprep(const float *x, int64_t K, void *buf);
 void avx2_q5_gemv_digits(const qmat *a, int64_t n0, int64_t n1);
+void avx2_q5_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1);
 void avx2_q5_dequant(const qmat *a, int64_t n0, int64_t n1, float *w);
 /* The integer GEMM's panel kernel on plain AVX2 (igemm_avx2.c). */
 void avx2_ig_panel(const ig_x *x, const uint8_t *w, const float *d, const float *m, float *y,

@@ -147,7 +147,8 @@ async def wait_idle(client: httpx.AsyncClient) -> None:
 
 async def measure(url: str, args) -> dict:
     timeout = httpx.Timeout(600, connect=10)
-    limits = httpx.Limits(max_connections=max(args.streams) + 8)
+    # a connection per request: llama-server may close a kept-alive one as it is reused
+    limits = httpx.Limits(max_connections=max(args.streams) + 8, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         await stream(client, story(0), 4)  # warm up: first use loads and faults pages in
         rows = []

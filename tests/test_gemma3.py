@@ -4,12 +4,12 @@ written as llama.cpp writes it, and the checks on its config's numbers.
 The tiny random Gemma 3 against transformers is in test_model.py (tiny.ARCHS).
 """
 
-import os
 from pathlib import Path
 
 import pytest
 import tiny
 import torch
+from real_files import pulled
 
 from infer import InferError
 from infer.runtime.generate import generate, make_sampler
@@ -18,7 +18,7 @@ from infer.runtime.model.chat_template import ChatTemplate
 from infer.runtime.model.families import model_args
 from infer.runtime.session import Session
 
-GGUF = Path(os.environ.get("INFER_TEST_GEMMA3", "/work/models/gemma3/gemma-3-270m-q4_k_m.gguf"))
+GGUF = pulled("gemma3-270m", "INFER_TEST_GEMMA3")
 # prompt -> (its tokens, 32 greedy tokens): transformers 5.24's Gemma3ForCausalLM loading
 # the same file with gguf_file= (dequantized to float32) and generate(do_sample=False).
 GOLDEN = {
@@ -39,8 +39,8 @@ GOLDEN = {
 
 @pytest.fixture(scope="module")
 def gemma3():
-    if not GGUF.is_file():
-        pytest.skip(f"{GGUF} not present (INFER_TEST_GEMMA3 names another copy)")
+    if GGUF is None or not GGUF.is_file():
+        pytest.skip("Gemma 3 270M is not here: `infer pull gemma3-270m`, or set INFER_TEST_GEMMA3")
     return load_model(GGUF, torch.float32, max_seq_len=128, dequantize=True)
 
 

@@ -4,12 +4,12 @@ against transformers' renderer, and the sandbox against hostile templates."""
 
 import io
 import json
-import os
 import random
 import time
 from pathlib import Path
 
 import pytest
+from real_files import pulled
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import pre_tokenizers
 
@@ -533,15 +533,15 @@ def test_spm_merges_compare_parts_in_full(monkeypatch):
     assert reference(tokens, scores, kept) == [("a", "b")]
 
 
-GEMMA3 = Path(os.environ.get("INFER_TEST_GEMMA3", "/work/models/gemma3/gemma-3-270m-q4_k_m.gguf"))
+GEMMA3 = pulled("gemma3-270m", "INFER_TEST_GEMMA3")
 
 
 @pytest.mark.slow
 def test_gemma3_merges_and_pieces():
     """Gemma 3's 262,144 tokens: the same 514,847 merges, in the same order, as the plain
     recovery; the same pieces as spelled up front."""
-    if not GEMMA3.is_file():
-        pytest.skip(f"{GEMMA3} not present (INFER_TEST_GEMMA3 names another copy)")
+    if GEMMA3 is None or not GEMMA3.is_file():
+        pytest.skip("Gemma 3 270M is not here: `infer pull gemma3-270m`, or set INFER_TEST_GEMMA3")
     md = GGUFFile(GEMMA3).metadata
     tokens, scores = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.scores"]
     kept = [t in (1, 4) for t in md["tokenizer.ggml.token_type"]]  # normal, user-defined

@@ -961,7 +961,7 @@ const kernel_table kernels_avx512_vnni = {
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni, q6_dequant,
     avx2_q4_xprep, avx2_q5_gemv_digits, avx2_q5_dequant, /* avx2.c's (vpmaddubsw: no
                                                           * AVX-VNNI on these CPUs) */
-    IG_KIND(4) | IG_KIND(8),
+    IG_KIND(4) | IG_KIND(5) | IG_KIND(8) | IG_KIND(Q4K),
     .q5_gemv_rows = avx2_q5_gemv_rows, .q6_gemv_rows = q6_gemv_rows_vnni,
 };
 

@@ -653,9 +653,9 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q6_rows_vnn
     }
 }
 
-/* Rows go together while their slices of x (digits and lanes) fit half of L1 together:
- * past that, each row's x would come from L2 for every weight row and cost more than the
- * widening it shares. */
+/* Rows go together while their slices of x (digits and lanes) fit Q6_ROWS_X_BYTES (half
+ * of Zen 5's 48 KiB L1): past that, each row's x would come from L2 for every weight row
+ * and cost more than the widening it shares. */
 TARGET_AVX512_VNNI static void q6_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0,
                                                  int64_t n1) {
     const int64_t B = a[0]->K / Q6_BLOCK, S = XPREP8_SLICE_CHUNKS / 4;

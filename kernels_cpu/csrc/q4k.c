@@ -189,6 +189,29 @@ TI __m256i lane16(__m256i v, int j) {
     return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
 }
 
+/* Row's float step at the end of a block, the same in every q4_k GEMV so that a row's
+ * output does not depend on the kernel: t's lanes (sc q X) times d sx, and the mins' term
+ * dmin m[j] (sx sum X), xs the block's x sums, kept apart. */
+TI void q4k_block_end(__m256i t, float dsx, __m256 mins, const float *xs, float dmin,
+                      __m256 *acc, __m256 *accm) {
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(dsx), *acc);
+    *accm = _mm256_fmadd_ps(mins, _mm256_mul_ps(_mm256_loadu_ps(xs), _mm256_set1_ps(dmin)), *accm);
+}
+
+/* A block's mins m[0..7] as floats, from the scale words' high 8 bytes */
+TI __m256 q4k_mins(__m128i sm) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm)));
+}
+
+/* A row's output from its two accumulators */
+TI float q4k_total(__m256 acc, __m256 accm) {
+    __m256 v = _mm256_sub_ps(acc, accm);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
 /* One row: per block, sum over its sub-blocks of sc[j] q X as int32 lanes (per lane, the
  * elements 4l..4l+3 of each sub-block, as q4k_rows sums them), then floats. */
 TI float q4k_row(const qmat *a, int64_t n) {
@@ -219,17 +242,10 @@ TI float q4k_row(const qmat *a, int64_t n) {
         }
         const __m256i t = _mm256_add_epi32(_mm256_slli_epi32(th, 8), tl);
         const uint16_t *h = (const uint16_t *)blk;
-        const float d = _cvtsh_ss(h[0]) * sxs[b], dmin = _cvtsh_ss(h[1]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d), acc);
-        const __m128i m8 = _mm_unpackhi_epi64(sm, sm);
-        const __m256 xm = _mm256_mul_ps(_mm256_loadu_ps(xs + 8 * b), _mm256_set1_ps(dmin));
-        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8)), xm, accm);
+        const float d = _cvtsh_ss(h[0]), dmin = _cvtsh_ss(h[1]);
+        q4k_block_end(t, d * sxs[b], q4k_mins(sm), xs + 8 * b, dmin, &acc, &accm);
     }
-    __m256 v = _mm256_sub_ps(acc, accm);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
+    return q4k_total(acc, accm);
 }
 
 /* vpshufb controls that spread sub-block j's scale byte over int16 lanes: (sc_j, 0)
@@ -295,20 +311,11 @@ TI void q4k_rows(const qmat *const *a, const int R, int64_t n) {
         }
         const uint16_t *h = (const uint16_t *)blk;
         const float d = _cvtsh_ss(h[0]), dmin = _cvtsh_ss(h[1]);
-        const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm)));
-        for (int m = 0; m < R; m++) {
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[m]), _mm256_set1_ps(d * sxs[m][b]), acc[m]);
-            const __m256 xm = _mm256_mul_ps(_mm256_loadu_ps(xs[m] + 8 * b), _mm256_set1_ps(dmin));
-            accm[m] = _mm256_fmadd_ps(mins, xm, accm[m]);
-        }
+        const __m256 mins = q4k_mins(sm);
+        for (int m = 0; m < R; m++)
+            q4k_block_end(t[m], d * sxs[m][b], mins, xs[m] + 8 * b, dmin, &acc[m], &accm[m]);
     }
-    for (int m = 0; m < R; m++) {
-        __m256 v = _mm256_sub_ps(acc[m], accm[m]);
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        s = _mm_hadd_ps(s, s);
-        s = _mm_hadd_ps(s, s);
-        a[m]->y[n] = _mm_cvtss_f32(s);
-    }
+    for (int m = 0; m < R; m++) a[m]->y[n] = q4k_total(acc[m], accm[m]);
 }
 
 /* R rows of x, 4 at a time per weight row (its later passes read it from L1) */
@@ -397,22 +404,14 @@ TI void q4k_rows_vnni(const qmat *const *a, const int R, int64_t n) {
         }
         const uint16_t *h = (const uint16_t *)blk;
         const float d = _cvtsh_ss(h[0]), dmin = _cvtsh_ss(h[1]);
-        const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm)));
+        const __m256 mins = q4k_mins(sm);
         for (int m = 0; m < R; m++) {
             const __m256i t8 =
                 _mm256_add_epi32(_mm512_castsi512_si256(t[m]), _mm512_extracti64x4_epi64(t[m], 1));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t8), _mm256_set1_ps(d * sxs[m][b]), acc[m]);
-            const __m256 xm = _mm256_mul_ps(_mm256_loadu_ps(xs[m] + 8 * b), _mm256_set1_ps(dmin));
-            accm[m] = _mm256_fmadd_ps(mins, xm, accm[m]);
+            q4k_block_end(t8, d * sxs[m][b], mins, xs[m] + 8 * b, dmin, &acc[m], &accm[m]);
         }
     }
-    for (int m = 0; m < R; m++) {
-        __m256 v = _mm256_sub_ps(acc[m], accm[m]);
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        s = _mm_hadd_ps(s, s);
-        s = _mm_hadd_ps(s, s);
-        a[m]->y[n] = _mm_cvtss_f32(s);
-    }
+    for (int m = 0; m < R; m++) a[m]->y[n] = q4k_total(acc[m], accm[m]);
 }
 
 TARGET_AVX512_VNNI static void q4k_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0,

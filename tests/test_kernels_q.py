@@ -287,8 +287,8 @@ def test_which_paths_keep_fifteen_bits_of_x(isa, M, kind):
 
 @needs_c
 def test_integer_gemm_paths_and_formats():
-    """vpdpbusd paths take int4, int5, int8 and q4_k; plain AVX2
-    (vpmaddubsw's int16 pairs) int4, int5 and q4_k, not int8 (its codes overflow a pair)."""
+    """vpdpbusd paths take int4, int5, int8 and q4_k; plain AVX2 (vpmaddubsw's int16
+    pairs) int4, int5 and q4_k, not int8 (its codes overflow a pair)."""
     formats = {
         "avx512vnni": {"int4", "int5", "int8", "q4_k"},
         "avx2vnni": {"int4", "int5", "int8", "q4_k"},

@@ -189,6 +189,14 @@ TI __m256i lane16(__m256i v, int j) {
     return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
 }
 
+/* A block's bytes sc[0..7], m[0..7] in one vector (the words go by registers: a store
+ * and a wider load would stall on forwarding) */
+TI __m128i q4k_scale_vec(const uint8_t *blk) {
+    uint32_t u[4];
+    q4k_scale_words(blk + 4, u);
+    return _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+}
+
 /* Row's float step at the end of a block, the same in every q4_k GEMV so that a row's
  * output does not depend on the kernel: t's lanes (sc q X) times d sx, and the mins' term
  * dmin m[j] (sx sum X), xs the block's x sums, kept apart. */
@@ -223,9 +231,7 @@ TI float q4k_row(const qmat *a, int64_t n) {
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int64_t b = 0; b < B; b++, blk += Q4K_BLOCK_BYTES) {
         for (int i = 0; i < 3; i++) PREFETCH_STREAM_L1(blk + 64 * i);
-        uint32_t u[4]; /* in registers: a store and a wider load would stall on forwarding */
-        q4k_scale_words(blk + 4, u);
-        const __m128i sm = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+        const __m128i sm = q4k_scale_vec(blk);
         /* sc[0..7] as int16 in each 128-bit lane; sub-block j's broadcast by a shuffle */
         const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
         const __m256i *xb = (const __m256i *)(xd + 512 * b);
@@ -295,9 +301,7 @@ TI void q4k_rows(const qmat *const *a, const int R, int64_t n) {
     }
     for (int64_t b = 0; b < B; b++, blk += Q4K_BLOCK_BYTES) {
         for (int i = 0; i < 3; i++) PREFETCH_STREAM_L1(blk + 64 * i);
-        uint32_t u[4]; /* in registers: a store and a wider load would stall on forwarding */
-        q4k_scale_words(blk + 4, u);
-        const __m128i sm = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+        const __m128i sm = q4k_scale_vec(blk);
         const __m256i sc = _mm256_broadcastsi128_si256(sm); /* bytes sc[0..7], m[0..7] */
         const int16_t *xb[4];
         __m256i t[4];
@@ -387,9 +391,7 @@ TI void q4k_rows_vnni(const qmat *const *a, const int R, int64_t n) {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < B; b++, blk += Q4K_BLOCK_BYTES) {
         for (int i = 0; i < 3; i++) PREFETCH_STREAM_L1(blk + 64 * i);
-        uint32_t u[4];
-        q4k_scale_words(blk + 4, u);
-        const __m128i sm = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+        const __m128i sm = q4k_scale_vec(blk);
         const __m512i sc = _mm512_broadcast_i32x4(sm);
         __m512i t[8];
         for (int m = 0; m < R; m++) t[m] = _mm512_setzero_si512();

@@ -1,6 +1,7 @@
 """runtime/files/gguf.py against gguf-py: tiny files written with gguf.GGUFWriter, and the
 real default model read by both our reader and gguf.GGUFReader."""
 
+import os
 import struct
 from pathlib import Path
 
@@ -132,6 +133,34 @@ def test_f32_is_zero_copy(typed_file):
     assert (
         f.tensors["f16"].data.ctypes.data == dequantize(f.tensors["f16"], torch.float16).data_ptr()
     )
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux only")
+def test_hold_only_keeps_the_held_pages_alone(tmp_path):
+    """After hold_only, reading the held tensor (a weight used in place) maps its pages and
+    no page of its neighbours (copied weights), though a fault may map a folio whole."""
+    rng = np.random.default_rng(0)
+    tensors = {k: rng.standard_normal(300_000).astype(np.float32) for k in "abc"}  # 1.2 MB
+    path = write_gguf(tmp_path / "t.gguf", "llama", tensors)
+    with open(path, "rb+") as fd:  # out of the page cache: read back in large folios, if any
+        os.fsync(fd.fileno())
+        os.posix_fadvise(fd.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    f = GGUFFile(path)
+    f.tensors["a"].data.sum(), f.tensors["c"].data.sum()  # copied at load
+    held = torch.from_numpy(f.tensors["b"].data)
+    f.hold_only([held])
+    assert np.array_equal(held.numpy(), tensors["b"])  # read after, as a forward pass does
+    page, base = 4096, f._map.ctypes.data
+
+    def mapped(name: str) -> np.ndarray:  # whether each page wholly inside `name` is mapped
+        t = f.tensors[name]
+        first, end = -(-(base + t.offset) // page), (base + t.offset + t.nbytes) // page
+        with open("/proc/self/pagemap", "rb") as pm:
+            pm.seek(first * 8)
+            entries = np.frombuffer(pm.read((end - first) * 8), dtype=np.uint64)
+        return (entries >> np.uint64(63)).astype(bool)
+
+    assert mapped("b").all() and not mapped("a").any() and not mapped("c").any()
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ dequantized nowhere else here, `gguf.quants.dequantize` (gguf_tensor.py).
 from __future__ import annotations
 
 import mmap
-from collections.abc import Container
+from collections.abc import Container, Iterable
 
 import numpy as np
 import torch
@@ -81,6 +81,33 @@ class GGUFFile(GGUFMeta):
         if end > start:
             raw.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def hold_only(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Let go every page of the map but those that `tensors` (the weights used in
+        place, and any other tensor) lie in.
+
+        A kernel that keeps a file in large folios (Linux 6.18 on ext4) maps a folio whole
+        when one page of it faults: a weight used in place would bring back the copied
+        tensors' pages in the same 2 MiB. So each 2 MiB where held pages meet pages let go
+        is mapped in small pages, its held pages now, and nothing faults there after.
+        """
+        raw = getattr(self._map, "_mmap", None)
+        if raw is None or not hasattr(mmap, "MADV_NOHUGEPAGE"):  # not Linux
+            return
+        base, size, huge = self._map.ctypes.data, self._map.nbytes, hugepages.HUGE_PAGE
+        held = _page_spans(tensors, base, size)
+        edges = [0, *(x for span in held for x in span), size]
+        gaps = [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b > a]
+        for start, end in gaps:  # a huge page that a gap cuts goes whole, held pages too
+            raw.madvise(mmap.MADV_DONTNEED, start, end - start)
+        cut = {(base + x) // huge * huge - base for x in edges[1:-1] if (base + x) % huge}
+        for w in sorted(cut):  # each 2 MiB (of addresses) that an edge falls inside
+            lo, hi = max(0, w), min(size, w + huge)
+            raw.madvise(mmap.MADV_NOHUGEPAGE, lo, hi - lo)
+            for start, end in _within(held, lo, hi):
+                self._map[start : end : mmap.PAGESIZE].max()  # a byte a page: mapped
+            for start, end in _within(gaps, lo, hi):  # what that mapped beside them
+                raw.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def hf_tensor(self, hf_name: str) -> GGUFTensor:
         """The raw tensor for a Hugging Face name, still in its ggml type, q/k rows un-permuted,
         an expert's slice of a stacked tensor.
@@ -128,3 +155,27 @@ class GGUFFile(GGUFMeta):
                     if shift and hf.endswith("norm.weight"):
                         state[hf] = state[hf] - shift
         return state
+
+
+def _page_spans(tensors: Iterable[torch.Tensor], base: int, size: int) -> list[tuple[int, int]]:
+    """The whole pages that those of `tensors` lying in [base, base + size) cover: sorted,
+    disjoint (start, end) offsets from base."""
+    page, spans = mmap.PAGESIZE, []
+    for t in tensors:
+        start = t.data_ptr() - base
+        if t.numel() and 0 <= start < size:
+            extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+            end = min(size, -(-(start + extent * t.element_size()) // page) * page)
+            spans.append((start // page * page, end))
+    merged = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _within(spans: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of `spans` within [lo, hi)."""
+    return [(max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo]

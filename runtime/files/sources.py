@@ -104,6 +104,15 @@ def _fits(tok: Tokenizer, source: Source) -> Tokenizer:
     return tok
 
 
+def _tensors(weights: Weights) -> list[torch.Tensor]:
+    """Every tensor of `weights`, a QuantLinear's buffers and bias included."""
+    return [
+        t
+        for w in weights.values()
+        for t in (w.state_dict().values() if isinstance(w, QuantLinear) else [w])
+    ]
+
+
 # -- GGUF ---------------------------------------------------------------------------------
 
 
@@ -142,6 +151,7 @@ class GGUFSource(GGUFModelFile, Source):
             name = hf.removeprefix("model.").removesuffix(".weight")
             sd[name] = to_kernels(t, sd.pop(f"{name}.bias", None), alloc, self.gguf.release)
             self.gguf.release(t)  # copied: its pages need not stay in memory
+        self.gguf.hold_only(_tensors(sd))  # the weights used in place; the rest goes
         return sd
 
     def placed_bytes(self, dtype, dequantize=False) -> int:

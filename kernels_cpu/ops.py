@@ -78,7 +78,7 @@ def integer_gemm_error(x: torch.Tensor, w: torch.Tensor, block: int = 32) -> tor
     32 of x) per element, plus float32's rounding of the step, times sum |w| over the
     block. Callers add it where integer_gemm() holds and the rows run the GEMM, and where
     int4 rows run the GEMV and int4_gemv_fifteen_bits() holds; q4_k's GEMV takes a step
-    per block of 256 (q4k_gemv_fifteen_bits)."""
+    per block of 256 (q4k_gemv_fifteen_bits), int6's per int6_gemv_x_block()."""
     pad = -x.shape[-1] % block
     xb = torch.nn.functional.pad(x.abs(), (0, pad)).unflatten(-1, (-1, block)).amax(-1)
     wb = torch.nn.functional.pad(w.abs(), (0, pad)).unflatten(-1, (-1, block)).sum(-1)
@@ -118,12 +118,12 @@ def int5_gemv_fifteen_bits(isa: str | None = None) -> bool:
     return _C.isa_int5_digits(_default_isa() if isa is None else _isa_id(isa))
 
 
-def int6_gemv_fifteen_bits(isa: str | None = None) -> bool:
-    """Whether a path's int6 GEMV takes x as int16, 15 significant bits per block of 32
-    (plain AVX2); the VNNI paths take the int8 GEMV's three digits (22 bits), the rest
-    float32."""
+def int6_gemv_x_block(isa: str | None = None) -> int:
+    """The block of x per scale where a path's int6 GEMV takes x as int16, 15 significant
+    bits per block: 32 on plain AVX2, 256 on AVX-512 VNNI; 0 where it takes the int8
+    GEMV's three digits (22 bits, AVX-VNNI) or float32."""
     if _C is None:
-        return False
+        return 0
     return _C.isa_int6_x16(_default_isa() if isa is None else _isa_id(isa))
 
 

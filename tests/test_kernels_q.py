@@ -5,8 +5,8 @@ when K >= 768, else the GEMM), 12 (the float GEMM) and 33 (the integer GEMM wher
 has one, else the float GEMM; partial tiles and blocks), N odd, K = 32 x odd
 (not a multiple of 256), per-channel int8 with K odd. Results must match the reference
 up to float summation order and what x's digits lose (15 significant bits per block of
-32 in the integer GEMM, the int4 GEMV and plain AVX2's int6 GEMV; 22 in the int8 GEMV
-and the VNNI paths' int6), and be
+32 in the integer GEMM, the int4 GEMV and plain AVX2's int6 GEMV, per block of 256 in
+AVX-512 VNNI's int6 GEMV; 22 in the int8 GEMV and AVX-VNNI's int6), and be
 bit-identical for 1 and 2 threads. Then the quantized layers' forwards, and greedy
 decoding of the default model with kernels against the reference path.
 """
@@ -93,13 +93,22 @@ def runs_gemv(M: int, K: int) -> bool:
     return M <= SMALL_M or (M <= WIDE_M and K >= WIDE_K)
 
 
+def x_block(M: int, K: int, isa: str, bits: int) -> int:
+    """The block of x per scale where the rows' x keeps 15 bits, else 0 (float32, or the
+    int8 GEMV's 22 bits): 32 in the integer GEMM and in the int4 GEMV of the paths with
+    integer dot products for it; int6's GEMV where it takes int16 x (32 on plain AVX2, 256
+    on AVX-512 VNNI)."""
+    if runs_integer_gemm(M, isa, bits):
+        return 32
+    if not runs_gemv(M, K):
+        return 0
+    if bits == 4:
+        return 32 if ops.int4_gemv_fifteen_bits(isa) else 0
+    return ops.int6_gemv_x_block(isa) if bits == 6 else 0
+
+
 def takes_fifteen_bits(M: int, K: int, isa: str, bits: int) -> bool:
-    """Whether the rows' x keeps 15 bits per block of 32: in the integer GEMM, in the
-    int4 GEMV of the paths with integer dot products for it, and in plain AVX2's int6
-    GEMV (int16 x)."""
-    fifteen = {4: ops.int4_gemv_fifteen_bits, 6: ops.int6_gemv_fifteen_bits}.get(bits)
-    gemv_digits = fifteen is not None and fifteen(isa) and runs_gemv(M, K)
-    return runs_integer_gemm(M, isa, bits) or gemv_digits
+    return x_block(M, K, isa, bits) > 0
 
 
 def digit_error(x, bits, g, w):
@@ -117,7 +126,7 @@ def expected(bits, g, w, x, isa=None):
     wf = dequantized(bits, g, w)
     tol = 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
     if isa and takes_fifteen_bits(*x.shape, isa, bits):
-        tol = tol + ops.integer_gemm_error(x, wf)
+        tol = tol + ops.integer_gemm_error(x, wf, x_block(*x.shape, isa, bits))
     return x @ wf.T, tol
 
 
@@ -243,7 +252,7 @@ def test_special_values(isa, M):
 
 
 # prompts (the GEMM) of every kind, and decode (the GEMV) of int4 and int6: int8 decode
-# (and int6's on VNNI paths) takes x as three digits (22 bits), which are neither x nor
+# (and int6's on AVX-VNNI) takes x as three digits (22 bits), which are neither x nor
 # its 15 bits exactly
 FIFTEEN_BITS_CASES = [(IGEMM_MIN_M + 1, k) for k in KINDS] + [(1, k) for k in INT4 + INT6]
 
@@ -257,8 +266,8 @@ FIFTEEN_BITS_CASES = [(IGEMM_MIN_M + 1, k) for k in KINDS] + [(1, k) for k in IN
 )
 def test_which_paths_keep_fifteen_bits_of_x(isa, M, kind):
     """x in the integer GEMM (prompts), and in the int4 GEMV (decode) of paths with two
-    digits: each element becomes round(x / sx) with sx = amax / IG_XMAX per block of 32,
-    so values under half a step vanish and the rest keep 15 bits; other paths keep
+    digits: each element becomes round(x / sx) with sx = amax / IG_XMAX per block of 32
+    (int6's GEMV on AVX-512 VNNI: 256), so values under half a step vanish and the rest keep 15 bits; other paths keep
     float32. A block holding 1.0 and values of +-1.0e-5 to 1.4e-5 (under half a step,
     1.54e-5) shows which one ran."""
     bits, g, sym = kind
@@ -270,7 +279,7 @@ def test_which_paths_keep_fifteen_bits_of_x(isa, M, kind):
     x[:, 32:64] *= torch.randint(0, 2, (M, 32), generator=gen) * 2 - 1
     x[torch.arange(M), 32 + torch.randint(0, 32, (M,), generator=gen)] = 1.0
     y = run(bits, g, w, x, isa=isa)
-    xb = x.unflatten(-1, (-1, 32))
+    xb = x.unflatten(-1, (-1, x_block(M, K, isa, bits) or 32))
     step = xb.amax(-1, keepdim=True) / IG_XMAX
     digits = torch.where(step > 0, (xb / step).round() * step, 0).flatten(-2)
     assert (digits[:, 32:64] == 0).sum() == M * 31  # the small ones are under half a step
@@ -306,7 +315,7 @@ def test_decode_takes_fifteen_bits_where_integer_dots_are():
     on_digits = ("avx2", "avx2vnni", "avx512", "avx512vnni", "neondot")
     for isa in ops.supported_isas():
         assert ops.int4_gemv_fifteen_bits(isa) == (isa in on_digits), isa
-        assert ops.int6_gemv_fifteen_bits(isa) == (isa == "avx2"), isa
+        assert ops.int6_gemv_x_block(isa) == {"avx2": 32, "avx512vnni": 256}.get(isa, 0), isa
 
 
 @needs_c

@@ -1186,7 +1186,7 @@ const kernel_table kernels_avx2 = {
     .ig_xprep = ig_xprep, .ig_panel = avx2_ig_panel, /* vpmaddubsw: codes up to 31 */
     .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(Q4K),
     .q6_xprep = q6_xprep16, .q6_gemv_digits = q6_gemv_x16, .q6_dequant = q6_dequant,
-    .q6_xsum = q6_xsum16, .q6_gemv_rows = q6_gemv_rows,
+    .q6_xsum = q6_xsum16, .q6_xblock = 32, .q6_gemv_rows = q6_gemv_rows,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .q5_dequant = q5_dequant,
     .q4_gemv_rows = q4_gemv_rows, .q5_gemv_rows = q5_gemv_rows, .q8_gemv_rows = q8_gemv_rows,
 };

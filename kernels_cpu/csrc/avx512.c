@@ -509,7 +509,8 @@ TARGET_AVX512_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t
 }
 
 /* ------------------------------------------------------------------------------------
- * int6 GEMV on x as the int8 GEMV's digits (kernels.h: int6; x in XPREP8's layout)
+ * int6 GEMV (kernels.h: int6): on plain AVX-512, x as the int8 GEMV's digits (XPREP8's
+ * layout); with VNNI, x as int16 (below).
  *
  * Half a block (128 weights: 64 bytes of ql, 32 of qh) widens to two vectors of codes in
  * element order, with no shuffle: lo = elements 0..63 (ql & 15; top bits from qh's bits
@@ -517,7 +518,7 @@ TARGET_AVX512_VNNI static void q8_gemv_digits(const qmat *a, int64_t n0, int64_t
  * 6-7), qh loaded into both 256-bit halves and shifted per half. Each vector meets one
  * chunk of x's digits (three dot products). Dword lane l of lo covers elements 4l..4l+3,
  * in the half's group of 16 number l / 4; of hi, 4 + l / 4. Codes <= 63, so vpmaddubsw's
- * int16 pairs hold (63 * 128 * 2 < 2^15) where there is no vpdpbusd.
+ * int16 pairs hold (63 * 128 * 2 < 2^15).
  * ---------------------------------------------------------------------------------- */
 
 /* Half h of an int6 block -> its codes as bytes: lo = elements 0..63, hi = 64..127 */
@@ -533,141 +534,208 @@ TI void q6_widen(const uint8_t *blk, int h, __m512i *lo, __m512i *hi) {
                           _mm512_and_si512(_mm512_srlv_epi16(qh, sh_hi), m30));
 }
 
-#define DOT1_MADD(t, q, x) _mm512_add_epi32(t, _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), ONES16))
-#define DOT1_VNNI(t, q, x) _mm512_dpbusd_epi32(t, q, x)
+#define DOT1(t, q, x) _mm512_add_epi32(t, _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), ONES16))
 
-#define Q6_GEMV_DIGITS(NAME, TARGET, DOT1)                                                       \
-    /* sum q X per dword lane, q against one chunk of x's three digits */                      \
-    TARGET static inline __attribute__((always_inline)) __m512 NAME##_dot(__m512i q,            \
-                                                                        const int8_t *xc) {     \
-        const __m512i *v = (const __m512i *)xc;                                                 \
-        __m512i t = DOT1(_mm512_setzero_si512(), q, v[0]);                                      \
-        t = DOT1(_mm512_slli_epi32(t, 8), q, v[1]);                                             \
-        return _mm512_cvtepi32_ps(DOT1(_mm512_slli_epi32(t, 8), q, v[2]));                      \
-    }                                                                                           \
-    TARGET static inline __attribute__((always_inline)) void NAME##_slice(                      \
-        const qmat *a, int64_t n0, int64_t n1, int64_t b0) {                                    \
-        const int64_t K = a->K, B = K / Q6_BLOCK;                                               \
-        const int64_t b1 = B - b0 < XPREP8_SLICE_CHUNKS / 4 ? B : b0 + XPREP8_SLICE_CHUNKS / 4; \
-        const int64_t pf = prefetch_distance(B * Q6_BLOCK_BYTES, B > XPREP8_SLICE_CHUNKS / 4); \
-        const int8_t *xd = a->xq;                                                               \
-        const float *lanes = (const float *)(xd + K / 64 * XPREP8_CHUNK_BYTES);                 \
-        const __m512i g_lo = _mm512_srli_epi32(                                                 \
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);        \
-        const __m512i g_hi = _mm512_add_epi32(g_lo, _mm512_set1_epi32(4));                      \
-        for (int64_t n = n0; n < n1; n++) {                                                     \
-            const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;               \
-            __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};                         \
-            __m512 off = _mm512_setzero_ps();                                                   \
-            for (int64_t b = b0; b < b1; b++) {                                                 \
-                const uint8_t *blk = row + b * Q6_BLOCK_BYTES;                                  \
-                for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_AT(blk + p, pf);         \
-                uint16_t dh;                                                                    \
-                memcpy(&dh, blk + 208, 2);                                                      \
-                const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));                                 \
-                const __m512 sc = widen_i8((const int8_t *)(blk + 192));                        \
-                /* the groups' -32 sx sum X terms, times d sc */                                \
-                off = _mm512_fmadd_ps(_mm512_mul_ps(sc, d), _mm512_loadu_ps(a->xsum + 16 * b), off); \
-                __m512 f = _mm512_setzero_ps();                                                 \
-                for (int h = 0; h < 2; h++) {                                                   \
-                    __m512i lo, hi;                                                             \
-                    q6_widen(blk, h, &lo, &hi);                                                 \
-                    const int64_t c = 4 * b + 2 * h; /* x's chunk for lo; c + 1 for hi */       \
-                    const __m512i at = _mm512_set1_epi32(8 * h);                                \
-                    /* each lane's scale: its group's sc times its x block's sx */             \
-                    const __m512 s0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(g_lo, at), sc), \
-                                                    _mm512_loadu_ps(lanes + 16 * c));           \
-                    const __m512 s1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(g_hi, at), sc), \
-                                                    _mm512_loadu_ps(lanes + 16 * (c + 1)));     \
-                    f = _mm512_fmadd_ps(NAME##_dot(lo, xd + c * XPREP8_CHUNK_BYTES), s0, f);    \
-                    f = _mm512_fmadd_ps(NAME##_dot(hi, xd + (c + 1) * XPREP8_CHUNK_BYTES), s1, f); \
-                }                                                                               \
-                acc[b & 1] = _mm512_fmadd_ps(f, d, acc[b & 1]);                                 \
-            }                                                                                   \
-            const float part = hsum(_mm512_add_ps(acc[0], acc[1])) + hsum(off);                 \
-            a->y[n] = b0 ? a->y[n] + part : part;                                               \
-        }                                                                                       \
-    }                                                                                           \
-    TARGET static void NAME(const qmat *a, int64_t n0, int64_t n1) {                            \
-        for (int64_t b0 = 0; b0 < a->K / Q6_BLOCK; b0 += XPREP8_SLICE_CHUNKS / 4)               \
-            NAME##_slice(a, n0, n1, b0);                                                        \
-    }
+/* sum q X per dword lane, q against one chunk of x's three digits */
+TI __m512 q6_gemv_digits_dot(__m512i q, const int8_t *xc) {
+    const __m512i *v = (const __m512i *)xc;
+    __m512i t = DOT1(_mm512_setzero_si512(), q, v[0]);
+    t = DOT1(_mm512_slli_epi32(t, 8), q, v[1]);
+    return _mm512_cvtepi32_ps(DOT1(_mm512_slli_epi32(t, 8), q, v[2]));
+}
 
-Q6_GEMV_DIGITS(q6_gemv_digits, TARGET_AVX512, DOT1_MADD)
-Q6_GEMV_DIGITS(q6_gemv_digits_vnni, TARGET_AVX512_VNNI, DOT1_VNNI)
-
-enum { Q6_ROWS_X_BYTES = 24576 };
-
-/* int6 over up to 4 rows of x with VNNI: each half block widened, and its lanes' group
- * scales permuted, once for every row; each row then takes the one-row GEMV's steps in
- * its order, so its output is the one q6_gemv_digits_vnni gives it alone. */
-TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q6_rows_vnni(
-    const qmat *const *a, const int R, int64_t n0, int64_t n1, int64_t b0) {
-    const int64_t K = a[0]->K, B = K / Q6_BLOCK;
+TI void q6_gemv_digits_slice(const qmat *a, int64_t n0, int64_t n1, int64_t b0) {
+    const int64_t K = a->K, B = K / Q6_BLOCK;
     const int64_t b1 = B - b0 < XPREP8_SLICE_CHUNKS / 4 ? B : b0 + XPREP8_SLICE_CHUNKS / 4;
     const int64_t pf = prefetch_distance(B * Q6_BLOCK_BYTES, B > XPREP8_SLICE_CHUNKS / 4);
-    const int8_t *xd[4];
-    const float *lanes[4];
-    for (int m = 0; m < R; m++)
-        xd[m] = a[m]->xq, lanes[m] = (const float *)(xd[m] + K / 64 * XPREP8_CHUNK_BYTES);
-    const __m512i g_lo =
-        _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+    const int8_t *xd = a->xq;
+    const float *lanes = (const float *)(xd + K / 64 * XPREP8_CHUNK_BYTES);
+    const __m512i g_lo = _mm512_srli_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
     const __m512i g_hi = _mm512_add_epi32(g_lo, _mm512_set1_epi32(4));
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = (const uint8_t *)a[0]->qw + n * B * Q6_BLOCK_BYTES;
-        __m512 acc[4][2], off[4];
-        for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = off[m] = _mm512_setzero_ps();
+        const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;
+        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        __m512 off = _mm512_setzero_ps();
         for (int64_t b = b0; b < b1; b++) {
             const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
             for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_AT(blk + p, pf);
             uint16_t dh;
             memcpy(&dh, blk + 208, 2);
             const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
-            const __m512 sc = widen_i8((const int8_t *)(blk + 192)), scd = _mm512_mul_ps(sc, d);
-            __m512 f[4];
-            for (int m = 0; m < R; m++) {
-                off[m] = _mm512_fmadd_ps(scd, _mm512_loadu_ps(a[m]->xsum + 16 * b), off[m]);
-                f[m] = _mm512_setzero_ps();
-            }
+            const __m512 sc = widen_i8((const int8_t *)(blk + 192));
+            /* the groups' -32 sx sum X terms, times d sc */
+            off = _mm512_fmadd_ps(_mm512_mul_ps(sc, d), _mm512_loadu_ps(a->xsum + 16 * b), off);
+            __m512 f = _mm512_setzero_ps();
             for (int h = 0; h < 2; h++) {
                 __m512i lo, hi;
                 q6_widen(blk, h, &lo, &hi);
-                const int64_t c = 4 * b + 2 * h;
+                const int64_t c = 4 * b + 2 * h; /* x's chunk for lo; c + 1 for hi */
                 const __m512i at = _mm512_set1_epi32(8 * h);
-                const __m512 sc0 = _mm512_permutexvar_ps(_mm512_add_epi32(g_lo, at), sc);
-                const __m512 sc1 = _mm512_permutexvar_ps(_mm512_add_epi32(g_hi, at), sc);
-                for (int m = 0; m < R; m++) {
-                    const __m512 s0 = _mm512_mul_ps(sc0, _mm512_loadu_ps(lanes[m] + 16 * c));
-                    const __m512 s1 = _mm512_mul_ps(sc1, _mm512_loadu_ps(lanes[m] + 16 * (c + 1)));
-                    const int8_t *x = xd[m] + c * XPREP8_CHUNK_BYTES;
-                    f[m] = _mm512_fmadd_ps(q6_gemv_digits_vnni_dot(lo, x), s0, f[m]);
-                    f[m] = _mm512_fmadd_ps(q6_gemv_digits_vnni_dot(hi, x + XPREP8_CHUNK_BYTES), s1, f[m]);
-                }
+                /* each lane's scale: its group's sc times its x block's sx */
+                const __m512 s0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(g_lo, at), sc),
+                                                _mm512_loadu_ps(lanes + 16 * c));
+                const __m512 s1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(g_hi, at), sc),
+                                                _mm512_loadu_ps(lanes + 16 * (c + 1)));
+                f = _mm512_fmadd_ps(q6_gemv_digits_dot(lo, xd + c * XPREP8_CHUNK_BYTES), s0, f);
+                f = _mm512_fmadd_ps(q6_gemv_digits_dot(hi, xd + (c + 1) * XPREP8_CHUNK_BYTES), s1, f);
             }
-            for (int m = 0; m < R; m++) acc[m][b & 1] = _mm512_fmadd_ps(f[m], d, acc[m][b & 1]);
+            acc[b & 1] = _mm512_fmadd_ps(f, d, acc[b & 1]);
         }
+        const float part = hsum(_mm512_add_ps(acc[0], acc[1])) + hsum(off);
+        a->y[n] = b0 ? a->y[n] + part : part;
+    }
+}
+T void q6_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t b0 = 0; b0 < a->K / Q6_BLOCK; b0 += XPREP8_SLICE_CHUNKS / 4)
+        q6_gemv_digits_slice(a, n0, n1, b0);
+}
+
+/* ---- AVX-512 VNNI: int6 on x as int16 X, 15 significant bits per block of 256 --------
+ * (in the XPREP8_BYTES buffer): X in element order (2 K bytes), then per block sx. A half
+ * block's codes widen to int16 and take their group's sc once (|q sc| <= 63 * 128 fits
+ * int16) for up to 8 rows of x; each row then takes one vpdpwssd per 32 weights. A half's
+ * int32 lanes sum 8 products each, 8 * 63 * 128 * IG_XMAX < 2^31, so they are exact; a
+ * half then takes one float step, d sx times its sum. The one-row GEMV is this kernel
+ * with one row, so a row's output is the same alone or in a batch. */
+
+T int q6_xprep256(const float *x, int64_t K, void *buf) {
+    int16_t *X = buf;
+    float *sxs = (float *)(X + K);
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / Q6_BLOCK; b++) {
+        const float *xb = x + b * Q6_BLOCK;
+        __m512 mx = zero;
+        __mmask16 bad = 0;
+        for (int i = 0; i < 16; i++) {
+            const __m512 v = _mm512_loadu_ps(xb + 16 * i);
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+            bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), zero, _CMP_NEQ_UQ); /* NaN or inf */
+        }
+        if (bad) return -1;
+        const float amax = _mm512_reduce_max_ps(mx);
+        /* tiny blocks scaled up first (exactly) so that IG_XMAX / amax is finite */
+        const float up = amax < 0x1p-100f ? 0x1p100f : 1.0f;
+        const __m512 inv = _mm512_set1_ps(amax > 0 ? IG_XMAX / (amax * up) : 0);
+        const __m512 vup = _mm512_set1_ps(up);
+        for (int i = 0; i < 16; i++) { /* |X| <= IG_XMAX: the narrowing keeps it */
+            const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * i), vup), inv);
+            _mm256_storeu_si256((__m256i *)(X + b * Q6_BLOCK + 16 * i),
+                                _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
+        }
+        sxs[b] = amax / IG_XMAX;
+    }
+    return 0;
+}
+
+/* per 16 elements -32 sx sum X, the groups' offset term, from q6_xprep256's x */
+T void q6_xsum256(const void *xq, int64_t K, float *xsum) {
+    const int16_t *X = xq;
+    const float *sxs = (const float *)(X + K);
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m512i v = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(X + k)));
+        xsum[k / 16] = -32.0f * sxs[k / Q6_BLOCK] * (float)_mm512_reduce_add_epi32(v);
+    }
+}
+
+/* Up to 8 rows of x against int6 weight row n, blocks b0..b1. Each row of x carries its
+ * accumulator in st from block to block: zero at block 0, the output at block B. So a
+ * row's arithmetic is one chain over the blocks (per block the groups' offset term, then
+ * each half's sum), whichever order the blocks and weight rows are visited in. */
+TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q6_rows16(
+    const qmat *const *a, const int R, int64_t n, int64_t b0, int64_t b1, int64_t pf,
+    __m512 *st) {
+    const int64_t K = a[0]->K, B = K / Q6_BLOCK;
+    const uint8_t *row = (const uint8_t *)a[0]->qw + n * B * Q6_BLOCK_BYTES;
+    /* int16 lane l of a product vector takes group l / 16 of its pair (vpermw) */
+    const __m512i pair = _mm512_srli_epi16(
+        _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15,
+                         14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 4);
+    __m512 acc[8], dsx[8];
+    for (int m = 0; m < R; m++) acc[m] = b0 ? st[m] : _mm512_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
+        for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_AT(blk + p, pf);
+        uint16_t dh;
+        memcpy(&dh, blk + 208, 2);
+        const float d = _cvtsh_ss(dh);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+        const __m512 scd =
+            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)), _mm512_set1_ps(d));
         for (int m = 0; m < R; m++) {
-            const float part = hsum(_mm512_add_ps(acc[m][0], acc[m][1])) + hsum(off[m]);
-            a[m]->y[n] = b0 ? a[m]->y[n] + part : part;
+            acc[m] = _mm512_fmadd_ps(scd, _mm512_loadu_ps(a[m]->xsum + 16 * b), acc[m]);
+            dsx[m] = _mm512_set1_ps(d * ((const float *)((const int16_t *)a[m]->xq + K))[b]);
+        }
+        for (int h = 0; h < 2; h++) {
+            __m512i lo, hi, p[4];
+            q6_widen(blk, h, &lo, &hi);
+            const __m256i q32[4] = {_mm512_castsi512_si256(lo), _mm512_extracti64x4_epi64(lo, 1),
+                                    _mm512_castsi512_si256(hi), _mm512_extracti64x4_epi64(hi, 1)};
+            for (int i = 0; i < 4; i++) { /* elements 32 i.. of the half: groups 2 i, 2 i + 1 */
+                const __m512i s = _mm512_permutexvar_epi16(
+                    _mm512_add_epi16(pair, _mm512_set1_epi16((short)(8 * h + 2 * i))), sc);
+                p[i] = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(q32[i]), s);
+            }
+            for (int m = 0; m < R; m++) {
+                const int16_t *X = a[m]->xq;
+                const __m512i *x = (const __m512i *)(X + b * Q6_BLOCK + 128 * h);
+                __m512i t = _mm512_dpwssd_epi32(_mm512_setzero_si512(), p[0], _mm512_loadu_si512(x));
+                for (int i = 1; i < 4; i++) t = _mm512_dpwssd_epi32(t, p[i], _mm512_loadu_si512(x + i));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), dsx[m], acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < R; m++) {
+        if (b1 == B)
+            a[m]->y[n] = hsum(acc[m]);
+        else
+            st[m] = acc[m];
+    }
+}
+
+TARGET_AVX512_VNNI static void q6_rows16_any(const qmat *const *a, int R, int64_t n, int64_t b0,
+                                             int64_t b1, int64_t pf, __m512 *st) {
+    switch (R) {
+    case 1: q6_rows16(a, 1, n, b0, b1, pf, st); break;
+    case 2: q6_rows16(a, 2, n, b0, b1, pf, st); break;
+    case 3: q6_rows16(a, 3, n, b0, b1, pf, st); break;
+    case 4: q6_rows16(a, 4, n, b0, b1, pf, st); break;
+    case 5: q6_rows16(a, 5, n, b0, b1, pf, st); break;
+    case 6: q6_rows16(a, 6, n, b0, b1, pf, st); break;
+    case 7: q6_rows16(a, 7, n, b0, b1, pf, st); break;
+    default: q6_rows16(a, 8, n, b0, b1, pf, st); break;
+    }
+}
+
+/* Rows of x 8 at a time. Where their x fits Q6_X16_WHOLE_BYTES of L1, each weight row is
+ * read whole; else Q6_X16_ROWS weight rows at a time, K in slices of Q6_X16_SLICE blocks
+ * (8 rows' slices of x, 24 KiB, stay in L1), the accumulators carried between slices. */
+enum { Q6_X16_WHOLE_BYTES = 40960, Q6_X16_SLICE = 6, Q6_X16_ROWS = 8 };
+TARGET_AVX512_VNNI static void q6_gemv_rows16(const qmat *const *a, int R, int64_t n0, int64_t n1) {
+    const int64_t B = a[0]->K / Q6_BLOCK;
+    if (R * B * 2 * Q6_BLOCK <= Q6_X16_WHOLE_BYTES) {
+        for (int64_t n = n0; n < n1; n++)
+            for (int m = 0; m < R; m += 8)
+                q6_rows16_any(a + m, R - m < 8 ? R - m : 8, n, 0, B, PREFETCH_AHEAD, NULL);
+        return;
+    }
+    const int64_t pf = prefetch_distance(B * Q6_BLOCK_BYTES, 1);
+    __m512 st[Q6_X16_ROWS][8];
+    for (int m = 0; m < R; m += 8) {
+        const int r = R - m < 8 ? R - m : 8;
+        for (int64_t c = n0; c < n1; c += Q6_X16_ROWS) {
+            const int64_t c1 = n1 - c < Q6_X16_ROWS ? n1 : c + Q6_X16_ROWS;
+            for (int64_t b0 = 0; b0 < B; b0 += Q6_X16_SLICE)
+                for (int64_t n = c; n < c1; n++)
+                    q6_rows16_any(a + m, r, n, b0, B - b0 < Q6_X16_SLICE ? B : b0 + Q6_X16_SLICE,
+                                  pf, st[n - c]);
         }
     }
 }
 
-/* Rows go together while their slices of x (digits and lanes) fit Q6_ROWS_X_BYTES (half
- * of Zen 5's 48 KiB L1): past that, each row's x would come from L2 for every weight row
- * and cost more than the widening it shares. */
-TARGET_AVX512_VNNI static void q6_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0,
-                                                 int64_t n1) {
-    const int64_t B = a[0]->K / Q6_BLOCK, S = XPREP8_SLICE_CHUNKS / 4;
-    const int64_t slice = (B < S ? B : S) * 4 * (XPREP8_CHUNK_BYTES + 64);
-    const int G = 4 * slice <= Q6_ROWS_X_BYTES ? 4 : 2 * slice <= Q6_ROWS_X_BYTES ? 2 : 1;
-    for (int64_t b0 = 0; b0 < B; b0 += S)
-        for (int m = 0; m < R; m += G) switch (R - m < G ? R - m : G) {
-            case 1: q6_rows_vnni(a + m, 1, n0, n1, b0); break;
-            case 2: q6_rows_vnni(a + m, 2, n0, n1, b0); break;
-            case 3: q6_rows_vnni(a + m, 3, n0, n1, b0); break;
-            default: q6_rows_vnni(a + m, 4, n0, n1, b0); break;
-            }
+TARGET_AVX512_VNNI static void q6_gemv16(const qmat *a, int64_t n0, int64_t n1) {
+    q6_gemv_rows16(&a, 1, n0, n1);
 }
 
 /* ------------------------------------------------------------------------------------
@@ -958,11 +1026,12 @@ const kernel_table kernels_avx512 = {
 };
 const kernel_table kernels_avx512_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
-    q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni, q6_dequant,
+    q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q6_xprep256, q6_gemv16, q6_dequant,
     avx2_q4_xprep, avx2_q5_gemv_digits, avx2_q5_dequant, /* avx2.c's (vpmaddubsw: no
                                                           * AVX-VNNI on these CPUs) */
     IG_KIND(4) | IG_KIND(5) | IG_KIND(8) | IG_KIND(Q4K),
-    .q5_gemv_rows = avx2_q5_gemv_rows, .q6_gemv_rows = q6_gemv_rows_vnni,
+    .q5_gemv_rows = avx2_q5_gemv_rows, .q6_gemv_rows = q6_gemv_rows16,
+    .q6_xsum = q6_xsum256, .q6_xblock = Q6_BLOCK,
 };
 
 #endif

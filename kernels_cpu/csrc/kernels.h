@@ -148,8 +148,9 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * int6 (quant/formats/int6.py, GGUF Q6_K's blocks): qw uint8 (N, K / 256 * 210), K % 256 == 0,
  *      w = d * sc * (q - 32), q 6 bits, sc an int8 per 16, d a float16 per 256; scales
  *      and mins unused, g = 256. The GEMV runs on x as the int8 GEMV's digits (kernels.h
- *      XPREP8; |X| <= 2^21, 22 significant bits; 4 * 63 * 2^21 < 2^31) on the VNNI
- *      paths, as int16 X (avx2.c, 15 bits per block of 32) on plain AVX2: per group of 16,
+ *      XPREP8; |X| <= 2^21, 22 significant bits; 4 * 63 * 2^21 < 2^31) on AVX-VNNI, as
+ *      int16 X on plain AVX2 (avx2.c, 15 bits per block of 32) and AVX-512 VNNI (avx512.c,
+ *      15 bits per block of 256, one vpdpwssd per 32 weights): per group of 16,
  *      d sc sx (sum q X) plus the group's term d sc (-32 sx sum X) (xsum, from the same
  *      X). Without them (x with inf or NaN, or a path with neither) it runs q6_gemv_c in
  *      float. The GEMM dequantizes tiles
@@ -295,7 +296,8 @@ typedef struct {
     gemv_fn q8_gemv_digits;
     ig_xprep_fn ig_xprep;   /* NULL: the path has no integer GEMM (prefill dequantizes) */
     ig_panel_fn ig_panel;
-    xprep_fn q6_xprep;      /* NULL: the path has no int6 digit GEMV; else x in XPREP8 */
+    xprep_fn q6_xprep;      /* NULL: the path has no int6 digit GEMV; else x in XPREP8's
+                             * bytes (its layout, or q6_xsum's) */
     gemv_fn q6_gemv_digits;
     dequant_fn q6_dequant;  /* NULL: q6_dequant_c */
     xprep_fn q5_xprep;      /* NULL: the path has no int5 digit GEMV; else q4_xprep's layout */
@@ -306,8 +308,10 @@ typedef struct {
     gemv_rows_fn q4_gemv_rows, q5_gemv_rows, q6_gemv_rows;
     gemv_rows_fn q8_gemv_rows; /* over float x: rows whose GEMV is the float q8_gemv */
     /* int6: per 16 elements -32 sx sum X from the path's prepared x (NULL: its x is
-     * XPREP8's three digits, whose sums matmul.c takes) */
+     * XPREP8's three digits, whose sums matmul.c takes), and that x's block of one sx
+     * (int16 X: 32 on plain AVX2, 256 on AVX-512 VNNI) */
     void (*q6_xsum)(const void *xq, int64_t K, float *xsum);
+    int q6_xblock;
 } kernel_table;
 #define IG_KIND(bits) (1u << (bits))
 

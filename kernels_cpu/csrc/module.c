@@ -194,7 +194,7 @@ static PyObject *py_isa_int5_digits(PyObject *self, PyObject *arg) {
 static PyObject *py_isa_int6_x16(PyObject *self, PyObject *arg) {
     (void)self;
     const kernel_table *kt;
-    return table_of(arg, &kt) ? NULL : PyBool_FromLong(kt && kt->q6_xsum);
+    return table_of(arg, &kt) ? NULL : PyLong_FromLong(kt && kt->q6_xsum ? kt->q6_xblock : 0);
 }
 
 static PyObject *py_isa_q4k_digits(PyObject *self, PyObject *arg) {
@@ -242,7 +242,7 @@ static PyMethodDef methods[] = {
     {"isa_int5_digits", py_isa_int5_digits, METH_O,
      "whether path `isa`'s int5 GEMV takes x as the integer GEMM's two int8 digits"},
     {"isa_int6_x16", py_isa_int6_x16, METH_O,
-     "whether path `isa`'s int6 GEMV takes x as int16, 15 bits per block of 32"},
+     "the block of x per scale if path `isa`'s int6 GEMV takes x as int16 (15 bits), else 0"},
     {"isa_q4k_digits", py_isa_q4k_digits, METH_O,
      "whether path `isa`'s q4_k GEMV takes x as two int8 digits per block of 256"},
     {"cpu_has", py_cpu_has, METH_O, "whether the CPU has a feature (e.g. 'avx512vnni')"},

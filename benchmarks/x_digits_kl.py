@@ -1,4 +1,4 @@
-"""What x's integer digits cost in quality: `infer eval`'s KL with x rounded per block of 32.
+"""What x's integer digits cost in quality: `infer eval`'s KL with x rounded per block.
 
 The integer kernels take x per block of 32 as X = round(x / sx), sx = amax / XMAX: two
 int8 digits (XMAX = 32512, 15 significant bits: csrc/kernels.h IG_XMAX) or one
@@ -10,6 +10,10 @@ times the weights' codes is what the kernels would compute exactly (X fits the t
 kernels' X as 256 X), so the figures are the kernels' numerics, up to float rounding.
 
     benchmarks/x_digits_kl.py MODEL... --ref REF [--chunks N] [--formats int4,int5]
+                                       [--block 256]
+
+--block sets the block of one scale: 32 for the integer GEMM and most GEMVs, 256 for
+q4_k's GEMV and int6's on AVX-512 VNNI.
 
 The reference's logits are computed once per window and kept for every model and mode.
 """
@@ -33,15 +37,15 @@ TEXT = Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-test.txt"
 XMAX = {"float": None, "two": 32512, "one": 127}
 
 
-def round_x(x: torch.Tensor, xmax: int) -> torch.Tensor:
-    """x (..., K), K % 32 == 0 -> round(x / sx) * sx per block of 32, sx = amax / xmax."""
-    xb = x.float().unflatten(-1, (-1, 32))
+def round_x(x: torch.Tensor, xmax: int, block: int) -> torch.Tensor:
+    """x (..., K), K % block == 0 -> round(x / sx) * sx per block, sx = amax / xmax."""
+    xb = x.float().unflatten(-1, (-1, block))
     step = xb.abs().amax(-1, keepdim=True) / xmax
     q = torch.where(step > 0, (xb / step).round() * step, 0.0)
     return q.flatten(-2)
 
 
-def digits_on(model: torch.nn.Module, formats: list[str], xmax: int | None) -> int:
+def digits_on(model: torch.nn.Module, formats: list[str], xmax: int | None, block: int) -> int:
     """Make the layers of `formats` round x to `xmax` per block (None: leave x); count them."""
     classes = tuple(FORMATS[f] for f in formats)
     n = 0
@@ -52,7 +56,7 @@ def digits_on(model: torch.nn.Module, formats: list[str], xmax: int | None) -> i
         if xmax is None:
             module.forward = forward
         else:
-            module.forward = lambda x, f=forward: f(round_x(x, xmax))
+            module.forward = lambda x, f=forward: f(round_x(x, xmax, block))
         n += 1
     return n
 
@@ -81,6 +85,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=10)
     p.add_argument("--formats", default="int4", help="comma-separated formats to round x for")
     p.add_argument("--modes", default="float,two,one", help="of float, two, one")
+    p.add_argument("--block", type=int, default=32, help="elements of x per scale")
     args = p.parse_args()
     formats = args.formats.split(",")
     modes = args.modes.split(",")
@@ -92,13 +97,14 @@ def main() -> None:
     keep_ref_logits(ref.model)
     for name, mode in ((name, mode) for name in args.models for mode in modes):
         lm = load_model(resolve(name).path, max_seq_len=args.ctx)
-        layers = digits_on(lm.model, formats, XMAX[mode])
+        layers = digits_on(lm.model, formats, XMAX[mode], args.block)
         t0 = time.perf_counter()
         r = ev.evaluate(lm, text, ctx=args.ctx, chunks=args.chunks, ref=ref)
         d = r.divergence
         row = {
             "model": name,
             "x": mode,
+            "block": args.block,
             "formats": formats,
             "layers": layers,
             "windows": r.windows,

@@ -388,6 +388,98 @@ Q4_GEMV_DIGITS(q4_gemv_digits, TARGET_AVX512, DOT2_MADD)
 Q4_GEMV_DIGITS(q4_gemv_digits_vnni, TARGET_AVX512_VNNI, DOT2_VNNI)
 
 /* ------------------------------------------------------------------------------------
+ * int5 GEMV with VNNI, on x as int4's digits (q4_xprep): a chunk's 64 bytes of nibbles
+ * give int4's lo and hi codes, and 16 is added where qh's bit is set. Byte 16 r + i of lo
+ * is element i of the chunk's block r (bit i of its qh word), of hi element 16 + i (bit
+ * 16 + i): the words' low halves, gathered, are lo's byte mask, their high halves hi's.
+ * Codes <= 31. The codes are made once for up to 4 rows of x; each row adds chunk c to
+ * its accumulator c % ACC as int4's one-row kernel does, and one row is this kernel
+ * with R = 1, so a row's output is the same alone or in a batch.
+ * ---------------------------------------------------------------------------------- */
+
+TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q5_codes(
+    const uint8_t *q, const uint8_t *qh, int64_t KB, int64_t c, int64_t pf, __m512i *lo,
+    __m512i *hi) {
+    const int64_t bytes = KB - 64 * c < 64 ? KB - 64 * c : 64;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+    const __m128i halves = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    PREFETCH_AT(q + 64 * c, pf);
+    if (!(c & 3)) PREFETCH_AT(qh + 16 * c, pf / 4);
+    /* masked loads only at the tail (see Q4_GEMV_DIGITS) */
+    const __m512i w = bytes == 64 ? _mm512_loadu_si512(q + 64 * c)
+                                  : _mm512_maskz_loadu_epi8(((__mmask64)1 << bytes) - 1, q + 64 * c);
+    const __m128i h = bytes == 64 ? _mm_loadu_si128((const __m128i *)(qh + 16 * c))
+                                  : _mm_maskz_loadu_epi8((__mmask16)((1u << (bytes / 4)) - 1), qh + 16 * c);
+    const __m128i hw = _mm_shuffle_epi8(h, halves);
+    *lo = _mm512_and_si512(w, m4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+    *lo = _mm512_mask_add_epi8(*lo, (__mmask64)_mm_cvtsi128_si64(hw), *lo, sixteen);
+    *hi = _mm512_mask_add_epi8(*hi, (__mmask64)_mm_extract_epi64(hw, 1), *hi, sixteen);
+}
+
+TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q5_rows_vnni(
+    const qmat *const *a, const int R, int64_t n, int64_t c0, int64_t c1) {
+    const int64_t K = a[0]->K, KB = K / 2, G = K / 32, C = (K + CHUNK - 1) / CHUNK;
+    const uint8_t *q = (const uint8_t *)a[0]->qw + n * KB, *qh = a[0]->qh + n * (K / 8);
+    const uint16_t *s = (const uint16_t *)a[0]->scales + n * G;
+    const int64_t pf = prefetch_distance(KB, C > Q4_SLICE_CHUNKS);
+    /* lane l of a chunk belongs to its block l / 4 */
+    const __m512i gidx =
+        _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+    __m512 acc[4][ACC];
+    for (int m = 0; m < R; m++)
+        for (int i = 0; i < ACC; i++) acc[m][i] = _mm512_setzero_ps();
+    /* chunks in turn to ACC accumulators, the last (c1 - c0) % ACC to the first */
+    for (int64_t c = c0; c < c1; c += ACC) {
+        const int u_end = c1 - c < ACC ? (int)(c1 - c) : ACC;
+        for (int u = 0; u < ACC; u++) {
+            if (u >= u_end) break;
+            const int64_t cu = c + u, bytes = KB - 64 * cu < 64 ? KB - 64 * cu : 64;
+            __m512i lo, hi;
+            q5_codes(q, qh, KB, cu, pf, &lo, &hi);
+            const __m128i h = bytes < 64 ? _mm_maskz_loadu_epi16((__mmask8)((1u << (bytes / 16)) - 1), s + 4 * cu)
+                                         : _mm_loadl_epi64((const __m128i *)(s + 4 * cu));
+            const __m512 d = _mm512_permutexvar_ps(gidx, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
+            for (int m = 0; m < R; m++) {
+                const __m512i *xc = (const __m512i *)((const int8_t *)a[m]->xq + cu * CHUNK_BYTES);
+                const float *lanes = (const float *)((const int8_t *)a[m]->xq + C * CHUNK_BYTES);
+                __m512i t = DOT2_VNNI(_mm512_setzero_si512(), lo, xc[0], hi, xc[1]);
+                t = DOT2_VNNI(_mm512_slli_epi32(t, 8), lo, xc[2], hi, xc[3]);
+                const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(lanes + 16 * cu));
+                __m512 *to = &acc[m][u_end == ACC ? u : 0];
+                *to = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, *to);
+            }
+        }
+    }
+    const int64_t g0 = c0 * CHUNK / 32, g1 = c1 == C ? G : c1 * CHUNK / 32;
+    const uint16_t *off = (a[0]->mins ? a[0]->mins : (const uint16_t *)a[0]->scales) + n * G + g0;
+    for (int m = 0; m < R; m++) {
+        const float part = hsum_acc(acc[m]) + group_offset(off, g1 - g0, a[m]->xsum + g0);
+        a[m]->y[n] = c0 ? a[m]->y[n] + part : part;
+    }
+}
+
+/* R rows of x, 4 at a time per weight row, K in int4's slices */
+TARGET_AVX512_VNNI static void q5_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0,
+                                                 int64_t n1) {
+    const int64_t C = (a[0]->K + CHUNK - 1) / CHUNK;
+    for (int64_t c0 = 0; c0 < C; c0 += Q4_SLICE_CHUNKS) {
+        const int64_t c1 = C - c0 < Q4_SLICE_CHUNKS ? C : c0 + Q4_SLICE_CHUNKS;
+        for (int64_t n = n0; n < n1; n++)
+            for (int m = 0; m < R; m += 4) switch (R - m < 4 ? R - m : 4) {
+                case 1: q5_rows_vnni(a + m, 1, n, c0, c1); break;
+                case 2: q5_rows_vnni(a + m, 2, n, c0, c1); break;
+                case 3: q5_rows_vnni(a + m, 3, n, c0, c1); break;
+                default: q5_rows_vnni(a + m, 4, n, c0, c1); break;
+                }
+    }
+}
+
+TARGET_AVX512_VNNI static void q5_gemv_vnni(const qmat *a, int64_t n0, int64_t n1) {
+    q5_gemv_rows_vnni(&a, 1, n0, n1);
+}
+
+/* ------------------------------------------------------------------------------------
  * int8 GEMV on x as int8 digits (VNNI only)
  *
  * x is cut into chunks of 64 elements, matching 64 bytes of a row: [digit 2, 1, 0][64
@@ -1027,10 +1119,9 @@ const kernel_table kernels_avx512 = {
 const kernel_table kernels_avx512_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q6_xprep256, q6_gemv16, q6_dequant,
-    avx2_q4_xprep, avx2_q5_gemv_digits, avx2_q5_dequant, /* avx2.c's (vpmaddubsw: no
-                                                          * AVX-VNNI on these CPUs) */
+    q4_xprep, q5_gemv_vnni, avx2_q5_dequant, /* avx2.c's dequantization */
     IG_KIND(4) | IG_KIND(5) | IG_KIND(8) | IG_KIND(Q4K),
-    .q5_gemv_rows = avx2_q5_gemv_rows, .q6_gemv_rows = q6_gemv_rows16,
+    .q5_gemv_rows = q5_gemv_rows_vnni, .q6_gemv_rows = q6_gemv_rows16,
     .q6_xsum = q6_xsum256, .q6_xblock = Q6_BLOCK,
 };
 

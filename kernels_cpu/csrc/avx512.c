@@ -1113,7 +1113,7 @@ const kernel_table kernels_avx512 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
     .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits, .q6_dequant = q6_dequant,
     .q5_xprep = avx2_q4_xprep, .q5_gemv_digits = avx2_q5_gemv_digits,
-    .q5_dequant = avx2_q5_dequant, /* avx2.c's: no AVX-512 int5 code */
+    .q5_dequant = avx2_q5_dequant, /* avx2.c's (vpmaddubsw: no vpdpbusd here) */
     .q5_gemv_rows = avx2_q5_gemv_rows,
 };
 const kernel_table kernels_avx512_vnni = {

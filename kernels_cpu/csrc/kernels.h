@@ -161,7 +161,8 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  *      whose bit j is element j's bit 4, scales (and mins) float16 (N, K/32), g = 32;
  *      symmetric w = (q - 16) * d, asymmetric w = q * d + m. The GEMV runs as int4's on
  *      x's two digits (the same layout and xprep; 2 * 31 * 128 still fits vpmaddubsw's
- *      int16 pairs), each code ORed with 16 where its qh bit is set, the -16 d (or m)
+ *      int16 pairs; vpdpbusd on AVX-512 VNNI), each code ORed with 16 where its qh bit is
+ *      set, the -16 d (or m)
  *      term from the group sums; without digits (x with inf or NaN, or a path with
  *      none) q5_gemv_c in float. The GEMM dequantizes tiles, or on plain AVX2 runs the
  *      integer GEMM (codes 0..31, o = 16 or mins).
@@ -355,7 +356,7 @@ extern const kernel_table kernels_scalar;
 #ifdef INFER_X86
 extern const kernel_table kernels_avx2, kernels_avx2_vnni;
 extern const kernel_table kernels_avx512, kernels_avx512_vnni;
-/* avx2.c's int5 kernels, which the AVX-512 tables use too (no AVX-512 int5 code). */
+/* avx2.c's int5 kernels, which plain AVX-512 uses too (AVX-512 VNNI has its own GEMVs). */
 int avx2_q4_xprep(const float *x, int64_t K, void *buf);
 void avx2_q5_gemv_digits(const qmat *a, int64_t n0, int64_t n1);
 void avx2_q5_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1);

@@ -162,9 +162,8 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  *      symmetric w = (q - 16) * d, asymmetric w = q * d + m. The GEMV runs as int4's on
  *      x's two digits (the same layout and xprep; 2 * 31 * 128 still fits vpmaddubsw's
  *      int16 pairs; vpdpbusd on AVX-512 VNNI), each code ORed with 16 where its qh bit is
- *      set, the -16 d (or m)
- *      term from the group sums; without digits (x with inf or NaN, or a path with
- *      none) q5_gemv_c in float. The GEMM dequantizes tiles, or on plain AVX2 runs the
+ *      set, the -16 d (or m) term from the group sums; without digits (x with inf or NaN,
+ *      or a path with none) q5_gemv_c in float. The GEMM dequantizes tiles, or on plain AVX2 runs the
  *      integer GEMM (codes 0..31, o = 16 or mins).
  * ---------------------------------------------------------------------------------- */
 

@@ -175,24 +175,6 @@ static void rope(float *x, int64_t n, int64_t d, const float *cos, const float *
         }
 }
 
-/* gate[i] = SiLU(gate[i]) * up[i], as MLP.forward's F.silu(gate) * up */
-static void silu_mul(float *gate, const float *up, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        const float gi = gate[i];
-        gate[i] = gi / (1.0f + expf(-gi)) * up[i];
-    }
-}
-
-/* gate[i] = GELU(gate[i]) * up[i] with the tanh approximation, in the order of torch's
-   F.gelu(approximate="tanh") on the CPU: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) */
-static void gelu_tanh_mul(float *gate, const float *up, int64_t n) {
-    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
-    for (int64_t i = 0; i < n; i++) {
-        const float x = gate[i], inner = beta * (x + kappa * (x * x * x));
-        gate[i] = 0.5f * x * (1.0f + tanhf(inner)) * up[i];
-    }
-}
-
 /* float32 -> float16, rounding to nearest even as torch's .to(torch.float16). */
 static uint16_t float_to_half(float f) {
     uint32_t x;
@@ -319,6 +301,32 @@ VI v16 exp16(v16 x) {
     const v16i pow2n = (__builtin_convertvector(n, v16i) + 127) << 23;
     const v16 y = p * (v16)pow2n;
     return (v16)((v16i)y & ~(x < -87.0f));
+}
+
+/* x sigmoid(z) in 16 lanes: with e = exp(-|z|) <= 1 (exp16's domain), sigmoid(z) is
+   1 / (1 + e) for z >= 0 and e / (1 + e) below, neither overflowing nor cancelling. */
+VI v16 mul_sigmoid16(v16 x, v16 z) {
+    const v16 e = exp16((v16)((v16i)z | INT32_MIN)); /* -|z| */
+    const v16 r = 1.0f / (1.0f + e);
+    const v16i pos = (v16i)(z >= 0.0f);
+    return x * (v16)(((v16i)r & pos) | ((v16i)(e * r) & ~pos));
+}
+
+/* gate[i] = act(gate[i]) * up[i] over n elements, 16 at a time (the last ones through a
+   buffer): act(x) = x sigmoid(z(x)) with z = x (SiLU) or, for GELU's tanh approximation
+   0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), z = 2 u. */
+static void act_mul(float *gate, const float *up, int64_t n, int gelu) {
+    const float beta2 = 2 * 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
+    for (int64_t i = 0; i < n; i += 16) {
+        float g[16] = {0}, u[16] = {0};
+        const int64_t k = n - i < 16 ? n - i : 16;
+        memcpy(g, gate + i, (size_t)k * sizeof(float));
+        memcpy(u, up + i, (size_t)k * sizeof(float));
+        const v16 x = load16(g);
+        const v16 z = gelu ? beta2 * (x + kappa * (x * x * x)) : x;
+        store16(g, mul_sigmoid16(x, z) * load16(u));
+        memcpy(gate + i, g, (size_t)k * sizeof(float));
+    }
 }
 
 typedef struct {
@@ -642,10 +650,7 @@ static int block(const model_t *m, const int64_t *P, int64_t l, float *x, const 
     const int64_t *gate_up[2] = {lin + L_GATE * LIN, lin + L_UP * LIN};
     rc |= linears(2, gate_up, m->xn, (float *const[]){m->gate, m->up}, m);
     for (int64_t r = 0; r < R; r++) {
-        if (m->act)
-            gelu_tanh_mul(m->gate + r * hidden, m->up + r * hidden, hidden);
-        else
-            silu_mul(m->gate + r * hidden, m->up + r * hidden, hidden);
+        act_mul(m->gate + r * hidden, m->up + r * hidden, hidden, m->act);
     }
     rc |= linear(lin + L_DOWN * LIN, m->gate, m->xn, m);
     for (int64_t r = 0; r < R; r++) {
@@ -811,7 +816,7 @@ static int experts_rows(const int64_t *const *T, int64_t n_experts, int R, int k
         for (int c = 0; c < nc; c++)
             for (int64_t j = 0; j < rows[2 * c]; j++) {
                 const int64_t h = gu[2 * c][5];
-                silu_mul(gu_out[2 * c] + j * h, gu_out[2 * c + 1] + j * h, h);
+                act_mul(gu_out[2 * c] + j * h, gu_out[2 * c + 1] + j * h, h, 0);
             }
         rc |= linears_each(nc, down, down_in, down_out, down_rows, m);
         for (int c = 0; c < nc; c++) /* ascending experts: each row's sum in its order */

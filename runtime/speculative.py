@@ -112,15 +112,18 @@ class DraftLength:
     probe resets the pause and earns 3 checking passes before the next. Where guesses
     always fail that costs about one guess per doubling pause: a pass whose guesses cost
     as much as itself keeps 0.95 of plain decoding's speed over 200 tokens, 0.97 over
-    500. Where a guess costs at least a plain pass (r + d >= t), no acceptance could pay, and
-    guessing stops for the rest of the drafter's life: a draft model's probe also costs
-    it the prefill of every token it skipped. Not `adaptive`: always k_max, as tests want.
+    500. A probe's drafting (a draft model's includes the prefill of every token it
+    skipped) is kept under PROBE_SHARE of the pause before the next probe, which is
+    lengthened to that end. Where a guess costs at least a plain pass (r + d >= t), no
+    acceptance could pay, and guessing stops for the rest of the drafter's life. Not
+    `adaptive`: always k_max, as tests want.
     """
 
     DECAY = 0.8  # weight of the past in the running estimates
     PAUSE, MAX_PAUSE = 16, 256
     MIN_CHECKS = 3  # checking passes measured before guessing may stop for good
     REFRESH = 32  # a plain pass every so many checking passes keeps t current
+    PROBE_SHARE = 0.02  # a probe's drafting at most this share of the pause before the next
 
     def __init__(self, k_max: int = 8, adaptive: bool = True):
         self.k_max, self.adaptive = k_max, adaptive
@@ -136,6 +139,7 @@ class DraftLength:
         self.probing = False  # a pause ended: the next pass probes with one guess
         self.grace = 0  # checking passes to go before guessing may pause again
         self.checks = 0  # checking passes measured
+        self.probe_s = 0.0  # the last probe's drafting
 
     def next(self) -> int:
         """Tokens to guess at the next pass (0: a plain pass)."""
@@ -154,7 +158,9 @@ class DraftLength:
         if self.speedup(best) > 1.0:
             self.pause_len = self.PAUSE
             return best
-        self.pause_left = self.pause_len
+        self.pause_left = max(
+            self.pause_len, math.ceil(self.probe_s / (self.PROBE_SHARE * self.plain_s))
+        )
         self.pause_len = min(2 * self.pause_len, self.MAX_PAUSE)
         if self.row_s + self.draft_s >= self.plain_s and self.checks >= self.MIN_CHECKS:
             self.pause_left = math.inf  # not even guesses always kept would pay: stop
@@ -190,6 +196,7 @@ class DraftLength:
             # model caught up on the tokens it skipped. Nor does it move k. A kept probe
             # earns a few checks before the next pause, for the estimates to follow.
             self.probing = False
+            self.probe_s = draft_s
             if accepted == guessed:
                 self.grace = self.MIN_CHECKS
                 self.pause_len = self.PAUSE

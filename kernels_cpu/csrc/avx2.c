@@ -867,44 +867,69 @@ TARGET_AVX2_VNNI static inline __attribute__((always_inline)) __m256 q6_dot_vnni
     return _mm256_cvtepi32_ps(t);
 }
 
-TARGET_AVX2_VNNI static void q6_gemv_digits_vnni(const qmat *a, int64_t n0, int64_t n1) {
-    const int64_t K = a->K, B = K / Q6_BLOCK;
-    const int8_t *xd = a->xq;
-    const float *lanes = (const float *)(xd + K / 64 * XPREP8_CHUNK_BYTES);
+/* Up to 4 rows of x against int6 weight row n: each half block widened once (its codes
+ * and its lanes' group scales) for every row; each row then takes the one-row steps in
+ * their order, so its output is the same alone or in a batch. */
+TARGET_AVX2_VNNI static inline __attribute__((always_inline)) void q6_rows_vnni(
+    const qmat *const *a, const int R, int64_t n) {
+    const int64_t K = a[0]->K, B = K / Q6_BLOCK;
+    const uint8_t *row = (const uint8_t *)a[0]->qw + n * B * Q6_BLOCK_BYTES;
     const __m256i g0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), two = _mm256_set1_epi32(2);
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        __m256 off = _mm256_setzero_ps();
-        for (int64_t b = 0; b < B; b++) {
-            const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
-            for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM_L1(blk + p);
-            uint16_t dh;
-            memcpy(&dh, blk + 208, 2);
-            const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
-            __m256 sc[2];
-            for (int h = 0; h < 2; h++) {
-                sc[h] = widen_i8((const int8_t *)(blk + 192 + 8 * h));
-                /* the groups' -32 sx sum X terms, times d sc */
-                off = _mm256_fmadd_ps(_mm256_mul_ps(sc[h], d), _mm256_loadu_ps(a->xsum + 16 * b + 8 * h), off);
-            }
-            __m256 f = _mm256_setzero_ps();
-            for (int h = 0; h < 2; h++) {
-                __m256i q[4];
-                q6_quarters(blk, h, q);
-                __m256i gj = g0;
-                for (int j = 0; j < 4; j++, gj = _mm256_add_epi32(gj, two)) {
-                    const int64_t xb = 8 * b + 4 * h + j; /* x's block of 32 */
-                    const int8_t *dg = xd + (xb / 2) * XPREP8_CHUNK_BYTES + 32 * (xb % 2);
-                    const float sx = lanes[16 * (xb / 2) + 8 * (xb % 2)];
-                    const __m256 s = _mm256_mul_ps(_mm256_permutevar8x32_ps(sc[h], gj), _mm256_set1_ps(sx));
-                    f = _mm256_fmadd_ps(q6_dot_vnni(q[j], dg), s, f);
+    const int8_t *xd[4];
+    const float *lanes[4];
+    __m256 acc[4][2], off[4];
+    for (int m = 0; m < R; m++) {
+        xd[m] = a[m]->xq, lanes[m] = (const float *)(xd[m] + K / 64 * XPREP8_CHUNK_BYTES);
+        acc[m][0] = acc[m][1] = off[m] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < B; b++) {
+        const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
+        for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM_L1(blk + p);
+        uint16_t dh;
+        memcpy(&dh, blk + 208, 2);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
+        __m256 sc[2], f[4];
+        for (int h = 0; h < 2; h++) {
+            sc[h] = widen_i8((const int8_t *)(blk + 192 + 8 * h));
+            const __m256 scd = _mm256_mul_ps(sc[h], d);
+            for (int m = 0; m < R; m++) /* the groups' -32 sx sum X terms, times d sc */
+                off[m] = _mm256_fmadd_ps(scd, _mm256_loadu_ps(a[m]->xsum + 16 * b + 8 * h), off[m]);
+        }
+        for (int m = 0; m < R; m++) f[m] = _mm256_setzero_ps();
+        for (int h = 0; h < 2; h++) {
+            __m256i q[4];
+            q6_quarters(blk, h, q);
+            __m256i gj = g0;
+            for (int j = 0; j < 4; j++, gj = _mm256_add_epi32(gj, two)) {
+                const int64_t xb = 8 * b + 4 * h + j; /* x's block of 32 */
+                const __m256 scj = _mm256_permutevar8x32_ps(sc[h], gj);
+                for (int m = 0; m < R; m++) {
+                    const int8_t *dg = xd[m] + (xb / 2) * XPREP8_CHUNK_BYTES + 32 * (xb % 2);
+                    const float sx = lanes[m][16 * (xb / 2) + 8 * (xb % 2)];
+                    const __m256 s = _mm256_mul_ps(scj, _mm256_set1_ps(sx));
+                    f[m] = _mm256_fmadd_ps(q6_dot_vnni(q[j], dg), s, f[m]);
                 }
             }
-            acc[b & 1] = _mm256_fmadd_ps(f, d, acc[b & 1]);
         }
-        a->y[n] = hsum(_mm256_add_ps(acc[0], acc[1])) + hsum(off);
+        for (int m = 0; m < R; m++) acc[m][b & 1] = _mm256_fmadd_ps(f[m], d, acc[m][b & 1]);
     }
+    for (int m = 0; m < R; m++)
+        a[m]->y[n] = hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + hsum(off[m]);
+}
+
+/* R rows of x, 4 at a time per weight row (its later passes read it from L1) */
+TARGET_AVX2_VNNI static void q6_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int m = 0; m < R; m += 4) switch (R - m < 4 ? R - m : 4) {
+            case 1: q6_rows_vnni(a + m, 1, n); break;
+            case 2: q6_rows_vnni(a + m, 2, n); break;
+            case 3: q6_rows_vnni(a + m, 3, n); break;
+            default: q6_rows_vnni(a + m, 4, n); break;
+            }
+}
+
+TARGET_AVX2_VNNI static void q6_gemv_digits_vnni(const qmat *a, int64_t n0, int64_t n1) {
+    q6_gemv_rows_vnni(&a, 1, n0, n1);
 }
 
 /* int6, as q6_dequant_c: each half block widened as the GEMV widens it (q6_quarters), 8
@@ -1196,7 +1221,7 @@ const kernel_table kernels_avx2_vnni = {
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits_vnni, .q5_dequant = q5_dequant,
     .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(8) | IG_KIND(Q4K),
     /* the plain AVX2 rows kernels: their int32 lanes are the VNNI one-row kernels' */
-    .q4_gemv_rows = q4_gemv_rows, .q5_gemv_rows = q5_gemv_rows,
+    .q4_gemv_rows = q4_gemv_rows, .q5_gemv_rows = q5_gemv_rows, .q6_gemv_rows = q6_gemv_rows_vnni,
 };
 
 /* For the AVX-512 tables (kernels.h): their CPUs run this AVX2 code. */

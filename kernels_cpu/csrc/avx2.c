@@ -799,6 +799,23 @@ T void q6_xsum16(const void *xq, int64_t K, float *xsum) {
     }
 }
 
+/* Block b of an int6 row (blk) for R rows of x: prefetch, its d and its halves' group
+ * scales sc; each row's groups' -32 sx sum X terms (xsum), times d sc, added to off[m]. */
+TI __m256 q6_block_start(const uint8_t *blk, int64_t b, const qmat *const *a, const int R,
+                         __m256 sc[2], __m256 *off) {
+    for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM_L1(blk + p);
+    uint16_t dh;
+    memcpy(&dh, blk + 208, 2);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
+    for (int h = 0; h < 2; h++) {
+        sc[h] = widen_i8((const int8_t *)(blk + 192 + 8 * h));
+        const __m256 scd = _mm256_mul_ps(sc[h], d);
+        for (int m = 0; m < R; m++)
+            off[m] = _mm256_fmadd_ps(scd, _mm256_loadu_ps(a[m]->xsum + 16 * b + 8 * h), off[m]);
+    }
+    return d;
+}
+
 /* Up to 4 rows of x against int6 weight row n (each row's sums as it takes them alone) */
 TI void q6_rows(const qmat *const *a, const int R, int64_t n) {
     const int64_t K = a[0]->K, B = K / Q6_BLOCK;
@@ -809,17 +826,8 @@ TI void q6_rows(const qmat *const *a, const int R, int64_t n) {
     for (int m = 0; m < R; m++) acc[m][0] = acc[m][1] = off[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < B; b++) {
         const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
-        for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM_L1(blk + p);
-        uint16_t dh;
-        memcpy(&dh, blk + 208, 2);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
         __m256 sc[2], f[4];
-        for (int h = 0; h < 2; h++) {
-            sc[h] = widen_i8((const int8_t *)(blk + 192 + 8 * h));
-            for (int m = 0; m < R; m++) /* the groups' -32 sx sum X terms, times d sc */
-                off[m] = _mm256_fmadd_ps(_mm256_mul_ps(sc[h], d),
-                                         _mm256_loadu_ps(a[m]->xsum + 16 * b + 8 * h), off[m]);
-        }
+        const __m256 d = q6_block_start(blk, b, a, R, sc, off);
         for (int m = 0; m < R; m++) f[m] = _mm256_setzero_ps();
         for (int h = 0; h < 2; h++) {
             __m256i q[4];
@@ -884,17 +892,8 @@ TARGET_AVX2_VNNI static inline __attribute__((always_inline)) void q6_rows_vnni(
     }
     for (int64_t b = 0; b < B; b++) {
         const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
-        for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_STREAM_L1(blk + p);
-        uint16_t dh;
-        memcpy(&dh, blk + 208, 2);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
         __m256 sc[2], f[4];
-        for (int h = 0; h < 2; h++) {
-            sc[h] = widen_i8((const int8_t *)(blk + 192 + 8 * h));
-            const __m256 scd = _mm256_mul_ps(sc[h], d);
-            for (int m = 0; m < R; m++) /* the groups' -32 sx sum X terms, times d sc */
-                off[m] = _mm256_fmadd_ps(scd, _mm256_loadu_ps(a[m]->xsum + 16 * b + 8 * h), off[m]);
-        }
+        const __m256 d = q6_block_start(blk, b, a, R, sc, off);
         for (int m = 0; m < R; m++) f[m] = _mm256_setzero_ps();
         for (int h = 0; h < 2; h++) {
             __m256i q[4];

@@ -280,6 +280,12 @@ def q4k_matmul(x, qweight, *, isa=None, threads=None):
     return _superblock_matmul("q4k_matmul", 144, x, qweight, isa, threads)
 
 
+def q3k_matmul(x, qweight, *, isa=None, threads=None):
+    """y (..., N) = x (..., K) W^T for q3_k W (quant/formats/q3k.py): qweight uint8
+    (N, K/256*110), GGUF Q3_K's blocks. x float32. isa, threads: as q8_matmul."""
+    return _superblock_matmul("q3k_matmul", 110, x, qweight, isa, threads)
+
+
 def _superblock_matmul(name: str, block_bytes: int, x, qweight, isa, threads):
     """The op `name` (in _C and reference) over W held as whole super-blocks of 256
     weights, `block_bytes` each: one uint8 tensor and nothing else."""
@@ -384,20 +390,3 @@ def read_bandwidth(nbytes: int = 1 << 30, *, isa=None, threads=None, repeats: in
         _C.stream_read(buf.data_ptr(), nbytes, isa_id, n)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
-
-
-def q3k_to_q6k(blocks: torch.Tensor, *, threads=None) -> torch.Tensor:
-    """GGUF Q3_K blocks (n, 110) uint8 -> int6's blocks (n, 210) with the same values
-    (csrc/convert.c; reference.q3k_to_q6k without the extension)."""
-    if _C is None:
-        _warn_missing()
-        return reference.q3k_to_q6k(blocks)
-    if not (blocks.dtype is torch.uint8 and blocks.dim() == 2 and blocks.shape[1] == 110
-            and blocks.is_contiguous()):  # fmt: skip
-        _fail("q3k_to_q6k", "blocks", blocks, "uint8 (n, 110)")
-    out = torch.empty(blocks.shape[0], 210, dtype=torch.uint8)
-    if blocks.shape[0]:
-        _C.q3k_to_q6k(
-            blocks.data_ptr(), out.data_ptr(), blocks.shape[0], threads or get_num_threads()
-        )
-    return out

@@ -124,32 +124,64 @@ def pack_int6(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tenso
     return blocks.reshape(N, B * 210)
 
 
-def q3k_to_q6k(blocks: torch.Tensor, rows: int = 16384) -> torch.Tensor:
-    """GGUF Q3_K blocks (n, 110) uint8 -> int6's (Q6_K's) blocks (n, 210) with the same
-    values: scale sc - 32, code q + 32 (runtime/files/gguf_blocks.py has both layouts),
-    `rows` blocks at a time (their temporaries stay in cache). ggml's
-    dequantize_row_q3_K reads element 128 h + 32 j + i (half h, quarter j, i < 32) as bits
-    2j of qs[32 h + i] and bit 4h + j of hmask[i] (set: no -4), in group
-    (128 h + 32 j + i) // 16; the 16 6-bit scales take their low 4 bits from byte g % 8
-    (nibble g // 8) and their high 2 from byte 8 + g % 4 (bits 2 (g // 4))."""
-    out = torch.empty(blocks.shape[0], 210, dtype=torch.uint8)
+def unpack_q3k(qweight: torch.Tensor):
+    """(N, K/256*110) uint8 blocks (GGUF Q3_K's) -> codes (N, K) int8 in -4..3, sc
+    (N, K/16) int8 in -32..31 and d (N, K/256) float16. ggml's dequantize_row_q3_K reads
+    element 128 h + 32 j + i (half h, quarter j, i < 32) as bits 2j of qs[32 h + i], minus
+    4 unless bit 4h + j of hmask[i] is set, in group (128 h + 32 j + i) // 16; the 16 6-bit
+    scales take their low 4 bits from byte g % 8 (nibble g // 8) and their high 2 from
+    byte 8 + g % 4 (bits 2 (g // 4)), minus 32."""
+    N, B = qweight.shape[0], qweight.shape[1] // 110
+    b = qweight.view(N, B, 110)
+    hmask, qs, packed = b[..., :32], b[..., 32:96], b[..., 96:108]
     g = torch.arange(16)
+    low = (packed[..., g % 8] >> (4 * (g // 8)).to(torch.uint8)) & 15
+    high = (packed[..., 8 + g % 4] >> (2 * (g // 4)).to(torch.uint8)) & 3
+    sc = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(N, B * 16)
     j = torch.arange(4, dtype=torch.uint8).view(4, 1)
-    for start in range(0, blocks.shape[0], rows):
-        b = blocks[start : start + rows]
-        n = b.shape[0]
-        hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
-        d = b[:, 108:110].contiguous().view(torch.float16)
-        low = (packed[:, g % 8] >> (4 * (g // 8)).to(torch.uint8)) & 15
-        high = (packed[:, 8 + g % 4] >> (2 * (g // 4)).to(torch.uint8)) & 3
-        sc = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8)
-        q = torch.empty(n, 2, 4, 32, dtype=torch.uint8)  # (block, h, j, i)
-        for h in range(2):
-            low2 = (qs[:, 32 * h : 32 * h + 32].unsqueeze(-2) >> (2 * j)) & 3
-            set_ = (hmask.unsqueeze(-2) >> (4 * h + j)) & 1
-            q[:, h] = low2 + 4 * set_ + 28  # q' = q + 32, q = low2 - 4 (+ 4 if set)
-        out[start : start + n] = pack_int6(q.view(n, 256), sc, d)
-    return out
+    qs = qs.reshape(N, B, 2, 1, 32)  # (half, -, i)
+    hj = (4 * torch.arange(2, dtype=torch.uint8).view(2, 1, 1) + j).view(2, 4, 1)
+    low2 = (qs >> (2 * j)) & 3  # (N, B, half, quarter, i)
+    set_ = (hmask.reshape(N, B, 1, 1, 32) >> hj) & 1
+    q = (low2.to(torch.int8) - 4 * (1 - set_.to(torch.int8))).reshape(N, B * 256)
+    d = b[..., 108:].contiguous().view(torch.float16).reshape(N, B)
+    return q, sc, d
+
+
+def pack_q3k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """unpack_q3k's inverse: codes q (N, K) in -4..3, sc (N, K/16) in -32..31, d (N, K/256)
+    float16 -> (N, K/256*110) uint8 blocks."""
+    N, K = q.shape
+    B = K // 256
+    c = (q.to(torch.int16) + 4).to(torch.uint8).view(N, B, 2, 4, 32)  # 0..7: (half, j, i)
+    low2, high = c & 3, c >> 2
+    qs = (
+        low2[:, :, :, 0]
+        | (low2[:, :, :, 1] << 2)
+        | (low2[:, :, :, 2] << 4)
+        | (low2[:, :, :, 3] << 6)
+    )
+    bits = high.view(N, B, 8, 32) << torch.arange(8, dtype=torch.uint8).view(8, 1)  # bit 4h + j
+    hmask = bits.sum(2, dtype=torch.uint8)  # disjoint bits: the sum is their OR
+    s = (sc.to(torch.int16) + 32).to(torch.uint8).view(N, B, 16)
+    packed = torch.cat(
+        (
+            (s[..., 0:8] & 15) | ((s[..., 8:16] & 15) << 4),
+            ((s[..., 0:4] >> 4) | ((s[..., 4:8] >> 4) << 2) | ((s[..., 8:12] >> 4) << 4)
+             | ((s[..., 12:16] >> 4) << 6)),
+        ),
+        -1,
+    )  # fmt: skip
+    halves = d.contiguous().view(torch.uint8).view(N, B, 2)
+    return torch.cat((hmask, qs.reshape(N, B, 64), packed, halves), -1).reshape(N, B * 110)
+
+
+def dequantize_q3k(qweight: torch.Tensor) -> torch.Tensor:
+    """(N, K/256*110) uint8 -> (N, K): (d * sc) * q per group of 16, both products exact."""
+    q, sc, d = unpack_q3k(qweight)
+    N = q.shape[0]
+    step = d.float().repeat_interleave(16, 1) * sc.float()  # (N, K/16)
+    return (q.float().view(N, -1, 16) * step.unsqueeze(-1)).view(N, -1)
 
 
 def dequantize_int6(qweight: torch.Tensor) -> torch.Tensor:
@@ -173,6 +205,11 @@ def q4_matmul(x, qweight, scales, mins, group_size: int) -> torch.Tensor:
 def q5_matmul(x, qweight, qh, scales, mins) -> torch.Tensor:
     """x (..., K) float32 -> (..., N): x W^T with W int5 (mins None: symmetric)."""
     return F.linear(x, dequantize_int5(qweight, qh, scales, mins))
+
+
+def q3k_matmul(x, qweight) -> torch.Tensor:
+    """x (..., K) float32 -> (..., N): x W^T with W q3_k."""
+    return F.linear(x, dequantize_q3k(qweight))
 
 
 def q4k_matmul(x, qweight) -> torch.Tensor:

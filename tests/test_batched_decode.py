@@ -124,14 +124,15 @@ def test_rows_equal_alone_int6(tmp_path):
     assert_rows_equal_alone(model)
 
 
-def test_rows_equal_alone_q4_k(tmp_path):
-    """q4_k's blocks of 256 (down_proj's rows of 320 fall back to int4)."""
-    from infer.quant.formats.q4k import Q4KLinear
+@pytest.mark.parametrize("recipe", ["q4_k", "q3_k"])
+def test_rows_equal_alone_k_quants(tmp_path, recipe):
+    """q4_k's and q3_k's blocks of 256 (down_proj's rows of 320 fall back to int4)."""
+    from infer.quant.formats.base import FORMATS
 
     make_hf_model("llama", tmp_path / "m", hidden_size=256, intermediate_size=320)
     model = load_model(tmp_path / "m", max_seq_len=64).model
-    quantize_model(model, get_recipe("q4_k"))
-    assert type(model.layers[0].mlp.up_proj) is Q4KLinear
+    quantize_model(model, get_recipe(recipe))
+    assert type(model.layers[0].mlp.up_proj) is FORMATS[recipe]
     assert Session(model).fused is not None
     assert_rows_equal_alone(model)
 

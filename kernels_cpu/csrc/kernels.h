@@ -324,30 +324,42 @@ enum { Q6_BLOCK = 256, Q6_BLOCK_BYTES = 210 };
  * per group -16 sum x, or sum x with mins) and the GEMM's dequantization. */
 void q5_gemv_c(const qmat *a, int64_t n0, int64_t n1);
 void q5_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
-/* q4_k (q4k.c; quant/formats/q4k.py, GGUF Q4_K's blocks as they lie): kind Q4K in
- * place of bits (ggml's type id), qw uint8 (N, K / 256 * 144), K % 256 == 0, g = 256,
- * scales and mins unused. Its kernels hang off the path's table by q4k_for, not in it:
- * xprep (x as two int8 digits, Q4K_XPREP_BYTES; NULL: no digit GEMV), the digit GEMV,
- * its form over several rows, and the GEMM's dequantization; q4k_gemv_c is the float
- * GEMV of every path. */
-enum { Q4K = 12, Q4K_BLOCK = 256, Q4K_BLOCK_BYTES = 144 };
-#define Q4K_XPREP_BYTES(K) (4 * (K) + (K) / Q4K_BLOCK * 4 + (K) / 32 * 4)
+/* Super-block kinds beside int6 (q4k.c, q3k.c): GGUF's blocks of 256 as they lie, the
+ * kind ggml's type id in place of bits, qw uint8 (N, K / 256 * block bytes), K % 256 == 0,
+ * g = 256, scales and mins unused.
+ * q4_k (quant/formats/q4k.py): kind Q4K, Q4_K's blocks of 144 bytes.
+ * q3_k (quant/formats/q3k.py): kind Q3K, Q3_K's blocks of 110 bytes.
+ * Their kernels hang off the path's table by sb_for, not in it: the float GEMV (every
+ * path's fallback), xprep (x in q4k.c's layout, SB_XPREP_BYTES, which both kinds read, so
+ * one x serves a Q3_K and a Q4_K matrix; NULL: no integer GEMV), the integer GEMV, its
+ * form over several rows, and the GEMM's dequantization. */
+enum { Q3K = 11, Q4K = 12, Q4K_BLOCK = 256, Q4K_BLOCK_BYTES = 144, Q3K_BLOCK_BYTES = 110 };
+#define SB_XPREP_BYTES(K) (4 * (K) + (K) / Q4K_BLOCK * 4 + (K) / 32 * 4 + (K) / 16 * 4)
 typedef struct {
+    gemv_fn gemv_c;
     xprep_fn xprep;
     gemv_fn gemv_digits;
     gemv_rows_fn gemv_rows; /* NULL: one row at a time */
     dequant_fn dequant;
-} q4k_kernels;
-const q4k_kernels *q4k_for(const kernel_table *kt);
-void q4k_gemv_c(const qmat *a, int64_t n0, int64_t n1);
-void q4k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
+} sb_kernels;
+const sb_kernels *q4k_for(const kernel_table *kt);
+const sb_kernels *q3k_for(const kernel_table *kt);
+/* The kernels of super-block kind `bits` on the path, or NULL for the other formats. */
+static inline const sb_kernels *sb_for(int bits, const kernel_table *kt) {
+    return bits == Q4K ? q4k_for(kt) : bits == Q3K ? q3k_for(kt) : NULL;
+}
+#ifdef INFER_X86
+/* q4k.c's x for both kinds' AVX2 and AVX-512 kernels (the layout: q4k.c) */
+int q4k_xprep_avx2(const float *x, int64_t K, void *buf);
+#endif
 /* A block's sub-block scales d * sc[j] and mins -(dmin * m[j]), rounded as the
  * dequantization rounds them (the integer GEMM's panel). */
 void q4k_block_scales(const uint8_t *blk, float d[8], float m[8]);
-/* Bytes of one row of W: K * bits / 8, or int6's or q4_k's blocks. */
+/* Bytes of one row of W: K * bits / 8, or int6's, q4_k's or q3_k's blocks. */
 static inline int64_t q_row_bytes(int bits, int64_t K) {
     return bits == 6     ? K / Q6_BLOCK * Q6_BLOCK_BYTES
            : bits == Q4K ? K / Q4K_BLOCK * Q4K_BLOCK_BYTES
+           : bits == Q3K ? K / Q4K_BLOCK * Q3K_BLOCK_BYTES
                          : K * bits / 8;
 }
 
@@ -382,15 +394,14 @@ static inline int gemv_threads(int64_t bytes, int nthreads) {
     return nthreads > most ? (most > 1 ? (int)most : 1) : nthreads;
 }
 
-/* The drivers (matmul.c): split over output rows, run on the pool. bits is 8, 6, 5, 4 or
- * Q4K.
- * Returns 0, or -1 when out of memory. */
+/* The drivers (matmul.c): split over output rows, run on the pool. bits is 8, 6, 5, 4, Q4K
+ * or Q3K. Returns 0, or -1 when out of memory. */
 int q_matmul(int bits, const qmat *a, int isa, int nthreads);
 /* igemm.c: q_matmul's GEMM on the integer path (bits in the table's ig_kinds). Returns
  * 0, -1 when out of memory, or 1 when it does not apply (the path has none, or x has inf
  * or NaN). */
 int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads);
-/* n GEMVs (bits[i] 8, 6, 5, 4 or Q4K) as one pool job, e.g. q, k and v of a block, or the gate
+/* n GEMVs (bits[i] 8, 6, 5, 4, Q4K or Q3K) as one pool job, e.g. q, k and v of a block, or the gate
  * and up projections of 8 experts: one wake-up of the pool instead of n, and small
  * matrices share the threads. Each has its M rows of x, 1 <= M <= GEMV_ROWS_MAX
  * (several sequences decoded together, guessed tokens checked, the tokens routed to an
@@ -422,10 +433,6 @@ int lut_gemv_many(int n, const lut_gemv *a, int isa, int nthreads);
 /* Streaming read of n bytes (a multiple of 256) on nthreads threads; returns a sum of
  * the bytes so the compiler keeps the reads. For the bandwidth ceiling in benchmarks. */
 double stream_read(const void *p, int64_t n, int isa, int nthreads);
-
-/* GGUF Q3_K blocks (110 bytes) -> int6's (Q6_K's, 210 bytes), the same values, on
- * nthreads threads (convert.c). */
-void q3k_to_q6k(const uint8_t *src, uint8_t *dst, int64_t nblocks, int nthreads);
 
 /* float16 -> float32 in plain C (the scalar path; exact for every value). */
 static inline float half_to_float(uint16_t h) {

@@ -58,22 +58,22 @@ static void gemm_task(void *ctx, int64_t t, int tid) {
  * (q, k and v share one x), or NULL. */
 static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads, job_t *j,
                         void *tmp[2], const void *xq_ready) {
-    const gemv_fn plain = bits == 8     ? kt->q8_gemv
-                          : bits == 6   ? q6_gemv_c
-                          : bits == 5   ? q5_gemv_c
-                          : bits == Q4K ? q4k_gemv_c
-                                        : kt->q4_gemv;
+    const sb_kernels *sb = sb_for(bits, kt);
+    const gemv_fn plain = sb          ? sb->gemv_c
+                          : bits == 8 ? kt->q8_gemv
+                          : bits == 6 ? q6_gemv_c
+                          : bits == 5 ? q5_gemv_c
+                                      : kt->q4_gemv;
     *j = (job_t){a, plain, NULL, NULL, 0, NULL};
     tmp[0] = tmp[1] = NULL;
-    const q4k_kernels *q4k = q4k_for(kt);
-    if (bits == Q4K && q4k->xprep) { /* x as two int8 digits; inf or NaN: float */
+    if (sb && sb->xprep) { /* x in q4k.c's integer layout; inf or NaN: float */
         if (!xq_ready) {
-            if (!(tmp[1] = alloc64(Q4K_XPREP_BYTES(a->K)))) return -1;
-            if (q4k->xprep(a->x, a->K, tmp[1]) == 0) xq_ready = tmp[1];
+            if (!(tmp[1] = alloc64(SB_XPREP_BYTES(a->K)))) return -1;
+            if (sb->xprep(a->x, a->K, tmp[1]) == 0) xq_ready = tmp[1];
         }
         if (xq_ready) {
             a->xq = xq_ready;
-            j->gemv = q4k->gemv_digits;
+            j->gemv = sb->gemv_digits;
         }
     }
     if (bits == 6 && kt->q6_xprep) { /* x as the int8 GEMV's digits; inf or NaN: float */
@@ -184,11 +184,12 @@ static int gemv(int bits, qmat *a, const kernel_table *kt, int nthreads) {
 /* The function that lays out x's digits for a GEMV of `bits` (NULL: none): GEMVs whose
    x is the same array and whose functions are the same share the digits. */
 static xprep_fn xprep_of(const kernel_table *kt, int bits) {
-    return bits == 8     ? kt->q8_xprep
-           : bits == 6   ? kt->q6_xprep
-           : bits == 5   ? kt->q5_xprep
-           : bits == Q4K ? q4k_for(kt)->xprep
-                         : kt->q4_xprep;
+    const sb_kernels *sb = sb_for(bits, kt);
+    return sb          ? sb->xprep
+           : bits == 8 ? kt->q8_xprep
+           : bits == 6 ? kt->q6_xprep
+           : bits == 5 ? kt->q5_xprep
+                       : kt->q4_xprep;
 }
 
 /* Several GEMVs of several rows each as one pool job (q_gemv_many): matrix i's tasks are
@@ -218,7 +219,8 @@ static void many_task(void *ctx, int64_t t, int tid) {
 
 /* The path's GEMV over several rows for a matrix whose rows all took `gemv`, or NULL. */
 static gemv_rows_fn rows_of(const kernel_table *kt, int bits, gemv_fn gemv) {
-    if (bits == Q4K) return gemv == q4k_for(kt)->gemv_digits ? q4k_for(kt)->gemv_rows : NULL;
+    const sb_kernels *sb = sb_for(bits, kt);
+    if (sb) return gemv == sb->gemv_digits ? sb->gemv_rows : NULL;
     if (bits == 8 && gemv == kt->q8_gemv) return kt->q8_gemv_rows;
     if (bits == 6) return gemv == kt->q6_gemv_digits ? kt->q6_gemv_rows : NULL;
     if (bits == 5) return gemv == kt->q5_gemv_digits ? kt->q5_gemv_rows : NULL;
@@ -284,11 +286,12 @@ static int gemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     if (nthreads > n_tasks) nthreads = (int)n_tasks;
     const dequant_fn q6 = kt->q6_dequant ? kt->q6_dequant : q6_dequant_c;
     const dequant_fn q5 = kt->q5_dequant ? kt->q5_dequant : q5_dequant_c;
-    const dequant_fn dq = bits == 8     ? kt->q8_dequant
-                          : bits == 6   ? q6
-                          : bits == 5   ? q5
-                          : bits == Q4K ? q4k_for(kt)->dequant
-                                        : kt->q4_dequant;
+    const sb_kernels *sb = sb_for(bits, kt);
+    const dequant_fn dq = sb          ? sb->dequant
+                          : bits == 8 ? kt->q8_dequant
+                          : bits == 6 ? q6
+                          : bits == 5 ? q5
+                                      : kt->q4_dequant;
     job_t j = {a, NULL, dq, kt->tile, TILE_N, NULL};
     if (!(j.scratch = alloc64((size_t)nthreads * TILE_N * a->K * sizeof(float)))) return -1;
     pool_run(nthreads, n_tasks, gemm_task, &j);

@@ -50,7 +50,7 @@ static PyObject *matmul(int bits, const long long *v, long long qh) {
         .qh = (const uint8_t *)(intptr_t)qh,
     };
     const long long isa = v[9], threads = v[10];
-    const int g_ok = bits == 6 || bits == Q4K ? a.g == 256 && !a.scales && !a.mins
+    const int g_ok = bits == 6 || bits == Q4K || bits == Q3K ? a.g == 256 && !a.scales && !a.mins
                      : bits == 5 ? a.g == 32
                                  : a.g == 32 || a.g == 64 || a.g == 128 || (bits == 8 && a.g == 0);
     if (a.M < 0 || a.N < 0 || a.K <= 0 || !g_ok || (a.g && a.K % a.g)) {
@@ -62,7 +62,7 @@ static PyObject *matmul(int bits, const long long *v, long long qh) {
         PyErr_SetString(PyExc_ValueError, "int8 matmul takes no mins");
         return NULL;
     }
-    const int needs_scales = bits != 6 && bits != Q4K; /* int6, q4_k: in their blocks */
+    const int needs_scales = bits == 8 || bits == 5 || bits == 4; /* the others: in their blocks */
     if ((a.M && a.N) &&
         (!a.x || !a.qw || (!a.scales && needs_scales) || !a.y || (bits == 5) != !!a.qh)) {
         PyErr_SetString(PyExc_ValueError, "null data pointer");
@@ -102,22 +102,29 @@ static PyObject *py_q5_matmul(PyObject *self, PyObject *const *args, Py_ssize_t 
     return matmul(5, w, v[2]);
 }
 
+/* (x, qw, y, M, N, K, g, isa, threads) of int6 or a super-block kind: no scales or mins,
+ * g = 256 */
+static PyObject *superblock_matmul(int kind, const char *name, PyObject *const *args,
+                                   Py_ssize_t nargs) {
+    long long v[9];
+    if (infer_parse_ints(args, nargs, 9, v, name)) return NULL;
+    long long w[11] = {v[0], v[1], 0, 0, v[2], v[3], v[4], v[5], v[6], v[7], v[8]};
+    return matmul(kind, w, 0);
+}
+
 static PyObject *py_q6_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[9];
-    /* (x, qw, y, M, N, K, g, isa, threads): no scales or mins, g = 256 */
-    if (infer_parse_ints(args, nargs, 9, v, "q6_matmul")) return NULL;
-    long long w[11] = {v[0], v[1], 0, 0, v[2], v[3], v[4], v[5], v[6], v[7], v[8]};
-    return matmul(6, w, 0);
+    return superblock_matmul(6, "q6_matmul", args, nargs);
 }
 
 static PyObject *py_q4k_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long long v[9];
-    /* (x, qw, y, M, N, K, g, isa, threads): no scales or mins, g = 256 */
-    if (infer_parse_ints(args, nargs, 9, v, "q4k_matmul")) return NULL;
-    long long w[11] = {v[0], v[1], 0, 0, v[2], v[3], v[4], v[5], v[6], v[7], v[8]};
-    return matmul(Q4K, w, 0);
+    return superblock_matmul(Q4K, "q4k_matmul", args, nargs);
+}
+
+static PyObject *py_q3k_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return superblock_matmul(Q3K, "q3k_matmul", args, nargs);
 }
 
 static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -134,20 +141,6 @@ static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_
     s = stream_read((const void *)(intptr_t)v[0], v[1], (int)v[2], v[3] < 1 ? 1 : (int)v[3]);
     Py_END_ALLOW_THREADS;
     return PyFloat_FromDouble(s);
-}
-
-static PyObject *py_q3k_to_q6k(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long v[4];
-    if (infer_parse_ints(args, nargs, 4, v, "q3k_to_q6k")) return NULL;
-    if (!v[0] || !v[1] || v[2] < 0) {
-        PyErr_SetString(PyExc_ValueError, "q3k_to_q6k: null pointer or negative block count");
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS;
-    q3k_to_q6k((const uint8_t *)(intptr_t)v[0], (uint8_t *)(intptr_t)v[1], v[2], v[3] < 1 ? 1 : (int)v[3]);
-    Py_END_ALLOW_THREADS;
-    Py_RETURN_NONE;
 }
 
 static PyObject *py_isa_names(PyObject *self, PyObject *unused) {
@@ -227,10 +220,10 @@ static PyMethodDef methods[] = {
      "q6_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, int6 W (Q6_K blocks)"},
     {"q4k_matmul", (PyCFunction)(void (*)(void))py_q4k_matmul, METH_FASTCALL,
      "q4k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q4_k W (Q4_K blocks)"},
+    {"q3k_matmul", (PyCFunction)(void (*)(void))py_q3k_matmul, METH_FASTCALL,
+     "q3k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q3_k W (Q3_K blocks)"},
     {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,
      "stream_read(ptr, nbytes, isa, threads): sum a buffer (read-bandwidth probe)"},
-    {"q3k_to_q6k", (PyCFunction)(void (*)(void))py_q3k_to_q6k, METH_FASTCALL,
-     "q3k_to_q6k(src, dst, nblocks, threads): GGUF Q3_K blocks as Q6_K's, the same values"},
     {"isa_names", py_isa_names, METH_NOARGS, "names of the instruction-set paths, by id"},
     {"isa_supported", py_isa_supported, METH_O, "whether this CPU can run path `isa`"},
     {"isa_best", py_isa_best, METH_NOARGS, "the fastest path this CPU can run"},

@@ -44,7 +44,7 @@ static float q4k_half(const uint8_t *p) { return half_to_float((uint16_t)(p[0] |
  * Plain C: every path's fallback
  * ---------------------------------------------------------------------------------- */
 
-void q4k_gemv_c(const qmat *a, int64_t n0, int64_t n1) {
+static void q4k_gemv_c(const qmat *a, int64_t n0, int64_t n1) {
     const int64_t B = a->K / Q4K_BLOCK;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *blk = (const uint8_t *)a->qw + n * B * Q4K_BLOCK_BYTES;
@@ -71,7 +71,7 @@ void q4k_gemv_c(const qmat *a, int64_t n0, int64_t n1) {
     }
 }
 
-void q4k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) {
+static void q4k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) {
     const int64_t B = a->K / Q4K_BLOCK;
     const uint8_t *blk = (const uint8_t *)a->qw + n0 * B * Q4K_BLOCK_BYTES;
     for (int64_t nb = 0; nb < (n1 - n0) * B; nb++, blk += Q4K_BLOCK_BYTES) {
@@ -93,7 +93,7 @@ void q4k_block_scales(const uint8_t *blk, float d[8], float m[8]) {
     for (int j = 0; j < 8; j++) d[j] = d0 * (float)sm[j], m[j] = -(dmin * (float)sm[8 + j]);
 }
 
-static const q4k_kernels q4k_plain = {NULL, NULL, NULL, q4k_dequant_c};
+static const sb_kernels q4k_plain = {q4k_gemv_c, NULL, NULL, NULL, q4k_dequant_c};
 
 #ifdef INFER_X86
 #include <immintrin.h>
@@ -105,12 +105,12 @@ static const q4k_kernels q4k_plain = {NULL, NULL, NULL, q4k_dequant_c};
 #define T TARGET_AVX2 static
 #define TI TARGET_AVX2 static inline __attribute__((always_inline))
 
-/* x prepared (Q4K_XPREP_BYTES), X = round(x / sx) with one sx per block of 256:
+/* x prepared (SB_XPREP_BYTES; q3k.c reads it too), X = round(x / sx) with one sx per block of 256:
  * - for one row (q4k_row): per block, per sub-block of 32, its 32 high digits then its
  *   32 low digits (X = 256 hi + lo) in element order, 512 bytes a block;
  * - for several (q4k_rows): X as int16, per block, per sub-block its 16 even elements
  *   then its 16 odd ones, 512 bytes a block;
- * then per block sx, then per sub-block sx * sum X. */
+ * then per block sx, then per sub-block sx * sum X, then per group of 16 sx * sum X. */
 static inline const int16_t *q4k_x16(const void *buf, int64_t K) {
     return (const int16_t *)((const int8_t *)buf + 2 * K);
 }
@@ -118,11 +118,11 @@ static inline const float *q4k_sx(const void *buf, int64_t K) {
     return (const float *)((const int8_t *)buf + 4 * K);
 }
 
-T int q4k_xprep(const float *x, int64_t K, void *buf) {
+TARGET_AVX2 int q4k_xprep_avx2(const float *x, int64_t K, void *buf) {
     const int64_t B = K / Q4K_BLOCK;
     int8_t *xd = buf;
     int16_t *x16 = (int16_t *)(xd + 2 * K);
-    float *sxs = (float *)(xd + 4 * K), *xs = sxs + B;
+    float *sxs = (float *)(xd + 4 * K), *xs = sxs + B, *xs16 = xs + K / 32;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i evens_first = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
@@ -147,11 +147,11 @@ T int q4k_xprep(const float *x, int64_t K, void *buf) {
         const float sx = amax / IG_XMAX;
         sxs[b] = sx;
         for (int j = 0; j < 8; j++) {
-            __m256i X[4], D[2][4], sum = _mm256_setzero_si256();
+            __m256i X[4], D[2][4], sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int i = 0; i < 4; i++) {
                 const __m256 v = _mm256_loadu_ps(xb + 32 * j + 8 * i);
                 X[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v, vup), inv));
-                sum = _mm256_add_epi32(sum, X[i]);
+                sum[i / 2] = _mm256_add_epi32(sum[i / 2], X[i]);
                 D[1][i] = _mm256_srai_epi32(_mm256_slli_epi32(X[i], 24), 24); /* X = 256 hi + lo */
                 D[0][i] = _mm256_srai_epi32(_mm256_sub_epi32(X[i], D[1][i]), 8);
                 X[i] = _mm256_permutevar8x32_epi32(X[i], evens_first);
@@ -169,11 +169,16 @@ T int q4k_xprep(const float *x, int64_t K, void *buf) {
                                                   _mm256_permute2x128_si256(X[2], X[3], 0x31));
             _mm256_store_si256((__m256i *)(x16 + 256 * b + 32 * j), _mm256_permute4x64_epi64(ev, 0xd8));
             _mm256_store_si256((__m256i *)(x16 + 256 * b + 32 * j + 16), _mm256_permute4x64_epi64(od, 0xd8));
-            __m128i s4 = _mm256_castsi256_si128(sum);
-            s4 = _mm_add_epi32(s4, _mm256_extracti128_si256(sum, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-            xs[8 * b + j] = sx * (float)_mm_cvtsi128_si32(s4);
+            int32_t half[2]; /* the sums of X over the sub-block's two groups of 16 */
+            for (int p = 0; p < 2; p++) {
+                __m128i s4 = _mm256_castsi256_si128(sum[p]);
+                s4 = _mm_add_epi32(s4, _mm256_extracti128_si256(sum[p], 1));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+                half[p] = _mm_cvtsi128_si32(s4);
+                xs16[16 * b + 2 * j + p] = sx * (float)half[p];
+            }
+            xs[8 * b + j] = sx * (float)(half[0] + half[1]);
         }
     }
     return 0;
@@ -362,7 +367,8 @@ T void q4k_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
     }
 }
 
-static const q4k_kernels q4k_avx2 = {q4k_xprep, q4k_gemv_digits, q4k_gemv_rows, q4k_dequant};
+static const sb_kernels q4k_avx2 = {q4k_gemv_c, q4k_xprep_avx2, q4k_gemv_digits, q4k_gemv_rows,
+                                   q4k_dequant};
 #undef T
 #undef TI
 
@@ -437,11 +443,11 @@ TARGET_AVX512_VNNI static void q4k_gemv_vnni(const qmat *a, int64_t n0, int64_t 
     for (int64_t n = n0; n < n1; n++) q4k_rows_vnni(&a, 1, n);
 }
 
-static const q4k_kernels q4k_avx512_vnni = {q4k_xprep, q4k_gemv_vnni, q4k_gemv_rows_vnni,
-                                            q4k_dequant};
+static const sb_kernels q4k_avx512_vnni = {q4k_gemv_c, q4k_xprep_avx2, q4k_gemv_vnni,
+                                           q4k_gemv_rows_vnni, q4k_dequant};
 #endif
 
-const q4k_kernels *q4k_for(const kernel_table *kt) {
+const sb_kernels *q4k_for(const kernel_table *kt) {
 #ifdef INFER_X86
     if (kt == &kernels_avx512_vnni) return &q4k_avx512_vnni;
     if (kt == &kernels_avx2 || kt == &kernels_avx2_vnni || kt == &kernels_avx512) return &q4k_avx2;

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 
 from ... import InferError
-from . import int4, int5, int6, int8, lut, q4k  # noqa: F401  (register the formats)
+from . import int4, int5, int6, int8, lut, q3k, q4k  # noqa: F401  (register the formats)
 from .base import FORMATS
 
 Recipe = Callable[[str], "dict | None"]
@@ -68,11 +68,36 @@ def _uniform(main: dict, n_layers: int | None) -> Recipe:
     return lambda name: main if _BLOCK.fullmatch(name) else _outside_blocks(name)
 
 
-def _uniform_q4_k(main: dict, n_layers: int | None) -> Recipe:
-    """`main` (q4_k) for every linear layer in the blocks, int4 g32 where its rows are not
-    a multiple of 256; outside them, _outside_blocks."""
+def _uniform_k(main: dict, n_layers: int | None) -> Recipe:
+    """`main` (q4_k, q3_k) for every linear layer in the blocks, int4 g32 where its rows
+    are not a multiple of 256; outside them, _outside_blocks."""
     spec = {**main, "fallback": INT4}
     return lambda name: spec if _BLOCK.fullmatch(name) else _outside_blocks(name)
+
+
+def _q3_k_m(main: dict, n_layers: int | None) -> Recipe:
+    """Like llama.cpp's Q3_K_M (llama_tensor_get_type in src/llama-quant.cpp), in the
+    same bits where we have them: `main` (q3_k) in the blocks, but
+      v_proj     int5 g32 (for Q5_K) in the first two layers, q4_k after
+      o_proj     q4_k
+      down_proj  int5 g32 (for Q5_K) in the first sixteenth of the layers, q4_k after
+    each K-quant with int4 g32 where rows are not a multiple of 256; outside the blocks,
+    _outside_blocks."""
+    main = {**main, "fallback": INT4}
+    q4_k = {"format": "q4_k", "fallback": INT4}
+
+    def recipe(name: str) -> dict | None:
+        m = _BLOCK.fullmatch(name)
+        if m is None:
+            return _outside_blocks(name)
+        layer, proj = int(m.group(1)), m.group(3)
+        if proj == "v_proj":
+            return INT5 if layer < 2 else q4_k
+        if proj == "down_proj":
+            return INT5 if layer < n_layers // 16 else q4_k
+        return q4_k if proj == "o_proj" else main
+
+    return recipe
 
 
 def _mixed(main: dict, n_layers: int | None) -> Recipe:
@@ -154,22 +179,24 @@ RECIPES: dict[str, tuple[dict, Callable[[dict, int | None], Recipe]]] = {
     "int6": (INT6, _everything),  # as llama.cpp's Q6_K: every weight (Q8_0 where K % 256)
     "int5": (INT5, _uniform),  # as GGUF Q5_1 (Q5_0 with --symmetric)
     "int4": (INT4, _uniform),
-    "q4_k": ({"format": "q4_k"}, _uniform_q4_k),  # as GGUF Q4_K: every block linear
+    "q4_k": ({"format": "q4_k"}, _uniform_k),  # as GGUF Q4_K: every block linear
+    "q3_k": ({"format": "q3_k"}, _uniform_k),  # as GGUF Q3_K: every block linear
     "lut2": ({"format": "lut2", "group_size": 64}, _uniform),
     "lut3": ({"format": "lut3", "group_size": 64}, _uniform),
     "lut4": ({"format": "lut4", "group_size": 64}, _uniform),
     "mixed": (INT4, _mixed),
     "q4_k_m": (INT4, _q4_k_m),
+    "q3_k_m": ({"format": "q3_k"}, _q3_k_m),
     "lut2_m": ({"format": "lut2", "group_size": 64}, _lut_m),
     "lut3_m": ({"format": "lut3", "group_size": 64}, _lut_m),
 }
-_NEEDS_LAYERS = {"q4_k_m", "lut2_m", "lut3_m"}
+_NEEDS_LAYERS = {"q4_k_m", "q3_k_m", "lut2_m", "lut3_m"}
 
 
 def get_recipe(name: str, *, n_layers: int | None = None, **overrides) -> Recipe:
     """The recipe `name`. `overrides` (e.g. group_size=64, symmetric=True; None = not
     given) change the params of its main format. `n_layers` is the model's layer count,
-    needed by recipes that treat layers differently (q4_k_m, lut2_m, lut3_m)."""
+    needed by recipes that treat layers differently (q4_k_m, q3_k_m, lut2_m, lut3_m)."""
     if name not in RECIPES:
         raise InferError(f"unknown quantization recipe {name!r} (known: {', '.join(RECIPES)})")
     main, build = RECIPES[name]

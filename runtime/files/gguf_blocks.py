@@ -1,5 +1,5 @@
-"""GGUF Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 tensors as int8 / int6 / int5 /
-q4_k / int4 QuantLinears, by moving bytes.
+"""GGUF Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_K / Q3_K / Q4_0 / Q4_1 tensors as int8 / int6 /
+int5 / q4_k / q3_k / int4 QuantLinears, by moving bytes.
 
 ggml's block layouts (ggml/src/ggml-common.h; QK = 32 elements per block, little-endian,
 ggml_half = IEEE float16):
@@ -12,8 +12,9 @@ ggml_half = IEEE float16):
 
 where in the 4-bit types q_i is the low nibble of qs[i] and q_(16+i) its high nibble, and
 the 5-bit types add bit i of the little-endian uint32 qh as q_i's bit 4.
-Q6_K's and Q4_K's 256-element blocks (210 and 144 bytes) are int6's and q4_k's layouts as
-they are (quant/formats/int6.py, q4k.py): the tensor is a view of the file's map.
+Q6_K's, Q4_K's and Q3_K's 256-element blocks (210, 144 and 110 bytes) are int6's, q4_k's
+and q3_k's layouts as they are (quant/formats/int6.py, q4k.py, q3k.py): the tensor is a
+view of the file's map.
 A row of K elements is K/32 consecutive blocks. Our int8, int5 and int4 (group 32)
 layouts were chosen so that each block's `qs` is one 32-element run of `qweight` as is,
 its `qh` one entry of int5's `qh`, and d (and m) one entry of `scales` (and `mins`): import splits the blocks into those
@@ -23,20 +24,13 @@ columns and changes no bit, and the result's `dequantize()` equals
 This is how a GGUF file's such tensors load to run (sources.GGUFSource), and how
 `infer quantize` carries them into a checkpoint whose recipe asks for their format.
 
-Loading to run, two more kinds of tensor go onto the kernels, close to but not bit for
+Loading to run, one more kind of tensor goes onto the kernels, close to but not bit for
 bit (`to_kernels`):
 
     block_q5_K { ggml_half d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; }
         256 elements, 8 sub-blocks of 32, each w = q * (d * sc) - dmin * m with 6-bit
         sc, m -> int5 g32 asymmetric: the codes as they are, scale d * sc and min
         -dmin * m rounded to float16 (relative error <= 2^-11 of a scale)
-
-and one exactly, into a wider layout:
-
-    block_q3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; ggml_half d; }
-        256 elements, 16 groups of 16, each w = d * (sc - 32) * q with 6-bit sc and q in
-        -4..3 -> int6 (Q6_K's layout: w = d * sc' * (q' - 32)) with sc' = sc - 32 and
-        q' = q + 32: the same values bit for bit, 6.56 bits a weight where int8 takes 8.5
 
 and the rest approximately:
 
@@ -57,15 +51,13 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ... import InferError
-from ...kernels_cpu import ops
 from ...kernels_cpu.reference import k_low_bits, k_scales_mins
 from ...quant.formats.base import FORMATS, QuantLinear
 from ...quant.formats.int4 import Int4Linear, pack_nibbles
 from ...quant.formats.int5 import Int5Linear, pack_high_bits
-from ...quant.formats.int6 import BLOCK_BYTES as Q6_K_BYTES
 from ...quant.formats.int6 import Int6Linear
 from ...quant.formats.int8 import Int8Linear
-from ...quant.formats.q4k import BLOCK_BYTES as Q4_K_BYTES
+from ...quant.formats.q3k import Q3KLinear
 from ...quant.formats.q4k import Q4KLinear
 from ...quant.formats.recipes import is_router, spec_params
 from . import hugepages
@@ -79,6 +71,7 @@ GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
     GGMLQuantizationType.Q5_0: {"format": "int5", "group_size": 32, "symmetric": True},
     GGMLQuantizationType.Q5_1: {"format": "int5", "group_size": 32, "symmetric": False},
     GGMLQuantizationType.Q4_K: {"format": "q4_k"},
+    GGMLQuantizationType.Q3_K: {"format": "q3_k"},
     GGMLQuantizationType.Q4_0: {"format": "int4", "group_size": 32, "symmetric": True},
     GGMLQuantizationType.Q4_1: {"format": "int4", "group_size": 32, "symmetric": False},
 }
@@ -88,9 +81,13 @@ GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
 # moved as they are (GGUF_SPECS) or by their codes (Q5_K) are held in int8, requantized
 # from their values this many rows at a time.
 ON_KERNELS = {t for t, (block, _) in GGML_QUANT_SIZES.items() if block > 1}
-HELD_IN_INT8 = ON_KERNELS - {*GGUF_SPECS, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q3_K}
+HELD_IN_INT8 = ON_KERNELS - {*GGUF_SPECS, GGMLQuantizationType.Q5_K}
 # Left in the file's map: the blocks are the format's layout as they are.
-IN_PLACE = {GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_K}
+IN_PLACE = {
+    GGMLQuantizationType.Q6_K: Int6Linear,
+    GGMLQuantizationType.Q4_K: Q4KLinear,
+    GGMLQuantizationType.Q3_K: Q3KLinear,
+}
 ROWS_AT_ONCE = 4096
 
 # Where the kernels' weights are written at load: a new tensor of a shape and dtype
@@ -152,8 +149,8 @@ def from_gguf(
     alloc: Alloc = new_tensor,
     release: Release = _keep,
 ) -> QuantLinear:
-    """The Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 tensor `t` (rows already
-    un-permuted) as int8 / int6 / int5 / q4_k / int4. Q6_K's and Q4_K's blocks stay where
+    """The Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_K / Q3_K / Q4_0 / Q4_1 tensor `t` (rows already
+    un-permuted) as int8 / int6 / int5 / q4_k / q3_k / int4. The K-quants' blocks stay where
     they are (the file's map); the others' codes and scales are copied apart into memory
     from `alloc` (torch's by default, or the build's huge-page arena), `release` letting
     each run of rows' file pages go once copied."""
@@ -165,10 +162,9 @@ def from_gguf(
     if len(t.shape) != 2:
         raise InferError(f"{t.name}: expected a 2-D weight, got shape {t.shape}")
     N, K = t.shape
-    if t.ggml_type == GGMLQuantizationType.Q6_K:
-        return Int6Linear(torch.from_numpy(t.data).view(N, K // 256 * Q6_K_BYTES), {}, bias)
-    if t.ggml_type == GGMLQuantizationType.Q4_K:
-        return Q4KLinear(torch.from_numpy(t.data).view(N, K // 256 * Q4_K_BYTES), {}, bias)
+    if t.ggml_type in IN_PLACE:
+        kind = IN_PLACE[t.ggml_type]
+        return kind(torch.from_numpy(t.data).view(N, K // 256 * kind.block_bytes), {}, bias)
     p = _copied(t, _PIECES[t.ggml_type], alloc, release)
     d = p["d"].view(torch.float16).view(N, K // 32)
     m = p["m"].view(torch.float16).view(N, K // 32) if "m" in p else None
@@ -199,27 +195,23 @@ def _copied(
 
 def loaded_bytes(t: GGUFTensor) -> int:
     """The bytes `to_kernels` holds for `t` (all its experts, for a stacked tensor):
-    the file's bytes for the types of GGUF_SPECS, then int6 210 bytes per 256 weights
-    (Q3_K), int5 24 bytes per 32 (as Q5_1), int8 g32 34 (as Q8_0)."""
+    the file's bytes for the types of GGUF_SPECS, then int5 24 bytes per 32 (as Q5_1),
+    int8 g32 34 (as Q8_0)."""
     if t.ggml_type in GGUF_SPECS:
         return t.nbytes
-    if t.ggml_type == GGMLQuantizationType.Q3_K:
-        return math.prod(t.shape) // 256 * Q6_K_BYTES
     per_32 = 24 if t.ggml_type == GGMLQuantizationType.Q5_K else 34
     return math.prod(t.shape) // 32 * per_32
 
 
 def placed_bytes(t: GGUFTensor) -> int:
     """The bytes that `to_kernels` copies into `alloc`'s memory for `t` (all its experts, for a
-    stacked tensor): none for Q6_K and Q4_K, left in the file's map; for the others their
+    stacked tensor): none for the K-quants of IN_PLACE, left in the file's map; for the others their
     codes, scales and mins (and int5's high bits), each rounded up to a cache line as an
     arena lays them."""
     if t.ggml_type in IN_PLACE:
         return 0
     pieces = math.prod(t.shape[:-2])  # 1, or the experts of a stacked tensor
     int5 = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K)
-    if t.ggml_type == GGMLQuantizationType.Q3_K:  # one tensor of whole blocks
-        return loaded_bytes(t) + hugepages.ALIGN * pieces
     return loaded_bytes(t) + (4 if t.ggml_type in int5 else 3) * hugepages.ALIGN * pieces
 
 
@@ -230,15 +222,12 @@ def to_kernels(
     release: Release = _keep,
 ) -> QuantLinear:
     """The 2-D tensor `t` (a type of ON_KERNELS) as the QuantLinear that runs it: Q8_0 /
-    Q6_K / Q5_0 / Q5_1 / Q4_K / Q4_0 / Q4_1 bit for bit, Q3_K's values bit for bit in
-    int6, Q5_K with its codes, any other type in int8 g32. Its codes and scales are
+    Q6_K / Q5_0 / Q5_1 / Q4_K / Q3_K / Q4_0 / Q4_1 bit for bit, Q5_K with its codes, any other type in int8 g32. Its codes and scales are
     copied into memory from `alloc`; `release` lets the file's pages go (from_gguf)."""
     if t.ggml_type in GGUF_SPECS:
         return from_gguf(t, bias, alloc, release)
     if t.ggml_type == GGMLQuantizationType.Q5_K:
         q = _from_q5_k(t, bias)
-    elif t.ggml_type == GGMLQuantizationType.Q3_K:
-        q = _from_q3_k(t, bias)
     elif t.ggml_type in HELD_IN_INT8:
         q = _held_in_int8(t, bias, release)
     else:
@@ -258,13 +247,6 @@ def _held_in_int8(t: GGUFTensor, bias: torch.Tensor | None, release: Release) ->
         release(part)
     qweight, scales = (torch.cat([getattr(r, k) for r in runs]) for k in ("qweight", "scales"))
     return Int8Linear(qweight, scales, runs[0].params, bias)
-
-
-def _from_q3_k(t: GGUFTensor, bias: torch.Tensor | None) -> Int6Linear:
-    """Q3_K's blocks rewritten as Q6_K's (the module docstring)."""
-    N, K = t.shape
-    blocks = torch.from_numpy(t.data).view(N * K // 256, 110)
-    return Int6Linear(ops.q3k_to_q6k(blocks).view(N, K // 256 * Q6_K_BYTES), {}, bias)
 
 
 def _k_scales(blocks: torch.Tensor):

@@ -1,0 +1,182 @@
+"""q3_k (GGUF Q3_K's blocks as they lie) against gguf-py and its torch reference.
+
+The reference dequantizes bit for bit as gguf.quants does, and so does each path's C
+dequantization (x = the identity picks W's elements out of the GEMM exactly). The GEMV
+on the x86 paths takes x as q4_k's does (int16, 15 significant bits per block of 256) and
+is within ops.integer_gemm_error at that block size of the float product; the others
+within float32 summation. Then rows together against each alone, thread counts, inf in
+x, and the format's quantizer."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from infer.kernels_cpu import ops, reference
+from infer.quant.formats.q3k import Q3KLinear
+
+needs_c = pytest.mark.skipif(not ops.available(), reason="C extension not built")
+ISAS = ops.supported_isas() or ["none"]
+SMALL_M, WIDE_M, WIDE_K = 4, 8, 768  # matmul.c: M rows that run one GEMV each
+
+
+def blocks(N: int, K: int, seed: int = 0) -> torch.Tensor:
+    """(N, K/256*110) random Q3_K blocks: every code and scale byte; d sane."""
+    gen = torch.Generator().manual_seed(seed)
+    b = torch.randint(0, 256, (N, K // 256, 110), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(N, K // 256, 1, generator=gen) * 2e-3 + 1e-4).half()
+    b[..., 108:] = d.view(torch.uint8).view(N, K // 256, 2)
+    return b.view(N, -1)
+
+
+def assert_matches(y, x, qw, isa):
+    wf = reference.dequantize_q3k(qw)
+    ref = x @ wf.T
+    tol = 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
+    M, K = x.shape
+    if (M <= SMALL_M or (M <= WIDE_M and K >= WIDE_K)) and ops.q4k_gemv_fifteen_bits(isa):
+        tol = tol + ops.integer_gemm_error(x, wf, block=256)
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    bad = (y - ref).abs() > tol
+    assert not bad.any(), f"{bad.sum()} of {bad.numel()} outside; max {(y - ref).abs().max()}"
+
+
+def test_reference_is_gguf_bit_for_bit():
+    qw = blocks(7, 768, seed=3)
+    want = gguf.quants.dequantize(qw.numpy(), gguf.GGMLQuantizationType.Q3_K)
+    assert torch.equal(reference.dequantize_q3k(qw), torch.from_numpy(want))
+    assert torch.equal(reference.pack_q3k(*reference.unpack_q3k(qw)), qw)
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+def test_dequantization_is_gguf_bit_for_bit(isa):
+    qw = blocks(37, 512, seed=1)
+    eye = torch.eye(512)  # y = W^T exactly, in runs of 12 rows (the float GEMM)
+    y = torch.cat(
+        [ops.q3k_matmul(eye[i : i + 12], qw, isa=isa, threads=2) for i in range(0, 512, 12)]
+    )
+    assert torch.equal(y.T, reference.dequantize_q3k(qw))
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("M", [1, 3, 7, 12, 33])
+def test_matches_reference(isa, M):
+    for N, K in [(37, 256), (5, 768), (66, 256 * 5), (1, 512)]:
+        qw = blocks(N, K, seed=N + K)
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+        assert_matches(ops.q3k_matmul(x, qw, isa=isa, threads=2), x, qw, isa)
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+def test_long_rows_and_threads(isa):
+    K = 8960  # 35 blocks: the 1.5B model's down projection
+    qw = blocks(333, K, seed=5)
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(5))
+    for M in (1, 3, 5, 40):
+        y = ops.q3k_matmul(x[:M], qw, isa=isa, threads=1)
+        assert_matches(y, x[:M], qw, isa)
+        for threads in (2, 3):
+            assert torch.equal(ops.q3k_matmul(x[:M], qw, isa=isa, threads=threads), y)
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+def test_rows_together_equal_each_alone(isa):
+    """A GEMV of a few rows makes each block's products of codes and scales once for all
+    of them; each row's output is its one-row output bit for bit, for every count of rows
+    that takes the GEMV, and beside a row holding inf."""
+    qw = blocks(67, 1024, seed=6)
+    x = torch.randn(WIDE_M, 1024, generator=torch.Generator().manual_seed(6))
+    x[1, :256] *= 1e-39  # a block of subnormals
+    alone = torch.cat([ops.q3k_matmul(x[i : i + 1], qw, isa=isa) for i in range(WIDE_M)])
+    for M in range(2, WIDE_M + 1):
+        assert torch.equal(ops.q3k_matmul(x[:M], qw, isa=isa, threads=2), alone[:M]), M
+    x[2, 100] = float("inf")
+    y = ops.q3k_matmul(x, qw, isa=isa, threads=2)
+    assert torch.equal(torch.cat([y[:2], y[3:]]), torch.cat([alone[:2], alone[3:]]))
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("M", [1, 9, 17])
+def test_extreme_activations(isa, M):
+    """Zeros, tiny and subnormal blocks, a huge value; then inf takes the float GEMV."""
+    qw = blocks(9, 1024)
+    x = torch.randn(M, 1024)
+    x[:, :256] = 0
+    x[:, 256:512] *= 1e-30
+    x[:, 512:768] *= 1e-39
+    x[0, 800] = 3e30
+    assert_matches(ops.q3k_matmul(x, qw, isa=isa), x, qw, isa)
+    x[-1, 900] = float("inf")
+    ref = x @ reference.dequantize_q3k(qw).T
+    assert torch.equal(ops.q3k_matmul(x, qw, isa=isa).isfinite(), ref.isfinite())
+
+
+@needs_c
+def test_binding_checks():
+    with pytest.raises(ValueError, match="qweight"):
+        ops.q3k_matmul(torch.randn(1, 256), torch.zeros(2, 100, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="x"):
+        ops.q3k_matmul(torch.randn(1, 255), blocks(2, 256))
+
+
+def test_from_float_error_near_twice_int4():
+    """Quantized, a Gaussian weight's error is about twice int4 g32's (a bit fewer a
+    weight), and the bytes dequantize through gguf to the module's values."""
+    from infer.quant.formats.int4 import Int4Linear
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 512) * 0.02
+    w[:, 7] += 0.05  # an outlier column
+    q = Q3KLinear.from_float(w)
+    assert q.qweight.shape == (64, 2 * 110) and q.bits_per_weight == 3.4375
+    err = (q.dequantize() - w).square().mean().sqrt()
+    err4 = (Int4Linear.from_float(w).dequantize() - w).square().mean().sqrt()
+    assert err < 2.3 * err4, (err, err4)
+    want = gguf.quants.dequantize(q.qweight.numpy(), gguf.GGMLQuantizationType.Q3_K)
+    assert torch.equal(q.dequantize(), torch.from_numpy(want))
+
+
+def test_from_float_bounds_and_zeros():
+    """Without search every element is within half a step of its group; a zero row stays
+    zero; sc stays in -31..31."""
+    w = torch.randn(4, 512)
+    w[1] = 0
+    q = Q3KLinear.from_float(w, search=False)
+    codes, sc, d = reference.unpack_q3k(q.qweight)
+    assert sc.abs().max() <= 31 and codes.min() >= -4 and codes.max() <= 3
+    step = (d.float().repeat_interleave(16, 1) * sc.float()).abs().repeat_interleave(16, 1)
+    err = (q.dequantize() - w).abs()
+    assert err[1].max() == 0
+    assert (err <= step / 2 * (1 + 1e-6)).all()
+
+
+@needs_c
+def test_quant_linear_forward():
+    from infer.quant.formats.base import QuantLinear
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(24, 256), torch.randn(24)
+    q = Q3KLinear.from_float(weight, bias, search=False)
+    for x in (torch.randn(2, 5, 256), torch.randn(1, 1, 256)):
+        ref = QuantLinear.forward(q, x)
+        flat = x.reshape(-1, 256)
+        bound = ops.integer_gemm_error(flat, q.dequantize(), block=256).view(ref.shape)
+        assert ((q(x) - ref).abs() <= bound + 1e-5 * ref.abs() + 1e-4).all()
+
+
+def test_bad_input():
+    from infer import InferError
+    from infer.quant.formats.fit import GroupSizeError
+
+    with pytest.raises(GroupSizeError, match="multiple of its blocks of 256"):
+        Q3KLinear.from_float(torch.randn(4, 576))
+    with pytest.raises(InferError, match="finite|inf"):
+        Q3KLinear.from_float(torch.full((2, 256), float("inf")))
+    with pytest.raises(InferError, match="whole blocks"):
+        Q3KLinear.from_tensors({"qweight": torch.zeros(2, 200, dtype=torch.uint8)}, {})

@@ -18,7 +18,7 @@
  * One float FMA a block by d sx. One row is the rows kernel with R = 1, so a row's output
  * is the same alone or in a batch. Without x's integers (x with inf or NaN, or a path with
  * none: scalar, NEON) q3k_gemv_c runs in float.
- * GEMM: tiles dequantized exactly (q3k_dequant_c), then the float tile.
+ * GEMM: tiles dequantized exactly (q3k_dequant_c, or AVX2's), then the float tile.
  */
 #include <string.h>
 
@@ -219,8 +219,41 @@ TARGET_AVX2 static void q3k_gemv(const qmat *a, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) q3k_rows(&a, 1, n);
 }
 
+/* Exactly as q3k_dequant_c (both products exact): per quarter, its codes q = c - 4 as
+ * floats times their group's d sc. */
+TARGET_AVX2 static void q3k_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t B = a->K / Q4K_BLOCK;
+    const uint8_t *blk = (const uint8_t *)a->qw + n0 * B * Q3K_BLOCK_BYTES;
+    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    for (int64_t nb = 0; nb < (n1 - n0) * B; nb++, blk += Q3K_BLOCK_BYTES, w += Q4K_BLOCK) {
+        const __m128i sc8 = q3k_scale_bytes(blk);
+        const __m256 vd = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)(blk + 108)));
+        float dl[16];
+        _mm256_storeu_ps(dl, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)), vd));
+        _mm256_storeu_ps(dl + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc8, sc8))), vd));
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
+        for (int h = 0; h < 2; h++) {
+            const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
+            for (int j = 0; j < 4; j++) {
+                const __m256i bit = _mm256_set1_epi8((char)(1 << (4 * h + j)));
+                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+                const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), three);
+                const __m256i q = _mm256_sub_epi8(low, _mm256_andnot_si256(set, four));
+                const int r = 4 * h + j;
+                float *o = w + 32 * r;
+                for (int i = 0; i < 4; i++) {
+                    const __m128i q8 = i < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+                    const __m256i q32 = _mm256_cvtepi8_epi32(i % 2 ? _mm_unpackhi_epi64(q8, q8) : q8);
+                    const __m256 step = _mm256_set1_ps(dl[2 * r + i / 2]);
+                    _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(q32), step));
+                }
+            }
+        }
+    }
+}
+
 static const sb_kernels q3k_avx2 = {q3k_gemv_c, q4k_xprep_avx2, q3k_gemv, q3k_gemv_rows,
-                                    q3k_dequant_c};
+                                    q3k_dequant};
 #undef TI
 
 /* ------------------------------------------------------------------------------------
@@ -302,7 +335,7 @@ TARGET_AVX512_VNNI static void q3k_gemv_vnni(const qmat *a, int64_t n0, int64_t 
 }
 
 static const sb_kernels q3k_avx512_vnni = {q3k_gemv_c, q4k_xprep_avx2, q3k_gemv_vnni,
-                                           q3k_gemv_rows_vnni, q3k_dequant_c};
+                                           q3k_gemv_rows_vnni, q3k_dequant};
 #undef TI
 #endif
 

@@ -296,17 +296,18 @@ def test_which_paths_keep_fifteen_bits_of_x(isa, M, kind):
 
 @needs_c
 def test_integer_gemm_paths_and_formats():
-    """vpdpbusd paths take int4, int5, int8 and q4_k; plain AVX2 (vpmaddubsw's int16
-    pairs) int4, int5 and q4_k, not int8 (its codes overflow a pair)."""
+    """vpdpbusd paths take int4, int5, int8, q4_k and q3_k (as int8's codes); plain AVX2
+    (vpmaddubsw's int16 pairs) int4, int5 and q4_k, not int8 or q3_k (their codes
+    overflow a pair)."""
     formats = {
-        "avx512vnni": {"int4", "int5", "int8", "q4_k"},
-        "avx2vnni": {"int4", "int5", "int8", "q4_k"},
+        "avx512vnni": {"int4", "int5", "int8", "q4_k", "q3_k"},
+        "avx2vnni": {"int4", "int5", "int8", "q4_k", "q3_k"},
         "avx2": {"int4", "int5", "q4_k"},
     }
     for isa in ops.supported_isas():
         want = formats.get(isa, set())
         assert ops.integer_gemm(isa) == bool(want), isa
-        for fmt in ("int4", "int5", "int8", "q4_k"):
+        for fmt in ("int4", "int5", "int8", "q4_k", "q3_k"):
             assert ops.integer_gemm(isa, fmt) == (fmt in want), (isa, fmt)
 
 

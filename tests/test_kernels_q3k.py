@@ -2,9 +2,10 @@
 
 The reference dequantizes bit for bit as gguf.quants does, and so does each path's C
 dequantization (x = the identity picks W's elements out of the GEMM exactly). The GEMV
-on the x86 paths takes x as q4_k's does (int16, 15 significant bits per block of 256) and
-is within ops.integer_gemm_error at that block size of the float product; the others
-within float32 summation. Then rows together against each alone, thread counts, inf in
+on the x86 paths takes x as q4_k's does (int16, 15 significant bits per block of 256), and
+prompts on the vpdpbusd paths the integer GEMM's two digits (per block of 32): each within
+ops.integer_gemm_error at its block size of the float product; the others within float32
+summation. Then rows together against each alone, thread counts, inf in
 x, and the format's quantizer."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from infer.quant.formats.q3k import Q3KLinear
 needs_c = pytest.mark.skipif(not ops.available(), reason="C extension not built")
 ISAS = ops.supported_isas() or ["none"]
 SMALL_M, WIDE_M, WIDE_K = 4, 8, 768  # matmul.c: M rows that run one GEMV each
+IGEMM_MIN_M = 16  # matmul.c: from this many rows the GEMM is the integer one, if any
 
 
 def blocks(N: int, K: int, seed: int = 0) -> torch.Tensor:
@@ -37,6 +39,8 @@ def assert_matches(y, x, qw, isa):
     M, K = x.shape
     if (M <= SMALL_M or (M <= WIDE_M and K >= WIDE_K)) and ops.q4k_gemv_fifteen_bits(isa):
         tol = tol + ops.integer_gemm_error(x, wf, block=256)
+    elif M >= IGEMM_MIN_M and ops.integer_gemm(isa, "q3_k"):
+        tol = tol + ops.integer_gemm_error(x, wf, block=32)
     assert y.shape == ref.shape and y.dtype == torch.float32
     bad = (y - ref).abs() > tol
     assert not bad.any(), f"{bad.sum()} of {bad.numel()} outside; max {(y - ref).abs().max()}"
@@ -115,6 +119,33 @@ def test_extreme_activations(isa, M):
     x[-1, 900] = float("inf")
     ref = x @ reference.dequantize_q3k(qw).T
     assert torch.equal(ops.q3k_matmul(x, qw, isa=isa).isfinite(), ref.isfinite())
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
+def test_prompts_on_the_integer_gemm(isa):
+    """The integer GEMM multiplies x's digits, round(x / sx) sx with sx per block of 32,
+    by codes 128 - q sc: a block holding 1.0 and values under half a step shows that it
+    ran (where the path has it) and that its products are the weights' exactly; scales
+    of -32 (q sc = 128, the one product whose sign is needed) included."""
+    M, K = IGEMM_MIN_M + 3, 512
+    qw = blocks(7, K, seed=2)
+    qw.view(7, 2, 110)[:, 0, 96:108] = 0  # every scale of the first blocks: 0 - 32
+    x = torch.zeros(M, K)
+    x[:, 32:64] = (1 + 0.4 * torch.rand(M, 32, generator=torch.Generator().manual_seed(1))) * 1e-5
+    x[:, 40] = 1.0
+    x[:, 300:320] = torch.randn(M, 20, generator=torch.Generator().manual_seed(2))
+    xb = x.unflatten(-1, (-1, 32))
+    step = xb.abs().amax(-1, keepdim=True) / ops.IG_XMAX
+    digits = torch.where(step > 0, (xb / step).round() * step, 0).flatten(-2)
+    wf = reference.dequantize_q3k(qw)
+    integer = ops.integer_gemm(isa, "q3_k")
+    xs = digits if integer else x
+    y = ops.q3k_matmul(x, qw, isa=isa)
+    tol = 1e-5 * (xs.abs() @ wf.abs().T)
+    assert ((y - xs @ wf.T).abs() <= tol).all()
+    other = x if integer else digits
+    assert ((y - other @ wf.T).abs() > tol).any()
 
 
 @needs_c

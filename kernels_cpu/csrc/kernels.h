@@ -252,7 +252,8 @@ static inline void xprep8_pad(void *buf, int64_t K) {
  * W, a panel of rows: codes as unsigned bytes c, Kp per row (zeros past K). int4: c = q,
  * w = d (c - 8) symmetric, w = d c + m asymmetric; int5: c = q (0..31), w = d (c - 16) or
  * d c + m; q4_k: c = q, per sub-block d = d sc and m = -dmin m (asymmetric); int8:
- * c = q + 128, w = d (c - 128). Per row and block, float d (the scale of the row's group
+ * c = q + 128, w = d (c - 128); q3_k: as int8, c = 128 - q sc (q sc in -124..128: its
+ * negation fits int8) with d = -d. Per row and block, float d (the scale of the row's group
  * holding the block, or its channel's) and, asymmetric, m.
  *
  *     y[m, n] = sum_b  d[n,b] sx[m,b] (sum_k c[n,k] X[m,k] - o sum_k X[m,k])  +  m[n,b] xs[m,b]
@@ -355,6 +356,9 @@ int q4k_xprep_avx2(const float *x, int64_t K, void *buf);
 /* A block's sub-block scales d * sc[j] and mins -(dmin * m[j]), rounded as the
  * dequantization rounds them (the integer GEMM's panel). */
 void q4k_block_scales(const uint8_t *blk, float d[8], float m[8]);
+/* A q3_k block as the integer GEMM's panel takes it: codes c = 128 - q sc (256 bytes) and
+ * each block of 32's d, -d (exact: w = d sc q = -d (c - 128)). */
+void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]);
 /* Bytes of one row of W: K * bits / 8, or int6's, q4_k's or q3_k's blocks. */
 static inline int64_t q_row_bytes(int bits, int64_t K) {
     return bits == 6     ? K / Q6_BLOCK * Q6_BLOCK_BYTES

@@ -229,7 +229,7 @@ static PyMethodDef methods[] = {
     {"isa_best", py_isa_best, METH_NOARGS, "the fastest path this CPU can run"},
     {"isa_integer_gemm", py_isa_integer_gemm, METH_O,
      "the formats path `isa` multiplies prompts (the GEMM) of with integer dot products: "
-     "bit b set for bits b (4, 5, 8; 12 q4_k)"},
+     "bit b set for bits b (4, 5, 8; 12 q4_k, 11 q3_k)"},
     {"isa_int4_digits", py_isa_int4_digits, METH_O,
      "whether path `isa`'s int4 GEMV takes x as the integer GEMM's two int8 digits"},
     {"isa_int5_digits", py_isa_int5_digits, METH_O,

@@ -89,6 +89,17 @@ static void q3k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) {
 
 static const sb_kernels q3k_plain = {q3k_gemv_c, NULL, NULL, NULL, q3k_dequant_c};
 
+#ifndef INFER_X86 /* the integer GEMM runs on x86 paths only; AVX2's is below */
+void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]) {
+    int8_t sc[16];
+    q3k_scales(blk + 96, sc);
+    for (int g = 0; g < 16; g++)
+        for (int i = 0; i < 16; i++)
+            c[16 * g + i] = (uint8_t)(128 - q3k_code(blk, g / 8, (g / 2) % 4, 16 * (g % 2) + i) * sc[g]);
+    for (int b = 0; b < 8; b++) d[b] = -q3k_half(blk + 108);
+}
+#endif
+
 #ifdef INFER_X86
 #include <immintrin.h>
 
@@ -251,6 +262,29 @@ TARGET_AVX2 static void q3k_dequant(const qmat *a, int64_t n0, int64_t n1, float
             }
         }
     }
+}
+
+TARGET_AVX2 void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]) {
+    int8_t sc[16];
+    _mm_storeu_si128((__m128i *)sc, q3k_scale_bytes(blk));
+    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)blk), mid = _mm256_set1_epi16(128);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
+        for (int j = 0; j < 4; j++) {
+            const int r = 4 * h + j;
+            const __m256i bit = _mm256_set1_epi8((char)(1 << r));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+            const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), three);
+            const __m256i q = _mm256_sub_epi8(low, _mm256_andnot_si256(set, four));
+            const __m256i lo = _mm256_sub_epi16(mid, _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), _mm256_set1_epi16(sc[2 * r])));
+            const __m256i hi = _mm256_sub_epi16(mid, _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)), _mm256_set1_epi16(sc[2 * r + 1])));
+            /* 0..252: packus keeps them; it interleaves the 128-bit lanes, so reorder */
+            _mm256_storeu_si256((__m256i *)(c + 32 * r), _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xd8));
+        }
+    }
+    const float nd = -_cvtsh_ss(*(const uint16_t *)(blk + 108));
+    for (int b = 0; b < 8; b++) d[b] = nd;
 }
 
 static const sb_kernels q3k_avx2 = {q3k_gemv_c, q4k_xprep_avx2, q3k_gemv, q3k_gemv_rows,

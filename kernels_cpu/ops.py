@@ -86,7 +86,7 @@ def integer_gemm_error(x: torch.Tensor, w: torch.Tensor, block: int = 32) -> tor
 
 
 # the formats the integer GEMM may take, by their kernels' `bits` (csrc/kernels.h IG_KIND)
-_IG_KINDS = {"int4": 4, "int5": 5, "int8": 8, "q4_k": 12, "q3_k": 11}
+_IG_KINDS = {"int4": 4, "int5": 5, "int8": 8, "q4_k": 12, "q3_k": 11, "q2_k": 10}
 
 
 def integer_gemm(isa: str | None = None, fmt: str | None = None) -> bool:
@@ -284,6 +284,12 @@ def q3k_matmul(x, qweight, *, isa=None, threads=None):
     """y (..., N) = x (..., K) W^T for q3_k W (quant/formats/q3k.py): qweight uint8
     (N, K/256*110), GGUF Q3_K's blocks. x float32. isa, threads: as q8_matmul."""
     return _superblock_matmul("q3k_matmul", 110, x, qweight, isa, threads)
+
+
+def q2k_matmul(x, qweight, *, isa=None, threads=None):
+    """y (..., N) = x (..., K) W^T for q2_k W (quant/formats/q2k.py): qweight uint8
+    (N, K/256*84), GGUF Q2_K's blocks. x float32. isa, threads: as q8_matmul."""
+    return _superblock_matmul("q2k_matmul", 84, x, qweight, isa, threads)
 
 
 def _superblock_matmul(name: str, block_bytes: int, x, qweight, isa, threads):

@@ -1,8 +1,8 @@
 """The kernels' definitions in plain torch: what the C computes, up to summation order.
 
 Each function dequantizes W exactly as its format defines it (quant/formats/int8.py,
-quant/formats/int4.py, int5.py: one float32 product, then a separate sum; q4k.py: the
-sub-block's scale and min as products, then q times the scale minus the min;
+quant/formats/int4.py, int5.py: one float32 product, then a separate sum; q4k.py, q2k.py:
+the sub-block's scale and min as products, then q times the scale minus the min;
 quant/formats/int6.py: exact products) and computes y = x W^T in float32. The LUT kernel's reference (lut_matmul) is its
 int8-table arithmetic instead; lut_matmul_exact is the format's product. Kept free of
 imports from quant/, which routes its forwards through this package.
@@ -184,6 +184,44 @@ def dequantize_q3k(qweight: torch.Tensor) -> torch.Tensor:
     return (q.float().view(N, -1, 16) * step.unsqueeze(-1)).view(N, -1)
 
 
+def unpack_q2k(qweight: torch.Tensor):
+    """(N, K/256*84) uint8 blocks (GGUF Q2_K's) -> codes (N, K) uint8 in 0..3, sc and m
+    (N, K/16) uint8 in 0..15, d and dmin (N, K/256) float16. Element 128 h + 32 j + i
+    (half h, quarter j, i < 32) is bits 2j of qs[32 h + i], in group (128 h + 32 j + i)
+    // 16, whose byte of scales holds sc (low nibble) and m (high)."""
+    N, B = qweight.shape[0], qweight.shape[1] // 84
+    b = qweight.view(N, B, 84)
+    scales, qs = b[..., :16], b[..., 16:80].reshape(N, B, 2, 1, 32)
+    j = torch.arange(4, dtype=torch.uint8).view(4, 1)
+    q = ((qs >> (2 * j)) & 3).reshape(N, B * 256)  # (half, quarter, i)
+    d, dmin = (
+        b[..., at : at + 2].contiguous().view(torch.float16).reshape(N, B) for at in (80, 82)
+    )
+    return q, (scales & 15).reshape(N, B * 16), (scales >> 4).reshape(N, B * 16), d, dmin
+
+
+def pack_q2k(q, sc, m, d, dmin) -> torch.Tensor:
+    """unpack_q2k's inverse: codes q (N, K) in 0..3, sc and m (N, K/16) in 0..15, d and
+    dmin (N, K/256) float16 -> (N, K/256*84) uint8 blocks."""
+    N, K = q.shape
+    B = K // 256
+    c = q.to(torch.uint8).view(N, B, 2, 4, 32)
+    qs = c[:, :, :, 0] | (c[:, :, :, 1] << 2) | (c[:, :, :, 2] << 4) | (c[:, :, :, 3] << 6)
+    scales = (sc.to(torch.uint8) | (m.to(torch.uint8) << 4)).view(N, B, 16)
+    halves = torch.stack((d, dmin), -1).contiguous().view(torch.uint8).view(N, B, 4)
+    return torch.cat((scales, qs.reshape(N, B, 64), halves), -1).reshape(N, B * 84)
+
+
+def dequantize_q2k(qweight: torch.Tensor) -> torch.Tensor:
+    """(N, K/256*84) uint8 -> (N, K): (d * sc) * q - (dmin * m) per group of 16, in
+    float32 as gguf-py evaluates it (the products exact, then one rounding)."""
+    q, sc, m, d, dmin = unpack_q2k(qweight)
+    N = q.shape[0]
+    dl = d.float().repeat_interleave(16, 1) * sc.float()  # (N, K/16)
+    ml = dmin.float().repeat_interleave(16, 1) * m.float()
+    return (q.float().view(N, -1, 16) * dl.unsqueeze(-1) - ml.unsqueeze(-1)).view(N, -1)
+
+
 def dequantize_int6(qweight: torch.Tensor) -> torch.Tensor:
     """(N, K/256*210) uint8 -> (N, K): d * sc * (q - 32), every product exact."""
     q, sc, d = unpack_int6(qweight)
@@ -205,6 +243,11 @@ def q4_matmul(x, qweight, scales, mins, group_size: int) -> torch.Tensor:
 def q5_matmul(x, qweight, qh, scales, mins) -> torch.Tensor:
     """x (..., K) float32 -> (..., N): x W^T with W int5 (mins None: symmetric)."""
     return F.linear(x, dequantize_int5(qweight, qh, scales, mins))
+
+
+def q2k_matmul(x, qweight) -> torch.Tensor:
+    """x (..., K) float32 -> (..., N): x W^T with W q2_k."""
+    return F.linear(x, dequantize_q2k(qweight))
 
 
 def q3k_matmul(x, qweight) -> torch.Tensor:

@@ -552,14 +552,14 @@ def test_q5_blocks_run_as_int5_in_the_fused_step(tmp_path):
     torch.testing.assert_close(last, want_last, atol=1e-4 * want_last.abs().max(), rtol=0)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_0, T.Q4_1, T.Q2_K])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_0, T.Q4_1, T.IQ4_NL])
 def test_copied_blocks_go_a_run_of_rows_at_a_time(monkeypatch, qtype):
     """A copied tensor goes a few rows at a time, each run's file pages let go once
     copied (its place in the file given), and equals the tensor copied whole."""
     from infer.runtime.files import gguf_blocks
 
     N, K = 7, 256
-    if qtype == T.Q2_K:  # held in int8, requantized a run at a time
+    if qtype == T.IQ4_NL:  # held in int8, requantized a run at a time
         data = random_blocks(qtype, N, K)
     else:
         w = np.random.default_rng(2).standard_normal((N, K)).astype(np.float32)
@@ -574,15 +574,18 @@ def test_copied_blocks_go_a_run_of_rows_at_a_time(monkeypatch, qtype):
     assert released == [(4096 + i * row, (n, K)) for i, n in ((0, 3), (3, 3), (6, 1))]
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.Q5_0, T.Q5_1])
+@pytest.mark.parametrize(
+    "qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_NL, T.Q5_0, T.Q5_1]
+)
 def test_other_types_go_onto_the_kernels_closely(qtype):
-    """Q6_K's blocks are int6's, Q4_K's q4_k's, Q3_K's q3_k's, Q5_0's and Q5_1's int5's, as
-    they are; Q5_K keeps its codes in
+    """Q6_K's blocks are int6's, Q4_K's q4_k's, Q3_K's q3_k's, Q2_K's q2_k's, Q5_0's and
+    Q5_1's int5's, as they are; Q5_K keeps its codes in
     int5 g32 (scales and mins rounded to float16); the other types are held in int8 g32,
     within half an int8 step of their values."""
     from infer.quant.formats.int5 import Int5Linear
     from infer.quant.formats.int6 import Int6Linear
     from infer.quant.formats.int8 import Int8Linear
+    from infer.quant.formats.q2k import Q2KLinear
     from infer.quant.formats.q3k import Q3KLinear
     from infer.quant.formats.q4k import Q4KLinear
     from infer.runtime.files import hugepages
@@ -604,13 +607,14 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
     if arena is not None:  # the same weights, written into a huge-page arena of that size
         placed = to_kernels(t, bias, arena.empty)
         assert torch.equal(placed.dequantize(), q.dequantize())
-        in_place = qtype in (T.Q6_K, T.Q4_K, T.Q3_K)
+        in_place = qtype in (T.Q6_K, T.Q4_K, T.Q3_K, T.Q2_K)
         held = [placed.qweight] + ([placed.scales] if hasattr(placed, "scales") else [])
         moved = not any(b.untyped_storage().resizable() for b in held)
         assert moved == (not in_place)  # the K-quants' blocks stay where they are
     err = (q.dequantize() - expected).abs()
-    if qtype in (T.Q6_K, T.Q4_K, T.Q3_K, T.Q5_0, T.Q5_1):
-        kind = {T.Q6_K: Int6Linear, T.Q4_K: Q4KLinear, T.Q3_K: Q3KLinear}.get(qtype, Int5Linear)
+    if qtype in (T.Q6_K, T.Q4_K, T.Q3_K, T.Q2_K, T.Q5_0, T.Q5_1):
+        kinds = {T.Q6_K: Int6Linear, T.Q4_K: Q4KLinear, T.Q3_K: Q3KLinear, T.Q2_K: Q2KLinear}
+        kind = kinds.get(qtype, Int5Linear)
         assert type(q) is kind
         assert torch.equal(q.dequantize(), expected)
         assert q.nbytes == t.nbytes

@@ -150,12 +150,13 @@ def make_hf_model(arch: str, path: Path, seed: int = 0, **overrides):
 
 
 def random_blocks(qtype: T, N: int, K: int, seed: int = 0) -> np.ndarray:
-    """(N, bytes) rows of random `qtype` K-quant blocks (gguf-py cannot quantize to these),
-    their float16 super-block scales sane."""
+    """(N, bytes) rows of random `qtype` K-quant (or IQ4_NL) blocks (gguf-py cannot
+    quantize to these), their float16 scales sane."""
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (N, K // block, size), dtype=np.uint8)
-    at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,)}[qtype]
+    at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,),
+          T.IQ4_NL: (0,)}[qtype]  # fmt: skip
     for a in at:
         d = rng.uniform(1e-3, 2e-2, (N, K // block)).astype(np.float16)
         data[..., a : a + 2] = d.view(np.uint8).reshape(N, K // block, 2)

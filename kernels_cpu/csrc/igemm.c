@@ -110,7 +110,7 @@ static void panel_q4k(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *
     }
 }
 
-/* q3_k: per block of 256 its codes c = 128 - q sc and -d (q3k.c), the int8 panel's form */
+/* q3_k: per block of 256 its codes c = 128 - q sc and -d (q2k_q3k.c), the int8 panel's form */
 static void panel_q3k(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d) {
     const int64_t NB = a->K / Q4K_BLOCK;
     const uint8_t *blk = (const uint8_t *)a->qw + n0 * NB * Q3K_BLOCK_BYTES;

@@ -50,7 +50,7 @@ static PyObject *matmul(int bits, const long long *v, long long qh) {
         .qh = (const uint8_t *)(intptr_t)qh,
     };
     const long long isa = v[9], threads = v[10];
-    const int g_ok = bits == 6 || bits == Q4K || bits == Q3K ? a.g == 256 && !a.scales && !a.mins
+    const int g_ok = bits == 6 || bits == Q4K || bits == Q3K || bits == Q2K ? a.g == 256 && !a.scales && !a.mins
                      : bits == 5 ? a.g == 32
                                  : a.g == 32 || a.g == 64 || a.g == 128 || (bits == 8 && a.g == 0);
     if (a.M < 0 || a.N < 0 || a.K <= 0 || !g_ok || (a.g && a.K % a.g)) {
@@ -125,6 +125,11 @@ static PyObject *py_q4k_matmul(PyObject *self, PyObject *const *args, Py_ssize_t
 static PyObject *py_q3k_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     return superblock_matmul(Q3K, "q3k_matmul", args, nargs);
+}
+
+static PyObject *py_q2k_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return superblock_matmul(Q2K, "q2k_matmul", args, nargs);
 }
 
 static PyObject *py_stream_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -222,6 +227,8 @@ static PyMethodDef methods[] = {
      "q4k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q4_k W (Q4_K blocks)"},
     {"q3k_matmul", (PyCFunction)(void (*)(void))py_q3k_matmul, METH_FASTCALL,
      "q3k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q3_k W (Q3_K blocks)"},
+    {"q2k_matmul", (PyCFunction)(void (*)(void))py_q2k_matmul, METH_FASTCALL,
+     "q2k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q2_k W (Q2_K blocks)"},
     {"stream_read", (PyCFunction)(void (*)(void))py_stream_read, METH_FASTCALL,
      "stream_read(ptr, nbytes, isa, threads): sum a buffer (read-bandwidth probe)"},
     {"isa_names", py_isa_names, METH_NOARGS, "names of the instruction-set paths, by id"},

@@ -105,7 +105,7 @@ static const sb_kernels q4k_plain = {q4k_gemv_c, NULL, NULL, NULL, q4k_dequant_c
 #define T TARGET_AVX2 static
 #define TI TARGET_AVX2 static inline __attribute__((always_inline))
 
-/* x prepared (SB_XPREP_BYTES; q3k.c reads it too), X = round(x / sx) with one sx per block of 256:
+/* x prepared (SB_XPREP_BYTES; q2k_q3k.c reads it too), X = round(x / sx), one sx a block of 256:
  * - for one row (q4k_row): per block, per sub-block of 32, its 32 high digits then its
  *   32 low digits (X = 256 hi + lo) in element order, 512 bytes a block;
  * - for several (q4k_rows): X as int16, per block, per pair of sub-blocks A = 2r and

@@ -76,7 +76,7 @@ def test_recipe_errors():
         get_recipe("lut3", symmetric=True)
     with pytest.raises(InferError, match="group_size 16"):
         get_recipe("int4", group_size=16)
-    for name in ("q4_k_m", "lut2_m", "lut3_m"):
+    for name in ("q4_k_m", "q3_k_m", "lut2_m", "lut3_m"):
         with pytest.raises(InferError, match="n_layers"):
             get_recipe(name)
 
@@ -98,6 +98,42 @@ def test_q4_k_m_promotes_llama_cpp_layers():
         for m in BLOCK:
             more = m in ("self_attn.v_proj", "mlp.down_proj") and i in promoted
             assert f[f"layers.{i}.{m}"] == ("int8" if more else "int4"), (i, m)
+
+
+def test_q3_k_m_promotes_llama_cpp_layers():
+    """llama.cpp's Q3_K_M: attn_v Q5_K in the first two layers and Q4_K after,
+    attn_output Q4_K, ffn_down Q5_K in the first sixteenth and Q4_K after, the rest Q3_K;
+    int5 g32 stands in for Q5_K, and each K-quant falls back to int4 g32."""
+    f = formats(get_recipe("q3_k_m", n_layers=32), 32)
+    assert (f["embed_tokens"], f["lm_head"]) == ("int8", "int6")
+    for i in range(32):
+        want = {"self_attn.v_proj": "int5" if i < 2 else "q4_k", "self_attn.o_proj": "q4_k",
+                "mlp.down_proj": "int5" if i < 2 else "q4_k"}  # fmt: skip
+        for m in BLOCK:
+            assert f[f"layers.{i}.{m}"] == want.get(m, "q3_k"), (i, m)
+    spec = get_recipe("q3_k_m", n_layers=32)("layers.5.mlp.up_proj")
+    assert spec["fallback"]["format"] == "int4"
+
+
+@pytest.mark.parametrize("recipe", ["q3_k_m", "q2_k"])
+def test_k_quant_recipes_round_trip_a_checkpoint(tmp_path, recipe):
+    """A model 256 wide quantized by q3_k_m or q2_k (their blocks where rows are whole
+    blocks of 256, int4 where not), written and read back: the same logits."""
+    from infer.runtime.files.checkpoint import read_checkpoint, save_checkpoint
+    from infer.runtime.files.sources import CheckpointSource
+
+    make_hf_model(
+        "llama", tmp_path / "m", hidden_size=256, intermediate_size=320, num_hidden_layers=3
+    )
+    info = open_source(tmp_path / "m")
+    model = build(info, torch.float32, max_seq_len=64)
+    quantize_model(model, get_recipe(recipe, n_layers=info.args.n_layers))
+    assert type(model.layers[2].self_attn.q_proj).format == recipe[:4]
+    source = {"path": str(tmp_path / "m"), "sha256": {}, "format": "safetensors"}
+    save_checkpoint(model, info.config, info.tokenizer(), tmp_path / "q", source=source)
+    loaded = build(CheckpointSource(read_checkpoint(tmp_path / "q")), torch.float32, 64)
+    assert type(loaded.layers[2].self_attn.q_proj) is type(model.layers[2].self_attn.q_proj)
+    assert torch.equal(logits(loaded), logits(model))
 
 
 @pytest.mark.parametrize(("name", "bits"), [("lut2_m", 2), ("lut3_m", 3)])

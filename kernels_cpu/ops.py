@@ -86,14 +86,14 @@ def integer_gemm_error(x: torch.Tensor, w: torch.Tensor, block: int = 32) -> tor
 
 
 # the formats the integer GEMM may take, by their kernels' `bits` (csrc/kernels.h IG_KIND)
-_IG_KINDS = {"int4": 4, "int5": 5, "int8": 8, "q4_k": 12, "q3_k": 11, "q2_k": 10}
+_IG_KINDS = {"int4": 4, "int5": 5, "int8": 8, "q5_k": 13, "q4_k": 12, "q3_k": 11, "q2_k": 10}
 
 
 def integer_gemm(isa: str | None = None, fmt: str | None = None) -> bool:
     """Whether a path (default: the default one) multiplies several rows of x (a prompt)
     by integer dot products, with x as two int8 digits: 15 significant bits per block of
     32 (csrc/kernels.h, "The integer GEMM"), for weights in `fmt` ("int4", "int5", "int8",
-    "q4_k", "q3_k"; default: any of them). Other paths and formats dequantize W to float32."""
+    "q5_k", "q4_k", "q3_k"; default: any of them). Other paths and formats dequantize W to float32."""
     if _C is None:
         return False
     kinds = _C.isa_integer_gemm(_default_isa() if isa is None else _isa_id(isa))
@@ -129,7 +129,7 @@ def int6_gemv_x_block(isa: str | None = None) -> int:
 
 def q4k_gemv_fifteen_bits(isa: str | None = None) -> bool:
     """Whether a path's q4_k GEMV takes x as two int8 digits, 15 significant bits per
-    block of 256 (csrc/q4k.c): the x86 paths; scalar and NEON multiply in float32."""
+    block of 256 (csrc/q4k_q5k.c): the x86 paths; scalar and NEON multiply in float32."""
     if _C is None:
         return False
     return _C.isa_q4k_digits(_default_isa() if isa is None else _isa_id(isa))
@@ -278,6 +278,12 @@ def q4k_matmul(x, qweight, *, isa=None, threads=None):
     """y (..., N) = x (..., K) W^T for q4_k W (quant/formats/q4k.py): qweight uint8
     (N, K/256*144), GGUF Q4_K's blocks. x float32. isa, threads: as q8_matmul."""
     return _superblock_matmul("q4k_matmul", 144, x, qweight, isa, threads)
+
+
+def q5k_matmul(x, qweight, *, isa=None, threads=None):
+    """y (..., N) = x (..., K) W^T for q5_k W (quant/formats/q5k.py): qweight uint8
+    (N, K/256*176), GGUF Q5_K's blocks. x float32. isa, threads: as q8_matmul."""
+    return _superblock_matmul("q5k_matmul", 176, x, qweight, isa, threads)
 
 
 def q3k_matmul(x, qweight, *, isa=None, threads=None):

@@ -1,8 +1,8 @@
 """The kernels' definitions in plain torch: what the C computes, up to summation order.
 
 Each function dequantizes W exactly as its format defines it (quant/formats/int8.py,
-quant/formats/int4.py, int5.py: one float32 product, then a separate sum; q4k.py, q2k.py:
-the sub-block's scale and min as products, then q times the scale minus the min;
+quant/formats/int4.py, int5.py: one float32 product, then a separate sum; q4k.py, q5k.py,
+q2k.py: the sub-block's scale and min as products, then q times the scale minus the min;
 quant/formats/int6.py: exact products) and computes y = x W^T in float32. The LUT kernel's reference (lut_matmul) is its
 int8-table arithmetic instead; lut_matmul_exact is the format's product. Kept free of
 imports from quant/, which routes its forwards through this package.
@@ -82,6 +82,20 @@ def dequantize_q4k(qweight: torch.Tensor) -> torch.Tensor:
     d, dmin = (b[..., at : at + 2].contiguous().view(torch.float16).float() for at in (0, 2))
     sc, m = k_scales_mins(b[..., 4:16])
     q = k_low_bits(b[..., 16:]).float()  # (N, B, 8, 32)
+    w = (d * sc.float()).unsqueeze(-1) * q - (dmin * m.float()).unsqueeze(-1)
+    return w.view(N, B * 256)
+
+
+def dequantize_q5k(qweight: torch.Tensor) -> torch.Tensor:
+    """(N, K/256*176) uint8 blocks (GGUF Q5_K's) -> (N, K): as dequantize_q4k, each code's
+    bit 4 from qh (bit j of qh[i]: element i of sub-block j), gguf-py's order."""
+    N, B = qweight.shape[0], qweight.shape[1] // 176
+    b = qweight.view(N, B, 176)
+    d, dmin = (b[..., at : at + 2].contiguous().view(torch.float16).float() for at in (0, 2))
+    sc, m = k_scales_mins(b[..., 4:16])
+    shifts = torch.arange(8, dtype=torch.uint8).view(8, 1)
+    high = (b[..., 16:48].reshape(N, B, 1, 32) >> shifts) & 1  # (N, B, 8, 32)
+    q = (k_low_bits(b[..., 48:]) | (high << 4)).float()
     w = (d * sc.float()).unsqueeze(-1) * q - (dmin * m.float()).unsqueeze(-1)
     return w.view(N, B * 256)
 
@@ -248,6 +262,11 @@ def q5_matmul(x, qweight, qh, scales, mins) -> torch.Tensor:
 def q2k_matmul(x, qweight) -> torch.Tensor:
     """x (..., K) float32 -> (..., N): x W^T with W q2_k."""
     return F.linear(x, dequantize_q2k(qweight))
+
+
+def q5k_matmul(x, qweight) -> torch.Tensor:
+    """x (..., K) float32 -> (..., N): x W^T with W q5_k."""
+    return F.linear(x, dequantize_q5k(qweight))
 
 
 def q3k_matmul(x, qweight) -> torch.Tensor:

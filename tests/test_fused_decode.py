@@ -98,13 +98,13 @@ def test_fused_runs_q4_k_beside_int4(tmp_path):
 
 
 def test_fused_runs_q3_k_beside_q4_k(tmp_path):
-    """The q3_k_m recipe on a model 256 wide: q3_k q, k, gate and up beside q4_k o, int5
+    """The q3_k_m recipe on a model 256 wide: q3_k q, k, gate and up beside q4_k o, q5_k
     v in the first two layers and q4_k after, int4 down (rows of 320), as a Q3_K_M file
-    mixes them; in the third layer q and k share one x with v (q4k.c's layout serves both
-    kinds); logits and greedy tokens are the blocks'."""
-    from infer.quant.formats.int5 import Int5Linear
+    mixes them; q, k and v share one x (q4k_q5k.c's layout serves every kind); logits
+    and greedy tokens are the blocks'."""
     from infer.quant.formats.q3k import Q3KLinear
     from infer.quant.formats.q4k import Q4KLinear
+    from infer.quant.formats.q5k import Q5KLinear
 
     make_hf_model(
         "llama", tmp_path / "m", hidden_size=256, intermediate_size=320, num_hidden_layers=3
@@ -112,7 +112,7 @@ def test_fused_runs_q3_k_beside_q4_k(tmp_path):
     model = load_model(tmp_path / "m", max_seq_len=64).model
     quantize_model(model, get_recipe("q3_k_m", n_layers=len(model.layers)))
     first, attn = model.layers[0].self_attn, model.layers[2].self_attn
-    assert type(first.v_proj) is Int5Linear and type(first.o_proj) is Q4KLinear
+    assert type(first.v_proj) is Q5KLinear and type(first.o_proj) is Q4KLinear
     assert type(attn.q_proj) is Q3KLinear and type(attn.v_proj) is Q4KLinear
     assert type(model.layers[0].mlp.up_proj) is Q3KLinear
     assert isinstance(fused_step(model), FusedDecode)

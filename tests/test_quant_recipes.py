@@ -103,22 +103,24 @@ def test_q4_k_m_promotes_llama_cpp_layers():
 def test_q3_k_m_promotes_llama_cpp_layers():
     """llama.cpp's Q3_K_M: attn_v Q5_K in the first two layers and Q4_K after,
     attn_output Q4_K, ffn_down Q5_K in the first sixteenth and Q4_K after, the rest Q3_K;
-    int5 g32 stands in for Q5_K, and each K-quant falls back to int4 g32."""
+    each K-quant falls back to int4 g32 (q5_k to int5 g32)."""
     f = formats(get_recipe("q3_k_m", n_layers=32), 32)
     assert (f["embed_tokens"], f["lm_head"]) == ("int8", "int6")
     for i in range(32):
-        want = {"self_attn.v_proj": "int5" if i < 2 else "q4_k", "self_attn.o_proj": "q4_k",
-                "mlp.down_proj": "int5" if i < 2 else "q4_k"}  # fmt: skip
+        want = {"self_attn.v_proj": "q5_k" if i < 2 else "q4_k", "self_attn.o_proj": "q4_k",
+                "mlp.down_proj": "q5_k" if i < 2 else "q4_k"}  # fmt: skip
         for m in BLOCK:
             assert f[f"layers.{i}.{m}"] == want.get(m, "q3_k"), (i, m)
     spec = get_recipe("q3_k_m", n_layers=32)("layers.5.mlp.up_proj")
     assert spec["fallback"]["format"] == "int4"
+    spec = get_recipe("q3_k_m", n_layers=32)("layers.0.mlp.down_proj")
+    assert spec["fallback"]["format"] == "int5"
 
 
-@pytest.mark.parametrize("recipe", ["q3_k_m", "q2_k"])
+@pytest.mark.parametrize("recipe", ["q3_k_m", "q2_k", "q5_k"])
 def test_k_quant_recipes_round_trip_a_checkpoint(tmp_path, recipe):
-    """A model 256 wide quantized by q3_k_m or q2_k (their blocks where rows are whole
-    blocks of 256, int4 where not), written and read back: the same logits."""
+    """A model 256 wide quantized by q3_k_m, q2_k or q5_k (their blocks where rows are
+    whole blocks of 256, int4 or int5 where not), written and read back: the same logits."""
     from infer.runtime.files.checkpoint import read_checkpoint, save_checkpoint
     from infer.runtime.files.sources import CheckpointSource
 

@@ -94,13 +94,18 @@ static void panel_q5(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d
 }
 
 /* q4_k: per block of 256, 4 runs of 32 bytes, low nibbles one sub-block, high the next;
- * d and m per sub-block from q4k.c, as its dequantization rounds them. */
-static void panel_q4k(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d, float *m) {
-    const int64_t NB = a->K / Q4K_BLOCK;
+ * q5_k: its codes with bit 4 (q4k_q5k.c); d and m per sub-block from q4k_q5k.c, as the
+ * dequantization rounds them (the two share the scales' layout). */
+static void panel_k(int kind, const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d, float *m) {
+    const int64_t NB = a->K / Q4K_BLOCK, bytes = q_row_bytes(kind, Q4K_BLOCK);
     const uint64_t nib = 0x0f0f0f0f0f0f0f0full;
-    const uint8_t *blk = (const uint8_t *)a->qw + n0 * NB * Q4K_BLOCK_BYTES;
-    for (int64_t i = 0; i < nb * NB; i++, blk += Q4K_BLOCK_BYTES, w += Q4K_BLOCK, d += 8, m += 8) {
+    const uint8_t *blk = (const uint8_t *)a->qw + n0 * NB * bytes;
+    for (int64_t i = 0; i < nb * NB; i++, blk += bytes, w += Q4K_BLOCK, d += 8, m += 8) {
         q4k_block_scales(blk, d, m);
+        if (kind == Q5K) {
+            q5k_block_codes(blk, w);
+            continue;
+        }
         for (int r = 0; r < 4; r++) {
             uint64_t v[4], e[8];
             memcpy(v, blk + 16 + 32 * r, 32);
@@ -179,8 +184,8 @@ static void panel_task(void *ctx, int64_t t, int tid) {
         panel_q8(a, n0, nb, w, d);
     else if (j->bits == 5)
         panel_q5(a, n0, nb, w, d, m);
-    else if (j->bits == Q4K)
-        panel_q4k(a, n0, nb, w, d, m);
+    else if (j->bits == Q4K || j->bits == Q5K)
+        panel_k(j->bits, a, n0, nb, w, d, m);
     else if (j->bits == Q3K)
         panel_q3k(a, n0, nb, w, d);
     else
@@ -193,12 +198,15 @@ int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     const int64_t Kp = (a->K + 31) / 32 * 32, B = Kp / 32, T = (a->M + IG_MR - 1) / IG_MR;
     /* the codes' offset: asymmetric (mins, q4_k's too) 0, else int4 8, int5 16, int8 and
      * q3_k 128 */
-    const int o = bits == 8 || bits == Q3K ? 128 : a->mins || bits == Q4K ? 0 : bits == 5 ? 16 : 8;
+    const int o = bits == 8 || bits == Q3K             ? 128
+                  : a->mins || bits == Q4K || bits == Q5K ? 0
+                  : bits == 5                             ? 16
+                                                          : 8;
     ig_job j = {.a = a, .kt = kt, .bits = bits, .o = o};
     int8_t *digits = alloc64((size_t)(T * B * 8 * 256));
     float *sx = alloc64((size_t)(T * B * IG_MR) * (2 * sizeof(float) + sizeof(int32_t)));
     j.x = (ig_x){digits, sx, sx + T * B * IG_MR, (int32_t *)(sx + 2 * T * B * IG_MR), a->M, Kp,
-                 bits == 8 || bits == Q3K ? 255 : bits == 5 ? 31 : 15};
+                 bits == 8 || bits == Q3K ? 255 : bits == 5 || bits == Q5K ? 31 : 15};
     j.bad = calloc((size_t)T, 1);
     j.panel_bytes = (IG_NR * Kp + 2 * IG_NR * B * (int64_t)sizeof(float) + 63) / 64 * 64;
     const int64_t n_panels = (a->N + IG_NR - 1) / IG_NR;

@@ -251,7 +251,7 @@ static inline void xprep8_pad(void *buf, int64_t K) {
  *
  * W, a panel of rows: codes as unsigned bytes c, Kp per row (zeros past K). int4: c = q,
  * w = d (c - 8) symmetric, w = d c + m asymmetric; int5: c = q (0..31), w = d (c - 16) or
- * d c + m; q4_k: c = q, per sub-block d = d sc and m = -dmin m (asymmetric); int8:
+ * d c + m; q4_k, q5_k: c = q, per sub-block d = d sc and m = -dmin m (asymmetric); int8:
  * c = q + 128, w = d (c - 128); q3_k: as int8, c = 128 - q sc (q sc in -124..128: its
  * negation fits int8) with d = -d. Per row and block, float d (the scale of the row's group
  * holding the block, or its channel's) and, asymmetric, m.
@@ -325,18 +325,20 @@ enum { Q6_BLOCK = 256, Q6_BLOCK_BYTES = 210 };
  * per group -16 sum x, or sum x with mins) and the GEMM's dequantization. */
 void q5_gemv_c(const qmat *a, int64_t n0, int64_t n1);
 void q5_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
-/* Super-block kinds beside int6 (q4k.c, q2k_q3k.c): GGUF's blocks of 256 as they lie, the
+/* Super-block kinds beside int6 (q4k_q5k.c, q2k_q3k.c): GGUF's blocks of 256 as they lie, the
  * kind ggml's type id in place of bits, qw uint8 (N, K / 256 * block bytes), K % 256 == 0,
  * g = 256, scales and mins unused.
+ * q5_k (quant/formats/q5k.py): kind Q5K, Q5_K's blocks of 176 bytes.
  * q4_k (quant/formats/q4k.py): kind Q4K, Q4_K's blocks of 144 bytes.
  * q3_k (quant/formats/q3k.py): kind Q3K, Q3_K's blocks of 110 bytes.
  * q2_k (quant/formats/q2k.py): kind Q2K, Q2_K's blocks of 84 bytes.
  * Their kernels hang off the path's table by sb_for, not in it: the float GEMV (every
- * path's fallback), xprep (x in q4k.c's layout, SB_XPREP_BYTES, which both kinds read, so
+ * path's fallback), xprep (x in q4k_q5k.c's layout, SB_XPREP_BYTES, which every kind reads, so
  * one x serves a Q3_K and a Q4_K matrix; NULL: no integer GEMV), the integer GEMV, its
  * form over several rows, and the GEMM's dequantization. */
-enum { Q2K = 10, Q3K = 11, Q4K = 12 };
-enum { Q4K_BLOCK = 256, Q4K_BLOCK_BYTES = 144, Q3K_BLOCK_BYTES = 110, Q2K_BLOCK_BYTES = 84 };
+enum { Q2K = 10, Q3K = 11, Q4K = 12, Q5K = 13 };
+enum { Q4K_BLOCK = 256, Q5K_BLOCK_BYTES = 176, Q4K_BLOCK_BYTES = 144, Q3K_BLOCK_BYTES = 110,
+       Q2K_BLOCK_BYTES = 84 };
 #define SB_XPREP_BYTES(K) (4 * (K) + (K) / Q4K_BLOCK * 4 + (K) / 32 * 4 + (K) / 16 * 4)
 typedef struct {
     gemv_fn gemv_c;
@@ -345,20 +347,27 @@ typedef struct {
     gemv_rows_fn gemv_rows; /* NULL: one row at a time */
     dequant_fn dequant;
 } sb_kernels;
+const sb_kernels *q5k_for(const kernel_table *kt);
 const sb_kernels *q4k_for(const kernel_table *kt);
 const sb_kernels *q3k_for(const kernel_table *kt);
 const sb_kernels *q2k_for(const kernel_table *kt);
 /* The kernels of super-block kind `bits` on the path, or NULL for the other formats. */
 static inline const sb_kernels *sb_for(int bits, const kernel_table *kt) {
-    return bits == Q4K ? q4k_for(kt) : bits == Q3K ? q3k_for(kt) : bits == Q2K ? q2k_for(kt) : NULL;
+    return bits == Q4K   ? q4k_for(kt)
+           : bits == Q5K ? q5k_for(kt)
+           : bits == Q3K ? q3k_for(kt)
+           : bits == Q2K ? q2k_for(kt)
+                         : NULL;
 }
 #ifdef INFER_X86
-/* q4k.c's x for both kinds' AVX2 and AVX-512 kernels (the layout: q4k.c) */
+/* q4k_q5k.c's x for the super-block kinds' AVX2 and AVX-512 kernels (its layout there) */
 int q4k_xprep_avx2(const float *x, int64_t K, void *buf);
 #endif
 /* A block's sub-block scales d * sc[j] and mins -(dmin * m[j]), rounded as the
  * dequantization rounds them (the integer GEMM's panel). */
 void q4k_block_scales(const uint8_t *blk, float d[8], float m[8]);
+/* A Q5_K block's codes in 0..31, sub-block by sub-block (the integer GEMM's panel) */
+void q5k_block_codes(const uint8_t *blk, uint8_t c[256]);
 /* A q3_k block as the integer GEMM's panel takes it: codes c = 128 - q sc (256 bytes) and
  * each block of 32's d, -d (exact: w = d sc q = -d (c - 128)). */
 void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]);
@@ -366,6 +375,7 @@ void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]);
 static inline int64_t q_row_bytes(int bits, int64_t K) {
     return bits == 6     ? K / Q6_BLOCK * Q6_BLOCK_BYTES
            : bits == Q4K ? K / Q4K_BLOCK * Q4K_BLOCK_BYTES
+           : bits == Q5K ? K / Q4K_BLOCK * Q5K_BLOCK_BYTES
            : bits == Q3K ? K / Q4K_BLOCK * Q3K_BLOCK_BYTES
            : bits == Q2K ? K / Q4K_BLOCK * Q2K_BLOCK_BYTES
                          : K * bits / 8;
@@ -402,14 +412,14 @@ static inline int gemv_threads(int64_t bytes, int nthreads) {
     return nthreads > most ? (most > 1 ? (int)most : 1) : nthreads;
 }
 
-/* The drivers (matmul.c): split over output rows, run on the pool. bits is 8, 6, 5, 4, Q4K,
- * Q3K or Q2K. Returns 0, or -1 when out of memory. */
+/* The drivers (matmul.c): split over output rows, run on the pool. bits is 8, 6, 5, 4, or a
+ * super-block kind (Q5K, Q4K, Q3K, Q2K). Returns 0, or -1 when out of memory. */
 int q_matmul(int bits, const qmat *a, int isa, int nthreads);
 /* igemm.c: q_matmul's GEMM on the integer path (bits in the table's ig_kinds). Returns
  * 0, -1 when out of memory, or 1 when it does not apply (the path has none, or x has inf
  * or NaN). */
 int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads);
-/* n GEMVs (bits[i] 8, 6, 5, 4, Q4K, Q3K or Q2K) as one pool job, e.g. q, k and v of a block, or the gate
+/* n GEMVs (bits[i] as q_matmul's) as one pool job, e.g. q, k and v of a block, or the gate
  * and up projections of 8 experts: one wake-up of the pool instead of n, and small
  * matrices share the threads. Each has its M rows of x, 1 <= M <= GEMV_ROWS_MAX
  * (several sequences decoded together, guessed tokens checked, the tokens routed to an

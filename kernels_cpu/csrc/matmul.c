@@ -66,7 +66,7 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
                                       : kt->q4_gemv;
     *j = (job_t){a, plain, NULL, NULL, 0, NULL};
     tmp[0] = tmp[1] = NULL;
-    if (sb && sb->xprep) { /* x in q4k.c's integer layout; inf or NaN: float */
+    if (sb && sb->xprep) { /* x in q4k_q5k.c's integer layout; inf or NaN: float */
         if (!xq_ready) {
             if (!(tmp[1] = alloc64(SB_XPREP_BYTES(a->K)))) return -1;
             if (sb->xprep(a->x, a->K, tmp[1]) == 0) xq_ready = tmp[1];

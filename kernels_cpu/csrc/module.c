@@ -50,7 +50,7 @@ static PyObject *matmul(int bits, const long long *v, long long qh) {
         .qh = (const uint8_t *)(intptr_t)qh,
     };
     const long long isa = v[9], threads = v[10];
-    const int g_ok = bits == 6 || bits == Q4K || bits == Q3K || bits == Q2K ? a.g == 256 && !a.scales && !a.mins
+    const int g_ok = bits == 6 || bits >= Q2K ? a.g == 256 && !a.scales && !a.mins
                      : bits == 5 ? a.g == 32
                                  : a.g == 32 || a.g == 64 || a.g == 128 || (bits == 8 && a.g == 0);
     if (a.M < 0 || a.N < 0 || a.K <= 0 || !g_ok || (a.g && a.K % a.g)) {
@@ -120,6 +120,11 @@ static PyObject *py_q6_matmul(PyObject *self, PyObject *const *args, Py_ssize_t 
 static PyObject *py_q4k_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     return superblock_matmul(Q4K, "q4k_matmul", args, nargs);
+}
+
+static PyObject *py_q5k_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return superblock_matmul(Q5K, "q5k_matmul", args, nargs);
 }
 
 static PyObject *py_q3k_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -225,6 +230,8 @@ static PyMethodDef methods[] = {
      "q6_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, int6 W (Q6_K blocks)"},
     {"q4k_matmul", (PyCFunction)(void (*)(void))py_q4k_matmul, METH_FASTCALL,
      "q4k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q4_k W (Q4_K blocks)"},
+    {"q5k_matmul", (PyCFunction)(void (*)(void))py_q5k_matmul, METH_FASTCALL,
+     "q5k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q5_k W (Q5_K blocks)"},
     {"q3k_matmul", (PyCFunction)(void (*)(void))py_q3k_matmul, METH_FASTCALL,
      "q3k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q3_k W (Q3_K blocks)"},
     {"q2k_matmul", (PyCFunction)(void (*)(void))py_q2k_matmul, METH_FASTCALL,
@@ -236,7 +243,7 @@ static PyMethodDef methods[] = {
     {"isa_best", py_isa_best, METH_NOARGS, "the fastest path this CPU can run"},
     {"isa_integer_gemm", py_isa_integer_gemm, METH_O,
      "the formats path `isa` multiplies prompts (the GEMM) of with integer dot products: "
-     "bit b set for bits b (4, 5, 8; 12 q4_k, 11 q3_k)"},
+     "bit b set for bits b (4, 5, 8; 13 q5_k, 12 q4_k, 11 q3_k)"},
     {"isa_int4_digits", py_isa_int4_digits, METH_O,
      "whether path `isa`'s int4 GEMV takes x as the integer GEMM's two int8 digits"},
     {"isa_int5_digits", py_isa_int5_digits, METH_O,

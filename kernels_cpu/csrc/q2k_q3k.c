@@ -13,7 +13,7 @@
  *     Q2_K: c = (qs >> 2j) & 3                                         in 0..3
  *           w = (d * sc) * c - dmin * m   (gguf's order: a separate difference)
  *
- * GEMV (x86): x as q4k.c prepares it, X = round(x / sx) as int16 with one sx per 256
+ * GEMV (x86): x as q4k_q5k.c prepares it, X = round(x / sx) as int16 with one sx per 256
  * elements. The codes go unsigned (Q3_K's c = q + 4 in 0..7), so that vpmaddubsw takes
  * them by their group's scale pairs (Q3_K's sc - 32 signed, Q2_K's sc 0..15), once for all
  * rows; then each row of x takes them with vpmaddwd or vpdpwssd: sum c sc X in int32
@@ -121,7 +121,7 @@ void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]) {
 #ifdef INFER_X86
 #include <immintrin.h>
 
-/* Where q4k.c's prepared x keeps X (int16), the blocks' sx and the groups' sx sum X */
+/* Where q4k_q5k.c's prepared x keeps X (int16), the blocks' sx and the groups' sx sum X */
 static inline const int16_t *x16_of(const void *buf, int64_t K) {
     return (const int16_t *)((const int8_t *)buf + 2 * K);
 }

@@ -64,22 +64,22 @@ def pack_blocks(q, sc, m, d, dmin) -> torch.Tensor:
     return torch.cat((halves, scales, qs), -1).reshape(N, B * BLOCK_BYTES)
 
 
-def fit(w: torch.Tensor, search: bool = True):
-    """Quantize w (N, K) float32, K % 256 == 0: codes (N, K) in 0..15, sc and m (N, K/32)
-    in 0..63, d and dmin (N, K/256) float16.
+def fit(w: torch.Tensor, search: bool = True, top: int = 15):
+    """Quantize w (N, K) float32, K % 256 == 0: codes (N, K) in 0..top (15; q5_k's 31), sc
+    and m (N, K/32) in 0..63, d and dmin (N, K/256) float16.
 
     Each sub-block of 32 gets its own best step s and offset o (fit.fit_groups with codes
-    0..15, affine: int4's error-weighted search); its min is -o, or 0 where o > 0 (Q4_K's
+    0..top, affine: int4's error-weighted search); its min is -o, or 0 where o > 0 (Q4_K's
     offset is never positive: the grid then starts at 0, as ggml's make_qkx2_quants has
     it). Each block's d (dmin) is its largest s (min) / 63 rounded up to float16, so no
     sc or m passes 63; sc and m are rounded to nearest, and the codes chosen again for
     the rounded step and min."""
     N, K = w.shape
     B = K // QK
-    _, s, o = fit_groups(w, 32, 0, 15, affine=True, dtype=torch.float32, search=search)
+    _, s, o = fit_groups(w, 32, 0, top, affine=True, dtype=torch.float32, search=search)
     s, o = s.view(N, B, 8), o.view(N, B, 8)
-    top = w.view(N, B, 8, 32).amax(-1)  # where o > 0 the grid from 0 must reach it
-    s = torch.where(o > 0, torch.maximum(s, top / 15), s).clamp_(min=0)
+    high = w.view(N, B, 8, 32).amax(-1)  # where o > 0 the grid from 0 must reach it
+    s = torch.where(o > 0, torch.maximum(s, high / top), s).clamp_(min=0)
     mn = (-o).clamp_(min=0)
     d = round_up(s.amax(-1, keepdim=True) / 63, torch.float16)  # (N, B, 1)
     dmin = round_up(mn.amax(-1, keepdim=True) / 63, torch.float16)
@@ -89,7 +89,7 @@ def fit(w: torch.Tensor, search: bool = True):
     m = torch.where(dmin == 0, 0.0, mn / dmin).round_().clamp_(0, 63)
     step = (d * sc).unsqueeze(-1)  # (N, B, 8, 1), as dequantize rounds them
     low = (dmin * m).unsqueeze(-1)
-    c = nearest_codes(w.view(N, B, 8, 32), step, -low, 0, 15)
+    c = nearest_codes(w.view(N, B, 8, 32), step, -low, 0, top)
     return (
         c.view(N, K),
         sc.view(N, K // 32),

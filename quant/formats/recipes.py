@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 
 from ... import InferError
-from . import int4, int5, int6, int8, lut, q2k, q3k, q4k  # noqa: F401  (register the formats)
+from . import int4, int5, int6, int8, lut, q2k, q3k, q4k, q5k  # noqa: F401  (register the formats)
 from .base import FORMATS
 
 Recipe = Callable[[str], "dict | None"]
@@ -69,22 +69,23 @@ def _uniform(main: dict, n_layers: int | None) -> Recipe:
 
 
 def _uniform_k(main: dict, n_layers: int | None) -> Recipe:
-    """`main` (q4_k, q3_k, q2_k) for every linear layer in the blocks, int4 g32 where its rows
-    are not a multiple of 256; outside them, _outside_blocks."""
-    spec = {**main, "fallback": INT4}
+    """`main` (q5_k, q4_k, q3_k, q2_k) for every linear layer in the blocks, int4 g32 (q5_k:
+    int5 g32) where its rows are not a multiple of 256; outside them, _outside_blocks."""
+    spec = {**main, "fallback": INT5 if main["format"] == "q5_k" else INT4}
     return lambda name: spec if _BLOCK.fullmatch(name) else _outside_blocks(name)
 
 
 def _q3_k_m(main: dict, n_layers: int | None) -> Recipe:
     """Like llama.cpp's Q3_K_M (llama_tensor_get_type in src/llama-quant.cpp), in the
-    same bits where we have them: `main` (q3_k) in the blocks, but
-      v_proj     int5 g32 (for Q5_K) in the first two layers, q4_k after
+    same bits: `main` (q3_k) in the blocks, but
+      v_proj     q5_k in the first two layers, q4_k after
       o_proj     q4_k
-      down_proj  int5 g32 (for Q5_K) in the first sixteenth of the layers, q4_k after
-    each K-quant with int4 g32 where rows are not a multiple of 256; outside the blocks,
-    _outside_blocks."""
+      down_proj  q5_k in the first sixteenth of the layers, q4_k after
+    each K-quant with int4 g32 (q5_k: int5 g32) where rows are not a multiple of 256;
+    outside the blocks, _outside_blocks."""
     main = {**main, "fallback": INT4}
     q4_k = {"format": "q4_k", "fallback": INT4}
+    q5_k = {"format": "q5_k", "fallback": INT5}
 
     def recipe(name: str) -> dict | None:
         m = _BLOCK.fullmatch(name)
@@ -92,9 +93,9 @@ def _q3_k_m(main: dict, n_layers: int | None) -> Recipe:
             return _outside_blocks(name)
         layer, proj = int(m.group(1)), m.group(3)
         if proj == "v_proj":
-            return INT5 if layer < 2 else q4_k
+            return q5_k if layer < 2 else q4_k
         if proj == "down_proj":
-            return INT5 if layer < n_layers // 16 else q4_k
+            return q5_k if layer < n_layers // 16 else q4_k
         return q4_k if proj == "o_proj" else main
 
     return recipe
@@ -179,6 +180,7 @@ RECIPES: dict[str, tuple[dict, Callable[[dict, int | None], Recipe]]] = {
     "int6": (INT6, _everything),  # as llama.cpp's Q6_K: every weight (Q8_0 where K % 256)
     "int5": (INT5, _uniform),  # as GGUF Q5_1 (Q5_0 with --symmetric)
     "int4": (INT4, _uniform),
+    "q5_k": ({"format": "q5_k"}, _uniform_k),  # as GGUF Q5_K: every block linear
     "q4_k": ({"format": "q4_k"}, _uniform_k),  # as GGUF Q4_K: every block linear
     "q3_k": ({"format": "q3_k"}, _uniform_k),  # as GGUF Q3_K: every block linear
     "q2_k": ({"format": "q2_k"}, _uniform_k),  # as GGUF Q2_K: every block linear

@@ -1,5 +1,5 @@
-"""GGUF Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_K / Q3_K / Q2_K / Q4_0 / Q4_1 tensors as int8 /
-int6 / int5 / q4_k / q3_k / q2_k / int4 QuantLinears, by moving bytes.
+"""GGUF Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q3_K / Q2_K / Q4_0 / Q4_1 tensors as
+int8 / int6 / q5_k / int5 / q4_k / q3_k / q2_k / int4 QuantLinears, by moving bytes.
 
 ggml's block layouts (ggml/src/ggml-common.h; QK = 32 elements per block, little-endian,
 ggml_half = IEEE float16):
@@ -12,9 +12,10 @@ ggml_half = IEEE float16):
 
 where in the 4-bit types q_i is the low nibble of qs[i] and q_(16+i) its high nibble, and
 the 5-bit types add bit i of the little-endian uint32 qh as q_i's bit 4.
-Q6_K's, Q4_K's, Q3_K's and Q2_K's 256-element blocks (210, 144, 110 and 84 bytes) are
-int6's, q4_k's, q3_k's and q2_k's layouts as they are (quant/formats/int6.py, q4k.py,
-q3k.py, q2k.py): the tensor is a view of the file's map.
+The K-quants' 256-element blocks (Q6_K 210, Q5_K 176, Q4_K 144, Q3_K 110 and Q2_K 84
+bytes) are int6's, q5_k's, q4_k's, q3_k's and q2_k's layouts as they are
+(quant/formats/int6.py, q5k.py, q4k.py, q3k.py, q2k.py): the tensor is a view of the
+file's map.
 A row of K elements is K/32 consecutive blocks. Our int8, int5 and int4 (group 32)
 layouts were chosen so that each block's `qs` is one 32-element run of `qweight` as is,
 its `qh` one entry of int5's `qh`, and d (and m) one entry of `scales` (and `mins`): import splits the blocks into those
@@ -24,15 +25,7 @@ columns and changes no bit, and the result's `dequantize()` equals
 This is how a GGUF file's such tensors load to run (sources.GGUFSource), and how
 `infer quantize` carries them into a checkpoint whose recipe asks for their format.
 
-Loading to run, one more kind of tensor goes onto the kernels, close to but not bit for
-bit (`to_kernels`):
-
-    block_q5_K { ggml_half d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; }
-        256 elements, 8 sub-blocks of 32, each w = q * (d * sc) - dmin * m with 6-bit
-        sc, m -> int5 g32 asymmetric: the codes as they are, scale d * sc and min
-        -dmin * m rounded to float16 (relative error <= 2^-11 of a scale)
-
-and the rest approximately:
+Loading to run, the rest go onto the kernels approximately (`to_kernels`):
 
     every other block-quantized type (the IQ types, ...)
         -> int8 g32 from its values, each within 1/254 of its group's largest
@@ -51,15 +44,15 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ... import InferError
-from ...kernels_cpu.reference import k_low_bits, k_scales_mins
 from ...quant.formats.base import FORMATS, QuantLinear
-from ...quant.formats.int4 import Int4Linear, pack_nibbles
-from ...quant.formats.int5 import Int5Linear, pack_high_bits
+from ...quant.formats.int4 import Int4Linear
+from ...quant.formats.int5 import Int5Linear
 from ...quant.formats.int6 import Int6Linear
 from ...quant.formats.int8 import Int8Linear
 from ...quant.formats.q2k import Q2KLinear
 from ...quant.formats.q3k import Q3KLinear
 from ...quant.formats.q4k import Q4KLinear
+from ...quant.formats.q5k import Q5KLinear
 from ...quant.formats.recipes import is_router, spec_params
 from . import hugepages
 from .gguf import GGUFFile
@@ -71,6 +64,7 @@ GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
     GGMLQuantizationType.Q6_K: {"format": "int6"},
     GGMLQuantizationType.Q5_0: {"format": "int5", "group_size": 32, "symmetric": True},
     GGMLQuantizationType.Q5_1: {"format": "int5", "group_size": 32, "symmetric": False},
+    GGMLQuantizationType.Q5_K: {"format": "q5_k"},
     GGMLQuantizationType.Q4_K: {"format": "q4_k"},
     GGMLQuantizationType.Q3_K: {"format": "q3_k"},
     GGMLQuantizationType.Q2_K: {"format": "q2_k"},
@@ -80,13 +74,14 @@ GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
 
 
 # Loaded to run: every block-quantized type goes onto the kernels; those that are not
-# moved as they are (GGUF_SPECS) or by their codes (Q5_K) are held in int8, requantized
+# moved as they are (GGUF_SPECS) are held in int8, requantized
 # from their values this many rows at a time.
 ON_KERNELS = {t for t, (block, _) in GGML_QUANT_SIZES.items() if block > 1}
-HELD_IN_INT8 = ON_KERNELS - {*GGUF_SPECS, GGMLQuantizationType.Q5_K}
+HELD_IN_INT8 = ON_KERNELS - set(GGUF_SPECS)
 # Left in the file's map: the blocks are the format's layout as they are.
 IN_PLACE = {
     GGMLQuantizationType.Q6_K: Int6Linear,
+    GGMLQuantizationType.Q5_K: Q5KLinear,
     GGMLQuantizationType.Q4_K: Q4KLinear,
     GGMLQuantizationType.Q3_K: Q3KLinear,
     GGMLQuantizationType.Q2_K: Q2KLinear,
@@ -152,8 +147,8 @@ def from_gguf(
     alloc: Alloc = new_tensor,
     release: Release = _keep,
 ) -> QuantLinear:
-    """The Q8_0 / Q6_K / Q5_0 / Q5_1 / Q4_K / Q3_K / Q2_K / Q4_0 / Q4_1 tensor `t` (rows
-    already un-permuted) as int8 / int6 / int5 / q4_k / q3_k / q2_k / int4. The K-quants' blocks stay where
+    """The Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q3_K / Q2_K / Q4_0 / Q4_1 tensor `t`
+    (rows already un-permuted) as int8 / int6 / q5_k / int5 / q4_k / q3_k / q2_k / int4. The K-quants' blocks stay where
     they are (the file's map); the others' codes and scales are copied apart into memory
     from `alloc` (torch's by default, or the build's huge-page arena), `release` letting
     each run of rows' file pages go once copied."""
@@ -198,12 +193,10 @@ def _copied(
 
 def loaded_bytes(t: GGUFTensor) -> int:
     """The bytes `to_kernels` holds for `t` (all its experts, for a stacked tensor):
-    the file's bytes for the types of GGUF_SPECS, then int5 24 bytes per 32 (as Q5_1),
-    int8 g32 34 (as Q8_0)."""
+    the file's bytes for the types of GGUF_SPECS, else int8 g32's 34 per 32 (as Q8_0)."""
     if t.ggml_type in GGUF_SPECS:
         return t.nbytes
-    per_32 = 24 if t.ggml_type == GGMLQuantizationType.Q5_K else 34
-    return math.prod(t.shape) // 32 * per_32
+    return math.prod(t.shape) // 32 * 34
 
 
 def placed_bytes(t: GGUFTensor) -> int:
@@ -214,7 +207,7 @@ def placed_bytes(t: GGUFTensor) -> int:
     if t.ggml_type in IN_PLACE:
         return 0
     pieces = math.prod(t.shape[:-2])  # 1, or the experts of a stacked tensor
-    int5 = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K)
+    int5 = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1)
     return loaded_bytes(t) + (4 if t.ggml_type in int5 else 3) * hugepages.ALIGN * pieces
 
 
@@ -225,20 +218,17 @@ def to_kernels(
     release: Release = _keep,
 ) -> QuantLinear:
     """The 2-D tensor `t` (a type of ON_KERNELS) as the QuantLinear that runs it: Q8_0 /
-    Q6_K / Q5_0 / Q5_1 / Q4_K / Q3_K / Q2_K / Q4_0 / Q4_1 bit for bit, Q5_K with its codes, any other type in int8 g32. Its codes and scales are
-    copied into memory from `alloc`; `release` lets the file's pages go (from_gguf)."""
+    Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q3_K / Q2_K / Q4_0 / Q4_1 bit for bit, any other
+    type in int8 g32. Its codes and scales are copied into memory from `alloc`; `release`
+    lets the file's pages go (from_gguf)."""
     if t.ggml_type in GGUF_SPECS:
         return from_gguf(t, bias, alloc, release)
-    if t.ggml_type == GGMLQuantizationType.Q5_K:
-        q = _from_q5_k(t, bias)
-    elif t.ggml_type in HELD_IN_INT8:
-        q = _held_in_int8(t, bias, release)
-    else:
+    if t.ggml_type not in HELD_IN_INT8:
         raise InferError(f"{t.name}: no kernel runs ggml type {t.ggml_type.name}")
-    for name in ("qweight", "qh", "scales", "mins"):  # computed in torch's memory: moved whole
-        if getattr(q, name, None) is not None:
-            computed = getattr(q, name)
-            setattr(q, name, alloc(computed.shape, computed.dtype).copy_(computed))
+    q = _held_in_int8(t, bias, release)
+    for name in ("qweight", "scales"):  # computed in torch's memory: moved whole
+        computed = getattr(q, name)
+        setattr(q, name, alloc(computed.shape, computed.dtype).copy_(computed))
     return q
 
 
@@ -250,25 +240,3 @@ def _held_in_int8(t: GGUFTensor, bias: torch.Tensor | None, release: Release) ->
         release(part)
     qweight, scales = (torch.cat([getattr(r, k) for r in runs]) for k in ("qweight", "scales"))
     return Int8Linear(qweight, scales, runs[0].params, bias)
-
-
-def _k_scales(blocks: torch.Tensor):
-    """Q5_K blocks (N, K/256, bytes) -> each sub-block of 32's scale d * sc and min
-    -dmin * m, rounded to float16: (N, K/32) each."""
-    N = blocks.shape[0]
-    d, dmin = (blocks[..., at : at + 2].contiguous().view(torch.float16).float() for at in (0, 2))
-    sc, m = k_scales_mins(blocks[..., 4:16])  # the 8 sub-blocks' 6-bit scales and mins
-    scales = (d * sc).half().view(N, -1)  # (N, K/256, 1) * (N, K/256, 8)
-    return scales, (-(dmin * m)).half().view(N, -1)
-
-
-def _from_q5_k(t: GGUFTensor, bias: torch.Tensor | None) -> Int5Linear:
-    N, K = t.shape
-    blocks = torch.from_numpy(t.data).view(N, K // 256, 176)
-    scales, mins = _k_scales(blocks)
-    # qh[l] bit s: bit 4 of element l of sub-block s (ggml's dequantize_row_q5_K)
-    qh = blocks[..., 16:48].reshape(N, K // 256, 1, 32)
-    high = (qh >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1  # (N, K/256, 8, 32)
-    codes = (k_low_bits(blocks[..., 48:]) | (high << 4)).view(N, K)
-    params = {"group_size": 32, "symmetric": False}
-    return Int5Linear(pack_nibbles(codes & 15), pack_high_bits(codes), scales, mins, params, bias)

@@ -117,10 +117,11 @@ def _tensors(weights: Weights) -> list[torch.Tensor]:
 
 
 class GGUFSource(GGUFModelFile, Source):
-    """A GGUF file. In float32 its quantized weights run on the int8 / int6 / int5 / int4
-    kernels, as llama.cpp runs them (gguf_blocks.to_kernels): Q8_0 / Q6_K / Q5_0 / Q5_1 /
-    Q4_0 / Q4_1 blocks moved into those formats unchanged, Q4_K's and Q5_K's codes into
-    int4 and int5, every other quantized type held in int8. Float types, and every weight in another dtype, are converted to `dtype`."""
+    """A GGUF file. In float32 its quantized weights run on the kernels in their own bits,
+    as llama.cpp runs them (gguf_blocks.to_kernels): Q8_0 / Q5_0 / Q5_1 / Q4_0 / Q4_1
+    blocks moved into int8 / int5 / int4 unchanged, the K-quants used in place from the
+    file, every other quantized type held in int8. Float types, and every weight in
+    another dtype, are converted to `dtype`."""
 
     gguf: GGUFFile
 

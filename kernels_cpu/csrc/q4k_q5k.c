@@ -1,8 +1,12 @@
-/* q4_k: GGUF Q4_K's blocks as they lie in the file (quant/formats/q4k.py), every path.
+/* q4_k and q5_k: GGUF Q4_K's and Q5_K's blocks as they lie in the file
+ * (quant/formats/q4k.py, q5k.py), every path; one kernel body serves both, `kind` a
+ * constant where it is called.
  *
- * A row is K / 256 blocks of 144 bytes: float16 d and dmin, 12 bytes of 6-bit scales
- * sc[j] and mins m[j] for the 8 sub-blocks of 32, then 128 bytes qs in 4 runs of 32: run r's
- * low nibbles are sub-block 2r's codes in order, its high nibbles sub-block 2r + 1's.
+ * A row is K / 256 blocks of 144 bytes (Q4_K): float16 d and dmin, 12 bytes of 6-bit
+ * scales sc[j] and mins m[j] for the 8 sub-blocks of 32, then 128 bytes qs in 4 runs of
+ * 32: run r's low nibbles are sub-block 2r's codes in order, its high nibbles sub-block
+ * 2r + 1's. Q5_K's blocks (176 bytes) hold qh[32] between the scales and qs: bit j of
+ * qh[i] is bit 4 of element i of sub-block j.
  *
  *     w = (d * sc[j]) * q - (dmin * m[j])      (three float32 roundings: gguf's order)
  *
@@ -14,6 +18,8 @@
  * dmin * m[j] * (sx * sum X) per sub-block from x's sums. Without digits (x with inf or
  * NaN, or a path with none: scalar, NEON) q4k_gemv_c runs in float. Several rows of x
  * (q4k_rows; with AVX-512 VNNI, q4k_rows_vnni) take X as int16 and sum the same integers.
+ * Q5_K runs q4k_rows (one row: R = 1) with each code's bit 4 added: |q sc X| <= 31 * 63 *
+ * 32512, 32 of them an int32 lane a block (< 2^31).
  * GEMM: tiles dequantized exactly (q4k_dequant_c, or AVX2's), then the float tile.
  */
 #include <string.h>
@@ -40,26 +46,33 @@ static inline void q4k_scale_bytes(const uint8_t *p, uint8_t out[16]) {
 
 static float q4k_half(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | p[1] << 8)); }
 
+static inline int64_t kq_bytes(int kind) { return kind == Q5K ? Q5K_BLOCK_BYTES : Q4K_BLOCK_BYTES; }
+static inline int kq_qs(int kind) { return kind == Q5K ? 48 : 16; } /* where qs starts */
+
+/* Element i of sub-block j's code: Q4_K's nibble, with Q5_K's bit 4 from qh */
+static inline int kq_code(int kind, const uint8_t *blk, int j, int i) {
+    const int q = (blk[kq_qs(kind) + 32 * (j / 2) + i] >> (4 * (j % 2))) & 15;
+    return kind == Q5K ? q | ((blk[16 + i] >> j) & 1) << 4 : q;
+}
+
 /* ------------------------------------------------------------------------------------
  * Plain C: every path's fallback
  * ---------------------------------------------------------------------------------- */
 
-static void q4k_gemv_c(const qmat *a, int64_t n0, int64_t n1) {
-    const int64_t B = a->K / Q4K_BLOCK;
+static inline void kq_gemv_c(const int kind, const qmat *a, int64_t n0, int64_t n1) {
+    const int64_t B = a->K / Q4K_BLOCK, bytes = kq_bytes(kind);
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *blk = (const uint8_t *)a->qw + n * B * Q4K_BLOCK_BYTES;
+        const uint8_t *blk = (const uint8_t *)a->qw + n * B * bytes;
         float acc[8] = {0}; /* one per sub-block: sc q x minus m x */
-        for (int64_t b = 0; b < B; b++, blk += Q4K_BLOCK_BYTES) {
+        for (int64_t b = 0; b < B; b++, blk += bytes) {
             const float d = q4k_half(blk), dmin = q4k_half(blk + 2);
             const float *x = a->x + b * Q4K_BLOCK;
             uint8_t sm[16];
             q4k_scale_bytes(blk + 4, sm);
             for (int j = 0; j < 8; j++) {
-                const uint8_t *qs = blk + 16 + 32 * (j / 2);
-                const int shift = 4 * (j % 2);
                 float t[8] = {0}, s[8] = {0};
                 for (int i = 0; i < 32; i++) {
-                    t[i % 8] += (float)((qs[i] >> shift) & 15) * x[32 * j + i];
+                    t[i % 8] += (float)kq_code(kind, blk, j, i) * x[32 * j + i];
                     s[i % 8] += x[32 * j + i];
                 }
                 float dot = 0, sum = 0;
@@ -71,17 +84,16 @@ static void q4k_gemv_c(const qmat *a, int64_t n0, int64_t n1) {
     }
 }
 
-static void q4k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) {
-    const int64_t B = a->K / Q4K_BLOCK;
-    const uint8_t *blk = (const uint8_t *)a->qw + n0 * B * Q4K_BLOCK_BYTES;
-    for (int64_t nb = 0; nb < (n1 - n0) * B; nb++, blk += Q4K_BLOCK_BYTES) {
+static inline void kq_dequant_c(const int kind, const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t B = a->K / Q4K_BLOCK, bytes = kq_bytes(kind);
+    const uint8_t *blk = (const uint8_t *)a->qw + n0 * B * bytes;
+    for (int64_t nb = 0; nb < (n1 - n0) * B; nb++, blk += bytes) {
         const float d = q4k_half(blk), dmin = q4k_half(blk + 2);
         uint8_t sm[16];
         q4k_scale_bytes(blk + 4, sm);
         for (int j = 0; j < 8; j++, w += 32) {
             const float d1 = d * (float)sm[j], m1 = dmin * (float)sm[8 + j];
-            const uint8_t *qs = blk + 16 + 32 * (j / 2);
-            for (int i = 0; i < 32; i++) w[i] = d1 * (float)((qs[i] >> (4 * (j % 2))) & 15) - m1;
+            for (int i = 0; i < 32; i++) w[i] = d1 * (float)kq_code(kind, blk, j, i) - m1;
         }
     }
 }
@@ -93,7 +105,19 @@ void q4k_block_scales(const uint8_t *blk, float d[8], float m[8]) {
     for (int j = 0; j < 8; j++) d[j] = d0 * (float)sm[j], m[j] = -(dmin * (float)sm[8 + j]);
 }
 
+static void q4k_gemv_c(const qmat *a, int64_t n0, int64_t n1) { kq_gemv_c(Q4K, a, n0, n1); }
+static void q5k_gemv_c(const qmat *a, int64_t n0, int64_t n1) { kq_gemv_c(Q5K, a, n0, n1); }
+static void q4k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) { kq_dequant_c(Q4K, a, n0, n1, w); }
+static void q5k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) { kq_dequant_c(Q5K, a, n0, n1, w); }
+
+/* A Q5_K block's codes (0..31, sub-block by sub-block) for the integer GEMM's panel */
+void q5k_block_codes(const uint8_t *blk, uint8_t c[256]) {
+    for (int j = 0; j < 8; j++)
+        for (int i = 0; i < 32; i++) c[32 * j + i] = (uint8_t)kq_code(Q5K, blk, j, i);
+}
+
 static const sb_kernels q4k_plain = {q4k_gemv_c, NULL, NULL, NULL, q4k_dequant_c};
+static const sb_kernels q5k_plain = {q5k_gemv_c, NULL, NULL, NULL, q5k_dequant_c};
 
 #ifdef INFER_X86
 #include <immintrin.h>
@@ -272,13 +296,20 @@ static const int8_t pair_ctl[16][32] __attribute__((aligned(64))) = {RUN(0), RUN
 #undef RUN
 #undef PAIRS
 
+/* Q5_K's bit 4 of the codes of sub-block j from qh: 16 where bit j is set */
+TI __m256i q5k_high(__m256i qh, int j) {
+    const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(16));
+}
+
 /* Run r of a block (sub-blocks 2r and 2r + 1, 32 bytes w) for R rows: its codes times
  * their scale as int16, even and odd elements apart (vpmaddubsw by the scale pairs),
- * then per row one vpmaddwd per 16 codes with X, into t[m]. */
-TI void q4k_run(__m256i w, __m256i sc, int r, const int R, const int16_t *const *xb,
-                __m256i *t) {
+ * then per row one vpmaddwd per 16 codes with X, into t[m]. Q5_K: qh its high bits. */
+TI void q4k_run(const int kind, __m256i w, __m256i qh, __m256i sc, int r, const int R,
+                const int16_t *const *xb, __m256i *t) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+    __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+    if (kind == Q5K) lo = _mm256_or_si256(lo, q5k_high(qh, 2 * r)), hi = _mm256_or_si256(hi, q5k_high(qh, 2 * r + 1));
     const __m256i *ctl = (const __m256i *)pair_ctl[4 * r];
     const __m256i p[4] = {_mm256_maddubs_epi16(lo, _mm256_shuffle_epi8(sc, _mm256_load_si256(ctl))),
                           _mm256_maddubs_epi16(lo, _mm256_shuffle_epi8(sc, _mm256_load_si256(ctl + 2))),
@@ -297,9 +328,9 @@ TI void q4k_run(__m256i w, __m256i sc, int r, const int R, const int16_t *const 
  * per 16 codes with X: sum sc q X over the block in int32 lanes (each at most 32 * 945
  * * 32512 < 2^31), and one float FMA by d sx. The mins' term dmin * m[j] * (sx * sum X)
  * per sub-block from x's sums. Each row's sums are those it takes alone. */
-TI void q4k_rows(const qmat *const *a, const int R, int64_t n) {
-    const int64_t K = a[0]->K, B = K / Q4K_BLOCK;
-    const uint8_t *blk = (const uint8_t *)a[0]->qw + n * B * Q4K_BLOCK_BYTES;
+TI void q4k_rows(const int kind, const qmat *const *a, const int R, int64_t n) {
+    const int64_t K = a[0]->K, B = K / Q4K_BLOCK, bytes = kq_bytes(kind);
+    const uint8_t *blk = (const uint8_t *)a[0]->qw + n * B * bytes;
     const int16_t *xd[4];
     const float *sxs[4], *xs[4];
     __m256 acc[4], accm[4];
@@ -307,19 +338,20 @@ TI void q4k_rows(const qmat *const *a, const int R, int64_t n) {
         xd[m] = q4k_x16(a[m]->xq, K), sxs[m] = q4k_sx(a[m]->xq, K), xs[m] = sxs[m] + B;
         acc[m] = accm[m] = _mm256_setzero_ps();
     }
-    for (int64_t b = 0; b < B; b++, blk += Q4K_BLOCK_BYTES) {
+    for (int64_t b = 0; b < B; b++, blk += bytes) {
         for (int i = 0; i < 3; i++) PREFETCH_STREAM_L1(blk + 64 * i);
         const __m128i sm = q4k_scale_vec(blk);
         const __m256i sc = _mm256_broadcastsi128_si256(sm); /* bytes sc[0..7], m[0..7] */
         const int16_t *xb[4];
         __m256i t[4];
         for (int m = 0; m < R; m++) xb[m] = xd[m] + 256 * b, t[m] = _mm256_setzero_si256();
-        const __m256i *w = (const __m256i *)(blk + 16);
+        const __m256i *w = (const __m256i *)(blk + kq_qs(kind));
+        const __m256i qh = kind == Q5K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : sc;
         if (R <= 2) {
-            for (int r = 0; r < 4; r++) q4k_run(_mm256_loadu_si256(w + r), sc, r, R, xb, t);
+            for (int r = 0; r < 4; r++) q4k_run(kind, _mm256_loadu_si256(w + r), qh, sc, r, R, xb, t);
         } else {
 #pragma GCC unroll 1 /* unrolled, gcc hoists the four runs' products and spills them */
-            for (int r = 0; r < 4; r++) q4k_run(_mm256_loadu_si256(w + r), sc, r, R, xb, t);
+            for (int r = 0; r < 4; r++) q4k_run(kind, _mm256_loadu_si256(w + r), qh, sc, r, R, xb, t);
         }
         const uint16_t *h = (const uint16_t *)blk;
         const float d = _cvtsh_ss(h[0]), dmin = _cvtsh_ss(h[1]);
@@ -331,26 +363,35 @@ TI void q4k_rows(const qmat *const *a, const int R, int64_t n) {
 }
 
 /* R rows of x, 4 at a time per weight row (its later passes read it from L1) */
-T void q4k_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) {
+TI void kq_gemv_rows(const int kind, const qmat *const *a, int R, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
         for (int m = 0; m < R; m += 4) switch (R - m) {
-            case 1: q4k_rows(a + m, 1, n); break;
-            case 2: q4k_rows(a + m, 2, n); break;
-            case 3: q4k_rows(a + m, 3, n); break;
-            default: q4k_rows(a + m, 4, n); break;
+            case 1: q4k_rows(kind, a + m, 1, n); break;
+            case 2: q4k_rows(kind, a + m, 2, n); break;
+            case 3: q4k_rows(kind, a + m, 3, n); break;
+            default: q4k_rows(kind, a + m, 4, n); break;
             }
+}
+T void q4k_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) {
+    kq_gemv_rows(Q4K, a, R, n0, n1);
+}
+T void q5k_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) {
+    kq_gemv_rows(Q5K, a, R, n0, n1);
+}
+T void q5k_gemv(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) q4k_rows(Q5K, &a, 1, n);
 }
 
 T void q4k_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) a->y[n] = q4k_row(a, n);
 }
 
-/* Exactly as q4k_dequant_c: a product by d sc, then the difference with dmin m, no FMA. */
-T void q4k_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
-    const int64_t B = a->K / Q4K_BLOCK;
-    const uint8_t *blk = (const uint8_t *)a->qw + n0 * B * Q4K_BLOCK_BYTES;
+/* Exactly as kq_dequant_c: a product by d sc, then the difference with dmin m, no FMA. */
+TI void kq_dequant(const int kind, const qmat *a, int64_t n0, int64_t n1, float *w) {
+    const int64_t B = a->K / Q4K_BLOCK, bytes = kq_bytes(kind);
+    const uint8_t *blk = (const uint8_t *)a->qw + n0 * B * bytes;
     const __m256i m4 = _mm256_set1_epi32(15);
-    for (int64_t nb = 0; nb < (n1 - n0) * B; nb++, blk += Q4K_BLOCK_BYTES) {
+    for (int64_t nb = 0; nb < (n1 - n0) * B; nb++, blk += bytes) {
         const uint16_t *h = (const uint16_t *)blk;
         const float d = _cvtsh_ss(h[0]), dmin = _cvtsh_ss(h[1]);
         uint8_t sm[16];
@@ -358,20 +399,29 @@ T void q4k_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) {
         for (int j = 0; j < 8; j++, w += 32) {
             const __m256 d1 = _mm256_set1_ps(d * (float)sm[j]);
             const __m256 m1 = _mm256_set1_ps(dmin * (float)sm[8 + j]);
-            const uint8_t *qs = blk + 16 + 32 * (j / 2);
-            const __m128i shift = _mm_cvtsi32_si128(4 * (j % 2));
+            const uint8_t *qs = blk + kq_qs(kind) + 32 * (j / 2);
+            const __m128i shift = _mm_cvtsi32_si128(4 * (j % 2)), hshift = _mm_cvtsi32_si128(j);
             for (int i = 0; i < 4; i++) {
                 const __m128i b8 = _mm_loadl_epi64((const __m128i *)(qs + 8 * i));
-                const __m256i v = _mm256_srl_epi32(_mm256_cvtepu8_epi32(b8), shift);
-                const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(v, m4));
+                __m256i v = _mm256_and_si256(_mm256_srl_epi32(_mm256_cvtepu8_epi32(b8), shift), m4);
+                if (kind == Q5K) {
+                    const __m128i h8 = _mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * i));
+                    const __m256i hb = _mm256_srl_epi32(_mm256_cvtepu8_epi32(h8), hshift);
+                    v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(hb, _mm256_set1_epi32(1)), 4));
+                }
+                const __m256 q = _mm256_cvtepi32_ps(v);
                 _mm256_storeu_ps(w + 8 * i, _mm256_sub_ps(_mm256_mul_ps(q, d1), m1));
             }
         }
     }
 }
 
+T void q4k_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) { kq_dequant(Q4K, a, n0, n1, w); }
+T void q5k_dequant(const qmat *a, int64_t n0, int64_t n1, float *w) { kq_dequant(Q5K, a, n0, n1, w); }
+
 static const sb_kernels q4k_avx2 = {q4k_gemv_c, q4k_xprep_avx2, q4k_gemv_digits, q4k_gemv_rows,
                                    q4k_dequant};
+static const sb_kernels q5k_avx2 = {q5k_gemv_c, q4k_xprep_avx2, q5k_gemv, q5k_gemv_rows, q5k_dequant};
 #undef T
 #undef TI
 
@@ -387,9 +437,9 @@ static const sb_kernels q4k_avx2 = {q4k_gemv_c, q4k_xprep_avx2, q4k_gemv_digits,
  * product vector meets 64 bytes of X (A even and B even, A odd and B odd) in one vpdpwssd
  * per row. The halves' int32 lanes added at the end of a block are q4k_rows' t lane for
  * lane (exact integers), so every row's output is the one q4k_row gives it alone. */
-TI void q4k_rows_vnni(const qmat *const *a, const int R, int64_t n) {
-    const int64_t K = a[0]->K, B = K / Q4K_BLOCK;
-    const uint8_t *blk = (const uint8_t *)a[0]->qw + n * B * Q4K_BLOCK_BYTES;
+TI void q4k_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t n) {
+    const int64_t K = a[0]->K, B = K / Q4K_BLOCK, bytes = kq_bytes(kind);
+    const uint8_t *blk = (const uint8_t *)a[0]->qw + n * B * bytes;
     const int16_t *xd[8];
     const float *sxs[8], *xs[8];
     __m256 acc[8], accm[8];
@@ -397,17 +447,27 @@ TI void q4k_rows_vnni(const qmat *const *a, const int R, int64_t n) {
         xd[m] = q4k_x16(a[m]->xq, K), sxs[m] = q4k_sx(a[m]->xq, K), xs[m] = sxs[m] + B;
         acc[m] = accm[m] = _mm256_setzero_ps();
     }
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    for (int64_t b = 0; b < B; b++, blk += Q4K_BLOCK_BYTES) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+    for (int64_t b = 0; b < B; b++, blk += bytes) {
         for (int i = 0; i < 3; i++) PREFETCH_STREAM_L1(blk + 64 * i);
         const __m128i sm = q4k_scale_vec(blk);
         const __m512i sc = _mm512_broadcast_i32x4(sm);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
         __m512i t[8];
         for (int m = 0; m < R; m++) t[m] = _mm512_setzero_si512();
         for (int r = 0; r < 4; r++) {
-            const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * r));
+            const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + kq_qs(kind) + 32 * r));
             const __m512i w = _mm512_broadcast_i64x4(run);
-            const __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xffff0000, w, 4), m4);
+            const __m512i nib = _mm512_mask_srli_epi16(w, 0xffff0000, w, 4);
+            __m512i q;
+            if (kind == Q5K) { /* nibble & 15 | 16 where qh's bit 2r (A) or 2r + 1 (B) is set */
+                const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * r))),
+                                                        _mm256_set1_epi8((char)(2 << (2 * r))), 1);
+                const __mmask64 set = _mm512_test_epi8_mask(qh, bits);
+                q = _mm512_ternarylogic_epi32(nib, m4, _mm512_maskz_mov_epi8(set, sixteen), 0xea);
+            } else {
+                q = _mm512_and_si512(nib, m4);
+            }
             const __m512i *ctl = (const __m512i *)pair_ctl[4 * r];
             const __m512i pe = _mm512_maddubs_epi16(q, _mm512_shuffle_epi8(sc, _mm512_load_si512(ctl)));
             const __m512i po = _mm512_maddubs_epi16(q, _mm512_shuffle_epi8(sc, _mm512_load_si512(ctl + 1)));
@@ -429,29 +489,39 @@ TI void q4k_rows_vnni(const qmat *const *a, const int R, int64_t n) {
     for (int m = 0; m < R; m++) a[m]->y[n] = q4k_total(acc[m], accm[m]);
 }
 
-TARGET_AVX512_VNNI static void q4k_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0,
-                                                  int64_t n1) {
+TI void kq_gemv_rows_vnni(const int kind, const qmat *const *a, int R, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
         for (int m = 0; m < R; m += 8) switch (R - m < 8 ? R - m : 8) {
-            case 1: q4k_rows_vnni(a + m, 1, n); break;
-            case 2: q4k_rows_vnni(a + m, 2, n); break;
-            case 3: q4k_rows_vnni(a + m, 3, n); break;
-            case 4: q4k_rows_vnni(a + m, 4, n); break;
-            case 5: q4k_rows_vnni(a + m, 5, n); break;
-            case 6: q4k_rows_vnni(a + m, 6, n); break;
-            case 7: q4k_rows_vnni(a + m, 7, n); break;
-            default: q4k_rows_vnni(a + m, 8, n); break;
+            case 1: q4k_rows_vnni(kind, a + m, 1, n); break;
+            case 2: q4k_rows_vnni(kind, a + m, 2, n); break;
+            case 3: q4k_rows_vnni(kind, a + m, 3, n); break;
+            case 4: q4k_rows_vnni(kind, a + m, 4, n); break;
+            case 5: q4k_rows_vnni(kind, a + m, 5, n); break;
+            case 6: q4k_rows_vnni(kind, a + m, 6, n); break;
+            case 7: q4k_rows_vnni(kind, a + m, 7, n); break;
+            default: q4k_rows_vnni(kind, a + m, 8, n); break;
             }
+}
+TARGET_AVX512_VNNI static void q4k_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0, int64_t n1) {
+    kq_gemv_rows_vnni(Q4K, a, R, n0, n1);
+}
+TARGET_AVX512_VNNI static void q5k_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0, int64_t n1) {
+    kq_gemv_rows_vnni(Q5K, a, R, n0, n1);
 }
 
 /* One row with VNNI: the rows kernel's one-row form (its sums, and so its output, are
  * q4k_row's), faster than q4k_row's two digits on vpmaddubsw. */
 TARGET_AVX512_VNNI static void q4k_gemv_vnni(const qmat *a, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) q4k_rows_vnni(&a, 1, n);
+    for (int64_t n = n0; n < n1; n++) q4k_rows_vnni(Q4K, &a, 1, n);
+}
+TARGET_AVX512_VNNI static void q5k_gemv_vnni(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) q4k_rows_vnni(Q5K, &a, 1, n);
 }
 
 static const sb_kernels q4k_avx512_vnni = {q4k_gemv_c, q4k_xprep_avx2, q4k_gemv_vnni,
                                            q4k_gemv_rows_vnni, q4k_dequant};
+static const sb_kernels q5k_avx512_vnni = {q5k_gemv_c, q4k_xprep_avx2, q5k_gemv_vnni,
+                                           q5k_gemv_rows_vnni, q5k_dequant};
 #endif
 
 const sb_kernels *q4k_for(const kernel_table *kt) {
@@ -461,4 +531,13 @@ const sb_kernels *q4k_for(const kernel_table *kt) {
 #endif
     (void)kt;
     return &q4k_plain;
+}
+
+const sb_kernels *q5k_for(const kernel_table *kt) {
+#ifdef INFER_X86
+    if (kt == &kernels_avx512_vnni) return &q5k_avx512_vnni;
+    if (kt == &kernels_avx2 || kt == &kernels_avx2_vnni || kt == &kernels_avx512) return &q5k_avx2;
+#endif
+    (void)kt;
+    return &q5k_plain;
 }

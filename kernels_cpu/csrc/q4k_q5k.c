@@ -110,10 +110,21 @@ static void q5k_gemv_c(const qmat *a, int64_t n0, int64_t n1) { kq_gemv_c(Q5K, a
 static void q4k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) { kq_dequant_c(Q4K, a, n0, n1, w); }
 static void q5k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) { kq_dequant_c(Q5K, a, n0, n1, w); }
 
-/* A Q5_K block's codes (0..31, sub-block by sub-block) for the integer GEMM's panel */
+/* A Q5_K block's codes (0..31, sub-block by sub-block) for the integer GEMM's panel, 8
+ * bytes at a time: a nibble, and bit j of each qh byte moved to bit 4 */
 void q5k_block_codes(const uint8_t *blk, uint8_t c[256]) {
-    for (int j = 0; j < 8; j++)
-        for (int i = 0; i < 32; i++) c[32 * j + i] = (uint8_t)kq_code(Q5K, blk, j, i);
+    const uint64_t nib = 0x0f0f0f0f0f0f0f0full, one = 0x0101010101010101ull;
+    uint64_t qh[4];
+    memcpy(qh, blk + 16, 32);
+    for (int r = 0; r < 4; r++) {
+        uint64_t v[4], e[8];
+        memcpy(v, blk + 48 + 32 * r, 32);
+        for (int k = 0; k < 4; k++) {
+            e[k] = (v[k] & nib) | ((qh[k] >> (2 * r)) & one) << 4;
+            e[4 + k] = ((v[k] >> 4) & nib) | ((qh[k] >> (2 * r + 1)) & one) << 4;
+        }
+        memcpy(c + 64 * r, e, 64);
+    }
 }
 
 static const sb_kernels q4k_plain = {q4k_gemv_c, NULL, NULL, NULL, q4k_dequant_c};

@@ -1213,6 +1213,7 @@ const kernel_table kernels_avx2 = {
     .q6_xsum = q6_xsum16, .q6_xblock = 32, .q6_gemv_rows = q6_gemv_rows,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .q5_dequant = q5_dequant,
     .q4_gemv_rows = q4_gemv_rows, .q5_gemv_rows = q5_gemv_rows, .q8_gemv_rows = q8_gemv_rows,
+    .sb_path = SB_AVX2,
 };
 const kernel_table kernels_avx2_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
@@ -1221,6 +1222,7 @@ const kernel_table kernels_avx2_vnni = {
     .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) | IG_KIND(Q3K),
     /* the plain AVX2 rows kernels: their int32 lanes are the VNNI one-row kernels' */
     .q4_gemv_rows = q4_gemv_rows, .q5_gemv_rows = q5_gemv_rows, .q6_gemv_rows = q6_gemv_rows_vnni,
+    .sb_path = SB_AVX2,
 };
 
 /* For the AVX-512 tables (kernels.h): their CPUs run this AVX2 code. */

@@ -1114,7 +1114,7 @@ const kernel_table kernels_avx512 = {
     .q6_xprep = q8_xprep, .q6_gemv_digits = q6_gemv_digits, .q6_dequant = q6_dequant,
     .q5_xprep = avx2_q4_xprep, .q5_gemv_digits = avx2_q5_gemv_digits,
     .q5_dequant = avx2_q5_dequant, /* avx2.c's (vpmaddubsw: no vpdpbusd here) */
-    .q5_gemv_rows = avx2_q5_gemv_rows,
+    .q5_gemv_rows = avx2_q5_gemv_rows, .sb_path = SB_AVX2,
 };
 const kernel_table kernels_avx512_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
@@ -1122,7 +1122,7 @@ const kernel_table kernels_avx512_vnni = {
     q4_xprep, q5_gemv_vnni, avx2_q5_dequant, /* avx2.c's dequantization */
     IG_KIND(4) | IG_KIND(5) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) | IG_KIND(Q3K),
     .q5_gemv_rows = q5_gemv_rows_vnni, .q6_gemv_rows = q6_gemv_rows16,
-    .q6_xsum = q6_xsum256, .q6_xblock = Q6_BLOCK,
+    .q6_xsum = q6_xsum256, .q6_xblock = Q6_BLOCK, .sb_path = SB_AVX512_VNNI,
 };
 
 #endif

@@ -313,7 +313,9 @@ typedef struct {
      * (int16 X: 32 on plain AVX2, 256 on AVX-512 VNNI) */
     void (*q6_xsum)(const void *xq, int64_t K, float *xsum);
     int q6_xblock;
+    int sb_path; /* the super-block kinds' kernels it runs (sb_for): SB_PLAIN by default */
 } kernel_table;
+enum { SB_PLAIN = 0, SB_AVX2 = 1, SB_AVX512_VNNI = 2 };
 #define IG_KIND(bits) (1u << (bits))
 
 /* int6 in plain C (scalar.c), every path's fallback: the GEMV in float32 (x with inf or
@@ -332,10 +334,10 @@ void q5_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
  * q4_k (quant/formats/q4k.py): kind Q4K, Q4_K's blocks of 144 bytes.
  * q3_k (quant/formats/q3k.py): kind Q3K, Q3_K's blocks of 110 bytes.
  * q2_k (quant/formats/q2k.py): kind Q2K, Q2_K's blocks of 84 bytes.
- * Their kernels hang off the path's table by sb_for, not in it: the float GEMV (every
- * path's fallback), xprep (x in q4k_q5k.c's layout, SB_XPREP_BYTES, which every kind reads, so
- * one x serves a Q3_K and a Q4_K matrix; NULL: no integer GEMV), the integer GEMV, its
- * form over several rows, and the GEMM's dequantization. */
+ * Their kernels hang off the path's table by its sb_path (matmul.c's sb_for), not in it:
+ * the float GEMV (every path's fallback), xprep (x in q4k_q5k.c's layout, SB_XPREP_BYTES,
+ * which every kind reads, so one x serves a Q3_K and a Q4_K matrix; NULL: no integer
+ * GEMV), the integer GEMV, its form over several rows, and the GEMM's dequantization. */
 enum { Q2K = 10, Q3K = 11, Q4K = 12, Q5K = 13 };
 enum { Q4K_BLOCK = 256, Q5K_BLOCK_BYTES = 176, Q4K_BLOCK_BYTES = 144, Q3K_BLOCK_BYTES = 110,
        Q2K_BLOCK_BYTES = 84 };
@@ -351,14 +353,6 @@ const sb_kernels *q5k_for(const kernel_table *kt);
 const sb_kernels *q4k_for(const kernel_table *kt);
 const sb_kernels *q3k_for(const kernel_table *kt);
 const sb_kernels *q2k_for(const kernel_table *kt);
-/* The kernels of super-block kind `bits` on the path, or NULL for the other formats. */
-static inline const sb_kernels *sb_for(int bits, const kernel_table *kt) {
-    return bits == Q4K   ? q4k_for(kt)
-           : bits == Q5K ? q5k_for(kt)
-           : bits == Q3K ? q3k_for(kt)
-           : bits == Q2K ? q2k_for(kt)
-                         : NULL;
-}
 #ifdef INFER_X86
 /* q4k_q5k.c's x for the super-block kinds' AVX2 and AVX-512 kernels (its layout there) */
 int q4k_xprep_avx2(const float *x, int64_t K, void *buf);

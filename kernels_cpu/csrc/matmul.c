@@ -24,6 +24,15 @@ enum { SMALL_M = 4, WIDE_M = 8, WIDE_K = 768, SMALL_TASK_BYTES = 128 * 1024 };
  * costs more than its faster dot products save, on narrow rows (512, 576) most. */
 enum { IGEMM_MIN_M = 16 };
 
+/* The kernels of super-block kind `bits` on the path, or NULL for the other formats. */
+static const sb_kernels *sb_for(int bits, const kernel_table *kt) {
+    return bits == Q4K   ? q4k_for(kt)
+           : bits == Q5K ? q5k_for(kt)
+           : bits == Q3K ? q3k_for(kt)
+           : bits == Q2K ? q2k_for(kt)
+                         : NULL;
+}
+
 typedef struct {
     const qmat *a;
     gemv_fn gemv;

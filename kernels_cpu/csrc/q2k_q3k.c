@@ -79,7 +79,7 @@ static void block_weights(int kind, const uint8_t *blk, float *w) {
     }
 }
 
-static inline void gemv_c(int kind, const qmat *a, int64_t n0, int64_t n1) {
+static inline void low_gemv_c(int kind, const qmat *a, int64_t n0, int64_t n1) {
     const int64_t B = a->K / Q4K_BLOCK, bytes = block_bytes(kind);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *blk = (const uint8_t *)a->qw + n * B * bytes;
@@ -93,16 +93,16 @@ static inline void gemv_c(int kind, const qmat *a, int64_t n0, int64_t n1) {
     }
 }
 
-static inline void dequant_c(int kind, const qmat *a, int64_t n0, int64_t n1, float *w) {
+static inline void low_dequant_c(int kind, const qmat *a, int64_t n0, int64_t n1, float *w) {
     const int64_t B = a->K / Q4K_BLOCK, bytes = block_bytes(kind);
     const uint8_t *blk = (const uint8_t *)a->qw + n0 * B * bytes;
     for (int64_t nb = 0; nb < (n1 - n0) * B; nb++, blk += bytes, w += Q4K_BLOCK) block_weights(kind, blk, w);
 }
 
-static void q3k_gemv_c(const qmat *a, int64_t n0, int64_t n1) { gemv_c(Q3K, a, n0, n1); }
-static void q2k_gemv_c(const qmat *a, int64_t n0, int64_t n1) { gemv_c(Q2K, a, n0, n1); }
-static void q3k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) { dequant_c(Q3K, a, n0, n1, w); }
-static void q2k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) { dequant_c(Q2K, a, n0, n1, w); }
+static void q3k_gemv_c(const qmat *a, int64_t n0, int64_t n1) { low_gemv_c(Q3K, a, n0, n1); }
+static void q2k_gemv_c(const qmat *a, int64_t n0, int64_t n1) { low_gemv_c(Q2K, a, n0, n1); }
+static void q3k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) { low_dequant_c(Q3K, a, n0, n1, w); }
+static void q2k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) { low_dequant_c(Q2K, a, n0, n1, w); }
 
 static const sb_kernels q3k_plain = {q3k_gemv_c, NULL, NULL, NULL, q3k_dequant_c};
 static const sb_kernels q2k_plain = {q2k_gemv_c, NULL, NULL, NULL, q2k_dequant_c};
@@ -122,14 +122,14 @@ void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]) {
 #include <immintrin.h>
 
 /* Where q4k_q5k.c's prepared x keeps X (int16), the blocks' sx and the groups' sx sum X */
-static inline const int16_t *x16_of(const void *buf, int64_t K) {
+static inline const int16_t *sb_x16(const void *buf, int64_t K) {
     return (const int16_t *)((const int8_t *)buf + 2 * K);
 }
-static inline const float *sx_of(const void *buf, int64_t K) {
+static inline const float *sb_sx(const void *buf, int64_t K) {
     return (const float *)((const int8_t *)buf + 4 * K);
 }
-static inline const float *xs16_of(const void *buf, int64_t K) {
-    return sx_of(buf, K) + K / Q4K_BLOCK + K / 32;
+static inline const float *sb_xs16(const void *buf, int64_t K) {
+    return sb_sx(buf, K) + K / Q4K_BLOCK + K / 32;
 }
 
 /* vpshufb controls that spread the scale bytes of a pair of quarters (r = 2k, 2k + 1:
@@ -213,7 +213,7 @@ TI void rows_avx2(const int kind, const qmat *const *a, const int R, int64_t n) 
     const float *sxs[4], *xs16[4];
     __m256 acc[4], corr[4];
     for (int m = 0; m < R; m++) {
-        xd[m] = x16_of(a[m]->xq, K), sxs[m] = sx_of(a[m]->xq, K), xs16[m] = xs16_of(a[m]->xq, K);
+        xd[m] = sb_x16(a[m]->xq, K), sxs[m] = sb_sx(a[m]->xq, K), xs16[m] = sb_xs16(a[m]->xq, K);
         acc[m] = corr[m] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < B; b++, blk += bytes) {
@@ -347,7 +347,7 @@ static const sb_kernels q2k_avx2 = {q2k_gemv_c, q4k_xprep_avx2, q2k_gemv, q2k_ge
  * 256 bits and 2k + 1's in the high, times the scale pairs of their even elements, then
  * of their odd ones, each product vector meeting 64 bytes of X in one vpdpwssd per row.
  * The groups' terms take one 16-lane FMA a block. */
-TI void rows_vnni(const int kind, const qmat *const *a, const int R, int64_t n) {
+TI void low_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t n) {
     const int64_t K = a[0]->K, B = K / Q4K_BLOCK, bytes = block_bytes(kind);
     const uint8_t *blk = (const uint8_t *)a[0]->qw + n * B * bytes;
     const int16_t *xd[8];
@@ -355,7 +355,7 @@ TI void rows_vnni(const int kind, const qmat *const *a, const int R, int64_t n) 
     __m256 acc[8];
     __m512 corr[8];
     for (int m = 0; m < R; m++) {
-        xd[m] = x16_of(a[m]->xq, K), sxs[m] = sx_of(a[m]->xq, K), xs16[m] = xs16_of(a[m]->xq, K);
+        xd[m] = sb_x16(a[m]->xq, K), sxs[m] = sb_sx(a[m]->xq, K), xs16[m] = sb_xs16(a[m]->xq, K);
         acc[m] = _mm256_setzero_ps(), corr[m] = _mm512_setzero_ps();
     }
     const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
@@ -407,31 +407,31 @@ TI void rows_vnni(const int kind, const qmat *const *a, const int R, int64_t n) 
     }
 }
 
-TI void gemv_rows_vnni(const int kind, const qmat *const *a, int R, int64_t n0, int64_t n1) {
+TI void low_gemv_rows_vnni(const int kind, const qmat *const *a, int R, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
         for (int m = 0; m < R; m += 8) switch (R - m < 8 ? R - m : 8) {
-            case 1: rows_vnni(kind, a + m, 1, n); break;
-            case 2: rows_vnni(kind, a + m, 2, n); break;
-            case 3: rows_vnni(kind, a + m, 3, n); break;
-            case 4: rows_vnni(kind, a + m, 4, n); break;
-            case 5: rows_vnni(kind, a + m, 5, n); break;
-            case 6: rows_vnni(kind, a + m, 6, n); break;
-            case 7: rows_vnni(kind, a + m, 7, n); break;
-            default: rows_vnni(kind, a + m, 8, n); break;
+            case 1: low_rows_vnni(kind, a + m, 1, n); break;
+            case 2: low_rows_vnni(kind, a + m, 2, n); break;
+            case 3: low_rows_vnni(kind, a + m, 3, n); break;
+            case 4: low_rows_vnni(kind, a + m, 4, n); break;
+            case 5: low_rows_vnni(kind, a + m, 5, n); break;
+            case 6: low_rows_vnni(kind, a + m, 6, n); break;
+            case 7: low_rows_vnni(kind, a + m, 7, n); break;
+            default: low_rows_vnni(kind, a + m, 8, n); break;
             }
 }
 
 TARGET_AVX512_VNNI static void q3k_gemv_vnni(const qmat *a, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) rows_vnni(Q3K, &a, 1, n);
+    for (int64_t n = n0; n < n1; n++) low_rows_vnni(Q3K, &a, 1, n);
 }
 TARGET_AVX512_VNNI static void q2k_gemv_vnni(const qmat *a, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) rows_vnni(Q2K, &a, 1, n);
+    for (int64_t n = n0; n < n1; n++) low_rows_vnni(Q2K, &a, 1, n);
 }
 TARGET_AVX512_VNNI static void q3k_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0, int64_t n1) {
-    gemv_rows_vnni(Q3K, a, R, n0, n1);
+    low_gemv_rows_vnni(Q3K, a, R, n0, n1);
 }
 TARGET_AVX512_VNNI static void q2k_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0, int64_t n1) {
-    gemv_rows_vnni(Q2K, a, R, n0, n1);
+    low_gemv_rows_vnni(Q2K, a, R, n0, n1);
 }
 
 static const sb_kernels q3k_avx512_vnni = {q3k_gemv_c, q4k_xprep_avx2, q3k_gemv_vnni,
@@ -443,18 +443,16 @@ static const sb_kernels q2k_avx512_vnni = {q2k_gemv_c, q4k_xprep_avx2, q2k_gemv_
 
 const sb_kernels *q3k_for(const kernel_table *kt) {
 #ifdef INFER_X86
-    if (kt == &kernels_avx512_vnni) return &q3k_avx512_vnni;
-    if (kt == &kernels_avx2 || kt == &kernels_avx2_vnni || kt == &kernels_avx512) return &q3k_avx2;
+    if (kt->sb_path == SB_AVX512_VNNI) return &q3k_avx512_vnni;
+    if (kt->sb_path == SB_AVX2) return &q3k_avx2;
 #endif
-    (void)kt;
     return &q3k_plain;
 }
 
 const sb_kernels *q2k_for(const kernel_table *kt) {
 #ifdef INFER_X86
-    if (kt == &kernels_avx512_vnni) return &q2k_avx512_vnni;
-    if (kt == &kernels_avx2 || kt == &kernels_avx2_vnni || kt == &kernels_avx512) return &q2k_avx2;
+    if (kt->sb_path == SB_AVX512_VNNI) return &q2k_avx512_vnni;
+    if (kt->sb_path == SB_AVX2) return &q2k_avx2;
 #endif
-    (void)kt;
     return &q2k_plain;
 }

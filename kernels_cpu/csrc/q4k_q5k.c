@@ -537,18 +537,16 @@ static const sb_kernels q5k_avx512_vnni = {q5k_gemv_c, q4k_xprep_avx2, q5k_gemv_
 
 const sb_kernels *q4k_for(const kernel_table *kt) {
 #ifdef INFER_X86
-    if (kt == &kernels_avx512_vnni) return &q4k_avx512_vnni;
-    if (kt == &kernels_avx2 || kt == &kernels_avx2_vnni || kt == &kernels_avx512) return &q4k_avx2;
+    if (kt->sb_path == SB_AVX512_VNNI) return &q4k_avx512_vnni;
+    if (kt->sb_path == SB_AVX2) return &q4k_avx2;
 #endif
-    (void)kt;
     return &q4k_plain;
 }
 
 const sb_kernels *q5k_for(const kernel_table *kt) {
 #ifdef INFER_X86
-    if (kt == &kernels_avx512_vnni) return &q5k_avx512_vnni;
-    if (kt == &kernels_avx2 || kt == &kernels_avx2_vnni || kt == &kernels_avx512) return &q5k_avx2;
+    if (kt->sb_path == SB_AVX512_VNNI) return &q5k_avx512_vnni;
+    if (kt->sb_path == SB_AVX2) return &q5k_avx2;
 #endif
-    (void)kt;
     return &q5k_plain;
 }

@@ -3,6 +3,7 @@ search of scale (and offset) that minimizes the squared error of the rounded cod
 each element's weighted by its importance (importance()).
 
     codes, d, m = fit_groups(w, group_size, lo, hi, affine=...)
+    codes, sc, d = fit_scaled_groups(w, lo, hi, sc_max, fmt, search)   # Q6_K's, Q3_K's scales
 """
 
 from __future__ import annotations
@@ -234,3 +235,45 @@ def fit_groups(
         if affine:
             m_out[r0 : r0 + rows] = m.view(-1, G).to(dtype)
     return codes, d_out, m_out
+
+
+def fit_scaled_groups(w: torch.Tensor, lo: int, hi: int, sc_max: int, fmt: str, search: bool):
+    """GGUF Q6_K's and Q3_K's two-level scales: w (N, K) float32, K % 256 == 0 -> codes
+    (N, K) int16 in lo..hi, sc (N, K/16) int8 in -sc_max..sc_max, d (N, K/256) float16,
+    with w ~ d * sc * code, every product exact.
+
+    Each group of 16 gets its own best scale s (fit_groups on codes lo..hi: the clipping
+    search, or with search=False the step covering the group's range); each block's d is
+    its largest |s| / sc_max rounded up to float16, so no |s / d| passes sc_max and no
+    block's d is zero unless all its weights are; sc is |s / d| rounded up, with s's sign,
+    so the step d sc covers the group and the codes chosen again for it are each within
+    half a step. With search, sc one nearer zero is tried too (a finer step that may
+    clip), and each group keeps the one with the smaller error."""
+    N, K = w.shape
+    B = K // 256
+    _, s16, _ = fit_groups(w, 16, lo, hi, affine=False, dtype=torch.float32, search=search)
+    s = s16.view(N, B, 16)
+    d = round_up(s.abs().amax(-1, keepdim=True) / sc_max, torch.float16)  # (N, B, 1)
+    if not torch.isfinite(d).all():
+        raise InferError(f"{fmt}: weights too large for float16 scales")
+    sc = torch.where(d == 0, 0.0, (s / d).abs().ceil_().clamp_(max=sc_max) * s.sign())
+    wg = w.view(N, B, 16, 16)
+    best = None
+    for t in (sc, sc - sc.sign()) if search else (sc,):
+        step = (d * t).unsqueeze(-1)  # (N, B, 16, 1): exact products
+        c = nearest_codes(wg, step, None, lo, hi)
+        err = (c * step - wg).square_().sum(-1)
+        if best is None:
+            best = [t, c, err]
+        else:
+            better = err < best[2]
+            best = [
+                torch.where(better, t, best[0]),
+                torch.where(better.unsqueeze(-1), c, best[1]),
+                torch.where(better, err, best[2]),
+            ]
+    return (
+        best[1].view(N, K).to(torch.int16),
+        best[0].view(N, B * 16).to(torch.int8),
+        d.view(N, B).half(),
+    )

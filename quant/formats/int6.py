@@ -34,56 +34,20 @@ from typing import ClassVar
 
 import torch
 
-from ... import InferError
 from ...kernels_cpu import ops as kernels
 from ...kernels_cpu.reference import dequantize_int6
 from ...kernels_cpu.reference import pack_int6 as pack_blocks
 from .base import register
-from .fit import fit_groups, nearest_codes, round_up
-from .superblock import QK, SuperBlockLinear
+from .fit import fit_scaled_groups
+from .superblock import SuperBlockLinear
 
 BLOCK_BYTES = 210  # 128 ql + 64 qh + 16 scales + 2 d
 
 
 def fit(w: torch.Tensor, search: bool = True):
     """Quantize w (N, K) float32, K % 256 == 0: codes (N, K) in -32..31, sc (N, K/16) int8,
-    d (N, K/256) float16.
-
-    Each group of 16 gets its own best scale s (fit.fit_groups on codes -32..31: the
-    clipping search, or with search=False the step covering the group's range); each
-    block's d is its largest |s| / 127 rounded up to float16, so no |s / d| passes 127
-    and no block's d is zero unless all its weights are; sc is |s / d| rounded up, with
-    s's sign, so the step d sc covers the group and the codes chosen again for it are
-    each within half a step. With search, sc one nearer zero is tried too (a finer step
-    that may clip), and each group keeps the one with the smaller error."""
-    N, K = w.shape
-    B = K // QK
-    _, s16, _ = fit_groups(w, 16, -32, 31, affine=False, dtype=torch.float32, search=search)
-    s = s16.view(N, B, 16)
-    d = round_up(s.abs().amax(-1, keepdim=True) / 127, torch.float16)  # (N, B, 1)
-    if not torch.isfinite(d).all():
-        raise InferError("int6: weights too large for float16 scales")
-    sc = torch.where(d == 0, 0.0, (s / d).abs().ceil_().clamp_(max=127) * s.sign())
-    wg = w.view(N, B, 16, 16)
-    best = None
-    for t in (sc, sc - sc.sign()) if search else (sc,):
-        step = (d * t).unsqueeze(-1)  # (N, B, 16, 1): exact products
-        c = nearest_codes(wg, step, None, -32, 31)
-        err = (c * step - wg).square_().sum(-1)
-        if best is None:
-            best = [t, c, err]
-        else:
-            better = err < best[2]
-            best = [
-                torch.where(better, t, best[0]),
-                torch.where(better.unsqueeze(-1), c, best[1]),
-                torch.where(better, err, best[2]),
-            ]
-    return (
-        best[1].view(N, K).to(torch.int16),
-        best[0].view(N, B * 16).to(torch.int8),
-        d.view(N, B).half(),
-    )
+    d (N, K/256) float16 (fit.fit_scaled_groups with 8-bit scales)."""
+    return fit_scaled_groups(w, -32, 31, 127, "int6", search)
 
 
 def _fit_blocks(w: torch.Tensor, search: bool) -> torch.Tensor:

@@ -1,13 +1,13 @@
-"""q3_k and q2_k (GGUF Q3_K's and Q2_K's blocks as they lie) against gguf-py and their
-torch references.
+"""The K-quants on the kernels as GGUF's blocks lie (q5_k, q4_k, q3_k, q2_k) against
+gguf-py and their torch references.
 
 The references dequantize bit for bit as gguf.quants does, and so does each path's C
-dequantization (x = the identity picks W's elements out of the GEMM exactly). The GEMV
-on the x86 paths takes x as q4_k's does (int16, 15 significant bits per block of 256), and
-q3_k's prompts on the vpdpbusd paths the integer GEMM's two digits (per block of 32):
-each within ops.integer_gemm_error at its block size of the float product; the others
-within float32 summation. Then rows together against each alone, thread counts, inf in
-x, and the formats' quantizers."""
+dequantization (x = the identity picks W's elements out of the GEMM exactly). The GEMV on
+the x86 paths takes x as int16 (15 significant bits per block of 256), and prompts on the
+paths with an integer GEMM for the kind x's two int8 digits (per block of 32): each within
+ops.integer_gemm_error at its block size of the float product; the others within float32
+summation. Then rows together against each alone, thread counts, inf in x, and the
+formats' modules (their fitting: test_kquant_formats.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from infer.kernels_cpu import ops, reference
-from infer.quant.formats.q2k import Q2KLinear
-from infer.quant.formats.q3k import Q3KLinear
+from infer.quant.formats.base import FORMATS
 
+T = gguf.GGMLQuantizationType
 needs_c = pytest.mark.skipif(not ops.available(), reason="C extension not built")
 ISAS = ops.supported_isas() or ["none"]
 SMALL_M, WIDE_M, WIDE_K = 4, 8, 768  # matmul.c: M rows that run one GEMV each
@@ -31,47 +31,56 @@ IGEMM_MIN_M = 16  # matmul.c: from this many rows the GEMM is the integer one, i
 class Kind:
     fmt: str
     bytes: int
-    halves_at: int  # where the block's float16 d (and Q2_K's dmin) lie
+    halves_at: int  # where the block's float16 d (and dmin) lie
     halves: int
-    qtype: gguf.GGMLQuantizationType
-    cls: type
+    qtype: T
     matmul: object
     dequantize: object
-    unpack: object
-    pack: object
+
+    @property
+    def cls(self):
+        return FORMATS[self.fmt]
 
 
 KINDS = {
-    "q3_k": Kind("q3_k", 110, 108, 1, gguf.GGMLQuantizationType.Q3_K, Q3KLinear,
-                 ops.q3k_matmul, reference.dequantize_q3k, reference.unpack_q3k, reference.pack_q3k),
-    "q2_k": Kind("q2_k", 84, 80, 2, gguf.GGMLQuantizationType.Q2_K, Q2KLinear,
-                 ops.q2k_matmul, reference.dequantize_q2k, reference.unpack_q2k, reference.pack_q2k),
-}  # fmt: skip
+    "q5_k": Kind("q5_k", 176, 0, 2, T.Q5_K, ops.q5k_matmul, reference.dequantize_q5k),
+    "q4_k": Kind("q4_k", 144, 0, 2, T.Q4_K, ops.q4k_matmul, reference.dequantize_q4k),
+    "q3_k": Kind("q3_k", 110, 108, 1, T.Q3_K, ops.q3k_matmul, reference.dequantize_q3k),
+    "q2_k": Kind("q2_k", 84, 80, 2, T.Q2_K, ops.q2k_matmul, reference.dequantize_q2k),
+}
 
 
-@pytest.fixture(params=sorted(KINDS))
+@pytest.fixture(params=list(KINDS))
 def kind(request) -> Kind:
     return KINDS[request.param]
 
 
 def blocks(kind: Kind, N: int, K: int, seed: int = 0) -> torch.Tensor:
-    """(N, K/256*bytes) random blocks: every code and scale byte; d (and dmin) sane."""
+    """(N, K/256*bytes) random blocks: every code, scale and min byte; d (and dmin) sane."""
     gen = torch.Generator().manual_seed(seed)
     b = torch.randint(0, 256, (N, K // 256, kind.bytes), dtype=torch.uint8, generator=gen)
     d = (torch.rand(N, K // 256, kind.halves, generator=gen) * 2e-3 + 1e-4).half()
-    b[..., kind.halves_at :] = d.view(torch.uint8).view(N, K // 256, 2 * kind.halves)
+    b[..., kind.halves_at : kind.halves_at + 2 * kind.halves] = d.view(torch.uint8).view(
+        N, K // 256, 2 * kind.halves
+    )
     return b.view(N, -1)
+
+
+def digit_block(kind: Kind, M: int, K: int, isa: str) -> int:
+    """The block of x that gets one step when the rows' x becomes integers: 256 in the GEMV
+    of paths with an integer GEMV (int16 X), 32 in the integer GEMM (prompts: two int8
+    digits) of paths that take the kind there; 0 where x stays float32."""
+    if M <= SMALL_M or (M <= WIDE_M and K >= WIDE_K):
+        return 256 if ops.q4k_gemv_fifteen_bits(isa) else 0
+    return 32 if M >= IGEMM_MIN_M and ops.integer_gemm(isa, kind.fmt) else 0
 
 
 def assert_matches(kind, y, x, qw, isa):
     wf = kind.dequantize(qw)
     ref = x @ wf.T
     tol = 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
-    M, K = x.shape
-    if (M <= SMALL_M or (M <= WIDE_M and K >= WIDE_K)) and ops.q4k_gemv_fifteen_bits(isa):
-        tol = tol + ops.integer_gemm_error(x, wf, block=256)
-    elif M >= IGEMM_MIN_M and ops.integer_gemm(isa, kind.fmt):
-        tol = tol + ops.integer_gemm_error(x, wf, block=32)
+    if block := digit_block(kind, *x.shape, isa):
+        tol = tol + ops.integer_gemm_error(x, wf, block=block)
     assert y.shape == ref.shape and y.dtype == torch.float32
     bad = (y - ref).abs() > tol
     assert not bad.any(), f"{bad.sum()} of {bad.numel()} outside; max {(y - ref).abs().max()}"
@@ -81,7 +90,13 @@ def test_reference_is_gguf_bit_for_bit(kind):
     qw = blocks(kind, 7, 768, seed=3)
     want = gguf.quants.dequantize(qw.numpy(), kind.qtype)
     assert torch.equal(kind.dequantize(qw), torch.from_numpy(want))
-    assert torch.equal(kind.pack(*kind.unpack(qw)), qw)
+
+
+@needs_c
+def test_integer_paths():
+    for isa in ops.supported_isas():
+        on_integers = isa in ("avx2", "avx2vnni", "avx512", "avx512vnni")
+        assert ops.q4k_gemv_fifteen_bits(isa) == on_integers, isa
 
 
 @needs_c
@@ -119,9 +134,9 @@ def test_long_rows_and_threads(kind, isa):
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
 def test_rows_together_equal_each_alone(kind, isa):
-    """A GEMV of a few rows makes each block's products of codes and scales once for all
-    of them; each row's output is its one-row output bit for bit, for every count of rows
-    that takes the GEMV, and beside a row holding inf."""
+    """A GEMV of a few rows unpacks each block once for all of them; each row's output is
+    its one-row output bit for bit, for every count of rows that takes the GEMV, and beside
+    a row holding inf."""
     qw = blocks(kind, 67, 1024, seed=6)
     x = torch.randn(WIDE_M, 1024, generator=torch.Generator().manual_seed(6))
     x[1, :256] *= 1e-39  # a block of subnormals
@@ -137,7 +152,8 @@ def test_rows_together_equal_each_alone(kind, isa):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("M", [1, 9, 17])
 def test_extreme_activations(kind, isa, M):
-    """Zeros, tiny and subnormal blocks, a huge value; then inf takes the float GEMV."""
+    """Zeros, tiny and subnormal blocks, a huge value; then inf takes the float GEMV (or
+    GEMM: 17 rows run the integer one where the path has it)."""
     qw = blocks(kind, 9, 1024)
     x = torch.randn(M, 1024)
     x[:, :256] = 0
@@ -152,25 +168,28 @@ def test_extreme_activations(kind, isa, M):
 
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
-def test_q3_k_prompts_on_the_integer_gemm(isa):
-    """The integer GEMM multiplies x's digits, round(x / sx) sx with sx per block of 32,
-    by codes 128 - q sc: a block holding 1.0 and values under half a step shows that it
-    ran (where the path has it) and that its products are the weights' exactly; scales
-    of -32 (q sc = 128, the one product whose sign is needed) included."""
+def test_which_prompts_keep_fifteen_bits_of_x(kind, isa):
+    """The integer GEMM multiplies x's digits, round(x / sx) sx with sx = amax / IG_XMAX
+    per block of 32, and the float GEMM x itself: a block holding 1.0 and values under
+    half a step (1.54e-5) shows which one ran, and that the integer one's products are
+    the weights' exactly (q3_k's codes 128 - q sc, here with scales of -32: q sc = 128, the
+    one product whose sign is needed)."""
     M, K = IGEMM_MIN_M + 3, 512
-    qw = blocks(KINDS["q3_k"], 7, K, seed=2)
-    qw.view(7, 2, 110)[:, 0, 96:108] = 0  # every scale of the first blocks: 0 - 32
+    qw = blocks(kind, 7, K, seed=2)
+    if kind.fmt == "q3_k":
+        qw.view(7, 2, 110)[:, 0, 96:108] = 0  # every scale of the first blocks: 0 - 32
+    gen = torch.Generator().manual_seed(1)
     x = torch.zeros(M, K)
-    x[:, 32:64] = (1 + 0.4 * torch.rand(M, 32, generator=torch.Generator().manual_seed(1))) * 1e-5
+    x[:, 32:64] = (1 + 0.4 * torch.rand(M, 32, generator=gen)) * 1e-5
     x[:, 40] = 1.0
-    x[:, 300:320] = torch.randn(M, 20, generator=torch.Generator().manual_seed(2))
+    x[:, 300:320] = torch.randn(M, 20, generator=gen)
     xb = x.unflatten(-1, (-1, 32))
     step = xb.abs().amax(-1, keepdim=True) / ops.IG_XMAX
     digits = torch.where(step > 0, (xb / step).round() * step, 0).flatten(-2)
-    wf = reference.dequantize_q3k(qw)
-    integer = ops.integer_gemm(isa, "q3_k")
+    wf = kind.dequantize(qw)
+    integer = ops.integer_gemm(isa, kind.fmt)
     xs = digits if integer else x
-    y = ops.q3k_matmul(x, qw, isa=isa)
+    y = kind.matmul(x, qw, isa=isa)
     tol = 1e-5 * (xs.abs() @ wf.abs().T)
     assert ((y - xs @ wf.T).abs() <= tol).all()
     other = x if integer else digits
@@ -183,51 +202,6 @@ def test_binding_checks(kind):
         kind.matmul(torch.randn(1, 256), torch.zeros(2, kind.bytes - 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="x"):
         kind.matmul(torch.randn(1, 255), blocks(kind, 2, 256))
-
-
-@pytest.mark.parametrize(("fmt", "bits", "factor"), [("q3_k", 3.4375, 2.3), ("q2_k", 2.625, 4.5)])
-def test_from_float_error_against_int4(fmt, bits, factor):
-    """Quantized, a Gaussian weight's error is near what a bit or two fewer than int4
-    g32's 5 give (about 2x, 4x its error), and the bytes dequantize through gguf to the
-    module's values."""
-    from infer.quant.formats.int4 import Int4Linear
-
-    kind = KINDS[fmt]
-    torch.manual_seed(0)
-    w = torch.randn(64, 512) * 0.02
-    w[:, 7] += 0.05  # an outlier column
-    q = kind.cls.from_float(w)
-    assert q.qweight.shape == (64, 2 * kind.bytes) and q.bits_per_weight == bits
-    err = (q.dequantize() - w).square().mean().sqrt()
-    err4 = (Int4Linear.from_float(w).dequantize() - w).square().mean().sqrt()
-    assert err < factor * err4, (err, err4)
-    want = gguf.quants.dequantize(q.qweight.numpy(), kind.qtype)
-    assert torch.equal(q.dequantize(), torch.from_numpy(want))
-
-
-def test_q3_k_from_float_bounds_and_zeros():
-    """Without search every element is within half a step of its group; a zero row stays
-    zero; sc stays in -31..31."""
-    w = torch.randn(4, 512)
-    w[1] = 0
-    q = Q3KLinear.from_float(w, search=False)
-    codes, sc, d = reference.unpack_q3k(q.qweight)
-    assert sc.abs().max() <= 31 and codes.min() >= -4 and codes.max() <= 3
-    step = (d.float().repeat_interleave(16, 1) * sc.float()).abs().repeat_interleave(16, 1)
-    err = (q.dequantize() - w).abs()
-    assert err[1].max() == 0
-    assert (err <= step / 2 * (1 + 1e-6)).all()
-
-
-def test_q2_k_from_float_positive_groups_and_zeros():
-    """Groups of positive weights (a min of 0: Q2_K's grid starts at 0) and a zero row;
-    without search each element within a step of its group's range."""
-    w = torch.rand(4, 256) + 1.0
-    w[1] = 0
-    q = Q2KLinear.from_float(w, search=False)
-    err = (q.dequantize() - w).abs()
-    assert err[1].max() == 0
-    assert err.max() < 2.0 / 3  # within a step of the range [0, max]
 
 
 @needs_c
@@ -249,8 +223,10 @@ def test_bad_input(kind):
     from infer.quant.formats.fit import GroupSizeError
 
     with pytest.raises(GroupSizeError, match="multiple of its blocks of 256"):
-        kind.cls.from_float(torch.randn(4, 576))
+        kind.cls.from_float(torch.randn(4, 576))  # the default model's width
     with pytest.raises(InferError, match="finite|inf"):
         kind.cls.from_float(torch.full((2, 256), float("inf")))
     with pytest.raises(InferError, match="whole blocks"):
         kind.cls.from_tensors({"qweight": torch.zeros(2, kind.bytes + 1, dtype=torch.uint8)}, {})
+    with pytest.raises(InferError, match="unexpected"):
+        kind.cls.from_tensors({"qweight": blocks(kind, 2, 256), "scales": torch.zeros(1)}, {})

@@ -86,14 +86,16 @@ def integer_gemm_error(x: torch.Tensor, w: torch.Tensor, block: int = 32) -> tor
 
 
 # the formats the integer GEMM may take, by their kernels' `bits` (csrc/kernels.h IG_KIND)
-_IG_KINDS = {"int4": 4, "int5": 5, "int8": 8, "q5_k": 13, "q4_k": 12, "q3_k": 11, "q2_k": 10}
+_IG_KINDS = {
+    "int4": 4, "int5": 5, "int8": 8, "q5_k": 13, "q4_k": 12, "q3_k": 11, "q2_k": 10, "iq4_xs": 23
+}  # fmt: skip
 
 
 def integer_gemm(isa: str | None = None, fmt: str | None = None) -> bool:
     """Whether a path (default: the default one) multiplies several rows of x (a prompt)
     by integer dot products, with x as two int8 digits: 15 significant bits per block of
     32 (csrc/kernels.h, "The integer GEMM"), for weights in `fmt` ("int4", "int5", "int8",
-    "q5_k", "q4_k", "q3_k"; default: any of them). Other paths and formats dequantize W to float32."""
+    "q5_k", "q4_k", "q3_k", "q2_k", "iq4_xs"; default: any of them). Other paths and formats dequantize W to float32."""
     if _C is None:
         return False
     kinds = _C.isa_integer_gemm(_default_isa() if isa is None else _isa_id(isa))
@@ -290,6 +292,12 @@ def q3k_matmul(x, qweight, *, isa=None, threads=None):
     """y (..., N) = x (..., K) W^T for q3_k W (quant/formats/q3k.py): qweight uint8
     (N, K/256*110), GGUF Q3_K's blocks. x float32. isa, threads: as q8_matmul."""
     return _superblock_matmul("q3k_matmul", 110, x, qweight, isa, threads)
+
+
+def iq4xs_matmul(x, qweight, *, isa=None, threads=None):
+    """y (..., N) = x (..., K) W^T for iq4_xs W (quant/formats/iq4xs.py): qweight uint8
+    (N, K/256*136), GGUF IQ4_XS's blocks. x float32. isa, threads: as q8_matmul."""
+    return _superblock_matmul("iq4xs_matmul", 136, x, qweight, isa, threads)
 
 
 def q2k_matmul(x, qweight, *, isa=None, threads=None):

@@ -198,6 +198,55 @@ def dequantize_q3k(qweight: torch.Tensor) -> torch.Tensor:
     return (q.float().view(N, -1, 16) * step.unsqueeze(-1)).view(N, -1)
 
 
+# IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def unpack_iq4xs(qweight: torch.Tensor):
+    """(N, K/256*136) uint8 blocks (GGUF IQ4_XS's) -> codes (N, K) uint8 in 0..15 (indices
+    into IQ4_VALUES), sc (N, K/32) int8 in -32..31 and d (N, K/256) float16. A block is d,
+    scales_h (uint16: sub-block j's high 2 bits at bits 2j), scales_l[4] (j's low 4 bits in
+    byte j / 2, nibble j % 2), then per sub-block of 32 16 bytes: elements i (low nibble)
+    and 16 + i (high)."""
+    N, B = qweight.shape[0], qweight.shape[1] // 136
+    b = qweight.view(N, B, 136)
+    d = b[..., :2].contiguous().view(torch.float16).reshape(N, B)
+    high = b[..., 2:4].contiguous().view(torch.int16).to(torch.int32)  # (N, B, 1)
+    j = torch.arange(8)
+    low = (b[..., 4 + j // 2].to(torch.int32) >> (4 * (j % 2))) & 15
+    sc = (low | (((high >> (2 * j)) & 3) << 4)) - 32  # (N, B, 8)
+    qs = b[..., 8:].reshape(N, B, 8, 1, 16)
+    q = torch.cat((qs & 15, qs >> 4), 3).reshape(N, B * 256)
+    return q, sc.to(torch.int8).reshape(N, B * 8), d
+
+
+def pack_iq4xs(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """unpack_iq4xs's inverse: codes q (N, K) in 0..15, sc (N, K/32) in -32..31, d (N, K/256)
+    float16 -> (N, K/256*136) uint8 blocks."""
+    N, K = q.shape
+    B = K // 256
+    c = q.to(torch.uint8).view(N, B, 8, 2, 16)
+    qs = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(N, B, 128)
+    s = (sc.to(torch.int32) + 32).view(N, B, 8)
+    high = ((s >> 4) << (2 * torch.arange(8))).sum(-1, keepdim=True)  # disjoint bits
+    low = (s[..., 0::2] & 15) | ((s[..., 1::2] & 15) << 4)
+    halves = torch.cat(
+        (d.contiguous().view(torch.uint8).view(N, B, 2),
+         high.to(torch.int16).view(torch.uint8).view(N, B, 2)), -1,
+    )  # fmt: skip
+    return torch.cat((halves, low.to(torch.uint8), qs), -1).reshape(N, B * 136)
+
+
+def dequantize_iq4xs(qweight: torch.Tensor) -> torch.Tensor:
+    """(N, K/256*136) uint8 -> (N, K): (d * sc) * value[q] per sub-block of 32, both
+    products exact (11 + 6 + 8 bits)."""
+    q, sc, d = unpack_iq4xs(qweight)
+    N = q.shape[0]
+    dl = d.float().repeat_interleave(8, 1) * sc.float()  # (N, K/32)
+    v = torch.tensor(IQ4_VALUES, dtype=torch.float32)[q.long()]
+    return (v.view(N, -1, 32) * dl.unsqueeze(-1)).view(N, -1)
+
+
 def unpack_q2k(qweight: torch.Tensor):
     """(N, K/256*84) uint8 blocks (GGUF Q2_K's) -> codes (N, K) uint8 in 0..3, sc and m
     (N, K/16) uint8 in 0..15, d and dmin (N, K/256) float16. Element 128 h + 32 j + i
@@ -257,6 +306,11 @@ def q4_matmul(x, qweight, scales, mins, group_size: int) -> torch.Tensor:
 def q5_matmul(x, qweight, qh, scales, mins) -> torch.Tensor:
     """x (..., K) float32 -> (..., N): x W^T with W int5 (mins None: symmetric)."""
     return F.linear(x, dequantize_int5(qweight, qh, scales, mins))
+
+
+def iq4xs_matmul(x, qweight) -> torch.Tensor:
+    """x (..., K) float32 -> (..., N): x W^T with W iq4_xs."""
+    return F.linear(x, dequantize_iq4xs(qweight))
 
 
 def q2k_matmul(x, qweight) -> torch.Tensor:

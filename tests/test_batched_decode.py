@@ -124,9 +124,9 @@ def test_rows_equal_alone_int6(tmp_path):
     assert_rows_equal_alone(model)
 
 
-@pytest.mark.parametrize("recipe", ["q4_k", "q3_k", "q2_k"])
+@pytest.mark.parametrize("recipe", ["q4_k", "q3_k", "q2_k", "iq4_xs"])
 def test_rows_equal_alone_k_quants(tmp_path, recipe):
-    """q4_k's, q3_k's and q2_k's blocks of 256 (down_proj's rows of 320 fall back to int4)."""
+    """The K-quants' and iq4_xs's blocks of 256 (down_proj's rows of 320 fall back to int4)."""
     from infer.quant.formats.base import FORMATS
 
     make_hf_model("llama", tmp_path / "m", hidden_size=256, intermediate_size=320)

@@ -575,15 +575,16 @@ def test_copied_blocks_go_a_run_of_rows_at_a_time(monkeypatch, qtype):
 
 
 @pytest.mark.parametrize(
-    "qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_NL, T.Q5_0, T.Q5_1]
+    "qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL, T.Q5_0, T.Q5_1]
 )
 def test_other_types_go_onto_the_kernels_closely(qtype):
-    """The K-quants' blocks are int6's, q5_k's, q4_k's, q3_k's and q2_k's, Q5_0's and
-    Q5_1's int5's, as they are; the other types are held in int8 g32, within half an int8
+    """The K-quants' blocks are int6's, q5_k's, q4_k's, q3_k's and q2_k's, IQ4_XS's
+    iq4_xs's, Q5_0's and Q5_1's int5's, as they are; the other types are held in int8 g32, within half an int8
     step of their values."""
     from infer.quant.formats.int5 import Int5Linear
     from infer.quant.formats.int6 import Int6Linear
     from infer.quant.formats.int8 import Int8Linear
+    from infer.quant.formats.iq4xs import IQ4XSLinear
     from infer.quant.formats.q2k import Q2KLinear
     from infer.quant.formats.q3k import Q3KLinear
     from infer.quant.formats.q4k import Q4KLinear
@@ -607,14 +608,14 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
     if arena is not None:  # the same weights, written into a huge-page arena of that size
         placed = to_kernels(t, bias, arena.empty)
         assert torch.equal(placed.dequantize(), q.dequantize())
-        in_place = qtype in (T.Q6_K, T.Q5_K, T.Q4_K, T.Q3_K, T.Q2_K)
+        in_place = qtype in (T.Q6_K, T.Q5_K, T.Q4_K, T.Q3_K, T.Q2_K, T.IQ4_XS)
         held = [placed.qweight] + ([placed.scales] if hasattr(placed, "scales") else [])
         moved = not any(b.untyped_storage().resizable() for b in held)
         assert moved == (not in_place)  # the K-quants' blocks stay where they are
     err = (q.dequantize() - expected).abs()
     if qtype != T.IQ4_NL:
         kinds = {T.Q6_K: Int6Linear, T.Q5_K: Q5KLinear, T.Q4_K: Q4KLinear, T.Q3_K: Q3KLinear,
-                 T.Q2_K: Q2KLinear}  # fmt: skip
+                 T.Q2_K: Q2KLinear, T.IQ4_XS: IQ4XSLinear}  # fmt: skip
         kind = kinds.get(qtype, Int5Linear)
         assert type(q) is kind
         assert torch.equal(q.dequantize(), expected)

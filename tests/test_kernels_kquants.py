@@ -1,5 +1,5 @@
-"""The K-quants on the kernels as GGUF's blocks lie (q5_k, q4_k, q3_k, q2_k) against
-gguf-py and their torch references.
+"""The K-quants and IQ4_XS on the kernels as GGUF's blocks lie (q5_k, q4_k, q3_k, q2_k,
+iq4_xs) against gguf-py and their torch references.
 
 The references dequantize bit for bit as gguf.quants does, and so does each path's C
 dequantization (x = the identity picks W's elements out of the GEMM exactly). The GEMV on
@@ -47,6 +47,7 @@ KINDS = {
     "q4_k": Kind("q4_k", 144, 0, 2, T.Q4_K, ops.q4k_matmul, reference.dequantize_q4k),
     "q3_k": Kind("q3_k", 110, 108, 1, T.Q3_K, ops.q3k_matmul, reference.dequantize_q3k),
     "q2_k": Kind("q2_k", 84, 80, 2, T.Q2_K, ops.q2k_matmul, reference.dequantize_q2k),
+    "iq4_xs": Kind("iq4_xs", 136, 0, 1, T.IQ4_XS, ops.iq4xs_matmul, reference.dequantize_iq4xs),
 }
 
 

@@ -296,18 +296,18 @@ def test_which_paths_keep_fifteen_bits_of_x(isa, M, kind):
 
 @needs_c
 def test_integer_gemm_paths_and_formats():
-    """vpdpbusd paths take int4, int5, int8, q4_k and q3_k (as int8's codes); plain AVX2
-    (vpmaddubsw's int16 pairs) int4, int5 and q4_k, not int8 or q3_k (their codes
-    overflow a pair)."""
+    """vpdpbusd paths take int4, int5, int8, q5_k, q4_k, and q3_k and iq4_xs as int8's
+    codes; plain AVX2 (vpmaddubsw's int16 pairs) int4, int5, q5_k and q4_k, not int8,
+    q3_k or iq4_xs (their codes overflow a pair); q2_k none (mins per 16)."""
     formats = {
-        "avx512vnni": {"int4", "int5", "int8", "q4_k", "q3_k"},
-        "avx2vnni": {"int4", "int5", "int8", "q4_k", "q3_k"},
-        "avx2": {"int4", "int5", "q4_k"},
+        "avx512vnni": {"int4", "int5", "int8", "q5_k", "q4_k", "q3_k", "iq4_xs"},
+        "avx2vnni": {"int4", "int5", "int8", "q5_k", "q4_k", "q3_k", "iq4_xs"},
+        "avx2": {"int4", "int5", "q5_k", "q4_k"},
     }
     for isa in ops.supported_isas():
         want = formats.get(isa, set())
         assert ops.integer_gemm(isa) == bool(want), isa
-        for fmt in ("int4", "int5", "int8", "q4_k", "q3_k"):
+        for fmt in ("int4", "int5", "int8", "q5_k", "q4_k", "q3_k", "q2_k", "iq4_xs"):
             assert ops.integer_gemm(isa, fmt) == (fmt in want), (isa, fmt)
 
 

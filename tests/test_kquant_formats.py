@@ -9,6 +9,7 @@ import torch
 
 from infer.kernels_cpu import reference
 from infer.quant.formats.int4 import Int4Linear
+from infer.quant.formats.iq4xs import IQ4XSLinear
 from infer.quant.formats.q2k import Q2KLinear
 from infer.quant.formats.q3k import Q3KLinear
 from infer.quant.formats.q4k import Q4KLinear, pack_blocks, pack_scales
@@ -38,6 +39,7 @@ def test_q4_k_pack_blocks_round_trip():
 @pytest.mark.parametrize(("unpack", "pack", "size"), [
     (reference.unpack_q3k, reference.pack_q3k, 110),
     (reference.unpack_q2k, reference.pack_q2k, 84),
+    (reference.unpack_iq4xs, reference.pack_iq4xs, 136),
 ])  # fmt: skip
 def test_unpack_and_pack_are_inverses(unpack, pack, size):
     b = torch.randint(0, 256, (5, 3 * size), dtype=torch.uint8, generator=torch.Generator())
@@ -51,12 +53,14 @@ def test_unpack_and_pack_are_inverses(unpack, pack, size):
         (Q4KLinear, T.Q4_K, 144, 4.5, 1.15),
         (Q3KLinear, T.Q3_K, 110, 3.4375, 2.3),
         (Q2KLinear, T.Q2_K, 84, 2.625, 4.5),
+        (IQ4XSLinear, T.IQ4_XS, 136, 4.25, 1.15),
     ],
 )
 def test_from_float_error_against_int4(cls, qtype, size, bits, factor):
     """Quantized, a Gaussian weight with an outlier column has about the error its bits
     give against int4 g32's (5 bits a weight: 0.5x at 5.5, level at 4.5, about 2x at 3.44,
-    4x at 2.63), and the bytes dequantize through gguf to the module's values."""
+    4x at 2.63, level at IQ4_XS's 4.25 with its non-uniform levels), and the bytes
+    dequantize through gguf to the module's values."""
     torch.manual_seed(0)
     w = torch.randn(64, 512) * 0.02
     w[:, 7] += 0.05  # an outlier column

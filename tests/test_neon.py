@@ -25,7 +25,17 @@ SYSROOT = Path("/usr/aarch64-linux-gnu")  # Debian / Ubuntu's cross libc
 # harness -> the kernel files it links
 HARNESSES = {
     "lut_neon_check": ("pool", "cpu", "scalar", "neon", "lut", "lut_scalar", "lut_neon"),
-    "q_neon_check": ("pool", "cpu", "scalar", "neon", "matmul", "igemm", "q4k_q5k", "q2k_q3k"),
+    "q_neon_check": (
+        "pool",
+        "cpu",
+        "scalar",
+        "neon",
+        "matmul",
+        "igemm",
+        "q4k_q5k",
+        "q2k_q3k",
+        "iq4xs",
+    ),
 }
 
 pytestmark = pytest.mark.slow  # a cross compile and an emulated CPU per case

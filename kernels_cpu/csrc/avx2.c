@@ -1219,7 +1219,8 @@ const kernel_table kernels_avx2_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni, q6_dequant,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits_vnni, .q5_dequant = q5_dequant,
-    .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) | IG_KIND(Q3K),
+    .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) | IG_KIND(Q3K) |
+                IG_KIND(IQ4XS),
     /* the plain AVX2 rows kernels: their int32 lanes are the VNNI one-row kernels' */
     .q4_gemv_rows = q4_gemv_rows, .q5_gemv_rows = q5_gemv_rows, .q6_gemv_rows = q6_gemv_rows_vnni,
     .sb_path = SB_AVX2,

@@ -1120,7 +1120,8 @@ const kernel_table kernels_avx512_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q6_xprep256, q6_gemv16, q6_dequant,
     q4_xprep, q5_gemv_vnni, avx2_q5_dequant, /* avx2.c's dequantization */
-    IG_KIND(4) | IG_KIND(5) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) | IG_KIND(Q3K),
+    IG_KIND(4) | IG_KIND(5) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) | IG_KIND(Q3K) |
+        IG_KIND(IQ4XS),
     .q5_gemv_rows = q5_gemv_rows_vnni, .q6_gemv_rows = q6_gemv_rows16,
     .q6_xsum = q6_xsum256, .q6_xblock = Q6_BLOCK, .sb_path = SB_AVX512_VNNI,
 };

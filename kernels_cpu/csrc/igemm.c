@@ -123,6 +123,14 @@ static void panel_q3k(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *
         q3k_block_panel(blk, w, d);
 }
 
+/* iq4_xs: its levels plus 128 and each sub-block's scale (iq4xs.c), the int8 panel's form */
+static void panel_iq4xs(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d) {
+    const int64_t NB = a->K / Q4K_BLOCK;
+    const uint8_t *blk = (const uint8_t *)a->qw + n0 * NB * IQ4XS_BLOCK_BYTES;
+    for (int64_t i = 0; i < nb * NB; i++, blk += IQ4XS_BLOCK_BYTES, w += Q4K_BLOCK, d += 8)
+        iq4xs_block_panel(blk, w, d);
+}
+
 /* int8: K bytes per row, any K when per channel (zeros past K meet x's zero digits). */
 static void panel_q8(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d) {
     const int64_t K = a->K, Kp = (K + 31) / 32 * 32, B = Kp / 32;
@@ -188,6 +196,8 @@ static void panel_task(void *ctx, int64_t t, int tid) {
         panel_k(j->bits, a, n0, nb, w, d, m);
     else if (j->bits == Q3K)
         panel_q3k(a, n0, nb, w, d);
+    else if (j->bits == IQ4XS)
+        panel_iq4xs(a, n0, nb, w, d);
     else
         panel_q4(a, n0, nb, w, d, m);
     j->kt->ig_panel(&j->x, w, d, m, a->y + n0, a->N, nb);
@@ -198,7 +208,7 @@ int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     const int64_t Kp = (a->K + 31) / 32 * 32, B = Kp / 32, T = (a->M + IG_MR - 1) / IG_MR;
     /* the codes' offset: asymmetric (mins, q4_k's too) 0, else int4 8, int5 16, int8 and
      * q3_k 128 */
-    const int o = bits == 8 || bits == Q3K             ? 128
+    const int o = bits == 8 || bits == Q3K || bits == IQ4XS ? 128
                   : a->mins || bits == Q4K || bits == Q5K ? 0
                   : bits == 5                             ? 16
                                                           : 8;
@@ -206,7 +216,9 @@ int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     int8_t *digits = alloc64((size_t)(T * B * 8 * 256));
     float *sx = alloc64((size_t)(T * B * IG_MR) * (2 * sizeof(float) + sizeof(int32_t)));
     j.x = (ig_x){digits, sx, sx + T * B * IG_MR, (int32_t *)(sx + 2 * T * B * IG_MR), a->M, Kp,
-                 bits == 8 || bits == Q3K ? 255 : bits == 5 || bits == Q5K ? 31 : 15};
+                 bits == 8 || bits == Q3K || bits == IQ4XS ? 255
+                 : bits == 5 || bits == Q5K               ? 31
+                                                          : 15};
     j.bad = calloc((size_t)T, 1);
     j.panel_bytes = (IG_NR * Kp + 2 * IG_NR * B * (int64_t)sizeof(float) + 63) / 64 * 64;
     const int64_t n_panels = (a->N + IG_NR - 1) / IG_NR;

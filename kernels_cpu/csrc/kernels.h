@@ -253,7 +253,7 @@ static inline void xprep8_pad(void *buf, int64_t K) {
  * w = d (c - 8) symmetric, w = d c + m asymmetric; int5: c = q (0..31), w = d (c - 16) or
  * d c + m; q4_k, q5_k: c = q, per sub-block d = d sc and m = -dmin m (asymmetric); int8:
  * c = q + 128, w = d (c - 128); q3_k: as int8, c = 128 - q sc (q sc in -124..128: its
- * negation fits int8) with d = -d. Per row and block, float d (the scale of the row's group
+ * negation fits int8) with d = -d; iq4_xs: as int8, c = v + 128 (its levels). Per row and block, float d (the scale of the row's group
  * holding the block, or its channel's) and, asymmetric, m.
  *
  *     y[m, n] = sum_b  d[n,b] sx[m,b] (sum_k c[n,k] X[m,k] - o sum_k X[m,k])  +  m[n,b] xs[m,b]
@@ -334,13 +334,14 @@ void q5_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
  * q4_k (quant/formats/q4k.py): kind Q4K, Q4_K's blocks of 144 bytes.
  * q3_k (quant/formats/q3k.py): kind Q3K, Q3_K's blocks of 110 bytes.
  * q2_k (quant/formats/q2k.py): kind Q2K, Q2_K's blocks of 84 bytes.
+ * iq4_xs (quant/formats/iq4xs.py): kind IQ4XS, IQ4_XS's blocks of 136 bytes (iq4xs.c).
  * Their kernels hang off the path's table by its sb_path (matmul.c's sb_for), not in it:
  * the float GEMV (every path's fallback), xprep (x in q4k_q5k.c's layout, SB_XPREP_BYTES,
  * which every kind reads, so one x serves a Q3_K and a Q4_K matrix; NULL: no integer
  * GEMV), the integer GEMV, its form over several rows, and the GEMM's dequantization. */
-enum { Q2K = 10, Q3K = 11, Q4K = 12, Q5K = 13 };
+enum { Q2K = 10, Q3K = 11, Q4K = 12, Q5K = 13, IQ4XS = 23 };
 enum { Q4K_BLOCK = 256, Q5K_BLOCK_BYTES = 176, Q4K_BLOCK_BYTES = 144, Q3K_BLOCK_BYTES = 110,
-       Q2K_BLOCK_BYTES = 84 };
+       Q2K_BLOCK_BYTES = 84, IQ4XS_BLOCK_BYTES = 136 };
 #define SB_XPREP_BYTES(K) (4 * (K) + (K) / Q4K_BLOCK * 4 + (K) / 32 * 4 + (K) / 16 * 4)
 typedef struct {
     gemv_fn gemv_c;
@@ -353,6 +354,7 @@ const sb_kernels *q5k_for(const kernel_table *kt);
 const sb_kernels *q4k_for(const kernel_table *kt);
 const sb_kernels *q3k_for(const kernel_table *kt);
 const sb_kernels *q2k_for(const kernel_table *kt);
+const sb_kernels *iq4xs_for(const kernel_table *kt);
 #ifdef INFER_X86
 /* q4k_q5k.c's x for the super-block kinds' AVX2 and AVX-512 kernels (its layout there) */
 int q4k_xprep_avx2(const float *x, int64_t K, void *buf);
@@ -365,6 +367,9 @@ void q5k_block_codes(const uint8_t *blk, uint8_t c[256]);
 /* A q3_k block as the integer GEMM's panel takes it: codes c = 128 - q sc (256 bytes) and
  * each block of 32's d, -d (exact: w = d sc q = -d (c - 128)). */
 void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]);
+/* An IQ4_XS block for the panel: codes c = v + 128 (its levels) and each sub-block's
+ * d (ls - 32) (exact: w = d (ls - 32) (c - 128)). */
+void iq4xs_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]);
 /* Bytes of one row of W: K * bits / 8, or int6's or a super-block kind's blocks. */
 static inline int64_t q_row_bytes(int bits, int64_t K) {
     return bits == 6     ? K / Q6_BLOCK * Q6_BLOCK_BYTES
@@ -372,6 +377,7 @@ static inline int64_t q_row_bytes(int bits, int64_t K) {
            : bits == Q5K ? K / Q4K_BLOCK * Q5K_BLOCK_BYTES
            : bits == Q3K ? K / Q4K_BLOCK * Q3K_BLOCK_BYTES
            : bits == Q2K ? K / Q4K_BLOCK * Q2K_BLOCK_BYTES
+           : bits == IQ4XS ? K / Q4K_BLOCK * IQ4XS_BLOCK_BYTES
                          : K * bits / 8;
 }
 
@@ -407,7 +413,7 @@ static inline int gemv_threads(int64_t bytes, int nthreads) {
 }
 
 /* The drivers (matmul.c): split over output rows, run on the pool. bits is 8, 6, 5, 4, or a
- * super-block kind (Q5K, Q4K, Q3K, Q2K). Returns 0, or -1 when out of memory. */
+ * super-block kind (Q5K, Q4K, Q3K, Q2K, IQ4XS). Returns 0, or -1 when out of memory. */
 int q_matmul(int bits, const qmat *a, int isa, int nthreads);
 /* igemm.c: q_matmul's GEMM on the integer path (bits in the table's ig_kinds). Returns
  * 0, -1 when out of memory, or 1 when it does not apply (the path has none, or x has inf

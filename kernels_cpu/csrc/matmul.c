@@ -30,7 +30,8 @@ static const sb_kernels *sb_for(int bits, const kernel_table *kt) {
            : bits == Q5K ? q5k_for(kt)
            : bits == Q3K ? q3k_for(kt)
            : bits == Q2K ? q2k_for(kt)
-                         : NULL;
+           : bits == IQ4XS ? iq4xs_for(kt)
+                           : NULL;
 }
 
 typedef struct {

@@ -127,6 +127,11 @@ static PyObject *py_q5k_matmul(PyObject *self, PyObject *const *args, Py_ssize_t
     return superblock_matmul(Q5K, "q5k_matmul", args, nargs);
 }
 
+static PyObject *py_iq4xs_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return superblock_matmul(IQ4XS, "iq4xs_matmul", args, nargs);
+}
+
 static PyObject *py_q3k_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     return superblock_matmul(Q3K, "q3k_matmul", args, nargs);
@@ -232,6 +237,8 @@ static PyMethodDef methods[] = {
      "q4k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q4_k W (Q4_K blocks)"},
     {"q5k_matmul", (PyCFunction)(void (*)(void))py_q5k_matmul, METH_FASTCALL,
      "q5k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q5_k W (Q5_K blocks)"},
+    {"iq4xs_matmul", (PyCFunction)(void (*)(void))py_iq4xs_matmul, METH_FASTCALL,
+     "iq4xs_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, iq4_xs W (IQ4_XS blocks)"},
     {"q3k_matmul", (PyCFunction)(void (*)(void))py_q3k_matmul, METH_FASTCALL,
      "q3k_matmul(x, qweight, y, M, N, K, 256, isa, threads): y = x W^T, q3_k W (Q3_K blocks)"},
     {"q2k_matmul", (PyCFunction)(void (*)(void))py_q2k_matmul, METH_FASTCALL,
@@ -243,7 +250,7 @@ static PyMethodDef methods[] = {
     {"isa_best", py_isa_best, METH_NOARGS, "the fastest path this CPU can run"},
     {"isa_integer_gemm", py_isa_integer_gemm, METH_O,
      "the formats path `isa` multiplies prompts (the GEMM) of with integer dot products: "
-     "bit b set for bits b (4, 5, 8; 13 q5_k, 12 q4_k, 11 q3_k)"},
+     "bit b set for bits b (4, 5, 8; 13 q5_k, 12 q4_k, 11 q3_k, 23 iq4_xs)"},
     {"isa_int4_digits", py_isa_int4_digits, METH_O,
      "whether path `isa`'s int4 GEMV takes x as the integer GEMM's two int8 digits"},
     {"isa_int5_digits", py_isa_int5_digits, METH_O,

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 
 from ... import InferError
-from . import int4, int5, int6, int8, lut, q2k, q3k, q4k, q5k  # noqa: F401  (register the formats)
+from . import int4, int5, int6, int8, iq4xs, lut, q2k, q3k, q4k, q5k  # noqa: F401  (register)
 from .base import FORMATS
 
 Recipe = Callable[[str], "dict | None"]
@@ -69,7 +69,7 @@ def _uniform(main: dict, n_layers: int | None) -> Recipe:
 
 
 def _uniform_k(main: dict, n_layers: int | None) -> Recipe:
-    """`main` (q5_k, q4_k, q3_k, q2_k) for every linear layer in the blocks, int4 g32 (q5_k:
+    """`main` (q5_k, q4_k, q3_k, q2_k, iq4_xs) for every linear layer in the blocks, int4 g32 (q5_k:
     int5 g32) where its rows are not a multiple of 256; outside them, _outside_blocks."""
     spec = {**main, "fallback": INT5 if main["format"] == "q5_k" else INT4}
     return lambda name: spec if _BLOCK.fullmatch(name) else _outside_blocks(name)
@@ -184,6 +184,7 @@ RECIPES: dict[str, tuple[dict, Callable[[dict, int | None], Recipe]]] = {
     "q4_k": ({"format": "q4_k"}, _uniform_k),  # as GGUF Q4_K: every block linear
     "q3_k": ({"format": "q3_k"}, _uniform_k),  # as GGUF Q3_K: every block linear
     "q2_k": ({"format": "q2_k"}, _uniform_k),  # as GGUF Q2_K: every block linear
+    "iq4_xs": ({"format": "iq4_xs"}, _uniform_k),  # as GGUF IQ4_XS: every block linear
     "lut2": ({"format": "lut2", "group_size": 64}, _uniform),
     "lut3": ({"format": "lut3", "group_size": 64}, _uniform),
     "lut4": ({"format": "lut4", "group_size": 64}, _uniform),

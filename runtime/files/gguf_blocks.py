@@ -1,5 +1,6 @@
-"""GGUF Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q3_K / Q2_K / Q4_0 / Q4_1 tensors as
-int8 / int6 / q5_k / int5 / q4_k / q3_k / q2_k / int4 QuantLinears, by moving bytes.
+"""GGUF Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / IQ4_XS / Q3_K / Q2_K / Q4_0 / Q4_1
+tensors as int8 / int6 / q5_k / int5 / q4_k / iq4_xs / q3_k / q2_k / int4 QuantLinears, by
+moving bytes.
 
 ggml's block layouts (ggml/src/ggml-common.h; QK = 32 elements per block, little-endian,
 ggml_half = IEEE float16):
@@ -13,9 +14,9 @@ ggml_half = IEEE float16):
 where in the 4-bit types q_i is the low nibble of qs[i] and q_(16+i) its high nibble, and
 the 5-bit types add bit i of the little-endian uint32 qh as q_i's bit 4.
 The K-quants' 256-element blocks (Q6_K 210, Q5_K 176, Q4_K 144, Q3_K 110 and Q2_K 84
-bytes) are int6's, q5_k's, q4_k's, q3_k's and q2_k's layouts as they are
-(quant/formats/int6.py, q5k.py, q4k.py, q3k.py, q2k.py): the tensor is a view of the
-file's map.
+bytes) and IQ4_XS's (136) are int6's, q5_k's, q4_k's, q3_k's, q2_k's and iq4_xs's layouts
+as they are (quant/formats/int6.py, q5k.py, q4k.py, q3k.py, q2k.py, iq4xs.py): the
+tensor is a view of the file's map.
 A row of K elements is K/32 consecutive blocks. Our int8, int5 and int4 (group 32)
 layouts were chosen so that each block's `qs` is one 32-element run of `qweight` as is,
 its `qh` one entry of int5's `qh`, and d (and m) one entry of `scales` (and `mins`): import splits the blocks into those
@@ -27,7 +28,7 @@ This is how a GGUF file's such tensors load to run (sources.GGUFSource), and how
 
 Loading to run, the rest go onto the kernels approximately (`to_kernels`):
 
-    every other block-quantized type (the IQ types, ...)
+    every other block-quantized type (the other IQ types, ...)
         -> int8 g32 from its values, each within 1/254 of its group's largest
            magnitude (within an eighth of a step for a 5- or 6-bit grid)
 
@@ -49,6 +50,7 @@ from ...quant.formats.int4 import Int4Linear
 from ...quant.formats.int5 import Int5Linear
 from ...quant.formats.int6 import Int6Linear
 from ...quant.formats.int8 import Int8Linear
+from ...quant.formats.iq4xs import IQ4XSLinear
 from ...quant.formats.q2k import Q2KLinear
 from ...quant.formats.q3k import Q3KLinear
 from ...quant.formats.q4k import Q4KLinear
@@ -68,6 +70,7 @@ GGUF_SPECS: dict[GGMLQuantizationType, dict] = {
     GGMLQuantizationType.Q4_K: {"format": "q4_k"},
     GGMLQuantizationType.Q3_K: {"format": "q3_k"},
     GGMLQuantizationType.Q2_K: {"format": "q2_k"},
+    GGMLQuantizationType.IQ4_XS: {"format": "iq4_xs"},
     GGMLQuantizationType.Q4_0: {"format": "int4", "group_size": 32, "symmetric": True},
     GGMLQuantizationType.Q4_1: {"format": "int4", "group_size": 32, "symmetric": False},
 }
@@ -85,6 +88,7 @@ IN_PLACE = {
     GGMLQuantizationType.Q4_K: Q4KLinear,
     GGMLQuantizationType.Q3_K: Q3KLinear,
     GGMLQuantizationType.Q2_K: Q2KLinear,
+    GGMLQuantizationType.IQ4_XS: IQ4XSLinear,
 }
 ROWS_AT_ONCE = 4096
 
@@ -147,8 +151,8 @@ def from_gguf(
     alloc: Alloc = new_tensor,
     release: Release = _keep,
 ) -> QuantLinear:
-    """The Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q3_K / Q2_K / Q4_0 / Q4_1 tensor `t`
-    (rows already un-permuted) as int8 / int6 / q5_k / int5 / q4_k / q3_k / q2_k / int4. The K-quants' blocks stay where
+    """The tensor `t` of a type in GGUF_SPECS (rows already un-permuted) as the format
+    whose layout it is (the module docstring). The K-quants' blocks stay where
     they are (the file's map); the others' codes and scales are copied apart into memory
     from `alloc` (torch's by default, or the build's huge-page arena), `release` letting
     each run of rows' file pages go once copied."""
@@ -218,8 +222,7 @@ def to_kernels(
     release: Release = _keep,
 ) -> QuantLinear:
     """The 2-D tensor `t` (a type of ON_KERNELS) as the QuantLinear that runs it: Q8_0 /
-    Q6_K / Q5_K / Q5_0 / Q5_1 / Q4_K / Q3_K / Q2_K / Q4_0 / Q4_1 bit for bit, any other
-    type in int8 g32. Its codes and scales are copied into memory from `alloc`; `release`
+    the types of GGUF_SPECS bit for bit, any other type in int8 g32. Its codes and scales are copied into memory from `alloc`; `release`
     lets the file's pages go (from_gguf)."""
     if t.ggml_type in GGUF_SPECS:
         return from_gguf(t, bias, alloc, release)

@@ -41,8 +41,8 @@ To = Annotated[
     str,
     typer.Option(
         "--to",
-        help="int8, int6 (Q6_K's layout), q5_k, int5 (Q5_0/Q5_1's), q4_k, int4, q3_k, q2_k "
-        "(the K-quants' layouts), lut2, lut3, lut4, or a recipe: mixed (int8 attention, int4 MLP), q4_k_m, "
+        help="int8, int6 (Q6_K's layout), q5_k, int5 (Q5_0/Q5_1's), q4_k, iq4_xs, int4, q3_k, "
+        "q2_k (GGUF's layouts), lut2, lut3, lut4, or a recipe: mixed (int8 attention, int4 MLP), q4_k_m, "
         "q3_k_m (like llama.cpp's Q4_K_M, Q3_K_M), lut3_m, lut2_m (Q3_K_M, Q2_K sizes in LUT "
         "formats).",
         show_default=False,

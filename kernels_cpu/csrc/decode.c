@@ -29,7 +29,8 @@
             (0: none), rope_cos, rope_sin (float32 (max_seq, head_dim)), window (0: none);
             every norm weight w as out = w * normed x (Gemma's 1 + w already added), then
             7 linears q k v o gate up down,
-            each LIN = 9 words: kind (8 int8, 6 int6, 5 int5, 4 int4, 12 q4_k (kernels.h Q4K),
+            each LIN = 9 words: kind (8 int8, 6 int6, 5 int5, 4 int4, 10-13 and 23 the
+            super-block kinds q2_k .. q5_k and iq4_xs (kernels.h Q2K .. Q5K, IQ4XS),
             -1..-4 = -bits for lut),
             qweight, scales, mins (0: none), bias (float32, 0: none), N, K, g, qh (int5's
             high bits; else 0)

@@ -206,8 +206,8 @@ static void panel_task(void *ctx, int64_t t, int tid) {
 int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     if (!kt->ig_xprep) return 1;
     const int64_t Kp = (a->K + 31) / 32 * 32, B = Kp / 32, T = (a->M + IG_MR - 1) / IG_MR;
-    /* the codes' offset: asymmetric (mins, q4_k's too) 0, else int4 8, int5 16, int8 and
-     * q3_k 128 */
+    /* the codes' offset: asymmetric (mins, q4_k's and q5_k's too) 0, else int4 8, int5 16,
+     * int8, q3_k and iq4_xs 128 */
     const int o = bits == 8 || bits == Q3K || bits == IQ4XS ? 128
                   : a->mins || bits == Q4K || bits == Q5K ? 0
                   : bits == 5                             ? 16

@@ -26,10 +26,10 @@ enum { IGEMM_MIN_M = 16 };
 
 /* The kernels of super-block kind `bits` on the path, or NULL for the other formats. */
 static const sb_kernels *sb_for(int bits, const kernel_table *kt) {
-    return bits == Q4K   ? q4k_for(kt)
-           : bits == Q5K ? q5k_for(kt)
-           : bits == Q3K ? q3k_for(kt)
-           : bits == Q2K ? q2k_for(kt)
+    return bits == Q4K     ? q4k_for(kt)
+           : bits == Q5K   ? q5k_for(kt)
+           : bits == Q3K   ? q3k_for(kt)
+           : bits == Q2K   ? q2k_for(kt)
            : bits == IQ4XS ? iq4xs_for(kt)
                            : NULL;
 }

@@ -37,7 +37,8 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 class KernelWeights:
     """What the C kernels need to run a quantized linear (csrc/kernels.h)."""
 
-    kind: int  # the kernels' format id: 8 int8, 6 int6, 5 int5, 4 int4, 12 q4_k, -b a b-bit LUT
+    kind: int  # the kernels' format id: 8 int8, 6 int6, 5 int5, 4 int4, 10-13 q2_k-q5_k,
+    # 23 iq4_xs, -b a b-bit LUT
     group_size: int  # values per scale; 0 for one scale per output row
     qweight: torch.Tensor
     scales: torch.Tensor | None = None

@@ -1,5 +1,6 @@
 """Formats held as ggml super-blocks of 256 weights, exactly as in a GGUF file: one uint8
-tensor (N, K / 256 * block_bytes) and nothing else (int6 is Q6_K's blocks, q4_k Q4_K's).
+tensor (N, K / 256 * block_bytes) and nothing else (int6 is Q6_K's blocks; q5_k, q4_k,
+q3_k, q2_k and iq4_xs Q5_K's, Q4_K's, Q3_K's, Q2_K's and IQ4_XS's).
 
 A subclass gives its block size, the kernels' id for it, and three functions (as
 staticmethods): fitting float rows into blocks, the torch reference that dequantizes

@@ -34,8 +34,8 @@ predictions) run where their __call__ would run them: the C stops before such a 
 They observe; an input a hook returns in place of the block's is not used.
 
 It runs models whose compute dtype is float32 and whose every block linear (each
-expert's included) is a quantized format with a C kernel (int8, int6, int5, q4_k, int4,
-lut1-4); routers stay float, in torch. The plan holds data pointers into the model's
+expert's included) is a quantized format with a C kernel (int8, int6, int5, int4, the
+K-quants and iq4_xs, lut1-4); routers stay float, in torch. The plan holds data pointers into the model's
 tensors, so a session builds it again whenever those change; each call passes its rows' caches
 (`cache_words`): float32, bf16 or int8 (kvcache.py), each row's its own. A layer whose
 weights are not in place (streamed from disk: a placeholder) makes prepare return None.

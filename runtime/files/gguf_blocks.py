@@ -152,8 +152,8 @@ def from_gguf(
     release: Release = _keep,
 ) -> QuantLinear:
     """The tensor `t` of a type in GGUF_SPECS (rows already un-permuted) as the format
-    whose layout it is (the module docstring). The K-quants' blocks stay where
-    they are (the file's map); the others' codes and scales are copied apart into memory
+    whose layout it is (the module docstring). IN_PLACE's blocks stay where they are
+    (the file's map); the others' codes and scales are copied apart into memory
     from `alloc` (torch's by default, or the build's huge-page arena), `release` letting
     each run of rows' file pages go once copied."""
     if t.ggml_type not in GGUF_SPECS:

@@ -143,9 +143,8 @@ static const sb_kernels q5k_plain = {q5k_gemv_c, NULL, NULL, NULL, q5k_dequant_c
 /* x prepared (SB_XPREP_BYTES; q2k_q3k.c reads it too), X = round(x / sx), one sx a block of 256:
  * - for one row (q4k_row): per block, per sub-block of 32, its 32 high digits then its
  *   32 low digits (X = 256 hi + lo) in element order, 512 bytes a block;
- * - for several (q4k_rows): X as int16, per block, per pair of sub-blocks A = 2r and
- *   B = 2r + 1 (run r) the 16 even elements of A, of B, then the 16 odd ones of A, of B,
- *   512 bytes a block;
+ * - for several (q4k_rows): X as int16, per block, per sub-block its 16 even elements
+ *   then its 16 odd ones, 512 bytes a block;
  * then per block sx, then per sub-block sx * sum X, then per group of 16 sx * sum X. */
 static inline const int16_t *q4k_x16(const void *buf, int64_t K) {
     return (const int16_t *)((const int8_t *)buf + 2 * K);
@@ -203,9 +202,8 @@ TARGET_AVX2 int q4k_xprep_avx2(const float *x, int64_t K, void *buf) {
                                                   _mm256_permute2x128_si256(X[2], X[3], 0x20));
             const __m256i od = _mm256_packs_epi32(_mm256_permute2x128_si256(X[0], X[1], 0x31),
                                                   _mm256_permute2x128_si256(X[2], X[3], 0x31));
-            int16_t *xp = x16 + 256 * b + 64 * (j / 2) + 16 * (j % 2); /* its pair's layout */
-            _mm256_store_si256((__m256i *)xp, _mm256_permute4x64_epi64(ev, 0xd8));
-            _mm256_store_si256((__m256i *)(xp + 32), _mm256_permute4x64_epi64(od, 0xd8));
+            _mm256_store_si256((__m256i *)(x16 + 256 * b + 32 * j), _mm256_permute4x64_epi64(ev, 0xd8));
+            _mm256_store_si256((__m256i *)(x16 + 256 * b + 32 * j + 16), _mm256_permute4x64_epi64(od, 0xd8));
             int32_t half[2]; /* the sums of X over the sub-block's two groups of 16 */
             for (int p = 0; p < 2; p++) {
                 __m128i s4 = _mm256_castsi256_si128(sum[p]);
@@ -296,15 +294,14 @@ TI float q4k_row(const qmat *a, int64_t n) {
     return q4k_total(acc, accm);
 }
 
-/* vpshufb controls that spread a sub-block's scale byte over int16 lanes, per run r
- * (sub-blocks A = 2r, B = 2r + 1): (sc_A, 0) and (sc_B, 0) pairs (times even codes), then
- * (0, sc_A) and (0, sc_B) pairs (odd codes); in X's order, so that 64 bytes of them are
- * the even (or odd) half of the run's X */
+/* vpshufb controls that spread sub-block j's scale byte over int16 lanes: (sc_j, 0)
+ * pairs (row 2j: times even codes) and (0, sc_j) pairs (row 2j + 1: odd codes) */
 #define PAIRS(a, b) {a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b,                            \
                      a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b}
-#define RUN(r) PAIRS(2 * r, -128), PAIRS(2 * r + 1, -128), PAIRS(-128, 2 * r), PAIRS(-128, 2 * r + 1)
-static const int8_t pair_ctl[16][32] __attribute__((aligned(64))) = {RUN(0), RUN(1), RUN(2), RUN(3)};
-#undef RUN
+#define SUB(j) PAIRS(j, -128), PAIRS(-128, j)
+static const int8_t pair_ctl[16][32] __attribute__((aligned(64))) = {
+    SUB(0), SUB(1), SUB(2), SUB(3), SUB(4), SUB(5), SUB(6), SUB(7)};
+#undef SUB
 #undef PAIRS
 
 /* Q5_K's bit 4 of the codes of sub-block j from qh: 16 where bit j is set */
@@ -323,13 +320,13 @@ TI void q4k_run(const int kind, __m256i w, __m256i qh, __m256i sc, int r, const 
     if (kind == Q5K) lo = _mm256_or_si256(lo, q5k_high(qh, 2 * r)), hi = _mm256_or_si256(hi, q5k_high(qh, 2 * r + 1));
     const __m256i *ctl = (const __m256i *)pair_ctl[4 * r];
     const __m256i p[4] = {_mm256_maddubs_epi16(lo, _mm256_shuffle_epi8(sc, _mm256_load_si256(ctl))),
-                          _mm256_maddubs_epi16(lo, _mm256_shuffle_epi8(sc, _mm256_load_si256(ctl + 2))),
-                          _mm256_maddubs_epi16(hi, _mm256_shuffle_epi8(sc, _mm256_load_si256(ctl + 1))),
+                          _mm256_maddubs_epi16(lo, _mm256_shuffle_epi8(sc, _mm256_load_si256(ctl + 1))),
+                          _mm256_maddubs_epi16(hi, _mm256_shuffle_epi8(sc, _mm256_load_si256(ctl + 2))),
                           _mm256_maddubs_epi16(hi, _mm256_shuffle_epi8(sc, _mm256_load_si256(ctl + 3)))};
-    for (int m = 0; m < R; m++) { /* X: A even, B even, A odd, B odd */
+    for (int m = 0; m < R; m++) {
         const __m256i *x = (const __m256i *)(xb[m] + 64 * r);
-        const __m256i u01 = _mm256_add_epi32(_mm256_madd_epi16(p[0], x[0]), _mm256_madd_epi16(p[1], x[2]));
-        const __m256i u23 = _mm256_add_epi32(_mm256_madd_epi16(p[2], x[1]), _mm256_madd_epi16(p[3], x[3]));
+        const __m256i u01 = _mm256_add_epi32(_mm256_madd_epi16(p[0], x[0]), _mm256_madd_epi16(p[1], x[1]));
+        const __m256i u23 = _mm256_add_epi32(_mm256_madd_epi16(p[2], x[2]), _mm256_madd_epi16(p[3], x[3]));
         t[m] = _mm256_add_epi32(t[m], _mm256_add_epi32(u01, u23));
     }
 }
@@ -442,12 +439,12 @@ static const sb_kernels q5k_avx2 = {q5k_gemv_c, q4k_xprep_avx2, q5k_gemv, q5k_ge
 
 #define TI TARGET_AVX512_VNNI static inline __attribute__((always_inline))
 
-/* Up to 8 rows of x against weight row n, summing what q4k_rows sums: a run's codes,
- * sub-block A's (low nibbles) in the low 256 bits and B's (high nibbles) in the high,
- * times the scale pairs of their even elements, then of their odd ones, so that each
- * product vector meets 64 bytes of X (A even and B even, A odd and B odd) in one vpdpwssd
- * per row. The halves' int32 lanes added at the end of a block are q4k_rows' t lane for
- * lane (exact integers), so every row's output is the one q4k_row gives it alone. */
+/* Up to 8 rows of x against weight row n, summing what q4k_rows sums: a run's codes
+ * (32 bytes) in both 256-bit halves, times the scale pairs of its even elements in the
+ * low half and of its odd ones in the high half, so that one vpdpwssd per row meets the
+ * 64 bytes of X those products pair with. The halves' int32 lanes added at the end of a
+ * block are q4k_rows' t lane for lane (exact integers), so every row's output is the one
+ * q4k_row gives it alone. */
 TI void q4k_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t n) {
     const int64_t K = a[0]->K, B = K / Q4K_BLOCK, bytes = kq_bytes(kind);
     const uint8_t *blk = (const uint8_t *)a[0]->qw + n * B * bytes;
@@ -466,27 +463,21 @@ TI void q4k_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t
         const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
         __m512i t[8];
         for (int m = 0; m < R; m++) t[m] = _mm512_setzero_si512();
-        for (int r = 0; r < 4; r++) {
-            const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + kq_qs(kind) + 32 * r));
+        for (int j = 0; j < 8; j++) { /* sub-block j: run j / 2's low or high nibbles */
+            const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + kq_qs(kind) + 32 * (j / 2)));
             const __m512i w = _mm512_broadcast_i64x4(run);
-            const __m512i nib = _mm512_mask_srli_epi16(w, 0xffff0000, w, 4);
+            const __m512i nib = j % 2 ? _mm512_srli_epi16(w, 4) : w;
             __m512i q;
-            if (kind == Q5K) { /* nibble & 15 | 16 where qh's bit 2r (A) or 2r + 1 (B) is set */
-                const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * r))),
-                                                        _mm256_set1_epi8((char)(2 << (2 * r))), 1);
-                const __mmask64 set = _mm512_test_epi8_mask(qh, bits);
+            if (kind == Q5K) { /* nibble & 15 | 16 where qh's bit j is set */
+                const __mmask64 set = _mm512_test_epi8_mask(qh, _mm512_set1_epi8((char)(1 << j)));
                 q = _mm512_ternarylogic_epi32(nib, m4, _mm512_maskz_mov_epi8(set, sixteen), 0xea);
             } else {
                 q = _mm512_and_si512(nib, m4);
             }
-            const __m512i *ctl = (const __m512i *)pair_ctl[4 * r];
-            const __m512i pe = _mm512_maddubs_epi16(q, _mm512_shuffle_epi8(sc, _mm512_load_si512(ctl)));
-            const __m512i po = _mm512_maddubs_epi16(q, _mm512_shuffle_epi8(sc, _mm512_load_si512(ctl + 1)));
-            for (int m = 0; m < R; m++) {
-                const __m512i *x = (const __m512i *)(xd[m] + 256 * b + 64 * r);
-                t[m] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(t[m], pe, _mm512_loadu_si512(x)), po,
-                                           _mm512_loadu_si512(x + 1));
-            }
+            const __m512i ctl = _mm512_load_si512((const __m512i *)pair_ctl[2 * j]);
+            const __m512i p = _mm512_maddubs_epi16(q, _mm512_shuffle_epi8(sc, ctl));
+            for (int m = 0; m < R; m++)
+                t[m] = _mm512_dpwssd_epi32(t[m], p, _mm512_loadu_si512(xd[m] + 256 * b + 32 * j));
         }
         const uint16_t *h = (const uint16_t *)blk;
         const float d = _cvtsh_ss(h[0]), dmin = _cvtsh_ss(h[1]);

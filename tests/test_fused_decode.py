@@ -100,8 +100,8 @@ def test_fused_runs_q4_k_beside_int4(tmp_path):
 def test_fused_runs_q3_k_beside_q4_k(tmp_path):
     """The q3_k_m recipe on a model 256 wide: q3_k q, k, gate and up beside q4_k o, q5_k
     v in the first two layers and q4_k after, int4 down (rows of 320), as a Q3_K_M file
-    mixes them; q, k and v share one x (q4k_q5k.c's layout serves every kind); logits
-    and greedy tokens are the blocks'."""
+    mixes them; q and k share one x, v its own (q4_k's layout of x differs); logits and
+    greedy tokens are the blocks'."""
     from infer.quant.formats.q3k import Q3KLinear
     from infer.quant.formats.q4k import Q4KLinear
     from infer.quant.formats.q5k import Q5KLinear

@@ -11,7 +11,7 @@
  * v + 128 in 1..241, so that vpmaddubsw takes them by their sub-block's scale pairs, once
  * for all rows; then each row takes one vpmaddwd or vpdpwssd per 16 or 32 weights. An
  * int32 lane holds at most 8 products (|(v + 128) sc X| <= 241 * 32 * 32512: 8 of them
- * < 2^31), so the lanes go to float every 8 (every four sub-blocks, two on AVX2). The
+ * < 2^31), so the lanes go to float every 8 (every pair of sub-blocks, two on AVX2). The
  * -128 sc sum X term per sub-block comes from x's sums per 32. One row is the rows kernel
  * with R = 1, so a row's output is the same alone or in a batch. Without x's integers
  * (x with inf or NaN, or a path with none: scalar, NEON) the float GEMV runs.
@@ -103,15 +103,15 @@ static inline const float *iq4_sx(const void *buf, int64_t K) {
 static const uint8_t iq4_lut[64] __attribute__((aligned(64))) = {LEVELS, LEVELS, LEVELS, LEVELS};
 #undef LEVELS
 
-/* vpshufb controls spreading sub-block j's scale byte over int16 lanes in X's order (its
- * 16 even elements, then its 16 odd ones): (sc, 0) pairs in the first two 128-bit lanes,
- * (0, sc) pairs in the last two; AVX2 reads lanes 0-1 for the even half, 2-3 for the odd */
+/* vpshufb controls spreading sub-blocks' scale bytes over int16 lanes in X's order (even
+ * elements of sub-block 2k, of 2k + 1, then the odd ones): per pair k, (sc, 0) pairs of
+ * 2k in its first two 128-bit lanes and of 2k + 1 in the last two, then (0, sc) pairs */
 #define EVEN(j) j, -128, j, -128, j, -128, j, -128, j, -128, j, -128, j, -128, j, -128
 #define ODD(j) -128, j, -128, j, -128, j, -128, j, -128, j, -128, j, -128, j, -128, j
-#define SUB(j) {EVEN(j), EVEN(j), ODD(j), ODD(j)}
-static const int8_t iq4_ctl[8][64] __attribute__((aligned(64))) = {
-    SUB(0), SUB(1), SUB(2), SUB(3), SUB(4), SUB(5), SUB(6), SUB(7)};
-#undef SUB
+#define PAIR(k) {EVEN(2 * k), EVEN(2 * k), EVEN(2 * k + 1), EVEN(2 * k + 1)},                  \
+                {ODD(2 * k), ODD(2 * k), ODD(2 * k + 1), ODD(2 * k + 1)}
+static const int8_t iq4_ctl[8][64] __attribute__((aligned(64))) = {PAIR(0), PAIR(1), PAIR(2), PAIR(3)};
+#undef PAIR
 #undef ODD
 #undef EVEN
 
@@ -171,18 +171,19 @@ TI void iq4_rows(const qmat *const *a, const int R, int64_t n) {
         for (int k = 0; k < 4; k++) {
             __m256i t[4];
             for (int m = 0; m < R; m++) t[m] = _mm256_setzero_si256();
-            for (int j = 2 * k; j < 2 * k + 2; j++) { /* two sub-blocks: 8 products a lane */
-                const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * j));
+            for (int s = 0; s < 2; s++) { /* sub-block 2k + s */
+                const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * (2 * k + s)));
                 const __m256i nib = _mm256_and_si256(
                     _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1), m4);
                 const __m256i c = _mm256_shuffle_epi8(lut, nib); /* elements 0-15, then 16-31 */
-                const __m256i *ctl = (const __m256i *)iq4_ctl[j];
-                const __m256i pe = _mm256_maddubs_epi16(c, _mm256_shuffle_epi8(scb, _mm256_load_si256(ctl)));
-                const __m256i po = _mm256_maddubs_epi16(c, _mm256_shuffle_epi8(scb, _mm256_load_si256(ctl + 1)));
-                for (int m = 0; m < R; m++) { /* X: the sub-block's even elements, then odd */
-                    const __m256i *x = (const __m256i *)(xd[m] + 256 * b + 32 * j);
+                const __m256i *even = (const __m256i *)iq4_ctl[2 * k] + s;
+                const __m256i *odd = (const __m256i *)iq4_ctl[2 * k + 1] + s;
+                const __m256i pe = _mm256_maddubs_epi16(c, _mm256_shuffle_epi8(scb, _mm256_load_si256(even)));
+                const __m256i po = _mm256_maddubs_epi16(c, _mm256_shuffle_epi8(scb, _mm256_load_si256(odd)));
+                for (int m = 0; m < R; m++) { /* X: per pair, even 2k, even 2k + 1, odd, odd */
+                    const __m256i *x = (const __m256i *)(xd[m] + 256 * b + 64 * k) + s;
                     t[m] = _mm256_add_epi32(t[m], _mm256_add_epi32(_mm256_madd_epi16(pe, x[0]),
-                                                                   _mm256_madd_epi16(po, x[1])));
+                                                                   _mm256_madd_epi16(po, x[2])));
                 }
             }
             for (int m = 0; m < R; m++) acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t[m]), dsx[m], acc[m]);
@@ -241,7 +242,7 @@ TARGET_AVX2 void iq4xs_block_panel(const uint8_t *blk, uint8_t c[256], float d[8
     _mm256_storeu_ps(d, d8);
 }
 
-static const sb_kernels iq4xs_avx2 = {iq4xs_gemv_c, q4k_xprep_avx2, iq4xs_gemv, iq4xs_gemv_rows,
+static const sb_kernels iq4xs_avx2 = {iq4xs_gemv_c, sb_xprep_pairs_avx2, iq4xs_gemv, iq4xs_gemv_rows,
                                       iq4xs_dequant};
 #undef TI
 
@@ -251,9 +252,10 @@ static const sb_kernels iq4xs_avx2 = {iq4xs_gemv_c, q4k_xprep_avx2, iq4xs_gemv, 
 
 #define TI TARGET_AVX512_VNNI static inline __attribute__((always_inline))
 
-/* As iq4_rows on 512 bits: a sub-block's 32 levels in both halves, times the scale pairs
- * of its even elements in the low half and of its odd ones in the high half, then one
- * vpdpwssd per row; lanes to float every four sub-blocks. */
+/* As iq4_rows, a pair of sub-blocks at a time: their 32 bytes as 128-bit lanes A, A, B, B,
+ * the second and fourth shifted a nibble, looked up, times the scale pairs (even, then odd
+ * elements), each product vector meeting 64 bytes of X in one vpdpwssd per row; lanes to
+ * float every two pairs. */
 TI void iq4_rows_vnni(const qmat *const *a, const int R, int64_t n) {
     const int64_t K = a[0]->K, B = K / Q4K_BLOCK;
     const uint8_t *blk = (const uint8_t *)a[0]->qw + n * B * IQ4XS_BLOCK_BYTES;
@@ -274,16 +276,19 @@ TI void iq4_rows_vnni(const qmat *const *a, const int R, int64_t n) {
         for (int half = 0; half < 2; half++) {
             __m512i t[4];
             for (int m = 0; m < R; m++) t[m] = _mm512_setzero_si512();
-            for (int j = 4 * half; j < 4 * half + 4; j++) {
-                /* the sub-block's 16 bytes as 128-bit lanes q, q, q, q; lanes 1 and 3 a nibble
-                 * down: elements 0-15, 16-31, twice */
-                const __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(blk + 8 + 16 * j)));
-                const __m512i nib = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xff00ff00, q, 4), m4);
+            for (int k = 2 * half; k < 2 * half + 2; k++) {
+                const __m512i q = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk + 8 + 32 * k)));
+                const __m512i aabb = _mm512_shuffle_i64x2(q, q, 0x50);
+                const __m512i nib = _mm512_and_si512(_mm512_mask_srli_epi16(aabb, 0xff00ff00, aabb, 4), m4);
                 const __m512i c = _mm512_shuffle_epi8(lut, nib);
-                const __m512i ctl = _mm512_load_si512((const __m512i *)iq4_ctl[j]);
-                const __m512i p = _mm512_maddubs_epi16(c, _mm512_shuffle_epi8(scb, ctl));
-                for (int m = 0; m < R; m++)
-                    t[m] = _mm512_dpwssd_epi32(t[m], p, _mm512_loadu_si512(xd[m] + 256 * b + 32 * j));
+                const __m512i *ctl = (const __m512i *)iq4_ctl[2 * k];
+                const __m512i pe = _mm512_maddubs_epi16(c, _mm512_shuffle_epi8(scb, _mm512_load_si512(ctl)));
+                const __m512i po = _mm512_maddubs_epi16(c, _mm512_shuffle_epi8(scb, _mm512_load_si512(ctl + 1)));
+                for (int m = 0; m < R; m++) {
+                    const __m512i *x = (const __m512i *)(xd[m] + 256 * b + 64 * k);
+                    t[m] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(t[m], pe, _mm512_loadu_si512(x)), po,
+                                               _mm512_loadu_si512(x + 1));
+                }
             }
             for (int m = 0; m < R; m++) {
                 const __m512 tf = _mm512_cvtepi32_ps(t[m]); /* two lanes' 4 products each: exact */
@@ -310,7 +315,7 @@ TARGET_AVX512_VNNI static void iq4xs_gemv_vnni(const qmat *a, int64_t n0, int64_
     for (int64_t n = n0; n < n1; n++) iq4_rows_vnni(&a, 1, n);
 }
 
-static const sb_kernels iq4xs_avx512_vnni = {iq4xs_gemv_c, q4k_xprep_avx2, iq4xs_gemv_vnni,
+static const sb_kernels iq4xs_avx512_vnni = {iq4xs_gemv_c, sb_xprep_pairs_avx2, iq4xs_gemv_vnni,
                                              iq4xs_gemv_rows_vnni, iq4xs_dequant};
 #undef TI
 #endif

@@ -336,9 +336,9 @@ void q5_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w);
  * q2_k (quant/formats/q2k.py): kind Q2K, Q2_K's blocks of 84 bytes.
  * iq4_xs (quant/formats/iq4xs.py): kind IQ4XS, IQ4_XS's blocks of 136 bytes (iq4xs.c).
  * Their kernels hang off the path's table by its sb_path (matmul.c's sb_for), not in it:
- * the float GEMV (every path's fallback), xprep (x in q4k_q5k.c's layout, SB_XPREP_BYTES,
- * which every kind reads, so one x serves a Q3_K and a Q4_K matrix; NULL: no integer
- * GEMV), the integer GEMV, its form over several rows, and the GEMM's dequantization. */
+ * the float GEMV (every path's fallback), xprep (x in one of q4k_q5k.c's two layouts,
+ * SB_XPREP_BYTES; matrices of one x and layout share it; NULL: no integer GEMV), the
+ * integer GEMV, its form over several rows, and the GEMM's dequantization. */
 enum { Q2K = 10, Q3K = 11, Q4K = 12, Q5K = 13, IQ4XS = 23 };
 enum { Q4K_BLOCK = 256, Q5K_BLOCK_BYTES = 176, Q4K_BLOCK_BYTES = 144, Q3K_BLOCK_BYTES = 110,
        Q2K_BLOCK_BYTES = 84, IQ4XS_BLOCK_BYTES = 136 };
@@ -356,8 +356,11 @@ const sb_kernels *q3k_for(const kernel_table *kt);
 const sb_kernels *q2k_for(const kernel_table *kt);
 const sb_kernels *iq4xs_for(const kernel_table *kt);
 #ifdef INFER_X86
-/* q4k_q5k.c's x for the super-block kinds' AVX2 and AVX-512 kernels (its layout there) */
+/* q4k_q5k.c's x for the super-block kinds' AVX2 and AVX-512 kernels (its layout there):
+ * X per sub-block (q5_k, q4_k), or per pair of sub-blocks (q3_k, q2_k, iq4_xs, whose
+ * AVX-512 kernels take two quarters or sub-blocks a vector) */
 int q4k_xprep_avx2(const float *x, int64_t K, void *buf);
+int sb_xprep_pairs_avx2(const float *x, int64_t K, void *buf);
 #endif
 /* A block's sub-block scales d * sc[j] and mins -(dmin * m[j]), rounded as the
  * dequantization rounds them (the integer GEMM's panel). */

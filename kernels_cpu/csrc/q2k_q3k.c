@@ -132,17 +132,16 @@ static inline const float *sb_xs16(const void *buf, int64_t K) {
     return sb_sx(buf, K) + K / Q4K_BLOCK + K / 32;
 }
 
-/* vpshufb controls that spread a quarter's two groups' scale bytes over int16 lanes in
- * X's order (the quarter's 16 even elements, then its 16 odd ones): for quarter r (groups
- * g = 2r, g + 1), (sc[g], 0) pairs in 128-bit lane 0 (even elements 0-14), (sc[g + 1], 0)
- * in lane 1 (16-30), (0, sc[g]) in lane 2 (odd 1-15), (0, sc[g + 1]) in lane 3; AVX2 reads
- * lanes 0-1 for the even half, 2-3 for the odd */
+/* vpshufb controls that spread the scale bytes of a pair of quarters (r = 2k, 2k + 1:
+ * groups 4k .. 4k + 3) over int16 lanes in X's order (the even elements of quarter 2k,
+ * of 2k + 1, then the odd ones): per pair, for the even elements (4k, 0), (4k + 1, 0),
+ * (4k + 2, 0), (4k + 3, 0) pairs in its four 128-bit lanes (elements 0-14 and 16-30 of
+ * each quarter), then for the odd ones (0, g) pairs */
 #define EVEN(g) g, -128, g, -128, g, -128, g, -128, g, -128, g, -128, g, -128, g, -128
 #define ODD(g) -128, g, -128, g, -128, g, -128, g, -128, g, -128, g, -128, g, -128, g
-#define QUARTER(g) {EVEN(g), EVEN(g + 1), ODD(g), ODD(g + 1)}
-static const int8_t group_ctl[8][64] __attribute__((aligned(64))) = {
-    QUARTER(0), QUARTER(2), QUARTER(4), QUARTER(6), QUARTER(8), QUARTER(10), QUARTER(12), QUARTER(14)};
-#undef QUARTER
+#define PAIR(g) {EVEN(g), EVEN(g + 1), EVEN(g + 2), EVEN(g + 3)}, {ODD(g), ODD(g + 1), ODD(g + 2), ODD(g + 3)}
+static const int8_t group_ctl[8][64] __attribute__((aligned(64))) = {PAIR(0), PAIR(4), PAIR(8), PAIR(12)};
+#undef PAIR
 #undef ODD
 #undef EVEN
 
@@ -229,14 +228,15 @@ TI void rows_avx2(const int kind, const qmat *const *a, const int R, int64_t n) 
             const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + qs_at(kind) + 32 * h));
             for (int j = 0; j < 4; j++) {
                 const __m256i c = quarter_codes(kind, qs, hm, h, j);
-                const int r = 4 * h + j;
-                const __m256i *ctl = (const __m256i *)group_ctl[r];
-                const __m256i pe = _mm256_maddubs_epi16(c, _mm256_shuffle_epi8(scb, _mm256_load_si256(ctl)));
-                const __m256i po = _mm256_maddubs_epi16(c, _mm256_shuffle_epi8(scb, _mm256_load_si256(ctl + 1)));
-                for (int m = 0; m < R; m++) { /* X: the quarter's even elements, then odd */
-                    const __m256i *x = (const __m256i *)(xd[m] + 256 * b + 32 * r);
+                const int r = 4 * h + j, k = r / 2, second = r % 2;
+                const __m256i *even = (const __m256i *)group_ctl[2 * k] + second;
+                const __m256i *odd = (const __m256i *)group_ctl[2 * k + 1] + second;
+                const __m256i pe = _mm256_maddubs_epi16(c, _mm256_shuffle_epi8(scb, _mm256_load_si256(even)));
+                const __m256i po = _mm256_maddubs_epi16(c, _mm256_shuffle_epi8(scb, _mm256_load_si256(odd)));
+                for (int m = 0; m < R; m++) { /* X: per pair of quarters, even 2k, even 2k + 1, odd, odd */
+                    const __m256i *x = (const __m256i *)(xd[m] + 256 * b + 64 * k) + second;
                     t[m] = _mm256_add_epi32(t[m], _mm256_add_epi32(_mm256_madd_epi16(pe, x[0]),
-                                                                   _mm256_madd_epi16(po, x[1])));
+                                                                   _mm256_madd_epi16(po, x[2])));
                 }
             }
         }
@@ -333,8 +333,8 @@ TARGET_AVX2 void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8])
     for (int b = 0; b < 8; b++) d[b] = nd;
 }
 
-static const sb_kernels q3k_avx2 = {q3k_gemv_c, q4k_xprep_avx2, q3k_gemv, q3k_gemv_rows, q3k_dequant};
-static const sb_kernels q2k_avx2 = {q2k_gemv_c, q4k_xprep_avx2, q2k_gemv, q2k_gemv_rows, q2k_dequant};
+static const sb_kernels q3k_avx2 = {q3k_gemv_c, sb_xprep_pairs_avx2, q3k_gemv, q3k_gemv_rows, q3k_dequant};
+static const sb_kernels q2k_avx2 = {q2k_gemv_c, sb_xprep_pairs_avx2, q2k_gemv, q2k_gemv_rows, q2k_dequant};
 #undef TI
 
 /* ------------------------------------------------------------------------------------
@@ -343,9 +343,10 @@ static const sb_kernels q2k_avx2 = {q2k_gemv_c, q4k_xprep_avx2, q2k_gemv, q2k_ge
 
 #define TI TARGET_AVX512_VNNI static inline __attribute__((always_inline))
 
-/* As rows_avx2 on 512 bits: a quarter's 32 codes in both halves, times the scale pairs
- * of its even elements in the low half and of its odd ones in the high half, then one
- * vpdpwssd per row. The groups' terms take one 16-lane FMA a block. */
+/* As rows_avx2 on 512 bits, a pair of quarters at a time: quarter 2k's 32 codes in the low
+ * 256 bits and 2k + 1's in the high, times the scale pairs of their even elements, then
+ * of their odd ones, each product vector meeting 64 bytes of X in one vpdpwssd per row.
+ * The groups' terms take one 16-lane FMA a block. */
 TI void low_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t n) {
     const int64_t K = a[0]->K, B = K / Q4K_BLOCK, bytes = block_bytes(kind);
     const uint8_t *blk = (const uint8_t *)a[0]->qw + n * B * bytes;
@@ -370,20 +371,27 @@ TI void low_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t
         for (int h = 0; h < 2; h++) {
             const __m512i qs =
                 _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + qs_at(kind) + 32 * h)));
-            for (int j = 0; j < 4; j++) {
-                const int r = 4 * h + j;
-                const __m512i low = _mm512_srli_epi16(qs, 2 * j);
+            for (int j = 0; j < 4; j += 2) { /* quarters j and j + 1 of half h */
+                const int k = 2 * h + j / 2, r = 4 * h + j;
+                const __m512i low = _mm512_srlv_epi16(qs, _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)),
+                                                                             _mm256_set1_epi16((short)(2 * j + 2)), 1));
                 __m512i c;
                 if (kind == Q3K) { /* (qs >> 2j) & 3 | 4 where set: one vpternlog (A & B | C) */
-                    const __mmask64 set = _mm512_test_epi8_mask(hm, _mm512_set1_epi8((char)(1 << r)));
+                    const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << r)),
+                                                            _mm256_set1_epi8((char)(1 << (r + 1))), 1);
+                    const __mmask64 set = _mm512_test_epi8_mask(hm, bits);
                     c = _mm512_ternarylogic_epi32(low, three, _mm512_maskz_mov_epi8(set, four), 0xea);
                 } else {
                     c = _mm512_and_si512(low, three);
                 }
-                const __m512i ctl = _mm512_load_si512((const __m512i *)group_ctl[r]);
-                const __m512i p = _mm512_maddubs_epi16(c, _mm512_shuffle_epi8(scb, ctl));
-                for (int m = 0; m < R; m++)
-                    t[m] = _mm512_dpwssd_epi32(t[m], p, _mm512_loadu_si512(xd[m] + 256 * b + 32 * r));
+                const __m512i *ctl = (const __m512i *)group_ctl[2 * k];
+                const __m512i pe = _mm512_maddubs_epi16(c, _mm512_shuffle_epi8(scb, _mm512_load_si512(ctl)));
+                const __m512i po = _mm512_maddubs_epi16(c, _mm512_shuffle_epi8(scb, _mm512_load_si512(ctl + 1)));
+                for (int m = 0; m < R; m++) {
+                    const __m512i *x = (const __m512i *)(xd[m] + 256 * b + 64 * k);
+                    t[m] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(t[m], pe, _mm512_loadu_si512(x)), po,
+                                               _mm512_loadu_si512(x + 1));
+                }
             }
         }
         for (int m = 0; m < R; m++) {
@@ -426,9 +434,9 @@ TARGET_AVX512_VNNI static void q2k_gemv_rows_vnni(const qmat *const *a, int R, i
     low_gemv_rows_vnni(Q2K, a, R, n0, n1);
 }
 
-static const sb_kernels q3k_avx512_vnni = {q3k_gemv_c, q4k_xprep_avx2, q3k_gemv_vnni,
+static const sb_kernels q3k_avx512_vnni = {q3k_gemv_c, sb_xprep_pairs_avx2, q3k_gemv_vnni,
                                            q3k_gemv_rows_vnni, q3k_dequant};
-static const sb_kernels q2k_avx512_vnni = {q2k_gemv_c, q4k_xprep_avx2, q2k_gemv_vnni,
+static const sb_kernels q2k_avx512_vnni = {q2k_gemv_c, sb_xprep_pairs_avx2, q2k_gemv_vnni,
                                            q2k_gemv_rows_vnni, q2k_dequant};
 #undef TI
 #endif

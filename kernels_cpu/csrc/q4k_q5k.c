@@ -144,7 +144,8 @@ static const sb_kernels q5k_plain = {q5k_gemv_c, NULL, NULL, NULL, q5k_dequant_c
  * - for one row (q4k_row): per block, per sub-block of 32, its 32 high digits then its
  *   32 low digits (X = 256 hi + lo) in element order, 512 bytes a block;
  * - for several (q4k_rows): X as int16, per block, per sub-block its 16 even elements
- *   then its 16 odd ones, 512 bytes a block;
+ *   then its 16 odd ones, 512 bytes a block (sb_xprep_pairs_avx2, for q2k_q3k.c and
+ *   iq4xs.c: per pair of sub-blocks, the even elements of each, then the odd ones);
  * then per block sx, then per sub-block sx * sum X, then per group of 16 sx * sum X. */
 static inline const int16_t *q4k_x16(const void *buf, int64_t K) {
     return (const int16_t *)((const int8_t *)buf + 2 * K);
@@ -153,7 +154,7 @@ static inline const float *q4k_sx(const void *buf, int64_t K) {
     return (const float *)((const int8_t *)buf + 4 * K);
 }
 
-TARGET_AVX2 int q4k_xprep_avx2(const float *x, int64_t K, void *buf) {
+TI int sb_xprep(const float *x, int64_t K, void *buf, const int pairs) {
     const int64_t B = K / Q4K_BLOCK;
     int8_t *xd = buf;
     int16_t *x16 = (int16_t *)(xd + 2 * K);
@@ -202,8 +203,11 @@ TARGET_AVX2 int q4k_xprep_avx2(const float *x, int64_t K, void *buf) {
                                                   _mm256_permute2x128_si256(X[2], X[3], 0x20));
             const __m256i od = _mm256_packs_epi32(_mm256_permute2x128_si256(X[0], X[1], 0x31),
                                                   _mm256_permute2x128_si256(X[2], X[3], 0x31));
-            _mm256_store_si256((__m256i *)(x16 + 256 * b + 32 * j), _mm256_permute4x64_epi64(ev, 0xd8));
-            _mm256_store_si256((__m256i *)(x16 + 256 * b + 32 * j + 16), _mm256_permute4x64_epi64(od, 0xd8));
+            /* its 16 even elements, then its 16 odd ones; per pair of sub-blocks: even of
+             * each, then odd of each */
+            int16_t *xp = x16 + 256 * b + (pairs ? 64 * (j / 2) + 16 * (j % 2) : 32 * j);
+            _mm256_store_si256((__m256i *)xp, _mm256_permute4x64_epi64(ev, 0xd8));
+            _mm256_store_si256((__m256i *)(xp + (pairs ? 32 : 16)), _mm256_permute4x64_epi64(od, 0xd8));
             int32_t half[2]; /* the sums of X over the sub-block's two groups of 16 */
             for (int p = 0; p < 2; p++) {
                 __m128i s4 = _mm256_castsi256_si128(sum[p]);
@@ -217,6 +221,11 @@ TARGET_AVX2 int q4k_xprep_avx2(const float *x, int64_t K, void *buf) {
         }
     }
     return 0;
+}
+
+TARGET_AVX2 int q4k_xprep_avx2(const float *x, int64_t K, void *buf) { return sb_xprep(x, K, buf, 0); }
+TARGET_AVX2 int sb_xprep_pairs_avx2(const float *x, int64_t K, void *buf) {
+    return sb_xprep(x, K, buf, 1);
 }
 
 /* sum over pairs of codes q (bytes) times digits x, times s (int16 lanes): int32 lanes */

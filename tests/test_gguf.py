@@ -552,14 +552,14 @@ def test_q5_blocks_run_as_int5_in_the_fused_step(tmp_path):
     torch.testing.assert_close(last, want_last, atol=1e-4 * want_last.abs().max(), rtol=0)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_0, T.Q4_1, T.IQ4_NL])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_0, T.Q4_1, T.IQ4_NL, T.IQ3_S])
 def test_copied_blocks_go_a_run_of_rows_at_a_time(monkeypatch, qtype):
     """A copied tensor goes a few rows at a time, each run's file pages let go once
     copied (its place in the file given), and equals the tensor copied whole."""
     from infer.runtime.files import gguf_blocks
 
     N, K = 7, 256
-    if qtype == T.IQ4_NL:  # held in int8, requantized a run at a time
+    if qtype in (T.IQ4_NL, T.IQ3_S):  # held in int8, a run at a time
         data = random_blocks(qtype, N, K)
     else:
         w = np.random.default_rng(2).standard_normal((N, K)).astype(np.float32)
@@ -575,12 +575,12 @@ def test_copied_blocks_go_a_run_of_rows_at_a_time(monkeypatch, qtype):
 
 
 @pytest.mark.parametrize(
-    "qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL, T.Q5_0, T.Q5_1]
+    "qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL, T.IQ3_S, T.Q5_0, T.Q5_1]
 )
 def test_other_types_go_onto_the_kernels_closely(qtype):
     """The K-quants' blocks are int6's, q5_k's, q4_k's, q3_k's and q2_k's, IQ4_XS's
-    iq4_xs's, Q5_0's and Q5_1's int5's, as they are; the other types are held in int8 g32, within half an int8
-    step of their values."""
+    iq4_xs's, Q5_0's and Q5_1's int5's, as they are; the other types are held in int8 g32:
+    IQ4_NL exactly, the others within half an int8 step of their values."""
     from infer.quant.formats.int5 import Int5Linear
     from infer.quant.formats.int6 import Int6Linear
     from infer.quant.formats.int8 import Int8Linear
@@ -613,7 +613,7 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
         moved = not any(b.untyped_storage().resizable() for b in held)
         assert moved == (not in_place)  # the K-quants' blocks stay where they are
     err = (q.dequantize() - expected).abs()
-    if qtype != T.IQ4_NL:
+    if qtype not in (T.IQ4_NL, T.IQ3_S):
         kinds = {T.Q6_K: Int6Linear, T.Q5_K: Q5KLinear, T.Q4_K: Q4KLinear, T.Q3_K: Q3KLinear,
                  T.Q2_K: Q2KLinear, T.IQ4_XS: IQ4XSLinear}  # fmt: skip
         kind = kinds.get(qtype, Int5Linear)
@@ -624,6 +624,8 @@ def test_other_types_go_onto_the_kernels_closely(qtype):
         assert type(q) is Int8Linear and q.group_size == 32
         step = q.scales.float().repeat_interleave(32, 1)
         assert (err <= step / 2 * (1 + 1e-3)).all()
+        if qtype == T.IQ4_NL:  # its levels are int8 values: exactly
+            assert torch.equal(q.dequantize(), expected)
     # The kernel computes with the module's own weights (their distance from the file's
     # is bounded above).
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(2))

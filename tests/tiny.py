@@ -156,7 +156,7 @@ def random_blocks(qtype: T, N: int, K: int, seed: int = 0) -> np.ndarray:
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (N, K // block, size), dtype=np.uint8)
     at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,),
-          T.IQ4_NL: (0,), T.IQ4_XS: (0,)}[qtype]  # fmt: skip
+          T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ3_S: (0,)}[qtype]  # fmt: skip
     for a in at:
         d = rng.uniform(1e-3, 2e-2, (N, K // block)).astype(np.float16)
         data[..., a : a + 2] = d.view(np.uint8).reshape(N, K // block, 2)

@@ -26,7 +26,8 @@ columns and changes no bit, and the result's `dequantize()` equals
 This is how a GGUF file's such tensors load to run (sources.GGUFSource), and how
 `infer quantize` carries them into a checkpoint whose recipe asks for their format.
 
-Loading to run, the rest go onto the kernels approximately (`to_kernels`):
+Loading to run, the rest go onto the kernels in int8 g32 (`to_kernels`): IQ4_NL exactly
+(its 16 levels are int8 values, its scale a float16 per 32), and approximately
 
     every other block-quantized type (the other IQ types, ...)
         -> int8 g32 from its values, each within 1/254 of its group's largest
@@ -45,6 +46,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ... import InferError
+from ...kernels_cpu.reference import IQ4_VALUES
 from ...quant.formats.base import FORMATS, QuantLinear
 from ...quant.formats.int4 import Int4Linear
 from ...quant.formats.int5 import Int5Linear
@@ -235,11 +237,27 @@ def to_kernels(
     return q
 
 
+def _iq4_nl_in_int8(part: GGUFTensor) -> Int8Linear:
+    """IQ4_NL's blocks (d, then 16 bytes of codes: element i low nibble, 16 + i high) as
+    int8 g32 exactly: each code's level (kvalues_iq4nl, int8) times d (float16)."""
+    n, K = part.shape
+    blocks = torch.from_numpy(part.data).view(n, K // 32, 18)
+    codes = torch.cat((blocks[..., 2:] & 15, blocks[..., 2:] >> 4), -1).view(n, K).long()
+    levels = torch.tensor(IQ4_VALUES, dtype=torch.int8)[codes]
+    d = blocks[..., :2].contiguous().view(torch.float16).view(n, K // 32)
+    return Int8Linear(levels, d, {"group_size": 32})
+
+
 def _held_in_int8(t: GGUFTensor, bias: torch.Tensor | None, release: Release) -> Int8Linear:
+    """In int8 g32: IQ4_NL exactly (its levels are int8 values), the rest requantized from
+    their values."""
     runs = []  # ROWS_AT_ONCE rows at a time: a large table is never whole in float32
     for start in range(0, t.shape[0], ROWS_AT_ONCE):
         part = t.rows(start, start + ROWS_AT_ONCE)
-        runs.append(Int8Linear.from_float(dequantize(part), group_size=32, search=False))
+        if t.ggml_type == GGMLQuantizationType.IQ4_NL:
+            runs.append(_iq4_nl_in_int8(part))
+        else:
+            runs.append(Int8Linear.from_float(dequantize(part), group_size=32, search=False))
         release(part)
     qweight, scales = (torch.cat([getattr(r, k) for r in runs]) for k in ("qweight", "scales"))
     return Int8Linear(qweight, scales, runs[0].params, bias)

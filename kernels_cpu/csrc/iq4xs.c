@@ -90,14 +90,6 @@ void iq4xs_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]) {
 #ifdef INFER_X86
 #include <immintrin.h>
 
-/* Where q4k_q5k.c's prepared x keeps X (int16), the blocks' sx and the sub-blocks' sx sum X */
-static inline const int16_t *iq4_x16(const void *buf, int64_t K) {
-    return (const int16_t *)((const int8_t *)buf + 2 * K);
-}
-static inline const float *iq4_sx(const void *buf, int64_t K) {
-    return (const float *)((const int8_t *)buf + 4 * K);
-}
-
 /* The levels plus 128, for vpshufb */
 #define LEVELS 1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241
 static const uint8_t iq4_lut[64] __attribute__((aligned(64))) = {LEVELS, LEVELS, LEVELS, LEVELS};
@@ -156,7 +148,7 @@ TI void iq4_rows(const qmat *const *a, const int R, int64_t n) {
     const float *sxs[4], *xs[4];
     __m256 acc[4], corr[4];
     for (int m = 0; m < R; m++) {
-        xd[m] = iq4_x16(a[m]->xq, K), sxs[m] = iq4_sx(a[m]->xq, K), xs[m] = sxs[m] + B;
+        xd[m] = sb_x16(a[m]->xq, K), sxs[m] = sb_sx(a[m]->xq, K), xs[m] = sb_xs32(a[m]->xq, K);
         acc[m] = corr[m] = _mm256_setzero_ps();
     }
     const __m256i lut = _mm256_load_si256((const __m256i *)iq4_lut), m4 = _mm256_set1_epi8(0x0f);
@@ -263,7 +255,7 @@ TI void iq4_rows_vnni(const qmat *const *a, const int R, int64_t n) {
     const float *sxs[4], *xs[4];
     __m256 acc[4], corr[4];
     for (int m = 0; m < R; m++) {
-        xd[m] = iq4_x16(a[m]->xq, K), sxs[m] = iq4_sx(a[m]->xq, K), xs[m] = sxs[m] + B;
+        xd[m] = sb_x16(a[m]->xq, K), sxs[m] = sb_sx(a[m]->xq, K), xs[m] = sb_xs32(a[m]->xq, K);
         acc[m] = corr[m] = _mm256_setzero_ps();
     }
     const __m512i lut = _mm512_load_si512((const __m512i *)iq4_lut), m4 = _mm512_set1_epi8(0x0f);

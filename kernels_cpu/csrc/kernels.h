@@ -343,6 +343,15 @@ enum { Q2K = 10, Q3K = 11, Q4K = 12, Q5K = 13, IQ4XS = 23 };
 enum { Q4K_BLOCK = 256, Q5K_BLOCK_BYTES = 176, Q4K_BLOCK_BYTES = 144, Q3K_BLOCK_BYTES = 110,
        Q2K_BLOCK_BYTES = 84, IQ4XS_BLOCK_BYTES = 136 };
 #define SB_XPREP_BYTES(K) (4 * (K) + (K) / Q4K_BLOCK * 4 + (K) / 32 * 4 + (K) / 16 * 4)
+/* Where that x keeps X as int16, each block's sx, and sx * sum X per 32 and per 16 */
+static inline const int16_t *sb_x16(const void *buf, int64_t K) {
+    return (const int16_t *)((const int8_t *)buf + 2 * K);
+}
+static inline const float *sb_sx(const void *buf, int64_t K) {
+    return (const float *)((const int8_t *)buf + 4 * K);
+}
+static inline const float *sb_xs32(const void *buf, int64_t K) { return sb_sx(buf, K) + K / Q4K_BLOCK; }
+static inline const float *sb_xs16(const void *buf, int64_t K) { return sb_xs32(buf, K) + K / 32; }
 typedef struct {
     gemv_fn gemv_c;
     xprep_fn xprep;

@@ -121,17 +121,6 @@ void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]) {
 #ifdef INFER_X86
 #include <immintrin.h>
 
-/* Where q4k_q5k.c's prepared x keeps X (int16), the blocks' sx and the groups' sx sum X */
-static inline const int16_t *sb_x16(const void *buf, int64_t K) {
-    return (const int16_t *)((const int8_t *)buf + 2 * K);
-}
-static inline const float *sb_sx(const void *buf, int64_t K) {
-    return (const float *)((const int8_t *)buf + 4 * K);
-}
-static inline const float *sb_xs16(const void *buf, int64_t K) {
-    return sb_sx(buf, K) + K / Q4K_BLOCK + K / 32;
-}
-
 /* vpshufb controls that spread the scale bytes of a pair of quarters (r = 2k, 2k + 1:
  * groups 4k .. 4k + 3) over int16 lanes in X's order (the even elements of quarter 2k,
  * of 2k + 1, then the odd ones): per pair, for the even elements (4k, 0), (4k + 1, 0),

@@ -147,12 +147,6 @@ static const sb_kernels q5k_plain = {q5k_gemv_c, NULL, NULL, NULL, q5k_dequant_c
  *   then its 16 odd ones, 512 bytes a block (sb_xprep_pairs_avx2, for q2k_q3k.c and
  *   iq4xs.c: per pair of sub-blocks, the even elements of each, then the odd ones);
  * then per block sx, then per sub-block sx * sum X, then per group of 16 sx * sum X. */
-static inline const int16_t *q4k_x16(const void *buf, int64_t K) {
-    return (const int16_t *)((const int8_t *)buf + 2 * K);
-}
-static inline const float *q4k_sx(const void *buf, int64_t K) {
-    return (const float *)((const int8_t *)buf + 4 * K);
-}
 
 TI int sb_xprep(const float *x, int64_t K, void *buf, const int pairs) {
     const int64_t B = K / Q4K_BLOCK;
@@ -275,7 +269,7 @@ TI float q4k_row(const qmat *a, int64_t n) {
     const int64_t K = a->K, B = K / Q4K_BLOCK;
     const uint8_t *blk = (const uint8_t *)a->qw + n * B * Q4K_BLOCK_BYTES;
     const int8_t *xd = a->xq;
-    const float *sxs = q4k_sx(xd, K), *xs = sxs + B;
+    const float *sxs = sb_sx(xd, K), *xs = sb_xs32(xd, K);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int64_t b = 0; b < B; b++, blk += Q4K_BLOCK_BYTES) {
@@ -352,7 +346,7 @@ TI void q4k_rows(const int kind, const qmat *const *a, const int R, int64_t n) {
     const float *sxs[4], *xs[4];
     __m256 acc[4], accm[4];
     for (int m = 0; m < R; m++) {
-        xd[m] = q4k_x16(a[m]->xq, K), sxs[m] = q4k_sx(a[m]->xq, K), xs[m] = sxs[m] + B;
+        xd[m] = sb_x16(a[m]->xq, K), sxs[m] = sb_sx(a[m]->xq, K), xs[m] = sb_xs32(a[m]->xq, K);
         acc[m] = accm[m] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < B; b++, blk += bytes) {
@@ -461,7 +455,7 @@ TI void q4k_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t
     const float *sxs[8], *xs[8];
     __m256 acc[8], accm[8];
     for (int m = 0; m < R; m++) {
-        xd[m] = q4k_x16(a[m]->xq, K), sxs[m] = q4k_sx(a[m]->xq, K), xs[m] = sxs[m] + B;
+        xd[m] = sb_x16(a[m]->xq, K), sxs[m] = sb_sx(a[m]->xq, K), xs[m] = sb_xs32(a[m]->xq, K);
         acc[m] = accm[m] = _mm256_setzero_ps();
     }
     const __m512i m4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);

@@ -87,15 +87,17 @@ def integer_gemm_error(x: torch.Tensor, w: torch.Tensor, block: int = 32) -> tor
 
 # the formats the integer GEMM may take, by their kernels' `bits` (csrc/kernels.h IG_KIND)
 _IG_KINDS = {
-    "int4": 4, "int5": 5, "int8": 8, "q5_k": 13, "q4_k": 12, "q3_k": 11, "q2_k": 10, "iq4_xs": 23
+    "int4": 4, "int5": 5, "int6": 6, "int8": 8, "q5_k": 13, "q4_k": 12, "q3_k": 11, "q2_k": 10,
+    "iq4_xs": 23,
 }  # fmt: skip
 
 
 def integer_gemm(isa: str | None = None, fmt: str | None = None) -> bool:
     """Whether a path (default: the default one) multiplies several rows of x (a prompt)
     by integer dot products, with x as two int8 digits: 15 significant bits per block of
-    32 (csrc/kernels.h, "The integer GEMM"), for weights in `fmt` ("int4", "int5", "int8",
-    "q5_k", "q4_k", "q3_k", "q2_k", "iq4_xs"; default: any of them). Other paths and formats dequantize W to float32."""
+    32 (csrc/kernels.h, "The integer GEMM"), for weights in `fmt` ("int4", "int5", "int6",
+    "int8", "q5_k", "q4_k", "q3_k", "q2_k", "iq4_xs"; default: any of them). Other paths and
+    formats dequantize W to float32."""
     if _C is None:
         return False
     kinds = _C.isa_integer_gemm(_default_isa() if isa is None else _isa_id(isa))

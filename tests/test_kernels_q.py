@@ -83,9 +83,9 @@ def dequantized(bits, g, w):
 
 
 def runs_integer_gemm(M: int, isa: str, bits: int = 4) -> bool:
-    """Whether matmul.c multiplies M rows of x by the integer GEMM (int6 never: its scales
-    are per 16; int8 only with vpdpbusd)."""
-    return M >= IGEMM_MIN_M and bits != 6 and ops.integer_gemm(isa, f"int{bits}")
+    """Whether matmul.c multiplies M rows of x by the integer GEMM (int8 and int6 only with
+    vpdpbusd)."""
+    return M >= IGEMM_MIN_M and ops.integer_gemm(isa, f"int{bits}")
 
 
 def runs_gemv(M: int, K: int) -> bool:
@@ -296,18 +296,16 @@ def test_which_paths_keep_fifteen_bits_of_x(isa, M, kind):
 
 @needs_c
 def test_integer_gemm_paths_and_formats():
-    """vpdpbusd paths take int4, int5, int8, q5_k, q4_k, and q3_k and iq4_xs as int8's
-    codes; plain AVX2 (vpmaddubsw's int16 pairs) int4, int5, q5_k and q4_k, not int8,
-    q3_k or iq4_xs (their codes overflow a pair); q2_k none (mins per 16)."""
-    formats = {
-        "avx512vnni": {"int4", "int5", "int8", "q5_k", "q4_k", "q3_k", "iq4_xs"},
-        "avx2vnni": {"int4", "int5", "int8", "q5_k", "q4_k", "q3_k", "iq4_xs"},
-        "avx2": {"int4", "int5", "q5_k", "q4_k"},
-    }
+    """vpdpbusd paths take int4, int5, int6 (a scale per 16), int8, q5_k, q4_k, and q3_k
+    and iq4_xs as int8's codes; plain AVX2 (vpmaddubsw's int16 pairs) int4, int5, q5_k and
+    q4_k, not int6, int8, q3_k or iq4_xs (their codes overflow a pair); q2_k none (mins
+    per 16)."""
+    vnni = {"int4", "int5", "int6", "int8", "q5_k", "q4_k", "q3_k", "iq4_xs"}
+    formats = {"avx512vnni": vnni, "avx2vnni": vnni, "avx2": {"int4", "int5", "q5_k", "q4_k"}}
     for isa in ops.supported_isas():
         want = formats.get(isa, set())
         assert ops.integer_gemm(isa) == bool(want), isa
-        for fmt in ("int4", "int5", "int8", "q5_k", "q4_k", "q3_k", "q2_k", "iq4_xs"):
+        for fmt in ("int4", "int5", "int6", "int8", "q5_k", "q4_k", "q3_k", "q2_k", "iq4_xs"):
             assert ops.integer_gemm(isa, fmt) == (fmt in want), (isa, fmt)
 
 

@@ -1142,42 +1142,50 @@ T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
     return 0;
 }
 
-/* y for rows [32 t + 16 v, + 16) of x and NR (1-3, fixed at compile time) rows of W. */
+/* y for rows [32 t + 16 v, + 16) of x and NR (1-3) rows of W; NR and H (1; 2: a d per 16,
+ * each half of a block summed and scaled apart) fixed at compile time. */
 TARGET_AVX2_VNNI static inline __attribute__((always_inline)) void
 ig_block(const ig_x *x, int64_t t, int v, const uint8_t *w, const float *d, const float *mins,
-         float *y, int64_t ldy, const int NR) {
+         float *y, int64_t ldy, const int NR, const int H) {
     const int64_t Kp = x->Kp, B = Kp / 32;
     const int8_t *xd = x->digits + t * B * 8 * 256 + 64 * v;
     __m256 f[3][2];
     for (int n = 0; n < NR; n++) f[n][0] = f[n][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < B; b++, xd += 8 * 256) {
-        __m256i acc[3][2];
-        for (int n = 0; n < NR; n++) acc[n][0] = acc[n][1] = _mm256_setzero_si256();
-        for (int digit = 0; digit < 2; digit++) { /* hi, then lo: acc = 256 sum(hi) + sum(lo) */
-            if (digit)
-                for (int n = 0; n < NR; n++)
-                    for (int h = 0; h < 2; h++) acc[n][h] = _mm256_slli_epi32(acc[n][h], 8);
+        const int64_t i = (t * B + b) * IG_MR + 16 * v;
+        for (int e = 0; e < H; e++) { /* the block, or its half e */
+            __m256i acc[3][2];
+            for (int n = 0; n < NR; n++) acc[n][0] = acc[n][1] = _mm256_setzero_si256();
+            for (int digit = 0; digit < 2; digit++) { /* hi, then lo: acc = 256 sum(hi) + sum(lo) */
+                if (digit)
+                    for (int n = 0; n < NR; n++)
+                        for (int h = 0; h < 2; h++) acc[n][h] = _mm256_slli_epi32(acc[n][h], 8);
 #pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) {
-                const __m256i x0 = _mm256_load_si256((const __m256i *)(xd + j * 256 + 128 * digit));
-                const __m256i x1 = _mm256_load_si256((const __m256i *)(xd + j * 256 + 128 * digit + 32));
-                for (int n = 0; n < NR; n++) {
-                    const __m256i c = _mm256_set1_epi32(load_i32(w + n * Kp + 32 * b + 4 * j));
-                    acc[n][0] = _mm256_dpbusd_avx_epi32(acc[n][0], c, x0);
-                    acc[n][1] = _mm256_dpbusd_avx_epi32(acc[n][1], c, x1);
+                for (int j = 8 / H * e; j < 8 / H * (e + 1); j++) {
+                    const __m256i x0 = _mm256_load_si256((const __m256i *)(xd + j * 256 + 128 * digit));
+                    const __m256i x1 = _mm256_load_si256((const __m256i *)(xd + j * 256 + 128 * digit + 32));
+                    for (int n = 0; n < NR; n++) {
+                        const __m256i c = _mm256_set1_epi32(load_i32(w + n * Kp + 32 * b + 4 * j));
+                        acc[n][0] = _mm256_dpbusd_avx_epi32(acc[n][0], c, x0);
+                        acc[n][1] = _mm256_dpbusd_avx_epi32(acc[n][1], c, x1);
+                    }
                 }
             }
-        }
-        const int64_t i = (t * B + b) * IG_MR + 16 * v;
-        for (int h = 0; h < 2; h++) {
-            const __m256i off = _mm256_load_si256((const __m256i *)(x->off + i + 8 * h));
-            const __m256 sx = _mm256_load_ps(x->sx + i + 8 * h);
-            for (int n = 0; n < NR; n++) {
-                const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[n][h], off));
-                f[n][h] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(d[n * B + b])), f[n][h]);
-                if (mins)
-                    f[n][h] = _mm256_fmadd_ps(_mm256_load_ps(x->xs + i + 8 * h),
-                                              _mm256_set1_ps(mins[n * B + b]), f[n][h]);
+            for (int h = 0; h < 2; h++) {
+                __m256i off = _mm256_load_si256((const __m256i *)(x->off + i + 8 * h));
+                if (H == 2) { /* o sum X over this half */
+                    const __m256i lo = _mm256_load_si256((const __m256i *)(x->off_lo + i + 8 * h));
+                    off = e ? _mm256_sub_epi32(off, lo) : lo;
+                }
+                const __m256 sx = _mm256_load_ps(x->sx + i + 8 * h);
+                for (int n = 0; n < NR; n++) {
+                    const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[n][h], off));
+                    const float dn = d[(n * B + b) * H + e];
+                    f[n][h] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(dn)), f[n][h]);
+                    if (mins)
+                        f[n][h] = _mm256_fmadd_ps(_mm256_load_ps(x->xs + i + 8 * h),
+                                                  _mm256_set1_ps(mins[n * B + b]), f[n][h]);
+                }
             }
         }
     }
@@ -1188,9 +1196,9 @@ ig_block(const ig_x *x, int64_t t, int v, const uint8_t *w, const float *d, cons
                 _mm256_permutevar8x32_ps(f[n][r / 8], _mm256_set1_epi32(r % 8)));
 }
 
-#define IG_CASE(NR_)                                                                             \
+#define IG_CASE(NR_, H_)                                                                         \
     case NR_:                                                                                    \
-        ig_block(x, t, v, w + n * Kp, d + n * B, m ? m + n * B : NULL, y + n, ldy, NR_);         \
+        ig_block(x, t, v, w + n * Kp, d + n * B * H_, m ? m + n * B : NULL, y + n, ldy, NR_, H_); \
         break;
 
 TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const float *d,
@@ -1199,9 +1207,11 @@ TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const flo
     for (int64_t t = 0; t * IG_MR < x->M; t++)
         for (int v = 0; v < 2 && t * IG_MR + 16 * v < x->M; v++)
             for (int64_t n = 0; n < nb; n += 3) {
-                switch (nb - n < 3 ? (int)(nb - n) : 3) {
-                    IG_CASE(3) IG_CASE(2) IG_CASE(1)
-                }
+                const int nr = nb - n < 3 ? (int)(nb - n) : 3;
+                if (x->off_lo)
+                    switch (nr) { IG_CASE(3, 2) IG_CASE(2, 2) IG_CASE(1, 2) }
+                else
+                    switch (nr) { IG_CASE(3, 1) IG_CASE(2, 1) IG_CASE(1, 1) }
             }
 }
 
@@ -1219,8 +1229,8 @@ const kernel_table kernels_avx2_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni, q6_dequant,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits_vnni, .q5_dequant = q5_dequant,
-    .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) | IG_KIND(Q3K) |
-                IG_KIND(IQ4XS),
+    .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(6) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) |
+                IG_KIND(Q3K) | IG_KIND(IQ4XS),
     /* the plain AVX2 rows kernels: their int32 lanes are the VNNI one-row kernels' */
     .q4_gemv_rows = q4_gemv_rows, .q5_gemv_rows = q5_gemv_rows, .q6_gemv_rows = q6_gemv_rows_vnni,
     .sb_path = SB_AVX2,

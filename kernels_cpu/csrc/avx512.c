@@ -1023,44 +1023,51 @@ T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
     return 0;
 }
 
-/* y for rows [32 t, 32 t + 16 MV) of x and NR rows of W; MV (1, 2) and NR (1-4) fixed
- * at compile time. */
+/* y for rows [32 t, 32 t + 16 MV) of x and NR rows of W; MV (1, 2), NR (1-4) and H (1;
+ * 2: a d per 16, each half of a block summed and scaled apart) fixed at compile time. */
 TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void
 ig_block(const ig_x *x, int64_t t, const uint8_t *w, const float *d, const float *mins, float *y,
-         int64_t ldy, const int MV, const int NR) {
+         int64_t ldy, const int MV, const int NR, const int H) {
     const int64_t Kp = x->Kp, B = Kp / 32;
     const int8_t *xd = x->digits + t * B * 8 * 256;
     __m512 f[4][2];
     for (int n = 0; n < NR; n++) f[n][0] = f[n][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < B; b++, xd += 8 * 256) {
-        __m512i ah[4][2], al[4][2];
-        for (int n = 0; n < NR; n++)
-            ah[n][0] = ah[n][1] = al[n][0] = al[n][1] = _mm512_setzero_si512();
+        const int64_t i = (t * B + b) * IG_MR;
+        for (int h = 0; h < H; h++) {
+            __m512i ah[4][2], al[4][2];
+            for (int n = 0; n < NR; n++)
+                ah[n][0] = ah[n][1] = al[n][0] = al[n][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) {
-            __m512i xh[2], xl[2];
-            for (int v = 0; v < MV; v++) {
-                xh[v] = _mm512_load_si512(xd + j * 256 + 64 * v);
-                xl[v] = _mm512_load_si512(xd + j * 256 + 128 + 64 * v);
-            }
-            for (int n = 0; n < NR; n++) {
-                const __m512i c = _mm512_set1_epi32(load_i32(w + n * Kp + 32 * b + 4 * j));
+            for (int j = 8 / H * h; j < 8 / H * (h + 1); j++) {
+                __m512i xh[2], xl[2];
                 for (int v = 0; v < MV; v++) {
-                    ah[n][v] = _mm512_dpbusd_epi32(ah[n][v], c, xh[v]);
-                    al[n][v] = _mm512_dpbusd_epi32(al[n][v], c, xl[v]);
+                    xh[v] = _mm512_load_si512(xd + j * 256 + 64 * v);
+                    xl[v] = _mm512_load_si512(xd + j * 256 + 128 + 64 * v);
+                }
+                for (int n = 0; n < NR; n++) {
+                    const __m512i c = _mm512_set1_epi32(load_i32(w + n * Kp + 32 * b + 4 * j));
+                    for (int v = 0; v < MV; v++) {
+                        ah[n][v] = _mm512_dpbusd_epi32(ah[n][v], c, xh[v]);
+                        al[n][v] = _mm512_dpbusd_epi32(al[n][v], c, xl[v]);
+                    }
                 }
             }
-        }
-        const int64_t i = (t * B + b) * IG_MR;
-        for (int v = 0; v < MV; v++) {
-            const __m512i off = _mm512_load_si512(x->off + i + 16 * v);
-            const __m512 sx = _mm512_load_ps(x->sx + i + 16 * v);
-            for (int n = 0; n < NR; n++) {
-                __m512i a = _mm512_add_epi32(_mm512_slli_epi32(ah[n][v], 8), al[n][v]);
-                a = _mm512_sub_epi32(a, off);
-                f[n][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sx, _mm512_set1_ps(d[n * B + b])), f[n][v]);
-                if (mins)
-                    f[n][v] = _mm512_fmadd_ps(_mm512_load_ps(x->xs + i + 16 * v), _mm512_set1_ps(mins[n * B + b]), f[n][v]);
+            for (int v = 0; v < MV; v++) {
+                __m512i off = _mm512_load_si512(x->off + i + 16 * v);
+                if (H == 2) { /* o sum X over this half */
+                    const __m512i lo = _mm512_load_si512(x->off_lo + i + 16 * v);
+                    off = h ? _mm512_sub_epi32(off, lo) : lo;
+                }
+                const __m512 sx = _mm512_load_ps(x->sx + i + 16 * v);
+                for (int n = 0; n < NR; n++) {
+                    __m512i a = _mm512_add_epi32(_mm512_slli_epi32(ah[n][v], 8), al[n][v]);
+                    a = _mm512_sub_epi32(a, off);
+                    const float dn = d[(n * B + b) * H + h];
+                    f[n][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sx, _mm512_set1_ps(dn)), f[n][v]);
+                    if (mins)
+                        f[n][v] = _mm512_fmadd_ps(_mm512_load_ps(x->xs + i + 16 * v), _mm512_set1_ps(mins[n * B + b]), f[n][v]);
+                }
             }
         }
     }
@@ -1089,10 +1096,13 @@ ig_block(const ig_x *x, int64_t t, const uint8_t *w, const float *d, const float
     }
 }
 
-#define IG_CASE(MV_, NR_)                                                                        \
+#define IG_CASE(MV_, NR_, H_)                                                                    \
     case (MV_) * 8 + (NR_):                                                                      \
-        ig_block(x, t, w + n * Kp, d + n * B, m ? m + n * B : NULL, y + n, ldy, MV_, NR_);       \
+        ig_block(x, t, w + n * Kp, d + n * B * H_, m ? m + n * B : NULL, y + n, ldy, MV_, NR_, H_); \
         break;
+#define IG_CASES(H_)                                                                             \
+    IG_CASE(2, 4, H_) IG_CASE(2, 3, H_) IG_CASE(2, 2, H_) IG_CASE(2, 1, H_)                      \
+    IG_CASE(1, 4, H_) IG_CASE(1, 3, H_) IG_CASE(1, 2, H_) IG_CASE(1, 1, H_)
 
 TARGET_AVX512_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const float *d,
                                         const float *m, float *y, int64_t ldy, int64_t nb) {
@@ -1101,10 +1111,10 @@ TARGET_AVX512_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const f
         const int mv = x->M - t * IG_MR > 16 ? 2 : 1;
         for (int64_t n = 0; n < nb; n += 4) {
             const int nr = nb - n < 4 ? (int)(nb - n) : 4;
-            switch (mv * 8 + nr) {
-                IG_CASE(2, 4) IG_CASE(2, 3) IG_CASE(2, 2) IG_CASE(2, 1)
-                IG_CASE(1, 4) IG_CASE(1, 3) IG_CASE(1, 2) IG_CASE(1, 1)
-            }
+            if (x->off_lo)
+                switch (mv * 8 + nr) { IG_CASES(2) }
+            else
+                switch (mv * 8 + nr) { IG_CASES(1) }
         }
     }
 }
@@ -1120,8 +1130,8 @@ const kernel_table kernels_avx512_vnni = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits_vnni, q8_dequant, q4_dequant, tile,
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q6_xprep256, q6_gemv16, q6_dequant,
     q4_xprep, q5_gemv_vnni, avx2_q5_dequant, /* avx2.c's dequantization */
-    IG_KIND(4) | IG_KIND(5) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) | IG_KIND(Q3K) |
-        IG_KIND(IQ4XS),
+    IG_KIND(4) | IG_KIND(5) | IG_KIND(6) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) |
+        IG_KIND(Q3K) | IG_KIND(IQ4XS),
     .q5_gemv_rows = q5_gemv_rows_vnni, .q6_gemv_rows = q6_gemv_rows16,
     .q6_xsum = q6_xsum256, .q6_xblock = Q6_BLOCK, .sb_path = SB_AVX512_VNNI,
 };

@@ -131,6 +131,27 @@ static void panel_iq4xs(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float
         iq4xs_block_panel(blk, w, d);
 }
 
+/* int6: per block of 256 its codes q (0..63; GGUF Q6_K's ql and qh: per half h and
+ * quarter j, 32 elements from one run of each) and d sc per 16, exact in float. */
+static void panel_q6(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d) {
+    const int64_t NB = a->K / Q6_BLOCK;
+    const uint64_t nib = 0x0f0f0f0f0f0f0f0full, two = 0x0303030303030303ull;
+    const uint8_t *blk = (const uint8_t *)a->qw + n0 * NB * Q6_BLOCK_BYTES;
+    for (int64_t i = 0; i < nb * NB; i++, blk += Q6_BLOCK_BYTES, w += Q6_BLOCK, d += 16) {
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j++) {
+                uint64_t ql[4], qh[4], e[4];
+                memcpy(ql, blk + 64 * h + 32 * (j & 1), 32);
+                memcpy(qh, blk + 128 + 32 * h, 32);
+                for (int k = 0; k < 4; k++)
+                    e[k] = ((ql[k] >> (j < 2 ? 0 : 4)) & nib) | ((qh[k] >> (2 * j)) & two) << 4;
+                memcpy(w + 128 * h + 32 * j, e, 32);
+            }
+        const float dd = half_to_float((uint16_t)(blk[208] | blk[209] << 8));
+        for (int g = 0; g < 16; g++) d[g] = dd * (float)(int8_t)blk[192 + g];
+    }
+}
+
 /* int8: K bytes per row, any K when per channel (zeros past K meet x's zero digits). */
 static void panel_q8(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d) {
     const int64_t K = a->K, Kp = (K + 31) / 32 * 32, B = Kp / 32;
@@ -179,6 +200,15 @@ static void xprep_task(void *ctx, int64_t t, int tid) {
         memset(x->off + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(int32_t));
     }
     j->bad[t] = (int8_t)(j->kt->ig_xprep(j->a->x, j->a->K, t, j->o, x) != 0);
+    if (x->off_lo) /* o sum X over each block's first 16, from the digits just written */
+        for (int64_t b = 0; b < B; b++)
+            for (int r = 0; r < IG_MR; r++) {
+                const int8_t *p = x->digits + (t * B + b) * 8 * 256 + (r / 16) * 64 + (r % 16) * 4;
+                int32_t s = 0;
+                for (int g = 0; g < 4; g++)
+                    for (int e = 0; e < 4; e++) s += 256 * p[256 * g + e] + p[256 * g + 128 + e];
+                x->off_lo[(t * B + b) * IG_MR + r] = j->o * s;
+            }
 }
 
 static void panel_task(void *ctx, int64_t t, int tid) {
@@ -198,6 +228,8 @@ static void panel_task(void *ctx, int64_t t, int tid) {
         panel_q3k(a, n0, nb, w, d);
     else if (j->bits == IQ4XS)
         panel_iq4xs(a, n0, nb, w, d);
+    else if (j->bits == 6)
+        panel_q6(a, n0, nb, w, d);
     else
         panel_q4(a, n0, nb, w, d, m);
     j->kt->ig_panel(&j->x, w, d, m, a->y + n0, a->N, nb);
@@ -207,16 +239,21 @@ int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     if (!kt->ig_xprep) return 1;
     const int64_t Kp = (a->K + 31) / 32 * 32, B = Kp / 32, T = (a->M + IG_MR - 1) / IG_MR;
     /* the codes' offset: asymmetric (mins, q4_k's and q5_k's too) 0, else int4 8, int5 16,
-     * int8, q3_k and iq4_xs 128 */
+     * int6 32, int8, q3_k and iq4_xs 128 */
     const int o = bits == 8 || bits == Q3K || bits == IQ4XS ? 128
                   : a->mins || bits == Q4K || bits == Q5K ? 0
+                  : bits == 6                             ? 32
                   : bits == 5                             ? 16
                                                           : 8;
+    const int halves = bits == 6; /* a scale per 16 */
     ig_job j = {.a = a, .kt = kt, .bits = bits, .o = o};
     int8_t *digits = alloc64((size_t)(T * B * 8 * 256));
-    float *sx = alloc64((size_t)(T * B * IG_MR) * (2 * sizeof(float) + sizeof(int32_t)));
-    j.x = (ig_x){digits, sx, sx + T * B * IG_MR, (int32_t *)(sx + 2 * T * B * IG_MR), a->M, Kp,
+    const int64_t n = T * B * IG_MR; /* per tile, block and row: sx, xs, off (and off_lo) */
+    float *sx = alloc64((size_t)n * (2 * sizeof(float) + (1 + halves) * sizeof(int32_t)));
+    j.x = (ig_x){digits, sx, sx + n, (int32_t *)(sx + 2 * n), halves ? (int32_t *)(sx + 3 * n) : NULL,
+                 a->M, Kp,
                  bits == 8 || bits == Q3K || bits == IQ4XS ? 255
+                 : bits == 6                              ? 63
                  : bits == 5 || bits == Q5K               ? 31
                                                           : 15};
     j.bad = calloc((size_t)T, 1);

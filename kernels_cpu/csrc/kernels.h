@@ -141,7 +141,8 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * Larger M (prefill) runs the GEMM: a tile of weight rows is dequantized once, exactly as
  * the format defines it, into float32 scratch and multiplied with all M rows. From 16
  * rows, paths with vpdpbusd (avx512vnni, avx2vnni) run the integer GEMM instead (below)
- * for int4 and int8, plain AVX2 (vpmaddubsw, igemm_avx2.c) for int4, int5 and q4_k:
+ * for every format but q2_k, plain AVX2 (vpmaddubsw, igemm_avx2.c) for int4, int5, q4_k
+ * and q5_k:
  * x as two int8 digits, 15 significant bits per block of 32 (bf16 keeps 8 per element,
  * llama.cpp's Q8 activations 8 per block), faster than the float GEMM on prompts.
  *
@@ -153,8 +154,8 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  *      15 bits per block of 256, one vpdpwssd per 32 weights): per group of 16,
  *      d sc sx (sum q X) plus the group's term d sc (-32 sx sum X) (xsum, from the same
  *      X). Without them (x with inf or NaN, or a path with neither) it runs q6_gemv_c in
- *      float. The GEMM dequantizes tiles
- *      (q6_dequant_c; no integer GEMM: its scales are per 32).
+ *      float. Prompts take the integer GEMM on the vpdpbusd paths (codes q, a scale
+ *      d sc per 16), else dequantize tiles (q6_dequant_c).
  *
  * int5 (quant/formats/int5.py, GGUF Q5_0 / Q5_1's blocks split into columns): qw uint8
  *      (N, K/2) int4's nibbles, qh uint8 (N, K/8) per block of 32 a little-endian uint32
@@ -260,15 +261,18 @@ static inline void xprep8_pad(void *buf, int64_t K) {
  *
  * with o = 8 (int4 symmetric), 16 (int5 symmetric), 0 (asymmetric) or 128 (int8); the
  * integer sums are exact
- * (256 * 32 * 255 * 127 + 32 * 255 * 128 + 128 * 32 * 32512 < 2^31). */
+ * (256 * 32 * 255 * 127 + 32 * 255 * 128 + 128 * 32 * 32512 < 2^31).
+ * int6 has a scale per 16: c = q (0..63), o = 32, and two d per block (nb, Kp / 16), d sc,
+ * each over its half of the block's sums; off_lo holds o sum X over each block's first 16. */
 #define IG_XMAX 32512
 enum { IG_MR = 32 };
 typedef struct {
     int8_t *digits;     /* (Mp / IG_MR, Kp / 32, 8, 256) */
     float *sx, *xs;     /* (Mp / IG_MR, Kp / 32, IG_MR) */
     int32_t *off;       /* (Mp / IG_MR, Kp / 32, IG_MR) */
+    int32_t *off_lo;    /* as off, over elements 0..15 of each block; NULL: a d per block */
     int64_t M, Kp;
-    int cmax;           /* W's largest code: 15 (int4, q4_k), 31 (int5), 255 (int8) */
+    int cmax;           /* W's largest code: 15 (int4, q4_k), 31 (int5), 63 (int6), 255 (int8) */
 } ig_x;
 /* A row's terms for one block, at i = (t * Kp / 32 + b) * IG_MR + row in its tile: the
  * step sx from the block's amax, and o * sum X and sx * sum X from the sum of its X. */
@@ -282,7 +286,8 @@ static inline void ig_terms(const ig_x *d, int64_t i, float amax, int32_t sum, i
  * -1 if the rows have inf or NaN (the float GEMM then runs). */
 typedef int (*ig_xprep_fn)(const float *x, int64_t K, int64_t t, int o, const ig_x *d);
 /* y[m, n] for every m < x->M and n < nb (y rows strided by ldy) from nb rows of codes w
- * (nb, Kp), d and m (nb, Kp / 32; m NULL unless asymmetric) as above. */
+ * (nb, Kp), d and m (nb, Kp / 32; m NULL unless asymmetric; d (nb, Kp / 16) when
+ * x->off_lo) as above. */
 typedef void (*ig_panel_fn)(const ig_x *x, const uint8_t *w, const float *d, const float *m,
                             float *y, int64_t ldy, int64_t nb);
 

@@ -1142,51 +1142,67 @@ T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
     return 0;
 }
 
+#define TV TARGET_AVX2_VNNI static inline __attribute__((always_inline))
+
+/* acc = sum over the groups [J0, J1) of 4 elements of a block of codes times X (256 hi +
+ * lo), for 16 rows of x and NR rows of W. */
+TV void ig_sums(const int8_t *xd, const uint8_t *w, int64_t Kp, int64_t b, __m256i acc[3][2],
+                const int NR, const int J0, const int J1) {
+    for (int n = 0; n < NR; n++) acc[n][0] = acc[n][1] = _mm256_setzero_si256();
+    for (int digit = 0; digit < 2; digit++) { /* hi, then lo: acc = 256 sum(hi) + sum(lo) */
+        if (digit)
+            for (int n = 0; n < NR; n++)
+                for (int h = 0; h < 2; h++) acc[n][h] = _mm256_slli_epi32(acc[n][h], 8);
+#pragma GCC unroll 8
+        for (int j = J0; j < J1; j++) {
+            const __m256i x0 = _mm256_load_si256((const __m256i *)(xd + j * 256 + 128 * digit));
+            const __m256i x1 = _mm256_load_si256((const __m256i *)(xd + j * 256 + 128 * digit + 32));
+            for (int n = 0; n < NR; n++) {
+                const __m256i c = _mm256_set1_epi32(load_i32(w + n * Kp + 32 * b + 4 * j));
+                acc[n][0] = _mm256_dpbusd_avx_epi32(acc[n][0], c, x0);
+                acc[n][1] = _mm256_dpbusd_avx_epi32(acc[n][1], c, x1);
+            }
+        }
+    }
+}
+
+/* f += (acc - off) sx d (+ xs m): off's 16 rows at i (off_lo, or off minus it, for a half). */
+TV void ig_scale(const ig_x *x, int64_t i, const __m256i acc[3][2], const int32_t *off,
+                 const int32_t *less, const float *d, int64_t dstride, const float *mins,
+                 int64_t mstride, __m256 f[3][2], const int NR) {
+    for (int h = 0; h < 2; h++) {
+        __m256i o = _mm256_load_si256((const __m256i *)(off + i + 8 * h));
+        if (less) o = _mm256_sub_epi32(o, _mm256_load_si256((const __m256i *)(less + i + 8 * h)));
+        const __m256 sx = _mm256_load_ps(x->sx + i + 8 * h);
+        for (int n = 0; n < NR; n++) {
+            const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[n][h], o));
+            f[n][h] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(d[n * dstride])), f[n][h]);
+            if (mins)
+                f[n][h] = _mm256_fmadd_ps(_mm256_load_ps(x->xs + i + 8 * h),
+                                          _mm256_set1_ps(mins[n * mstride]), f[n][h]);
+        }
+    }
+}
+
 /* y for rows [32 t + 16 v, + 16) of x and NR (1-3) rows of W; NR and H (1; 2: a d per 16,
  * each half of a block summed and scaled apart) fixed at compile time. */
-TARGET_AVX2_VNNI static inline __attribute__((always_inline)) void
-ig_block(const ig_x *x, int64_t t, int v, const uint8_t *w, const float *d, const float *mins,
-         float *y, int64_t ldy, const int NR, const int H) {
+TV void ig_block(const ig_x *x, int64_t t, int v, const uint8_t *w, const float *d,
+                 const float *mins, float *y, int64_t ldy, const int NR, const int H) {
     const int64_t Kp = x->Kp, B = Kp / 32;
     const int8_t *xd = x->digits + t * B * 8 * 256 + 64 * v;
     __m256 f[3][2];
     for (int n = 0; n < NR; n++) f[n][0] = f[n][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < B; b++, xd += 8 * 256) {
         const int64_t i = (t * B + b) * IG_MR + 16 * v;
-        for (int e = 0; e < H; e++) { /* the block, or its half e */
-            __m256i acc[3][2];
-            for (int n = 0; n < NR; n++) acc[n][0] = acc[n][1] = _mm256_setzero_si256();
-            for (int digit = 0; digit < 2; digit++) { /* hi, then lo: acc = 256 sum(hi) + sum(lo) */
-                if (digit)
-                    for (int n = 0; n < NR; n++)
-                        for (int h = 0; h < 2; h++) acc[n][h] = _mm256_slli_epi32(acc[n][h], 8);
-#pragma GCC unroll 8
-                for (int j = 8 / H * e; j < 8 / H * (e + 1); j++) {
-                    const __m256i x0 = _mm256_load_si256((const __m256i *)(xd + j * 256 + 128 * digit));
-                    const __m256i x1 = _mm256_load_si256((const __m256i *)(xd + j * 256 + 128 * digit + 32));
-                    for (int n = 0; n < NR; n++) {
-                        const __m256i c = _mm256_set1_epi32(load_i32(w + n * Kp + 32 * b + 4 * j));
-                        acc[n][0] = _mm256_dpbusd_avx_epi32(acc[n][0], c, x0);
-                        acc[n][1] = _mm256_dpbusd_avx_epi32(acc[n][1], c, x1);
-                    }
-                }
-            }
-            for (int h = 0; h < 2; h++) {
-                __m256i off = _mm256_load_si256((const __m256i *)(x->off + i + 8 * h));
-                if (H == 2) { /* o sum X over this half */
-                    const __m256i lo = _mm256_load_si256((const __m256i *)(x->off_lo + i + 8 * h));
-                    off = e ? _mm256_sub_epi32(off, lo) : lo;
-                }
-                const __m256 sx = _mm256_load_ps(x->sx + i + 8 * h);
-                for (int n = 0; n < NR; n++) {
-                    const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[n][h], off));
-                    const float dn = d[(n * B + b) * H + e];
-                    f[n][h] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(dn)), f[n][h]);
-                    if (mins)
-                        f[n][h] = _mm256_fmadd_ps(_mm256_load_ps(x->xs + i + 8 * h),
-                                                  _mm256_set1_ps(mins[n * B + b]), f[n][h]);
-                }
-            }
+        __m256i acc[3][2];
+        if (H == 1) {
+            ig_sums(xd, w, Kp, b, acc, NR, 0, 8);
+            ig_scale(x, i, acc, x->off, NULL, d + b, B, mins ? mins + b : NULL, B, f, NR);
+        } else { /* elements 0..15 (off_lo), then 16..31 (off - off_lo) */
+            ig_sums(xd, w, Kp, b, acc, NR, 0, 4);
+            ig_scale(x, i, acc, x->off_lo, NULL, d + 2 * b, 2 * B, NULL, 0, f, NR);
+            ig_sums(xd, w, Kp, b, acc, NR, 4, 8);
+            ig_scale(x, i, acc, x->off, x->off_lo, d + 2 * b + 1, 2 * B, NULL, 0, f, NR);
         }
     }
     const int64_t row0 = t * IG_MR + 16 * v, rows = x->M - row0 < 16 ? x->M - row0 : 16;
@@ -1201,18 +1217,32 @@ ig_block(const ig_x *x, int64_t t, int v, const uint8_t *w, const float *d, cons
         ig_block(x, t, v, w + n * Kp, d + n * B * H_, m ? m + n * B : NULL, y + n, ldy, NR_, H_); \
         break;
 
-TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const float *d,
-                                      const float *m, float *y, int64_t ldy, int64_t nb) {
+/* The panel for H (above); one function each, so that their registers are allocated apart. */
+TV void ig_panel_h(const ig_x *x, const uint8_t *w, const float *d, const float *m, float *y,
+                   int64_t ldy, int64_t nb, const int H) {
     const int64_t Kp = x->Kp, B = Kp / 32;
     for (int64_t t = 0; t * IG_MR < x->M; t++)
         for (int v = 0; v < 2 && t * IG_MR + 16 * v < x->M; v++)
             for (int64_t n = 0; n < nb; n += 3) {
                 const int nr = nb - n < 3 ? (int)(nb - n) : 3;
-                if (x->off_lo)
+                if (H == 2)
                     switch (nr) { IG_CASE(3, 2) IG_CASE(2, 2) IG_CASE(1, 2) }
                 else
                     switch (nr) { IG_CASE(3, 1) IG_CASE(2, 1) IG_CASE(1, 1) }
             }
+}
+
+TARGET_AVX2_VNNI __attribute__((noinline)) static void ig_panel_halves(
+    const ig_x *x, const uint8_t *w, const float *d, float *y, int64_t ldy, int64_t nb) {
+    ig_panel_h(x, w, d, NULL, y, ldy, nb, 2);
+}
+
+TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const float *d,
+                                      const float *m, float *y, int64_t ldy, int64_t nb) {
+    if (x->off_lo)
+        ig_panel_halves(x, w, d, y, ldy, nb);
+    else
+        ig_panel_h(x, w, d, m, y, ldy, nb, 1);
 }
 
 const kernel_table kernels_avx2 = {

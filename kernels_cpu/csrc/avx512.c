@@ -1023,52 +1023,68 @@ T int ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
     return 0;
 }
 
+#define TV TARGET_AVX512_VNNI static inline __attribute__((always_inline))
+
+/* ah, al = sums over the groups [J0, J1) of 4 elements of a block of codes times x's hi
+ * and lo digits, for 16 MV rows of x and NR rows of W. */
+TV void ig_sums(const int8_t *xd, const uint8_t *w, int64_t Kp, int64_t b, __m512i ah[4][2],
+                __m512i al[4][2], const int MV, const int NR, const int J0, const int J1) {
+    for (int n = 0; n < NR; n++) ah[n][0] = ah[n][1] = al[n][0] = al[n][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = J0; j < J1; j++) {
+        __m512i xh[2], xl[2];
+        for (int v = 0; v < MV; v++) {
+            xh[v] = _mm512_load_si512(xd + j * 256 + 64 * v);
+            xl[v] = _mm512_load_si512(xd + j * 256 + 128 + 64 * v);
+        }
+        for (int n = 0; n < NR; n++) {
+            const __m512i c = _mm512_set1_epi32(load_i32(w + n * Kp + 32 * b + 4 * j));
+            for (int v = 0; v < MV; v++) {
+                ah[n][v] = _mm512_dpbusd_epi32(ah[n][v], c, xh[v]);
+                al[n][v] = _mm512_dpbusd_epi32(al[n][v], c, xl[v]);
+            }
+        }
+    }
+}
+
+/* f += (256 ah + al - off) sx d (+ xs m): off's rows at i (off_lo, or off minus it, for a
+ * half). */
+TV void ig_scale(const ig_x *x, int64_t i, const __m512i ah[4][2], const __m512i al[4][2],
+                 const int32_t *off, const int32_t *less, const float *d, int64_t dstride,
+                 const float *mins, int64_t mstride, __m512 f[4][2], const int MV, const int NR) {
+    for (int v = 0; v < MV; v++) {
+        __m512i o = _mm512_load_si512(off + i + 16 * v);
+        if (less) o = _mm512_sub_epi32(o, _mm512_load_si512(less + i + 16 * v));
+        const __m512 sx = _mm512_load_ps(x->sx + i + 16 * v);
+        for (int n = 0; n < NR; n++) {
+            __m512i a = _mm512_add_epi32(_mm512_slli_epi32(ah[n][v], 8), al[n][v]);
+            a = _mm512_sub_epi32(a, o);
+            f[n][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sx, _mm512_set1_ps(d[n * dstride])), f[n][v]);
+            if (mins)
+                f[n][v] = _mm512_fmadd_ps(_mm512_load_ps(x->xs + i + 16 * v), _mm512_set1_ps(mins[n * mstride]), f[n][v]);
+        }
+    }
+}
+
 /* y for rows [32 t, 32 t + 16 MV) of x and NR rows of W; MV (1, 2), NR (1-4) and H (1;
  * 2: a d per 16, each half of a block summed and scaled apart) fixed at compile time. */
-TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void
-ig_block(const ig_x *x, int64_t t, const uint8_t *w, const float *d, const float *mins, float *y,
-         int64_t ldy, const int MV, const int NR, const int H) {
+TV void ig_block(const ig_x *x, int64_t t, const uint8_t *w, const float *d, const float *mins,
+                 float *y, int64_t ldy, const int MV, const int NR, const int H) {
     const int64_t Kp = x->Kp, B = Kp / 32;
     const int8_t *xd = x->digits + t * B * 8 * 256;
     __m512 f[4][2];
     for (int n = 0; n < NR; n++) f[n][0] = f[n][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < B; b++, xd += 8 * 256) {
         const int64_t i = (t * B + b) * IG_MR;
-        for (int h = 0; h < H; h++) {
-            __m512i ah[4][2], al[4][2];
-            for (int n = 0; n < NR; n++)
-                ah[n][0] = ah[n][1] = al[n][0] = al[n][1] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-            for (int j = 8 / H * h; j < 8 / H * (h + 1); j++) {
-                __m512i xh[2], xl[2];
-                for (int v = 0; v < MV; v++) {
-                    xh[v] = _mm512_load_si512(xd + j * 256 + 64 * v);
-                    xl[v] = _mm512_load_si512(xd + j * 256 + 128 + 64 * v);
-                }
-                for (int n = 0; n < NR; n++) {
-                    const __m512i c = _mm512_set1_epi32(load_i32(w + n * Kp + 32 * b + 4 * j));
-                    for (int v = 0; v < MV; v++) {
-                        ah[n][v] = _mm512_dpbusd_epi32(ah[n][v], c, xh[v]);
-                        al[n][v] = _mm512_dpbusd_epi32(al[n][v], c, xl[v]);
-                    }
-                }
-            }
-            for (int v = 0; v < MV; v++) {
-                __m512i off = _mm512_load_si512(x->off + i + 16 * v);
-                if (H == 2) { /* o sum X over this half */
-                    const __m512i lo = _mm512_load_si512(x->off_lo + i + 16 * v);
-                    off = h ? _mm512_sub_epi32(off, lo) : lo;
-                }
-                const __m512 sx = _mm512_load_ps(x->sx + i + 16 * v);
-                for (int n = 0; n < NR; n++) {
-                    __m512i a = _mm512_add_epi32(_mm512_slli_epi32(ah[n][v], 8), al[n][v]);
-                    a = _mm512_sub_epi32(a, off);
-                    const float dn = d[(n * B + b) * H + h];
-                    f[n][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sx, _mm512_set1_ps(dn)), f[n][v]);
-                    if (mins)
-                        f[n][v] = _mm512_fmadd_ps(_mm512_load_ps(x->xs + i + 16 * v), _mm512_set1_ps(mins[n * B + b]), f[n][v]);
-                }
-            }
+        __m512i ah[4][2], al[4][2];
+        if (H == 1) {
+            ig_sums(xd, w, Kp, b, ah, al, MV, NR, 0, 8);
+            ig_scale(x, i, ah, al, x->off, NULL, d + b, B, mins ? mins + b : NULL, B, f, MV, NR);
+        } else { /* elements 0..15 (off_lo), then 16..31 (off - off_lo) */
+            ig_sums(xd, w, Kp, b, ah, al, MV, NR, 0, 4);
+            ig_scale(x, i, ah, al, x->off_lo, NULL, d + 2 * b, 2 * B, NULL, 0, f, MV, NR);
+            ig_sums(xd, w, Kp, b, ah, al, MV, NR, 4, 8);
+            ig_scale(x, i, ah, al, x->off, x->off_lo, d + 2 * b + 1, 2 * B, NULL, 0, f, MV, NR);
         }
     }
     const int64_t rows = x->M - t * IG_MR < 16 * MV ? x->M - t * IG_MR : 16 * MV;
@@ -1104,19 +1120,33 @@ ig_block(const ig_x *x, int64_t t, const uint8_t *w, const float *d, const float
     IG_CASE(2, 4, H_) IG_CASE(2, 3, H_) IG_CASE(2, 2, H_) IG_CASE(2, 1, H_)                      \
     IG_CASE(1, 4, H_) IG_CASE(1, 3, H_) IG_CASE(1, 2, H_) IG_CASE(1, 1, H_)
 
-TARGET_AVX512_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const float *d,
-                                        const float *m, float *y, int64_t ldy, int64_t nb) {
+/* The panel for H (above); one function each, so that their registers are allocated apart. */
+TV void ig_panel_h(const ig_x *x, const uint8_t *w, const float *d, const float *m, float *y,
+                   int64_t ldy, int64_t nb, const int H) {
     const int64_t Kp = x->Kp, B = Kp / 32, tiles = (x->M + IG_MR - 1) / IG_MR;
     for (int64_t t = 0; t < tiles; t++) {
         const int mv = x->M - t * IG_MR > 16 ? 2 : 1;
         for (int64_t n = 0; n < nb; n += 4) {
             const int nr = nb - n < 4 ? (int)(nb - n) : 4;
-            if (x->off_lo)
+            if (H == 2)
                 switch (mv * 8 + nr) { IG_CASES(2) }
             else
                 switch (mv * 8 + nr) { IG_CASES(1) }
         }
     }
+}
+
+TARGET_AVX512_VNNI __attribute__((noinline)) static void ig_panel_halves(
+    const ig_x *x, const uint8_t *w, const float *d, float *y, int64_t ldy, int64_t nb) {
+    ig_panel_h(x, w, d, NULL, y, ldy, nb, 2);
+}
+
+TARGET_AVX512_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const float *d,
+                                        const float *m, float *y, int64_t ldy, int64_t nb) {
+    if (x->off_lo)
+        ig_panel_halves(x, w, d, y, ldy, nb);
+    else
+        ig_panel_h(x, w, d, m, y, ldy, nb, 1);
 }
 
 const kernel_table kernels_avx512 = {

@@ -93,25 +93,36 @@ static void panel_q5(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d
     }
 }
 
-/* q4_k: per block of 256, 4 runs of 32 bytes, low nibbles one sub-block, high the next;
- * q5_k: its codes with bit 4 (q4k_q5k.c); d and m per sub-block from q4k_q5k.c, as the
- * dequantization rounds them (the two share the scales' layout). */
+/* A Q4_K block's codes for the panel: 4 runs of 32 bytes, low nibbles one sub-block, high
+ * the next. On x86 32 bytes at a time. */
+#ifdef INFER_X86
+TARGET_AVX2 static void q4k_block_codes(const uint8_t *blk, uint8_t *c) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    for (int r = 0; r < 4; r++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * r));
+        _mm256_storeu_si256((__m256i *)(c + 64 * r), _mm256_and_si256(v, nib));
+        _mm256_storeu_si256((__m256i *)(c + 64 * r + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+    }
+}
+#else
+static void q4k_block_codes(const uint8_t *blk, uint8_t *c) {
+    for (int r = 0; r < 4; r++)
+        for (int l = 0; l < 32; l++)
+            c[64 * r + l] = blk[16 + 32 * r + l] & 15, c[64 * r + 32 + l] = blk[16 + 32 * r + l] >> 4;
+}
+#endif
+
+/* q4_k and q5_k (its codes with bit 4, q4k_q5k.c): d and m per sub-block from q4k_q5k.c,
+ * as the dequantization rounds them (the two share the scales' layout). */
 static void panel_k(int kind, const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d, float *m) {
     const int64_t NB = a->K / Q4K_BLOCK, bytes = q_row_bytes(kind, Q4K_BLOCK);
-    const uint64_t nib = 0x0f0f0f0f0f0f0f0full;
     const uint8_t *blk = (const uint8_t *)a->qw + n0 * NB * bytes;
     for (int64_t i = 0; i < nb * NB; i++, blk += bytes, w += Q4K_BLOCK, d += 8, m += 8) {
         q4k_block_scales(blk, d, m);
-        if (kind == Q5K) {
+        if (kind == Q5K)
             q5k_block_codes(blk, w);
-            continue;
-        }
-        for (int r = 0; r < 4; r++) {
-            uint64_t v[4], e[8];
-            memcpy(v, blk + 16 + 32 * r, 32);
-            for (int k = 0; k < 4; k++) e[k] = v[k] & nib, e[4 + k] = (v[k] >> 4) & nib;
-            memcpy(w + 64 * r, e, 64);
-        }
+        else
+            q4k_block_codes(blk, w);
     }
 }
 
@@ -132,21 +143,38 @@ static void panel_iq4xs(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float
 }
 
 /* int6: per block of 256 its codes q (0..63; GGUF Q6_K's ql and qh: per half h and
- * quarter j, 32 elements from one run of each) and d sc per 16, exact in float. */
+ * quarter j, 32 elements from one run of each, qh's bits 2j and 2j + 1 to bits 4 and 5)
+ * and d sc per 16, exact in float. On x86 32 codes at a time. */
+#ifdef INFER_X86
+TARGET_AVX2 static void q6_block_codes(const uint8_t *blk, uint8_t *c) {
+    const __m256i nib = _mm256_set1_epi8(15), high = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const __m256i hb[4] = {_mm256_slli_epi16(qh, 4), _mm256_slli_epi16(qh, 2), qh,
+                               _mm256_srli_epi16(qh, 2)};
+        for (int j = 0; j < 4; j++) {
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (j & 1)));
+            const __m256i lo = j < 2 ? ql : _mm256_srli_epi16(ql, 4);
+            _mm256_storeu_si256((__m256i *)(c + 128 * h + 32 * j),
+                                _mm256_or_si256(_mm256_and_si256(lo, nib), _mm256_and_si256(hb[j], high)));
+        }
+    }
+}
+#else
+static void q6_block_codes(const uint8_t *blk, uint8_t *c) {
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++)
+                c[128 * h + 32 * j + l] = (uint8_t)(((blk[64 * h + 32 * (j & 1) + l] >> (j < 2 ? 0 : 4)) & 15) |
+                                                    ((blk[128 + 32 * h + l] >> (2 * j)) & 3) << 4);
+}
+#endif
+
 static void panel_q6(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d) {
     const int64_t NB = a->K / Q6_BLOCK;
-    const uint64_t nib = 0x0f0f0f0f0f0f0f0full, two = 0x0303030303030303ull;
     const uint8_t *blk = (const uint8_t *)a->qw + n0 * NB * Q6_BLOCK_BYTES;
     for (int64_t i = 0; i < nb * NB; i++, blk += Q6_BLOCK_BYTES, w += Q6_BLOCK, d += 16) {
-        for (int h = 0; h < 2; h++)
-            for (int j = 0; j < 4; j++) {
-                uint64_t ql[4], qh[4], e[4];
-                memcpy(ql, blk + 64 * h + 32 * (j & 1), 32);
-                memcpy(qh, blk + 128 + 32 * h, 32);
-                for (int k = 0; k < 4; k++)
-                    e[k] = ((ql[k] >> (j < 2 ? 0 : 4)) & nib) | ((qh[k] >> (2 * j)) & two) << 4;
-                memcpy(w + 128 * h + 32 * j, e, 32);
-            }
+        q6_block_codes(blk, w);
         const float dd = half_to_float((uint16_t)(blk[208] | blk[209] << 8));
         for (int g = 0; g < 16; g++) d[g] = dd * (float)(int8_t)blk[192 + g];
     }

@@ -110,22 +110,36 @@ static void q5k_gemv_c(const qmat *a, int64_t n0, int64_t n1) { kq_gemv_c(Q5K, a
 static void q4k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) { kq_dequant_c(Q4K, a, n0, n1, w); }
 static void q5k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) { kq_dequant_c(Q5K, a, n0, n1, w); }
 
-/* A Q5_K block's codes (0..31, sub-block by sub-block) for the integer GEMM's panel, 8
- * bytes at a time: a nibble, and bit j of each qh byte moved to bit 4 */
-void q5k_block_codes(const uint8_t *blk, uint8_t c[256]) {
-    const uint64_t nib = 0x0f0f0f0f0f0f0f0full, one = 0x0101010101010101ull;
-    uint64_t qh[4];
-    memcpy(qh, blk + 16, 32);
+/* A Q5_K block's codes (0..31, sub-block by sub-block) for the integer GEMM's panel: a
+ * nibble, and bit j of each qh byte moved to bit 4. On x86 (where the integer GEMM runs)
+ * 32 bytes at a time. */
+#ifdef INFER_X86
+#include <immintrin.h>
+
+TARGET_AVX2 void q5k_block_codes(const uint8_t *blk, uint8_t c[256]) {
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+    const __m256i nib = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
     for (int r = 0; r < 4; r++) {
-        uint64_t v[4], e[8];
-        memcpy(v, blk + 48 + 32 * r, 32);
-        for (int k = 0; k < 4; k++) {
-            e[k] = (v[k] & nib) | ((qh[k] >> (2 * r)) & one) << 4;
-            e[4 + k] = ((v[k] >> 4) & nib) | ((qh[k] >> (2 * r + 1)) & one) << 4;
-        }
-        memcpy(c + 64 * r, e, 64);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * r));
+        const __m256i h = _mm256_srli_epi16(qh, 2 * r); /* bits 2r, 2r + 1 -> 0, 1 */
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, nib),
+                                           _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib),
+                                           _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+        _mm256_storeu_si256((__m256i *)(c + 64 * r), lo);
+        _mm256_storeu_si256((__m256i *)(c + 64 * r + 32), hi);
     }
 }
+#else
+void q5k_block_codes(const uint8_t *blk, uint8_t c[256]) {
+    const uint8_t *qh = blk + 16, *ql = blk + 48;
+    for (int r = 0; r < 4; r++, ql += 32, c += 64)
+        for (int l = 0; l < 32; l++) {
+            c[l] = (uint8_t)((ql[l] & 15) | ((qh[l] >> (2 * r)) & 1) << 4);
+            c[32 + l] = (uint8_t)((ql[l] >> 4) | ((qh[l] >> (2 * r + 1)) & 1) << 4);
+        }
+}
+#endif
 
 static const sb_kernels q4k_plain = {q4k_gemv_c, NULL, NULL, NULL, q4k_dequant_c};
 static const sb_kernels q5k_plain = {q5k_gemv_c, NULL, NULL, NULL, q5k_dequant_c};

@@ -53,43 +53,48 @@ static void row_scales(const uint16_t *s, int64_t G, int64_t per, float *d) {
     }
 }
 
-/* int4: 16 bytes per block, byte i = element i (low nibble) and element 16 + i (high). */
-static void panel_q4(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d, float *m) {
-    const int64_t K = a->K, B = K / 32, G = K / a->g;
-    const uint64_t nib = 0x0f0f0f0f0f0f0f0full;
-    const uint8_t *q = (const uint8_t *)a->qw + n0 * (K / 2);
-    for (int64_t i = 0; i < nb * B; i++, q += 16, w += 32) { /* the panel is one range */
-        uint64_t v[2];
-        memcpy(v, q, 16);
-        const uint64_t e[4] = {v[0] & nib, v[1] & nib, (v[0] >> 4) & nib, (v[1] >> 4) & nib};
-        memcpy(w, e, 32);
+/* int4 and int5: n blocks of 16 bytes, byte i = element i (low nibble) and element 16 + i
+ * (high), as 32 codes each; with h (int5), ORed with 16 where the block's qh bit (one
+ * uint32 per 32) is set. On x86 a block a vector. */
+#ifdef INFER_X86
+TARGET_AVX2 static void nibble_codes(const uint8_t *q, const uint8_t *h, int64_t n, uint8_t *w) {
+    const __m256i nib = _mm256_set1_epi8(15), halves = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, /* byte i: */
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3); /* qh byte i / 8 */
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll), b4 = _mm256_set1_epi8(16);
+    for (int64_t i = 0; i < n; i++, q += 16, w += 32) {
+        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
+        __m256i c = _mm256_and_si256(_mm256_srlv_epi32(v, halves), nib);
+        if (h) {
+            int32_t hb;
+            memcpy(&hb, h + 4 * i, 4);
+            const __m256i e = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(hb), spread), bit);
+            c = _mm256_or_si256(c, _mm256_and_si256(_mm256_cmpeq_epi8(e, bit), b4));
+        }
+        _mm256_storeu_si256((__m256i *)w, c);
     }
+}
+#else
+static void nibble_codes(const uint8_t *q, const uint8_t *h, int64_t n, uint8_t *w) {
+    for (int64_t i = 0; i < n; i++, q += 16, w += 32)
+        for (int l = 0; l < 16; l++) {
+            w[l] = q[l] & 15, w[16 + l] = q[l] >> 4;
+            if (h) {
+                w[l] |= ((h[4 * i + l / 8] >> (l % 8)) & 1) << 4;
+                w[16 + l] |= ((h[4 * i + 2 + l / 8] >> (l % 8)) & 1) << 4;
+            }
+        }
+}
+#endif
+
+/* int4 (h NULL) and int5 (h its high bits): codes, and d and m per block */
+static void panel_q45(const qmat *a, const uint8_t *h, int64_t n0, int64_t nb, uint8_t *w, float *d,
+                      float *m) {
+    const int64_t K = a->K, B = K / 32, G = K / a->g;
+    nibble_codes((const uint8_t *)a->qw + n0 * (K / 2), h ? h + n0 * (K / 8) : NULL, nb * B, w);
     for (int64_t r = 0; r < nb; r++) {
         row_scales((const uint16_t *)a->scales + (n0 + r) * G, G, a->g / 32, d + r * B);
         if (m) row_scales(a->mins + (n0 + r) * G, G, a->g / 32, m + r * B);
-    }
-}
-
-/* int5: int4's nibbles, ORed with 16 where the block's qh bit (one uint32 per 32) is set. */
-static void panel_q5(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d, float *m) {
-    const int64_t K = a->K, B = K / 32;
-    const uint64_t nib = 0x0f0f0f0f0f0f0f0full, ones = 0x7f7f7f7f7f7f7f7full;
-    const uint8_t *q = (const uint8_t *)a->qw + n0 * (K / 2), *h = a->qh + n0 * (K / 8);
-    for (int64_t i = 0; i < nb * B; i++, q += 16, h += 4, w += 32) {
-        uint64_t v[2];
-        uint32_t hb;
-        memcpy(v, q, 16);
-        memcpy(&hb, h, 4);
-        uint64_t e[4] = {v[0] & nib, v[1] & nib, (v[0] >> 4) & nib, (v[1] >> 4) & nib};
-        for (int k = 0; k < 4; k++) { /* bit i of 8 -> 16 in byte i */
-            const uint64_t bits = ((hb >> (8 * k)) & 0xff) * 0x0101010101010101ull;
-            e[k] |= (((bits & 0x8040201008040201ull) + ones) & ~ones) >> 3;
-        }
-        memcpy(w, e, 32);
-    }
-    for (int64_t r = 0; r < nb; r++) {
-        row_scales((const uint16_t *)a->scales + (n0 + r) * B, B, 1, d + r * B);
-        if (m) row_scales(a->mins + (n0 + r) * B, B, 1, m + r * B);
     }
 }
 
@@ -180,18 +185,29 @@ static void panel_q6(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d
     }
 }
 
+/* w = q ^ 0x80 (int8 as unsigned codes) for the first n bytes, or those of the whole
+ * vectors in n on x86; returns how many were done. */
+#ifdef INFER_X86
+TARGET_AVX2 static int64_t flip_signs(const uint8_t *q, int64_t n, uint8_t *w) {
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32)
+        _mm256_storeu_si256((__m256i *)(w + k), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + k)),
+                                                                 _mm256_set1_epi8((char)0x80)));
+    return k;
+}
+#else
+static int64_t flip_signs(const uint8_t *q, int64_t n, uint8_t *w) {
+    for (int64_t k = 0; k < n; k++) w[k] = q[k] ^ 0x80;
+    return n;
+}
+#endif
+
 /* int8: K bytes per row, any K when per channel (zeros past K meet x's zero digits). */
 static void panel_q8(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d) {
     const int64_t K = a->K, Kp = (K + 31) / 32 * 32, B = Kp / 32;
     for (int64_t r = 0; r < nb; r++, w += Kp) {
         const uint8_t *q = (const uint8_t *)a->qw + (n0 + r) * K;
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            uint64_t v;
-            memcpy(&v, q + k, 8);
-            v ^= 0x8080808080808080ull;
-            memcpy(w + k, &v, 8);
-        }
+        int64_t k = flip_signs(q, K, w);
         for (; k < K; k++) w[k] = q[k] ^ 0x80;
         for (; k < Kp; k++) w[k] = 0;
         if (a->g)
@@ -249,7 +265,7 @@ static void panel_task(void *ctx, int64_t t, int tid) {
     if (j->bits == 8)
         panel_q8(a, n0, nb, w, d);
     else if (j->bits == 5)
-        panel_q5(a, n0, nb, w, d, m);
+        panel_q45(a, a->qh, n0, nb, w, d, m);
     else if (j->bits == Q4K || j->bits == Q5K)
         panel_k(j->bits, a, n0, nb, w, d, m);
     else if (j->bits == Q3K)
@@ -259,7 +275,7 @@ static void panel_task(void *ctx, int64_t t, int tid) {
     else if (j->bits == 6)
         panel_q6(a, n0, nb, w, d);
     else
-        panel_q4(a, n0, nb, w, d, m);
+        panel_q45(a, NULL, n0, nb, w, d, m);
     j->kt->ig_panel(&j->x, w, d, m, a->y + n0, a->N, nb);
 }
 

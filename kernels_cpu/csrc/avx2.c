@@ -1247,8 +1247,8 @@ TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const flo
 
 const kernel_table kernels_avx2 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
-    .ig_xprep = ig_xprep, .ig_panel = avx2_ig_panel, /* vpmaddubsw: codes up to 31 */
-    .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(Q4K) | IG_KIND(Q5K),
+    .ig_xprep = ig_xprep, .ig_panel = avx2_ig_panel, /* vpmaddubsw: codes up to 63 */
+    .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(6) | IG_KIND(Q4K) | IG_KIND(Q5K),
     .q6_xprep = q6_xprep16, .q6_gemv_digits = q6_gemv_x16, .q6_dequant = q6_dequant,
     .q6_xsum = q6_xsum16, .q6_xblock = 32, .q6_gemv_rows = q6_gemv_rows,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .q5_dequant = q5_dequant,

@@ -9,7 +9,8 @@
  * high digit, by 1 for the low one), so a digit costs ~1.1 multiply-pipe instructions per
  * 32 products. A pair is at most 2 * cmax * 128 (|digit| <= 128), and a word sums one pair
  * per group: int4's codes (<= 15) allow 8 groups (a block: 30720 < 32767), int5's (<= 31)
- * 4 (31744). int8's codes (<= 255) overflow a single pair, so int8 stays on the float GEMM.
+ * 4 (31744), int6's (<= 63) 2 (32256; its scale per 16 ends a sum every 4 groups anyway).
+ * int8's codes (<= 255) overflow a single pair, so int8 stays on the float GEMM.
  *
  * Registers: 8 rows of x (one vector per digit) by NR rows of W, each row's 4 codes
  * broadcast to every lane: 2 NR int16 sums, NR float results, 2 digit vectors and a
@@ -30,9 +31,26 @@ TI int32_t load_i32(const void *p) {
     return v;
 }
 
-/* y for rows [32 t + 8 u, + 8) of x and NR rows of W; RUN groups of 4 summed in int16. */
+/* f += (s - off) sx d (+ xs m) for 8 rows of x at i: off at i (off_lo, or off minus it,
+ * for a half block). */
+TI void ig_scale8(const ig_x *x, int64_t i, const __m256i s[4], const int32_t *off,
+                  const int32_t *less, const float *d, int64_t dstride, const float *mins,
+                  int64_t mstride, __m256 f[4], const int NR) {
+    __m256i o = _mm256_load_si256((const __m256i *)(off + i));
+    if (less) o = _mm256_sub_epi32(o, _mm256_load_si256((const __m256i *)(less + i)));
+    const __m256 sx = _mm256_load_ps(x->sx + i);
+    for (int n = 0; n < NR; n++) {
+        const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[n], o));
+        f[n] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(d[n * dstride])), f[n]);
+        if (mins)
+            f[n] = _mm256_fmadd_ps(_mm256_load_ps(x->xs + i), _mm256_set1_ps(mins[n * mstride]), f[n]);
+    }
+}
+
+/* y for rows [32 t + 8 u, + 8) of x and NR rows of W; RUN groups of 4 summed in int16; H
+ * 2: a d per 16 (int6), each half of a block scaled apart. */
 TI void ig_block8(const ig_x *x, int64_t t, int u, const uint8_t *w, const float *d,
-                  const float *mins, float *y, int64_t ldy, const int NR, const int RUN) {
+                  const float *mins, float *y, int64_t ldy, const int NR, const int RUN, const int H) {
     const int64_t Kp = x->Kp, B = Kp / 32;
     const int8_t *xd = x->digits + t * B * 8 * 256 + 32 * u;
     const __m256i by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
@@ -59,19 +77,17 @@ TI void ig_block8(const ig_x *x, int64_t t, int u, const uint8_t *w, const float
             for (int n = 0; n < NR; n++) {
                 const __m256i v = _mm256_add_epi32(_mm256_madd_epi16(sh[n], by256),
                                                    _mm256_madd_epi16(sl[n], by1));
-                s[n] = r0 ? _mm256_add_epi32(s[n], v) : v;
+                s[n] = r0 % (8 / H) ? _mm256_add_epi32(s[n], v) : v;
             }
+            if (H == 2 && r0 + RUN == 4) /* elements 0..15 */
+                ig_scale8(x, (t * B + b) * IG_MR + 8 * u, s, x->off_lo, NULL, d + 2 * b, 2 * B,
+                          NULL, 0, f, NR);
         }
         const int64_t i = (t * B + b) * IG_MR + 8 * u;
-        const __m256i off = _mm256_load_si256((const __m256i *)(x->off + i));
-        const __m256 sx = _mm256_load_ps(x->sx + i);
-        for (int n = 0; n < NR; n++) {
-            const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[n], off));
-            f[n] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(d[n * B + b])), f[n]);
-            if (mins)
-                f[n] = _mm256_fmadd_ps(_mm256_load_ps(x->xs + i), _mm256_set1_ps(mins[n * B + b]),
-                                       f[n]);
-        }
+        if (H == 1)
+            ig_scale8(x, i, s, x->off, NULL, d + b, B, mins ? mins + b : NULL, B, f, NR);
+        else /* elements 16..31 */
+            ig_scale8(x, i, s, x->off, x->off_lo, d + 2 * b + 1, 2 * B, NULL, 0, f, NR);
     }
     const int64_t row0 = t * IG_MR + 8 * u, rows = x->M - row0 < 8 ? x->M - row0 : 8;
     float out[4][8];
@@ -80,26 +96,38 @@ TI void ig_block8(const ig_x *x, int64_t t, int u, const uint8_t *w, const float
         for (int n = 0; n < NR; n++) y[(row0 + r) * ldy + n] = out[n][r];
 }
 
-#define IG_CASE(NR_, RUN_)                                                                       \
+#define IG_CASE(NR_, RUN_, H_)                                                                   \
     case NR_:                                                                                    \
-        ig_block8(x, t, u, w + n * Kp, d + n * B, m ? m + n * B : NULL, y + n, ldy, NR_, RUN_);  \
+        ig_block8(x, t, u, w + n * Kp, d + n * B * H_, m ? m + n * B : NULL, y + n, ldy, NR_, RUN_, H_); \
         break;
 
-/* Codes of at most 15 (int4, q4_k) sum a whole block in int16, larger ones (int5) half. */
-TARGET_AVX2 void avx2_ig_panel(const ig_x *x, const uint8_t *w, const float *d, const float *m,
-                               float *y, int64_t ldy, int64_t nb) {
+/* Codes of at most 15 (int4, q4_k) sum a whole block in int16, up to 31 (int5, q5_k) half,
+ * up to 63 (int6, a d per 16) a quarter. */
+TI void ig_panel_run(const ig_x *x, const uint8_t *w, const float *d, const float *m, float *y,
+                     int64_t ldy, int64_t nb, const int RUN, const int H) {
     const int64_t Kp = x->Kp, B = Kp / 32;
-    const int wide = x->cmax > 15;
     for (int64_t t = 0; t * IG_MR < x->M; t++)
         for (int u = 0; u < 4 && t * IG_MR + 8 * u < x->M; u++)
             for (int64_t n = 0; n < nb; n += 4) {
                 const int nr = nb - n < 4 ? (int)(nb - n) : 4;
-                if (!wide) {
-                    switch (nr) { IG_CASE(4, 8) IG_CASE(3, 8) IG_CASE(2, 8) IG_CASE(1, 8) }
-                } else {
-                    switch (nr) { IG_CASE(4, 4) IG_CASE(3, 4) IG_CASE(2, 4) IG_CASE(1, 4) }
-                }
+                switch (nr) { IG_CASE(4, RUN, H) IG_CASE(3, RUN, H) IG_CASE(2, RUN, H) IG_CASE(1, RUN, H) }
             }
+}
+
+TARGET_AVX2 __attribute__((noinline)) static void ig_panel_halves(const ig_x *x, const uint8_t *w,
+                                                                   const float *d, float *y,
+                                                                   int64_t ldy, int64_t nb) {
+    ig_panel_run(x, w, d, NULL, y, ldy, nb, 2, 2);
+}
+
+TARGET_AVX2 void avx2_ig_panel(const ig_x *x, const uint8_t *w, const float *d, const float *m,
+                               float *y, int64_t ldy, int64_t nb) {
+    if (x->off_lo)
+        ig_panel_halves(x, w, d, y, ldy, nb);
+    else if (x->cmax > 15)
+        ig_panel_run(x, w, d, m, y, ldy, nb, 4, 1);
+    else
+        ig_panel_run(x, w, d, m, y, ldy, nb, 8, 1);
 }
 
 #endif

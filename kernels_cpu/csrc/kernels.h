@@ -141,8 +141,8 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * Larger M (prefill) runs the GEMM: a tile of weight rows is dequantized once, exactly as
  * the format defines it, into float32 scratch and multiplied with all M rows. From 16
  * rows, paths with vpdpbusd (avx512vnni, avx2vnni) run the integer GEMM instead (below)
- * for every format but q2_k, plain AVX2 (vpmaddubsw, igemm_avx2.c) for int4, int5, q4_k
- * and q5_k:
+ * for every format but q2_k, plain AVX2 (vpmaddubsw, igemm_avx2.c) for int4, int5, int6,
+ * q4_k and q5_k:
  * x as two int8 digits, 15 significant bits per block of 32 (bf16 keeps 8 per element,
  * llama.cpp's Q8 activations 8 per block), faster than the float GEMM on prompts.
  *
@@ -154,8 +154,8 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  *      15 bits per block of 256, one vpdpwssd per 32 weights): per group of 16,
  *      d sc sx (sum q X) plus the group's term d sc (-32 sx sum X) (xsum, from the same
  *      X). Without them (x with inf or NaN, or a path with neither) it runs q6_gemv_c in
- *      float. Prompts take the integer GEMM on the vpdpbusd paths (codes q, a scale
- *      d sc per 16), else dequantize tiles (q6_dequant_c).
+ *      float. Prompts take the integer GEMM on the x86 paths that have one (codes q, a
+ *      scale d sc per 16), else dequantize tiles (q6_dequant_c).
  *
  * int5 (quant/formats/int5.py, GGUF Q5_0 / Q5_1's blocks split into columns): qw uint8
  *      (N, K/2) int4's nibbles, qh uint8 (N, K/8) per block of 32 a little-endian uint32

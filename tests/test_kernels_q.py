@@ -301,7 +301,11 @@ def test_integer_gemm_paths_and_formats():
     q5_k and q4_k, not int8, q3_k or iq4_xs (their codes overflow a pair); q2_k none (mins
     per 16)."""
     vnni = {"int4", "int5", "int6", "int8", "q5_k", "q4_k", "q3_k", "iq4_xs"}
-    formats = {"avx512vnni": vnni, "avx2vnni": vnni, "avx2": {"int4", "int5", "int6", "q5_k", "q4_k"}}
+    formats = {
+        "avx512vnni": vnni,
+        "avx2vnni": vnni,
+        "avx2": {"int4", "int5", "int6", "q5_k", "q4_k"},
+    }
     for isa in ops.supported_isas():
         want = formats.get(isa, set())
         assert ops.integer_gemm(isa) == bool(want), isa

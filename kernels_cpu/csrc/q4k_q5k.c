@@ -26,6 +26,10 @@
 
 #include "kernels.h"
 
+#ifdef INFER_X86
+#include <immintrin.h>
+#endif
+
 /* A block's 12 scale bytes -> the bytes of u[0..3]: sc[0..7] then m[0..7] (ggml's
  * get_scale_min_k4, four words at a time as llama.cpp's kernels do). */
 static inline void q4k_scale_words(const uint8_t *p, uint32_t u[4]) {
@@ -98,11 +102,23 @@ static inline void kq_dequant_c(const int kind, const qmat *a, int64_t n0, int64
     }
 }
 
+#ifdef INFER_X86
+TARGET_AVX2
+#endif
 void q4k_block_scales(const uint8_t *blk, float d[8], float m[8]) {
-    const float d0 = q4k_half(blk), dmin = q4k_half(blk + 2);
     uint8_t sm[16];
     q4k_scale_bytes(blk + 4, sm);
+#ifdef INFER_X86 /* the same products, 8 at a time */
+    const __m128i b = _mm_loadu_si128((const __m128i *)sm);
+    const __m256 d0 = _mm256_set1_ps(_cvtsh_ss((uint16_t)(blk[0] | blk[1] << 8)));
+    const __m256 dmin = _mm256_set1_ps(_cvtsh_ss((uint16_t)(blk[2] | blk[3] << 8)));
+    _mm256_storeu_ps(d, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))));
+    const __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
+    _mm256_storeu_ps(m, _mm256_xor_ps(mn, _mm256_set1_ps(-0.0f)));
+#else
+    const float d0 = q4k_half(blk), dmin = q4k_half(blk + 2);
     for (int j = 0; j < 8; j++) d[j] = d0 * (float)sm[j], m[j] = -(dmin * (float)sm[8 + j]);
+#endif
 }
 
 static void q4k_gemv_c(const qmat *a, int64_t n0, int64_t n1) { kq_gemv_c(Q4K, a, n0, n1); }
@@ -114,8 +130,6 @@ static void q5k_dequant_c(const qmat *a, int64_t n0, int64_t n1, float *w) { kq_
  * nibble, and bit j of each qh byte moved to bit 4. On x86 (where the integer GEMM runs)
  * 32 bytes at a time. */
 #ifdef INFER_X86
-#include <immintrin.h>
-
 TARGET_AVX2 void q5k_block_codes(const uint8_t *blk, uint8_t c[256]) {
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
     const __m256i nib = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);

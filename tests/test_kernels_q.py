@@ -296,15 +296,14 @@ def test_which_paths_keep_fifteen_bits_of_x(isa, M, kind):
 
 @needs_c
 def test_integer_gemm_paths_and_formats():
-    """vpdpbusd paths take int4, int5, int6 (a scale per 16), int8, q5_k, q4_k, and q3_k
-    and iq4_xs as int8's codes; plain AVX2 (vpmaddubsw's int16 pairs) int4, int5, int6,
-    q5_k and q4_k, not int8, q3_k or iq4_xs (their codes overflow a pair); q2_k none (mins
-    per 16)."""
-    vnni = {"int4", "int5", "int6", "int8", "q5_k", "q4_k", "q3_k", "iq4_xs"}
+    """vpdpbusd paths take int4, int5, int6 and q2_k (a scale per 16), int8, q5_k, q4_k,
+    and q3_k and iq4_xs as int8's codes; plain AVX2 (vpmaddubsw's int16 pairs) int4, int5,
+    int6, q2_k, q5_k and q4_k, not int8, q3_k or iq4_xs (their codes overflow a pair)."""
+    vnni = {"int4", "int5", "int6", "int8", "q5_k", "q4_k", "q3_k", "q2_k", "iq4_xs"}
     formats = {
         "avx512vnni": vnni,
         "avx2vnni": vnni,
-        "avx2": {"int4", "int5", "int6", "q5_k", "q4_k"},
+        "avx2": {"int4", "int5", "int6", "q5_k", "q4_k", "q2_k"},
     }
     for isa in ops.supported_isas():
         want = formats.get(isa, set())

@@ -1166,20 +1166,24 @@ TV void ig_sums(const int8_t *xd, const uint8_t *w, int64_t Kp, int64_t b, __m25
     }
 }
 
-/* f += (acc - off) sx d (+ xs m): off's 16 rows at i (off_lo, or off minus it, for a half). */
-TV void ig_scale(const ig_x *x, int64_t i, const __m256i acc[3][2], const int32_t *off,
-                 const int32_t *less, const float *d, int64_t dstride, const float *mins,
-                 int64_t mstride, __m256 f[3][2], const int NR) {
+/* f += (acc - off) sx d (+ xs m): off's and xs's 16 rows at i (off_lo and xs_lo, or off and
+ * xs minus them, for a half: `lo` 1 or 2). */
+TV void ig_scale(const ig_x *x, int64_t i, const __m256i acc[3][2], const int lo, const float *d,
+                 int64_t stride, const float *mins, __m256 f[3][2], const int NR) {
     for (int h = 0; h < 2; h++) {
-        __m256i o = _mm256_load_si256((const __m256i *)(off + i + 8 * h));
-        if (less) o = _mm256_sub_epi32(o, _mm256_load_si256((const __m256i *)(less + i + 8 * h)));
-        const __m256 sx = _mm256_load_ps(x->sx + i + 8 * h);
+        const int64_t k = i + 8 * h;
+        __m256i o = _mm256_load_si256((const __m256i *)(lo == 1 ? x->off_lo + k : x->off + k));
+        if (lo == 2) o = _mm256_sub_epi32(o, _mm256_load_si256((const __m256i *)(x->off_lo + k)));
+        const __m256 sx = _mm256_load_ps(x->sx + k);
+        __m256 xs = _mm256_setzero_ps();
+        if (mins) {
+            xs = _mm256_load_ps(lo == 1 ? x->xs_lo + k : x->xs + k);
+            if (lo == 2) xs = _mm256_sub_ps(xs, _mm256_load_ps(x->xs_lo + k));
+        }
         for (int n = 0; n < NR; n++) {
             const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[n][h], o));
-            f[n][h] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(d[n * dstride])), f[n][h]);
-            if (mins)
-                f[n][h] = _mm256_fmadd_ps(_mm256_load_ps(x->xs + i + 8 * h),
-                                          _mm256_set1_ps(mins[n * mstride]), f[n][h]);
+            f[n][h] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(d[n * stride])), f[n][h]);
+            if (mins) f[n][h] = _mm256_fmadd_ps(xs, _mm256_set1_ps(mins[n * stride]), f[n][h]);
         }
     }
 }
@@ -1197,12 +1201,12 @@ TV void ig_block(const ig_x *x, int64_t t, int v, const uint8_t *w, const float 
         __m256i acc[3][2];
         if (H == 1) {
             ig_sums(xd, w, Kp, b, acc, NR, 0, 8);
-            ig_scale(x, i, acc, x->off, NULL, d + b, B, mins ? mins + b : NULL, B, f, NR);
-        } else { /* elements 0..15 (off_lo), then 16..31 (off - off_lo) */
+            ig_scale(x, i, acc, 0, d + b, B, mins ? mins + b : NULL, f, NR);
+        } else { /* elements 0..15, then 16..31; d and m per 16 */
             ig_sums(xd, w, Kp, b, acc, NR, 0, 4);
-            ig_scale(x, i, acc, x->off_lo, NULL, d + 2 * b, 2 * B, NULL, 0, f, NR);
+            ig_scale(x, i, acc, 1, d + 2 * b, 2 * B, mins ? mins + 2 * b : NULL, f, NR);
             ig_sums(xd, w, Kp, b, acc, NR, 4, 8);
-            ig_scale(x, i, acc, x->off, x->off_lo, d + 2 * b + 1, 2 * B, NULL, 0, f, NR);
+            ig_scale(x, i, acc, 2, d + 2 * b + 1, 2 * B, mins ? mins + 2 * b + 1 : NULL, f, NR);
         }
     }
     const int64_t row0 = t * IG_MR + 16 * v, rows = x->M - row0 < 16 ? x->M - row0 : 16;
@@ -1214,7 +1218,7 @@ TV void ig_block(const ig_x *x, int64_t t, int v, const uint8_t *w, const float 
 
 #define IG_CASE(NR_, H_)                                                                         \
     case NR_:                                                                                    \
-        ig_block(x, t, v, w + n * Kp, d + n * B * H_, m ? m + n * B : NULL, y + n, ldy, NR_, H_); \
+        ig_block(x, t, v, w + n * Kp, d + n * B * H_, m ? m + n * B * H_ : NULL, y + n, ldy, NR_, H_); \
         break;
 
 /* The panel for H (above); one function each, so that their registers are allocated apart. */
@@ -1233,14 +1237,14 @@ TV void ig_panel_h(const ig_x *x, const uint8_t *w, const float *d, const float 
 }
 
 TARGET_AVX2_VNNI __attribute__((noinline)) static void ig_panel_halves(
-    const ig_x *x, const uint8_t *w, const float *d, float *y, int64_t ldy, int64_t nb) {
-    ig_panel_h(x, w, d, NULL, y, ldy, nb, 2);
+    const ig_x *x, const uint8_t *w, const float *d, const float *m, float *y, int64_t ldy, int64_t nb) {
+    ig_panel_h(x, w, d, m, y, ldy, nb, 2);
 }
 
 TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const float *d,
                                       const float *m, float *y, int64_t ldy, int64_t nb) {
     if (x->off_lo)
-        ig_panel_halves(x, w, d, y, ldy, nb);
+        ig_panel_halves(x, w, d, m, y, ldy, nb);
     else
         ig_panel_h(x, w, d, m, y, ldy, nb, 1);
 }
@@ -1248,7 +1252,7 @@ TARGET_AVX2_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const flo
 const kernel_table kernels_avx2 = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
     .ig_xprep = ig_xprep, .ig_panel = avx2_ig_panel, /* vpmaddubsw: codes up to 63 */
-    .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(6) | IG_KIND(Q4K) | IG_KIND(Q5K),
+    .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(6) | IG_KIND(Q4K) | IG_KIND(Q5K) | IG_KIND(Q2K),
     .q6_xprep = q6_xprep16, .q6_gemv_digits = q6_gemv_x16, .q6_dequant = q6_dequant,
     .q6_xsum = q6_xsum16, .q6_xblock = 32, .q6_gemv_rows = q6_gemv_rows,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .q5_dequant = q5_dequant,
@@ -1260,7 +1264,7 @@ const kernel_table kernels_avx2_vnni = {
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q8_xprep, q6_gemv_digits_vnni, q6_dequant,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits_vnni, .q5_dequant = q5_dequant,
     .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(6) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) |
-                IG_KIND(Q3K) | IG_KIND(IQ4XS),
+                IG_KIND(Q3K) | IG_KIND(Q2K) | IG_KIND(IQ4XS),
     /* the plain AVX2 rows kernels: their int32 lanes are the VNNI one-row kernels' */
     .q4_gemv_rows = q4_gemv_rows, .q5_gemv_rows = q5_gemv_rows, .q6_gemv_rows = q6_gemv_rows_vnni,
     .sb_path = SB_AVX2,

@@ -1047,21 +1047,26 @@ TV void ig_sums(const int8_t *xd, const uint8_t *w, int64_t Kp, int64_t b, __m51
     }
 }
 
-/* f += (256 ah + al - off) sx d (+ xs m): off's rows at i (off_lo, or off minus it, for a
- * half). */
+/* f += (256 ah + al - off) sx d (+ xs m): off's and xs's rows at i (off_lo and xs_lo, or
+ * off and xs minus them, for a half: `lo` 1 or 2). */
 TV void ig_scale(const ig_x *x, int64_t i, const __m512i ah[4][2], const __m512i al[4][2],
-                 const int32_t *off, const int32_t *less, const float *d, int64_t dstride,
-                 const float *mins, int64_t mstride, __m512 f[4][2], const int MV, const int NR) {
+                 const int lo, const float *d, int64_t stride, const float *mins, __m512 f[4][2],
+                 const int MV, const int NR) {
     for (int v = 0; v < MV; v++) {
-        __m512i o = _mm512_load_si512(off + i + 16 * v);
-        if (less) o = _mm512_sub_epi32(o, _mm512_load_si512(less + i + 16 * v));
-        const __m512 sx = _mm512_load_ps(x->sx + i + 16 * v);
+        const int64_t k = i + 16 * v;
+        __m512i o = _mm512_load_si512(lo == 1 ? x->off_lo + k : x->off + k);
+        if (lo == 2) o = _mm512_sub_epi32(o, _mm512_load_si512(x->off_lo + k));
+        const __m512 sx = _mm512_load_ps(x->sx + k);
+        __m512 xs = _mm512_setzero_ps();
+        if (mins) {
+            xs = _mm512_load_ps(lo == 1 ? x->xs_lo + k : x->xs + k);
+            if (lo == 2) xs = _mm512_sub_ps(xs, _mm512_load_ps(x->xs_lo + k));
+        }
         for (int n = 0; n < NR; n++) {
             __m512i a = _mm512_add_epi32(_mm512_slli_epi32(ah[n][v], 8), al[n][v]);
             a = _mm512_sub_epi32(a, o);
-            f[n][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sx, _mm512_set1_ps(d[n * dstride])), f[n][v]);
-            if (mins)
-                f[n][v] = _mm512_fmadd_ps(_mm512_load_ps(x->xs + i + 16 * v), _mm512_set1_ps(mins[n * mstride]), f[n][v]);
+            f[n][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sx, _mm512_set1_ps(d[n * stride])), f[n][v]);
+            if (mins) f[n][v] = _mm512_fmadd_ps(xs, _mm512_set1_ps(mins[n * stride]), f[n][v]);
         }
     }
 }
@@ -1079,12 +1084,12 @@ TV void ig_block(const ig_x *x, int64_t t, const uint8_t *w, const float *d, con
         __m512i ah[4][2], al[4][2];
         if (H == 1) {
             ig_sums(xd, w, Kp, b, ah, al, MV, NR, 0, 8);
-            ig_scale(x, i, ah, al, x->off, NULL, d + b, B, mins ? mins + b : NULL, B, f, MV, NR);
-        } else { /* elements 0..15 (off_lo), then 16..31 (off - off_lo) */
+            ig_scale(x, i, ah, al, 0, d + b, B, mins ? mins + b : NULL, f, MV, NR);
+        } else { /* elements 0..15, then 16..31; d and m per 16 */
             ig_sums(xd, w, Kp, b, ah, al, MV, NR, 0, 4);
-            ig_scale(x, i, ah, al, x->off_lo, NULL, d + 2 * b, 2 * B, NULL, 0, f, MV, NR);
+            ig_scale(x, i, ah, al, 1, d + 2 * b, 2 * B, mins ? mins + 2 * b : NULL, f, MV, NR);
             ig_sums(xd, w, Kp, b, ah, al, MV, NR, 4, 8);
-            ig_scale(x, i, ah, al, x->off, x->off_lo, d + 2 * b + 1, 2 * B, NULL, 0, f, MV, NR);
+            ig_scale(x, i, ah, al, 2, d + 2 * b + 1, 2 * B, mins ? mins + 2 * b + 1 : NULL, f, MV, NR);
         }
     }
     const int64_t rows = x->M - t * IG_MR < 16 * MV ? x->M - t * IG_MR : 16 * MV;
@@ -1114,7 +1119,7 @@ TV void ig_block(const ig_x *x, int64_t t, const uint8_t *w, const float *d, con
 
 #define IG_CASE(MV_, NR_, H_)                                                                    \
     case (MV_) * 8 + (NR_):                                                                      \
-        ig_block(x, t, w + n * Kp, d + n * B * H_, m ? m + n * B : NULL, y + n, ldy, MV_, NR_, H_); \
+        ig_block(x, t, w + n * Kp, d + n * B * H_, m ? m + n * B * H_ : NULL, y + n, ldy, MV_, NR_, H_); \
         break;
 #define IG_CASES(H_)                                                                             \
     IG_CASE(2, 4, H_) IG_CASE(2, 3, H_) IG_CASE(2, 2, H_) IG_CASE(2, 1, H_)                      \
@@ -1137,14 +1142,14 @@ TV void ig_panel_h(const ig_x *x, const uint8_t *w, const float *d, const float 
 }
 
 TARGET_AVX512_VNNI __attribute__((noinline)) static void ig_panel_halves(
-    const ig_x *x, const uint8_t *w, const float *d, float *y, int64_t ldy, int64_t nb) {
-    ig_panel_h(x, w, d, NULL, y, ldy, nb, 2);
+    const ig_x *x, const uint8_t *w, const float *d, const float *m, float *y, int64_t ldy, int64_t nb) {
+    ig_panel_h(x, w, d, m, y, ldy, nb, 2);
 }
 
 TARGET_AVX512_VNNI static void ig_panel(const ig_x *x, const uint8_t *w, const float *d,
                                         const float *m, float *y, int64_t ldy, int64_t nb) {
     if (x->off_lo)
-        ig_panel_halves(x, w, d, y, ldy, nb);
+        ig_panel_halves(x, w, d, m, y, ldy, nb);
     else
         ig_panel_h(x, w, d, m, y, ldy, nb, 1);
 }
@@ -1161,7 +1166,7 @@ const kernel_table kernels_avx512_vnni = {
     q8_xprep, q8_gemv_digits, ig_xprep, ig_panel, q6_xprep256, q6_gemv16, q6_dequant,
     q4_xprep, q5_gemv_vnni, avx2_q5_dequant, /* avx2.c's dequantization */
     IG_KIND(4) | IG_KIND(5) | IG_KIND(6) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) |
-        IG_KIND(Q3K) | IG_KIND(IQ4XS),
+        IG_KIND(Q3K) | IG_KIND(Q2K) | IG_KIND(IQ4XS),
     .q5_gemv_rows = q5_gemv_rows_vnni, .q6_gemv_rows = q6_gemv_rows16,
     .q6_xsum = q6_xsum256, .q6_xblock = Q6_BLOCK, .sb_path = SB_AVX512_VNNI,
 };

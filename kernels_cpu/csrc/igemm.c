@@ -139,6 +139,14 @@ static void panel_q3k(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *
         q3k_block_panel(blk, w, d);
 }
 
+/* q2_k: its codes q and per 16 d sc and -dmin m (q2k_q3k.c) */
+static void panel_q2k(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d, float *m) {
+    const int64_t NB = a->K / Q4K_BLOCK;
+    const uint8_t *blk = (const uint8_t *)a->qw + n0 * NB * Q2K_BLOCK_BYTES;
+    for (int64_t i = 0; i < nb * NB; i++, blk += Q2K_BLOCK_BYTES, w += Q4K_BLOCK, d += 16, m += 16)
+        q2k_block_panel(blk, w, d, m);
+}
+
 /* iq4_xs: its levels plus 128 and each sub-block's scale (iq4xs.c), the int8 panel's form */
 static void panel_iq4xs(const qmat *a, int64_t n0, int64_t nb, uint8_t *w, float *d) {
     const int64_t NB = a->K / Q4K_BLOCK;
@@ -244,14 +252,16 @@ static void xprep_task(void *ctx, int64_t t, int tid) {
         memset(x->off + t * B * IG_MR, 0, (size_t)(B * IG_MR) * sizeof(int32_t));
     }
     j->bad[t] = (int8_t)(j->kt->ig_xprep(j->a->x, j->a->K, t, j->o, x) != 0);
-    if (x->off_lo) /* o sum X over each block's first 16, from the digits just written */
+    if (x->off_lo) /* o sum X (and sx sum X) over each block's first 16, from the digits */
         for (int64_t b = 0; b < B; b++)
             for (int r = 0; r < IG_MR; r++) {
+                const int64_t i = (t * B + b) * IG_MR + r;
                 const int8_t *p = x->digits + (t * B + b) * 8 * 256 + (r / 16) * 64 + (r % 16) * 4;
                 int32_t s = 0;
                 for (int g = 0; g < 4; g++)
                     for (int e = 0; e < 4; e++) s += 256 * p[256 * g + e] + p[256 * g + 128 + e];
-                x->off_lo[(t * B + b) * IG_MR + r] = j->o * s;
+                x->off_lo[i] = j->o * s;
+                if (x->xs_lo) x->xs_lo[i] = x->sx[i] * (float)s;
             }
 }
 
@@ -261,7 +271,8 @@ static void panel_task(void *ctx, int64_t t, int tid) {
     const int64_t Kp = j->x.Kp, B = Kp / 32, n0 = t * IG_NR;
     const int64_t nb = a->N - n0 < IG_NR ? a->N - n0 : IG_NR;
     uint8_t *w = j->scratch + tid * j->panel_bytes;
-    float *d = (float *)(w + IG_NR * Kp), *m = j->o == 0 ? d + IG_NR * B : NULL;
+    const int per = j->x.off_lo ? 2 : 1; /* d (and m) per 16 or per 32 */
+    float *d = (float *)(w + IG_NR * Kp), *m = j->o == 0 ? d + per * IG_NR * B : NULL;
     if (j->bits == 8)
         panel_q8(a, n0, nb, w, d);
     else if (j->bits == 5)
@@ -274,6 +285,8 @@ static void panel_task(void *ctx, int64_t t, int tid) {
         panel_iq4xs(a, n0, nb, w, d);
     else if (j->bits == 6)
         panel_q6(a, n0, nb, w, d);
+    else if (j->bits == Q2K)
+        panel_q2k(a, n0, nb, w, d, m);
     else
         panel_q45(a, NULL, n0, nb, w, d, m);
     j->kt->ig_panel(&j->x, w, d, m, a->y + n0, a->N, nb);
@@ -282,26 +295,28 @@ static void panel_task(void *ctx, int64_t t, int tid) {
 int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads) {
     if (!kt->ig_xprep) return 1;
     const int64_t Kp = (a->K + 31) / 32 * 32, B = Kp / 32, T = (a->M + IG_MR - 1) / IG_MR;
-    /* the codes' offset: asymmetric (mins, q4_k's and q5_k's too) 0, else int4 8, int5 16,
-     * int6 32, int8, q3_k and iq4_xs 128 */
-    const int o = bits == 8 || bits == Q3K || bits == IQ4XS ? 128
-                  : a->mins || bits == Q4K || bits == Q5K ? 0
-                  : bits == 6                             ? 32
-                  : bits == 5                             ? 16
-                                                          : 8;
-    const int halves = bits == 6; /* a scale per 16 */
+    /* the codes' offset: asymmetric (mins, q4_k's, q5_k's and q2_k's too) 0, else int4 8,
+     * int5 16, int6 32, int8, q3_k and iq4_xs 128 */
+    const int o = bits == 8 || bits == Q3K || bits == IQ4XS            ? 128
+                  : a->mins || bits == Q4K || bits == Q5K || bits == Q2K ? 0
+                  : bits == 6                                            ? 32
+                  : bits == 5                                            ? 16
+                                                                         : 8;
+    const int halves = bits == 6 || bits == Q2K; /* a scale per 16 */
     ig_job j = {.a = a, .kt = kt, .bits = bits, .o = o};
     int8_t *digits = alloc64((size_t)(T * B * 8 * 256));
-    const int64_t n = T * B * IG_MR; /* per tile, block and row: sx, xs, off (and off_lo) */
-    float *sx = alloc64((size_t)n * (2 * sizeof(float) + (1 + halves) * sizeof(int32_t)));
+    /* per tile, block and row: sx, xs, off, and with halves off_lo and xs_lo */
+    const int64_t n = T * B * IG_MR;
+    float *sx = alloc64((size_t)n * (3 + 2 * halves) * 4);
     j.x = (ig_x){digits, sx, sx + n, (int32_t *)(sx + 2 * n), halves ? (int32_t *)(sx + 3 * n) : NULL,
-                 a->M, Kp,
+                 halves && o == 0 ? sx + 4 * n : NULL, a->M, Kp,
                  bits == 8 || bits == Q3K || bits == IQ4XS ? 255
                  : bits == 6                              ? 63
                  : bits == 5 || bits == Q5K               ? 31
                                                           : 15};
     j.bad = calloc((size_t)T, 1);
-    j.panel_bytes = (IG_NR * Kp + 2 * IG_NR * B * (int64_t)sizeof(float) + 63) / 64 * 64;
+    /* codes, then d and m: per 32, or per 16 with halves */
+    j.panel_bytes = (IG_NR * Kp + 2 * (1 + halves) * IG_NR * B * (int64_t)sizeof(float) + 63) / 64 * 64;
     const int64_t n_panels = (a->N + IG_NR - 1) / IG_NR;
     const int threads = nthreads < n_panels ? nthreads : (int)n_panels;
     j.scratch = alloc64((size_t)(threads * j.panel_bytes));

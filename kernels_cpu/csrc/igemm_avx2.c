@@ -31,19 +31,22 @@ TI int32_t load_i32(const void *p) {
     return v;
 }
 
-/* f += (s - off) sx d (+ xs m) for 8 rows of x at i: off at i (off_lo, or off minus it,
- * for a half block). */
-TI void ig_scale8(const ig_x *x, int64_t i, const __m256i s[4], const int32_t *off,
-                  const int32_t *less, const float *d, int64_t dstride, const float *mins,
-                  int64_t mstride, __m256 f[4], const int NR) {
-    __m256i o = _mm256_load_si256((const __m256i *)(off + i));
-    if (less) o = _mm256_sub_epi32(o, _mm256_load_si256((const __m256i *)(less + i)));
+/* f += (s - off) sx d (+ xs m) for 8 rows of x at i: off and xs at i (off_lo and xs_lo, or
+ * off and xs minus them, for a half block: `lo` 1 or 2). */
+TI void ig_scale8(const ig_x *x, int64_t i, const __m256i s[4], const int lo, const float *d,
+                  int64_t stride, const float *mins, __m256 f[4], const int NR) {
+    __m256i o = _mm256_load_si256((const __m256i *)(lo == 1 ? x->off_lo + i : x->off + i));
+    if (lo == 2) o = _mm256_sub_epi32(o, _mm256_load_si256((const __m256i *)(x->off_lo + i)));
     const __m256 sx = _mm256_load_ps(x->sx + i);
+    __m256 xs = _mm256_setzero_ps();
+    if (mins) {
+        xs = _mm256_load_ps(lo == 1 ? x->xs_lo + i : x->xs + i);
+        if (lo == 2) xs = _mm256_sub_ps(xs, _mm256_load_ps(x->xs_lo + i));
+    }
     for (int n = 0; n < NR; n++) {
         const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[n], o));
-        f[n] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(d[n * dstride])), f[n]);
-        if (mins)
-            f[n] = _mm256_fmadd_ps(_mm256_load_ps(x->xs + i), _mm256_set1_ps(mins[n * mstride]), f[n]);
+        f[n] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(d[n * stride])), f[n]);
+        if (mins) f[n] = _mm256_fmadd_ps(xs, _mm256_set1_ps(mins[n * stride]), f[n]);
     }
 }
 
@@ -80,14 +83,14 @@ TI void ig_block8(const ig_x *x, int64_t t, int u, const uint8_t *w, const float
                 s[n] = r0 % (8 / H) ? _mm256_add_epi32(s[n], v) : v;
             }
             if (H == 2 && r0 + RUN == 4) /* elements 0..15 */
-                ig_scale8(x, (t * B + b) * IG_MR + 8 * u, s, x->off_lo, NULL, d + 2 * b, 2 * B,
-                          NULL, 0, f, NR);
+                ig_scale8(x, (t * B + b) * IG_MR + 8 * u, s, 1, d + 2 * b, 2 * B,
+                          mins ? mins + 2 * b : NULL, f, NR);
         }
         const int64_t i = (t * B + b) * IG_MR + 8 * u;
         if (H == 1)
-            ig_scale8(x, i, s, x->off, NULL, d + b, B, mins ? mins + b : NULL, B, f, NR);
+            ig_scale8(x, i, s, 0, d + b, B, mins ? mins + b : NULL, f, NR);
         else /* elements 16..31 */
-            ig_scale8(x, i, s, x->off, x->off_lo, d + 2 * b + 1, 2 * B, NULL, 0, f, NR);
+            ig_scale8(x, i, s, 2, d + 2 * b + 1, 2 * B, mins ? mins + 2 * b + 1 : NULL, f, NR);
     }
     const int64_t row0 = t * IG_MR + 8 * u, rows = x->M - row0 < 8 ? x->M - row0 : 8;
     float out[4][8];
@@ -98,7 +101,7 @@ TI void ig_block8(const ig_x *x, int64_t t, int u, const uint8_t *w, const float
 
 #define IG_CASE(NR_, RUN_, H_)                                                                   \
     case NR_:                                                                                    \
-        ig_block8(x, t, u, w + n * Kp, d + n * B * H_, m ? m + n * B : NULL, y + n, ldy, NR_, RUN_, H_); \
+        ig_block8(x, t, u, w + n * Kp, d + n * B * H_, m ? m + n * B * H_ : NULL, y + n, ldy, NR_, RUN_, H_); \
         break;
 
 /* Codes of at most 15 (int4, q4_k) sum a whole block in int16, up to 31 (int5, q5_k) half,
@@ -115,15 +118,15 @@ TI void ig_panel_run(const ig_x *x, const uint8_t *w, const float *d, const floa
 }
 
 TARGET_AVX2 __attribute__((noinline)) static void ig_panel_halves(const ig_x *x, const uint8_t *w,
-                                                                   const float *d, float *y,
-                                                                   int64_t ldy, int64_t nb) {
-    ig_panel_run(x, w, d, NULL, y, ldy, nb, 2, 2);
+                                                                   const float *d, const float *m,
+                                                                   float *y, int64_t ldy, int64_t nb) {
+    ig_panel_run(x, w, d, m, y, ldy, nb, 2, 2);
 }
 
 TARGET_AVX2 void avx2_ig_panel(const ig_x *x, const uint8_t *w, const float *d, const float *m,
                                float *y, int64_t ldy, int64_t nb) {
     if (x->off_lo)
-        ig_panel_halves(x, w, d, y, ldy, nb);
+        ig_panel_halves(x, w, d, m, y, ldy, nb);
     else if (x->cmax > 15)
         ig_panel_run(x, w, d, m, y, ldy, nb, 4, 1);
     else

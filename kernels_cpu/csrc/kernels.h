@@ -141,8 +141,8 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  * Larger M (prefill) runs the GEMM: a tile of weight rows is dequantized once, exactly as
  * the format defines it, into float32 scratch and multiplied with all M rows. From 16
  * rows, paths with vpdpbusd (avx512vnni, avx2vnni) run the integer GEMM instead (below)
- * for every format but q2_k, plain AVX2 (vpmaddubsw, igemm_avx2.c) for int4, int5, int6,
- * q4_k and q5_k:
+ * for every format, plain AVX2 (vpmaddubsw, igemm_avx2.c) for all but int8, q3_k and
+ * iq4_xs (their codes overflow its int16 pairs):
  * x as two int8 digits, 15 significant bits per block of 32 (bf16 keeps 8 per element,
  * llama.cpp's Q8 activations 8 per block), faster than the float GEMM on prompts.
  *
@@ -262,8 +262,10 @@ static inline void xprep8_pad(void *buf, int64_t K) {
  * with o = 8 (int4 symmetric), 16 (int5 symmetric), 0 (asymmetric) or 128 (int8); the
  * integer sums are exact
  * (256 * 32 * 255 * 127 + 32 * 255 * 128 + 128 * 32 * 32512 < 2^31).
- * int6 has a scale per 16: c = q (0..63), o = 32, and two d per block (nb, Kp / 16), d sc,
- * each over its half of the block's sums; off_lo holds o sum X over each block's first 16. */
+ * int6 and q2_k have a scale per 16: two d per block (nb, Kp / 16), each over its half of
+ * the block's sums; off_lo holds o sum X over each block's first 16. int6: c = q (0..63),
+ * o = 32, d = d sc; q2_k: c = q (0..3), o = 0, d = d sc and a min per 16, m = -dmin m
+ * (nb, Kp / 16), times xs_lo (sx sum X over the first 16) and xs - xs_lo. */
 #define IG_XMAX 32512
 enum { IG_MR = 32 };
 typedef struct {
@@ -271,6 +273,7 @@ typedef struct {
     float *sx, *xs;     /* (Mp / IG_MR, Kp / 32, IG_MR) */
     int32_t *off;       /* (Mp / IG_MR, Kp / 32, IG_MR) */
     int32_t *off_lo;    /* as off, over elements 0..15 of each block; NULL: a d per block */
+    float *xs_lo;       /* as xs, over elements 0..15, for mins per 16 (q2_k), else NULL */
     int64_t M, Kp;
     int cmax;           /* W's largest code: 15 (int4, q4_k), 31 (int5), 63 (int6), 255 (int8) */
 } ig_x;
@@ -286,8 +289,8 @@ static inline void ig_terms(const ig_x *d, int64_t i, float amax, int32_t sum, i
  * -1 if the rows have inf or NaN (the float GEMM then runs). */
 typedef int (*ig_xprep_fn)(const float *x, int64_t K, int64_t t, int o, const ig_x *d);
 /* y[m, n] for every m < x->M and n < nb (y rows strided by ldy) from nb rows of codes w
- * (nb, Kp), d and m (nb, Kp / 32; m NULL unless asymmetric; d (nb, Kp / 16) when
- * x->off_lo) as above. */
+ * (nb, Kp), d and m (nb, Kp / 32; m NULL unless asymmetric; (nb, Kp / 16) when x->off_lo)
+ * as above. */
 typedef void (*ig_panel_fn)(const ig_x *x, const uint8_t *w, const float *d, const float *m,
                             float *y, int64_t ldy, int64_t nb);
 
@@ -384,6 +387,9 @@ void q5k_block_codes(const uint8_t *blk, uint8_t c[256]);
 /* A q3_k block as the integer GEMM's panel takes it: codes c = 128 - q sc (256 bytes) and
  * each block of 32's d, -d (exact: w = d sc q = -d (c - 128)). */
 void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]);
+/* A Q2_K block for the panel: codes c = q (0..3), and per group of 16 d sc and -dmin m
+ * (exact: w = d sc c - dmin m). */
+void q2k_block_panel(const uint8_t *blk, uint8_t c[256], float d[16], float m[16]);
 /* An IQ4_XS block for the panel: codes c = v + 128 (its levels) and each sub-block's
  * d (ls - 32) (exact: w = d (ls - 32) (c - 128)). */
 void iq4xs_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]);

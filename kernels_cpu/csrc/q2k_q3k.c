@@ -22,8 +22,9 @@
  * Q2_K's -dmin m. One row is the rows kernel with R = 1, so a row's output is the same
  * alone or in a batch. Without x's integers (x with inf or NaN, or a path with none:
  * scalar, NEON) the float GEMV runs.
- * GEMM: tiles dequantized exactly, then the float tile; Q3_K on the vpdpbusd paths the
- * integer GEMM (q3k_block_panel).
+ * GEMM: tiles dequantized exactly, then the float tile; on x86 paths the integer GEMM:
+ * Q3_K as int8's codes on the vpdpbusd paths (q3k_block_panel), Q2_K's codes with a scale
+ * and a min per 16 (q2k_block_panel).
  */
 #include <string.h>
 
@@ -115,6 +116,15 @@ void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8]) {
         for (int i = 0; i < 16; i++)
             c[16 * g + i] = (uint8_t)(128 - q3k_code(blk, g / 8, (g / 2) % 4, 16 * (g % 2) + i) * sc[g]);
     for (int b = 0; b < 8; b++) d[b] = -half_at(blk + 108);
+}
+
+void q2k_block_panel(const uint8_t *blk, uint8_t c[256], float d[16], float m[16]) {
+    for (int g = 0; g < 16; g++) {
+        const uint8_t *qs = blk + 16 + 32 * (g / 8) + 16 * (g % 2);
+        for (int i = 0; i < 16; i++) c[16 * g + i] = (qs[i] >> (2 * ((g / 2) % 4))) & 3;
+    }
+    const float dd = half_at(blk + 80), dmin = half_at(blk + 82);
+    for (int g = 0; g < 16; g++) d[g] = dd * (float)(blk[g] & 15), m[g] = -(dmin * (float)(blk[g] >> 4));
 }
 #endif
 
@@ -320,6 +330,24 @@ TARGET_AVX2 void q3k_block_panel(const uint8_t *blk, uint8_t c[256], float d[8])
     }
     const float nd = -_cvtsh_ss(*(const uint16_t *)(blk + 108));
     for (int b = 0; b < 8; b++) d[b] = nd;
+}
+
+TARGET_AVX2 void q2k_block_panel(const uint8_t *blk, uint8_t c[256], float d[16], float m[16]) {
+    for (int h = 0; h < 2; h++) {
+        const __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * h));
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_si256((__m256i *)(c + 128 * h + 32 * j), quarter_codes(Q2K, qs, qs, h, j));
+    }
+    const __m128i sm = _mm_loadu_si128((const __m128i *)blk), f = _mm_set1_epi8(15);
+    const __m256 dd = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)(blk + 80)));
+    const __m256 dmin = _mm256_set1_ps(-_cvtsh_ss(*(const uint16_t *)(blk + 82)));
+    const __m128i sc = _mm_and_si128(sm, f), mn = _mm_and_si128(_mm_srli_epi16(sm, 4), f);
+    for (int k = 0; k < 2; k++) { /* the same products as the dequantization's, 8 at a time */
+        const __m256 s8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(k ? _mm_srli_si128(sc, 8) : sc));
+        const __m256 m8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(k ? _mm_srli_si128(mn, 8) : mn));
+        _mm256_storeu_ps(d + 8 * k, _mm256_mul_ps(dd, s8));
+        _mm256_storeu_ps(m + 8 * k, _mm256_mul_ps(dmin, m8));
+    }
 }
 
 static const sb_kernels q3k_avx2 = {q3k_gemv_c, sb_xprep_pairs_avx2, q3k_gemv, q3k_gemv_rows, q3k_dequant};

@@ -1172,16 +1172,18 @@ TV void ig_scale(const ig_x *x, int64_t i, const __m256i acc[3][2], const int lo
                  int64_t stride, const float *mins, __m256 f[3][2], const int NR) {
     for (int h = 0; h < 2; h++) {
         const int64_t k = i + 8 * h;
-        __m256i o = _mm256_load_si256((const __m256i *)(lo == 1 ? x->off_lo + k : x->off + k));
-        if (lo == 2) o = _mm256_sub_epi32(o, _mm256_load_si256((const __m256i *)(x->off_lo + k)));
-        const __m256 sx = _mm256_load_ps(x->sx + k);
+        __m256i o = _mm256_setzero_si256(); /* the codes' offset term: none with mins (o = 0) */
         __m256 xs = _mm256_setzero_ps();
         if (mins) {
             xs = _mm256_load_ps(lo == 1 ? x->xs_lo + k : x->xs + k);
             if (lo == 2) xs = _mm256_sub_ps(xs, _mm256_load_ps(x->xs_lo + k));
+        } else {
+            o = _mm256_load_si256((const __m256i *)(lo == 1 ? x->off_lo + k : x->off + k));
+            if (lo == 2) o = _mm256_sub_epi32(o, _mm256_load_si256((const __m256i *)(x->off_lo + k)));
         }
+        const __m256 sx = _mm256_load_ps(x->sx + k);
         for (int n = 0; n < NR; n++) {
-            const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[n][h], o));
+            const __m256 a = _mm256_cvtepi32_ps(mins ? acc[n][h] : _mm256_sub_epi32(acc[n][h], o));
             f[n][h] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(d[n * stride])), f[n][h]);
             if (mins) f[n][h] = _mm256_fmadd_ps(xs, _mm256_set1_ps(mins[n * stride]), f[n][h]);
         }

@@ -1054,17 +1054,19 @@ TV void ig_scale(const ig_x *x, int64_t i, const __m512i ah[4][2], const __m512i
                  const int MV, const int NR) {
     for (int v = 0; v < MV; v++) {
         const int64_t k = i + 16 * v;
-        __m512i o = _mm512_load_si512(lo == 1 ? x->off_lo + k : x->off + k);
-        if (lo == 2) o = _mm512_sub_epi32(o, _mm512_load_si512(x->off_lo + k));
-        const __m512 sx = _mm512_load_ps(x->sx + k);
+        __m512i o = _mm512_setzero_si512(); /* the codes' offset term: none with mins (o = 0) */
         __m512 xs = _mm512_setzero_ps();
         if (mins) {
             xs = _mm512_load_ps(lo == 1 ? x->xs_lo + k : x->xs + k);
             if (lo == 2) xs = _mm512_sub_ps(xs, _mm512_load_ps(x->xs_lo + k));
+        } else {
+            o = _mm512_load_si512(lo == 1 ? x->off_lo + k : x->off + k);
+            if (lo == 2) o = _mm512_sub_epi32(o, _mm512_load_si512(x->off_lo + k));
         }
+        const __m512 sx = _mm512_load_ps(x->sx + k);
         for (int n = 0; n < NR; n++) {
             __m512i a = _mm512_add_epi32(_mm512_slli_epi32(ah[n][v], 8), al[n][v]);
-            a = _mm512_sub_epi32(a, o);
+            if (!mins) a = _mm512_sub_epi32(a, o);
             f[n][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sx, _mm512_set1_ps(d[n * stride])), f[n][v]);
             if (mins) f[n][v] = _mm512_fmadd_ps(xs, _mm512_set1_ps(mins[n * stride]), f[n][v]);
         }

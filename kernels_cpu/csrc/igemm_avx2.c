@@ -35,16 +35,18 @@ TI int32_t load_i32(const void *p) {
  * off and xs minus them, for a half block: `lo` 1 or 2). */
 TI void ig_scale8(const ig_x *x, int64_t i, const __m256i s[4], const int lo, const float *d,
                   int64_t stride, const float *mins, __m256 f[4], const int NR) {
-    __m256i o = _mm256_load_si256((const __m256i *)(lo == 1 ? x->off_lo + i : x->off + i));
-    if (lo == 2) o = _mm256_sub_epi32(o, _mm256_load_si256((const __m256i *)(x->off_lo + i)));
-    const __m256 sx = _mm256_load_ps(x->sx + i);
+    __m256i o = _mm256_setzero_si256(); /* the codes' offset term: none with mins (o = 0) */
     __m256 xs = _mm256_setzero_ps();
     if (mins) {
         xs = _mm256_load_ps(lo == 1 ? x->xs_lo + i : x->xs + i);
         if (lo == 2) xs = _mm256_sub_ps(xs, _mm256_load_ps(x->xs_lo + i));
+    } else {
+        o = _mm256_load_si256((const __m256i *)(lo == 1 ? x->off_lo + i : x->off + i));
+        if (lo == 2) o = _mm256_sub_epi32(o, _mm256_load_si256((const __m256i *)(x->off_lo + i)));
     }
+    const __m256 sx = _mm256_load_ps(x->sx + i);
     for (int n = 0; n < NR; n++) {
-        const __m256 a = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[n], o));
+        const __m256 a = _mm256_cvtepi32_ps(mins ? s[n] : _mm256_sub_epi32(s[n], o));
         f[n] = _mm256_fmadd_ps(a, _mm256_mul_ps(sx, _mm256_set1_ps(d[n * stride])), f[n]);
         if (mins) f[n] = _mm256_fmadd_ps(xs, _mm256_set1_ps(mins[n * stride]), f[n]);
     }

@@ -133,7 +133,8 @@ def int6_gemv_x_block(isa: str | None = None) -> int:
 
 def q4k_gemv_fifteen_bits(isa: str | None = None) -> bool:
     """Whether a path's q4_k GEMV takes x as two int8 digits, 15 significant bits per
-    block of 256 (csrc/q4k_q5k.c): the x86 paths; scalar and NEON multiply in float32."""
+    block of 256 (csrc/q4k_q5k.c): the x86 paths, and neondot (per block of 32, within
+    that bound); scalar and plain NEON multiply in float32."""
     if _C is None:
         return False
     return _C.isa_q4k_digits(_default_isa() if isa is None else _isa_id(isa))

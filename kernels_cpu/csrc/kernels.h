@@ -323,7 +323,7 @@ typedef struct {
     int q6_xblock;
     int sb_path; /* the super-block kinds' kernels it runs (sb_for): SB_PLAIN by default */
 } kernel_table;
-enum { SB_PLAIN = 0, SB_AVX2 = 1, SB_AVX512_VNNI = 2 };
+enum { SB_PLAIN = 0, SB_AVX2 = 1, SB_AVX512_VNNI = 2, SB_NEON_DOT = 3 };
 #define IG_KIND(bits) (1u << (bits))
 
 /* int6 in plain C (scalar.c), every path's fallback: the GEMV in float32 (x with inf or
@@ -372,6 +372,11 @@ const sb_kernels *q4k_for(const kernel_table *kt);
 const sb_kernels *q3k_for(const kernel_table *kt);
 const sb_kernels *q2k_for(const kernel_table *kt);
 const sb_kernels *iq4xs_for(const kernel_table *kt);
+#if defined(__aarch64__)
+/* neon.c's x for neondot's int4 GEMV (XPREP_BYTES, two int8 digits per block of 32), which
+ * q4_k's and q5_k's neondot GEMV read too (their sub-blocks are its blocks) */
+int neon_q4_xprep(const float *x, int64_t K, void *buf);
+#endif
 #ifdef INFER_X86
 /* q4k_q5k.c's x for the super-block kinds' AVX2 and AVX-512 kernels (its layout there):
  * X per sub-block (q5_k, q4_k), or per pair of sub-blocks (q3_k, q2_k, iq4_xs, whose

@@ -76,9 +76,11 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
                                       : kt->q4_gemv;
     *j = (job_t){a, plain, NULL, NULL, 0, NULL};
     tmp[0] = tmp[1] = NULL;
-    if (sb && sb->xprep) { /* x in q4k_q5k.c's integer layout; inf or NaN: float */
+    if (sb && sb->xprep) { /* x in q4k_q5k.c's integer layout (neondot: int4's); inf or
+                            * NaN: float */
         if (!xq_ready) {
-            if (!(tmp[1] = alloc64(SB_XPREP_BYTES(a->K)))) return -1;
+            const int64_t K = a->K, bytes = SB_XPREP_BYTES(K) > XPREP_BYTES(K) ? SB_XPREP_BYTES(K) : XPREP_BYTES(K);
+            if (!(tmp[1] = alloc64(bytes))) return -1;
             if (sb->xprep(a->x, a->K, tmp[1]) == 0) xq_ready = tmp[1];
         }
         if (xq_ready) {

@@ -241,6 +241,8 @@ static int q4_xprep(const float *x, int64_t K, void *buf) {
     return 0;
 }
 
+int neon_q4_xprep(const float *x, int64_t K, void *buf) { return q4_xprep(x, K, buf); }
+
 /* sum over block c of q * X, per lane */
 TARGET_DOT TI int32x4_t q4_chunk(const uint8_t *q, const int8_t *xd, int64_t c) {
     const int8_t *xc = xd + c * CHUNK_BYTES;
@@ -377,6 +379,7 @@ static void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float
 const kernel_table kernels_neon = {q8_gemv, q4_gemv, NULL, NULL, q8_dequant, q4_dequant, tile};
 const kernel_table kernels_neon_dot = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
+    .sb_path = SB_NEON_DOT,
 };
 
 #endif

@@ -15,8 +15,10 @@
  * so a block's products stay integers: per int32 lane, sum over the 8 sub-blocks of
  * sc[j] * sum q X, at most 32 * 15 * 128 * 63 * 256 + 32 * 15 * 128 * 63 < 2^31 with the
  * high digit's sum shifted by 8. One float FMA per block by d sx, and the mins' term
- * dmin * m[j] * (sx * sum X) per sub-block from x's sums. Without digits (x with inf or
- * NaN, or a path with none: scalar, NEON) q4k_gemv_c runs in float. Several rows of x
+ * dmin * m[j] * (sx * sum X) per sub-block from x's sums. neondot takes x as its int4
+ * GEMV does (two digits, one sx per block of 32: a sub-block), four sdot a sub-block.
+ * Without digits (x with inf or NaN, or a path with none: scalar, plain NEON) q4k_gemv_c
+ * runs in float. Several rows of x
  * (q4k_rows; with AVX-512 VNNI, q4k_rows_vnni) take X as int16 and sum the same integers.
  * Q5_K runs q4k_rows (one row: R = 1) with each code's bit 4 added: |q sc X| <= 31 * 63 *
  * 32512, 32 of them an int32 lane a block (< 2^31).
@@ -557,10 +559,76 @@ static const sb_kernels q5k_avx512_vnni = {q5k_gemv_c, q4k_xprep_avx2, q5k_gemv_
                                            q5k_gemv_rows_vnni, q5k_dequant};
 #endif
 
+/* ------------------------------------------------------------------------------------
+ * AArch64 with the dot product (neondot): x as neon.c's int4 GEMV takes it, two int8
+ * digits per block of 32 with one sx each (a sub-block here), four sdot per sub-block
+ * ---------------------------------------------------------------------------------- */
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+
+#if defined(__clang__)
+#define TARGET_DOT __attribute__((target("dotprod")))
+#else
+#define TARGET_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+
+/* Row n: per sub-block c (a block of x), sum q X of its 32 codes by sdot on the high
+ * digits, shifted by 8, plus the low ones; then (d sc[j] sx) times it, less the mins'
+ * dmin m[j] (sx sum X). 4 accumulators over the sub-blocks. */
+TARGET_DOT static inline __attribute__((always_inline)) void kq_row_dot(const int kind, const qmat *a,
+                                                                        int64_t n) {
+    const int64_t K = a->K, B = K / Q4K_BLOCK, C = K / 32, bytes = kq_bytes(kind);
+    const int8_t *xd = a->xq;
+    const float *sx = (const float *)(xd + C * 64), *xs = xprep4_xs((void *)a->xq, K);
+    const uint8_t *blk = (const uint8_t *)a->qw + n * B * bytes;
+    float32x4_t acc[4] = {vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)};
+    float mins = 0;
+    const uint8x16_t m4 = vdupq_n_u8(15), b4 = vdupq_n_u8(16);
+    for (int64_t b = 0; b < B; b++, blk += bytes) {
+        const float d = q4k_half(blk), dmin = q4k_half(blk + 2);
+        uint8_t sm[16];
+        q4k_scale_bytes(blk + 4, sm);
+        for (int j = 0; j < 8; j++) {
+            const int64_t c = 8 * b + j;
+            const uint8_t *run = blk + kq_qs(kind) + 32 * (j / 2);
+            uint8x16_t lo = vld1q_u8(run), hi = vld1q_u8(run + 16); /* elements 0-15, 16-31 */
+            lo = j % 2 ? vshrq_n_u8(lo, 4) : vandq_u8(lo, m4);
+            hi = j % 2 ? vshrq_n_u8(hi, 4) : vandq_u8(hi, m4);
+            if (kind == Q5K) { /* | 16 where qh's bit j is set */
+                const uint8x16_t bit = vdupq_n_u8((uint8_t)(1 << j));
+                lo = vorrq_u8(lo, vandq_u8(vtstq_u8(vld1q_u8(blk + 16), bit), b4));
+                hi = vorrq_u8(hi, vandq_u8(vtstq_u8(vld1q_u8(blk + 32), bit), b4));
+            }
+            const int8x16_t l = vreinterpretq_s8_u8(lo), h = vreinterpretq_s8_u8(hi);
+            const int8_t *xc = xd + c * 64;
+            int32x4_t t = vdotq_s32(vdotq_s32(vdupq_n_s32(0), l, vld1q_s8(xc)), h, vld1q_s8(xc + 16));
+            t = vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), l, vld1q_s8(xc + 32)), h, vld1q_s8(xc + 48));
+            acc[j % 4] = vfmaq_n_f32(acc[j % 4], vcvtq_f32_s32(t), d * (float)sm[j] * sx[c]);
+            mins += dmin * (float)sm[8 + j] * xs[c];
+        }
+    }
+    const float32x4_t v = vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3]));
+    a->y[n] = vaddvq_f32(v) - mins;
+}
+
+TARGET_DOT static void q4k_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) kq_row_dot(Q4K, a, n);
+}
+TARGET_DOT static void q5k_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) kq_row_dot(Q5K, a, n);
+}
+
+static const sb_kernels q4k_neon_dot = {q4k_gemv_c, neon_q4_xprep, q4k_gemv_dot, NULL, q4k_dequant_c};
+static const sb_kernels q5k_neon_dot = {q5k_gemv_c, neon_q4_xprep, q5k_gemv_dot, NULL, q5k_dequant_c};
+#endif
+
 const sb_kernels *q4k_for(const kernel_table *kt) {
 #ifdef INFER_X86
     if (kt->sb_path == SB_AVX512_VNNI) return &q4k_avx512_vnni;
     if (kt->sb_path == SB_AVX2) return &q4k_avx2;
+#elif defined(__aarch64__)
+    if (kt->sb_path == SB_NEON_DOT) return &q4k_neon_dot;
 #endif
     return &q4k_plain;
 }
@@ -569,6 +637,8 @@ const sb_kernels *q5k_for(const kernel_table *kt) {
 #ifdef INFER_X86
     if (kt->sb_path == SB_AVX512_VNNI) return &q5k_avx512_vnni;
     if (kt->sb_path == SB_AVX2) return &q5k_avx2;
+#elif defined(__aarch64__)
+    if (kt->sb_path == SB_NEON_DOT) return &q5k_neon_dot;
 #endif
     return &q5k_plain;
 }

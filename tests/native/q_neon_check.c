@@ -1,5 +1,5 @@
-/* The NEON int8 and int4 matmuls (kernels_cpu/csrc/neon.c) against the scalar path,
-   without Python.
+/* The NEON int8, int4, q4_k and q5_k matmuls (kernels_cpu/csrc/neon.c, q4k_q5k.c) against
+   the scalar path, without Python.
 
    AArch64 only; tests/test_neon.py builds it with a cross compiler and runs it under
    qemu-aarch64, once on a CPU with dotprod and once without:
@@ -100,6 +100,68 @@ static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_
     return bad;
 }
 
+/* q4_k and q5_k (Q4_K's and Q5_K's blocks, random bytes with sane float16 d and dmin)
+   against the scalar path, with the same tolerances; the weights from the scalar
+   dequantization. neondot's GEMV takes x as int4's two digits per block of 32. */
+static int check_kq(int isa, int kind, int64_t M, int64_t N, int64_t K) {
+    const int64_t bytes = kind == Q5K ? Q5K_BLOCK_BYTES : Q4K_BLOCK_BYTES, B = K / Q4K_BLOCK;
+    float *x = malloc(sizeof(float) * M * K), *ys = malloc(sizeof(float) * M * N),
+          *y1 = malloc(sizeof(float) * M * N), *y2 = malloc(sizeof(float) * M * N),
+          *w = malloc(sizeof(float) * N * K);
+    uint8_t *qw = malloc((size_t)(N * B * bytes));
+    activations(x, M * K);
+    if (M > 1) memset(x + K, 0, sizeof(float) * 32); /* a block of zeros */
+    for (int64_t i = 0; i < N * B * bytes; i++) qw[i] = (uint8_t)next_u32();
+    for (int64_t blk = 0; blk < N * B; blk++) {
+        const uint16_t d = rand_half(), dmin = rand_half();
+        memcpy(qw + blk * bytes, &d, 2);
+        memcpy(qw + blk * bytes + 2, &dmin, 2);
+    }
+    qmat a = {.x = x, .qw = qw, .M = M, .N = N, .K = K, .g = Q4K_BLOCK};
+    const sb_kernels *plain = kind == Q5K ? q5k_for(kernels_for(ISA_SCALAR)) : q4k_for(kernels_for(ISA_SCALAR));
+    plain->dequant(&a, 0, N, w);
+    int bad = 0;
+    a.y = ys;
+    if (q_matmul(kind, &a, ISA_SCALAR, 1)) bad = 1;
+    a.y = y1;
+    if (q_matmul(kind, &a, isa, 1)) bad = 1;
+    a.y = y2;
+    if (q_matmul(kind, &a, isa, 2)) bad = 1;
+    if (memcmp(y1, y2, sizeof(float) * M * N)) {
+        printf("THREADS %s kind=%d M=%ld N=%ld K=%ld: 1 and 2 threads differ\n", isa_name(isa), kind,
+               (long)M, (long)N, (long)K);
+        bad = 1;
+    }
+    const sb_kernels *sb = kind == Q5K ? q5k_for(kernels_for(isa)) : q4k_for(kernels_for(isa));
+    const int runs_gemv = M <= SMALL_M || (M <= WIDE_M && K >= WIDE_K);
+    const int two_digits = sb->xprep && runs_gemv;
+    for (int64_t m = 0; m < M && !bad; m++)
+        for (int64_t n = 0; n < N; n++) {
+            double tol = 1e-30, digits = 0;
+            for (int64_t b = 0; b < K / 32; b++) {
+                double amax = 0, wsum = 0;
+                for (int64_t k = 32 * b; k < 32 * b + 32; k++) {
+                    const double wk = fabs(w[n * K + k]), xk = fabs(x[m * K + k]);
+                    tol += 1e-5 * wk * xk;
+                    wsum += wk;
+                    amax = xk > amax ? xk : amax;
+                }
+                digits += amax * wsum;
+            }
+            if (two_digits) tol += (0.5 / IG_XMAX + 0x1p-21) * digits;
+            const double err = fabs((double)y1[m * N + n] - ys[m * N + n]);
+            if (!(err <= tol)) {
+                printf("MISMATCH %s kind=%d M=%ld N=%ld K=%ld at (%ld, %ld): %.9g against %.9g "
+                       "(tolerance %.3g)\n", isa_name(isa), kind, (long)M, (long)N, (long)K, (long)m,
+                       (long)n, y1[m * N + n], ys[m * N + n], tol);
+                bad = 1;
+                break;
+            }
+        }
+    free(x), free(ys), free(y1), free(y2), free(w), free(qw);
+    return bad;
+}
+
 int main(void) {
     const int dot = cpu_has("dotprod");
     if (isa_supported(ISA_NEON_DOT) != dot) {
@@ -125,6 +187,14 @@ int main(void) {
                         bad |= check(isas[i], KINDS[k][0], KINDS[k][1], KINDS[k][2], MS[m],
                                      NS[n], KS[kk]);
             }
+    static const int KQ[] = {Q4K, Q5K};
+    static const int64_t KQ_KS[] = {256, 256 * 3, 256 * 6};
+    for (int i = 0; i < (dot ? 2 : 1); i++)
+        for (size_t k = 0; k < 2; k++)
+            for (size_t kk = 0; kk < sizeof KQ_KS / sizeof *KQ_KS; kk++)
+                for (size_t n = 0; n < sizeof NS / sizeof *NS; n++)
+                    for (size_t m = 0; m < sizeof MS / sizeof *MS; m++, cases++)
+                        bad |= check_kq(isas[i], KQ[k], MS[m], NS[n], KQ_KS[kk]);
     printf("dotprod=%d cases=%d %s\n", dot, cases, bad ? "FAILED" : "ok");
     return bad;
 }

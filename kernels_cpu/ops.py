@@ -124,8 +124,8 @@ def int5_gemv_fifteen_bits(isa: str | None = None) -> bool:
 
 def int6_gemv_x_block(isa: str | None = None) -> int:
     """The block of x per scale where a path's int6 GEMV takes x as int16, 15 significant
-    bits per block: 32 on plain AVX2, 256 on AVX-512 VNNI; 0 where it takes the int8
-    GEMV's three digits (22 bits, AVX-VNNI) or float32."""
+    bits per block: 32 on plain AVX2 and neondot (two int8 digits), 256 on AVX-512 VNNI;
+    0 where it takes the int8 GEMV's three digits (22 bits, AVX-VNNI) or float32."""
     if _C is None:
         return 0
     return _C.isa_int6_x16(_default_isa() if isa is None else _isa_id(isa))

@@ -317,7 +317,8 @@ def test_decode_takes_fifteen_bits_where_integer_dots_are():
     on_digits = ("avx2", "avx2vnni", "avx512", "avx512vnni", "neondot")
     for isa in ops.supported_isas():
         assert ops.int4_gemv_fifteen_bits(isa) == (isa in on_digits), isa
-        assert ops.int6_gemv_x_block(isa) == {"avx2": 32, "avx512vnni": 256}.get(isa, 0), isa
+        blocks = {"avx2": 32, "avx512vnni": 256, "neondot": 32}
+        assert ops.int6_gemv_x_block(isa) == blocks.get(isa, 0), isa
 
 
 @needs_c

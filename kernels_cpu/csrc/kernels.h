@@ -209,6 +209,11 @@ static inline float *xprep4_xs(void *buf, int64_t K) {
     return (float *)((int8_t *)buf + XPREP_BYTES(K)) - (K + 31) / 32;
 }
 
+/* Enough for a GEMV's prepared x in any path's layout (XPREP_BYTES, XPREP8_BYTES,
+ * SB_XPREP_BYTES; neondot's int6, q4_k and q5_k take int4's). */
+#define XPREP_MAX2(a, b) ((a) > (b) ? (a) : (b))
+#define ANY_XPREP_BYTES(K) XPREP_MAX2(XPREP_BYTES(K), XPREP_MAX2(XPREP8_BYTES(K), SB_XPREP_BYTES(K)))
+
 /* The int8 digit GEMV's x: per 64 elements three digit vectors of 64 bytes, then per
  * 64 elements 16 lane scales (lane l: elements 4l..4l+3, scale of their block of 32),
  * then per block of 32 its term -128 * sx * sum(X) (see q8_gemv_digits). */

@@ -79,8 +79,7 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
     if (sb && sb->xprep) { /* x in q4k_q5k.c's integer layout (neondot: int4's); inf or
                             * NaN: float */
         if (!xq_ready) {
-            const int64_t K = a->K, bytes = SB_XPREP_BYTES(K) > XPREP_BYTES(K) ? SB_XPREP_BYTES(K) : XPREP_BYTES(K);
-            if (!(tmp[1] = alloc64(bytes))) return -1;
+            if (!(tmp[1] = alloc64(ANY_XPREP_BYTES(a->K)))) return -1;
             if (sb->xprep(a->x, a->K, tmp[1]) == 0) xq_ready = tmp[1];
         }
         if (xq_ready) {
@@ -88,11 +87,12 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
             j->gemv = sb->gemv_digits;
         }
     }
-    if (bits == 6 && kt->q6_xprep) { /* x as the int8 GEMV's digits; inf or NaN: float */
+    if (bits == 6 && kt->q6_xprep) { /* x as the int8 GEMV's digits (or the path's own
+                                      * layout, q6_xsum); inf or NaN: float */
         const int64_t K = a->K;
         if (!(tmp[0] = malloc((size_t)(K / 16) * sizeof(float)))) return -1;
         if (!xq_ready) {
-            if (!(tmp[1] = alloc64(XPREP8_BYTES(K)))) return -1;
+            if (!(tmp[1] = alloc64(ANY_XPREP_BYTES(K)))) return -1;
             if (kt->q6_xprep(a->x, K, tmp[1]) == 0) xq_ready = tmp[1];
         }
         if (xq_ready) { /* per 16: -32 sx sum X, from the digits the kernel multiplies */

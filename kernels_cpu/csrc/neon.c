@@ -5,7 +5,7 @@
  * GEMV: one row at a time, ACC accumulators. int8 and (neon) int4 widen weights to float;
  * neondot's int4 GEMV takes x as two int8 digits per element (15 significant bits a
  * block: the integer GEMM's x, as on x86), one 32-element block (16 bytes of a row) per
- * step, four sdot.
+ * step, four sdot; its int6 GEMV (and q4k_q5k.c's q4_k and q5_k) the same x.
  * GEMM: dequantized tile times x in 4 x 4 blocks of dot products (16 accumulators of
  * the 32 registers).
  */
@@ -282,6 +282,62 @@ TARGET_DOT static void q4_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
     }
 }
 
+/* int6 (GGUF Q6_K's blocks) on x as int4's digits: per group of 16 (a half block of x)
+ * d sc sx (sum q X) by two sdot per digit pair, plus the group's term d sc (-32 sx sum X)
+ * (xsum, q6_xsum). Codes q (0..63) per sub-block s = 4 h + j of 32: ql's nibbles (low for
+ * j < 2) and qh's bits 2j, 2j + 1 (kernels.h, int6). */
+static void q6_xsum(const void *xq, int64_t K, float *xsum) {
+    const int8_t *xd = xq;
+    const float *sx = (const float *)(xd + K / CHUNK * CHUNK_BYTES);
+    for (int64_t g = 0; g < K / 16; g++) { /* chunk g / 2, elements 16 (g % 2) .. + 15 */
+        const int8_t *c = xd + (g / 2) * CHUNK_BYTES + 16 * (g % 2);
+        int32_t t = 0;
+        for (int i = 0; i < 16; i++) t += 256 * c[i] + c[32 + i];
+        xsum[g] = -32.0f * sx[g / 2] * (float)t;
+    }
+}
+
+TARGET_DOT TI void q6_digits_row(const qmat *a, int64_t n) {
+    const int64_t K = a->K, B = K / Q6_BLOCK, C = K / CHUNK;
+    const int8_t *xd = a->xq;
+    const float *sx = (const float *)(xd + C * CHUNK_BYTES);
+    const uint8_t *blk = (const uint8_t *)a->qw + n * B * Q6_BLOCK_BYTES;
+    float32x4_t acc[ACC];
+    for (int i = 0; i < ACC; i++) acc[i] = vdupq_n_f32(0);
+    float groups = 0;
+    const uint8x16_t m4 = vdupq_n_u8(15), m2 = vdupq_n_u8(3);
+    for (int64_t b = 0; b < B; b++, blk += Q6_BLOCK_BYTES) {
+        const float d = half_to_float((uint16_t)(blk[208] | blk[209] << 8));
+        const int8_t *sc = (const int8_t *)blk + 192;
+        for (int s = 0; s < 8; s++) {
+            const int h = s / 4, j = s % 4;
+            const uint8_t *ql = blk + 64 * h + 32 * (j & 1), *qh = blk + 128 + 32 * h;
+            const int8x16_t down = vdupq_n_s8((int8_t)(-2 * j));
+            int8x16_t q[2];
+            for (int e = 0; e < 2; e++) { /* elements 16 e .. 16 e + 15 */
+                const uint8x16_t l = vld1q_u8(ql + 16 * e);
+                const uint8x16_t nib = j < 2 ? vandq_u8(l, m4) : vshrq_n_u8(l, 4);
+                const uint8x16_t hb = vandq_u8(vshlq_u8(vld1q_u8(qh + 16 * e), down), m2);
+                q[e] = vreinterpretq_s8_u8(vorrq_u8(nib, vshlq_n_u8(hb, 4)));
+            }
+            const int64_t c = 8 * b + s;
+            const int8_t *xc = xd + c * CHUNK_BYTES;
+            for (int e = 0; e < 2; e++) {
+                int32x4_t t = vshlq_n_s32(vdotq_s32(vdupq_n_s32(0), q[e], vld1q_s8(xc + 16 * e)), 8);
+                t = vdotq_s32(t, q[e], vld1q_s8(xc + 32 + 16 * e));
+                const float ds = d * (float)sc[2 * s + e];
+                acc[(2 * s + e) % ACC] = vfmaq_n_f32(acc[(2 * s + e) % ACC], vcvtq_f32_s32(t), ds * sx[c]);
+                groups += ds * a->xsum[16 * b + 2 * s + e];
+            }
+        }
+    }
+    a->y[n] = hsum_acc(acc) + groups;
+}
+
+TARGET_DOT static void q6_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) q6_digits_row(a, n);
+}
+
 /* ------------------------------------------------------------------------------------
  * Dequantization for the GEMM (the formats' definitions: no FMA)
  * ---------------------------------------------------------------------------------- */
@@ -379,6 +435,7 @@ static void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float
 const kernel_table kernels_neon = {q8_gemv, q4_gemv, NULL, NULL, q8_dequant, q4_dequant, tile};
 const kernel_table kernels_neon_dot = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
+    .q6_xprep = q4_xprep, .q6_gemv_digits = q6_gemv_digits, .q6_xsum = q6_xsum, .q6_xblock = 32,
     .sb_path = SB_NEON_DOT,
 };
 

@@ -1,5 +1,5 @@
-/* The NEON int8, int4, q4_k and q5_k matmuls (kernels_cpu/csrc/neon.c, q4k_q5k.c) against
-   the scalar path, without Python.
+/* The NEON int8, int4, int6, q4_k and q5_k matmuls (kernels_cpu/csrc/neon.c, q4k_q5k.c)
+   against the scalar path, without Python.
 
    AArch64 only; tests/test_neon.py builds it with a cross compiler and runs it under
    qemu-aarch64, once on a CPU with dotprod and once without:
@@ -100,11 +100,12 @@ static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_
     return bad;
 }
 
-/* q4_k and q5_k (Q4_K's and Q5_K's blocks, random bytes with sane float16 d and dmin)
-   against the scalar path, with the same tolerances; the weights from the scalar
-   dequantization. neondot's GEMV takes x as int4's two digits per block of 32. */
+/* int6, q4_k and q5_k (Q6_K's, Q4_K's and Q5_K's blocks, random bytes with sane float16
+   d and dmin) against the scalar path, with the same tolerances; the weights from the
+   scalar dequantization. neondot's GEMVs take x as int4's two digits per block of 32. */
 static int check_kq(int isa, int kind, int64_t M, int64_t N, int64_t K) {
-    const int64_t bytes = kind == Q5K ? Q5K_BLOCK_BYTES : Q4K_BLOCK_BYTES, B = K / Q4K_BLOCK;
+    const int64_t bytes = kind == 6 ? Q6_BLOCK_BYTES : kind == Q5K ? Q5K_BLOCK_BYTES : Q4K_BLOCK_BYTES;
+    const int64_t B = K / Q4K_BLOCK;
     float *x = malloc(sizeof(float) * M * K), *ys = malloc(sizeof(float) * M * N),
           *y1 = malloc(sizeof(float) * M * N), *y2 = malloc(sizeof(float) * M * N),
           *w = malloc(sizeof(float) * N * K);
@@ -114,12 +115,14 @@ static int check_kq(int isa, int kind, int64_t M, int64_t N, int64_t K) {
     for (int64_t i = 0; i < N * B * bytes; i++) qw[i] = (uint8_t)next_u32();
     for (int64_t blk = 0; blk < N * B; blk++) {
         const uint16_t d = rand_half(), dmin = rand_half();
-        memcpy(qw + blk * bytes, &d, 2);
-        memcpy(qw + blk * bytes + 2, &dmin, 2);
+        memcpy(qw + blk * bytes + (kind == 6 ? 208 : 0), &d, 2);
+        if (kind != 6) memcpy(qw + blk * bytes + 2, &dmin, 2);
     }
     qmat a = {.x = x, .qw = qw, .M = M, .N = N, .K = K, .g = Q4K_BLOCK};
-    const sb_kernels *plain = kind == Q5K ? q5k_for(kernels_for(ISA_SCALAR)) : q4k_for(kernels_for(ISA_SCALAR));
-    plain->dequant(&a, 0, N, w);
+    if (kind == 6)
+        q6_dequant_c(&a, 0, N, w);
+    else
+        (kind == Q5K ? q5k_for : q4k_for)(kernels_for(ISA_SCALAR))->dequant(&a, 0, N, w);
     int bad = 0;
     a.y = ys;
     if (q_matmul(kind, &a, ISA_SCALAR, 1)) bad = 1;
@@ -132,9 +135,10 @@ static int check_kq(int isa, int kind, int64_t M, int64_t N, int64_t K) {
                (long)M, (long)N, (long)K);
         bad = 1;
     }
-    const sb_kernels *sb = kind == Q5K ? q5k_for(kernels_for(isa)) : q4k_for(kernels_for(isa));
+    const kernel_table *kt = kernels_for(isa);
     const int runs_gemv = M <= SMALL_M || (M <= WIDE_M && K >= WIDE_K);
-    const int two_digits = sb->xprep && runs_gemv;
+    const int on_digits = kind == 6 ? kt->q6_xprep != NULL : (kind == Q5K ? q5k_for : q4k_for)(kt)->xprep != NULL;
+    const int two_digits = on_digits && runs_gemv;
     for (int64_t m = 0; m < M && !bad; m++)
         for (int64_t n = 0; n < N; n++) {
             double tol = 1e-30, digits = 0;
@@ -168,8 +172,7 @@ int main(void) {
         printf("DISPATCH neondot supported=%d, dotprod=%d\n", isa_supported(ISA_NEON_DOT), dot);
         return 1;
     }
-    /* (bits, g, symmetric) as tests/test_kernels_q.py's KINDS, int6 aside (NEON runs it in
-       the portable C) */
+    /* (bits, g, symmetric) as tests/test_kernels_q.py's KINDS, int6 aside (check_kq) */
     static const int KINDS[][3] = {{8, 0, 1},  {8, 32, 1},  {8, 64, 1},  {8, 128, 1},
                                    {4, 32, 1}, {4, 32, 0},  {4, 64, 1},  {4, 64, 0},
                                    {4, 128, 1}, {4, 128, 0}};
@@ -187,10 +190,10 @@ int main(void) {
                         bad |= check(isas[i], KINDS[k][0], KINDS[k][1], KINDS[k][2], MS[m],
                                      NS[n], KS[kk]);
             }
-    static const int KQ[] = {Q4K, Q5K};
+    static const int KQ[] = {6, Q4K, Q5K};
     static const int64_t KQ_KS[] = {256, 256 * 3, 256 * 6};
     for (int i = 0; i < (dot ? 2 : 1); i++)
-        for (size_t k = 0; k < 2; k++)
+        for (size_t k = 0; k < sizeof KQ / sizeof *KQ; k++)
             for (size_t kk = 0; kk < sizeof KQ_KS / sizeof *KQ_KS; kk++)
                 for (size_t n = 0; n < sizeof NS / sizeof *NS; n++)
                     for (size_t m = 0; m < sizeof MS / sizeof *MS; m++, cases++)

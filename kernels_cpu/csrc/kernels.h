@@ -151,7 +151,8 @@ void pool_run(int nthreads, int64_t n_tasks, pool_fn fn, void *ctx);
  *      and mins unused, g = 256. The GEMV runs on x as the int8 GEMV's digits (kernels.h
  *      XPREP8; |X| <= 2^21, 22 significant bits; 4 * 63 * 2^21 < 2^31) on AVX-VNNI, as
  *      int16 X on plain AVX2 (avx2.c, 15 bits per block of 32) and AVX-512 VNNI (avx512.c,
- *      15 bits per block of 256, one vpdpwssd per 32 weights): per group of 16,
+ *      15 bits per block of 256, one vpdpwssd per 32 weights), as int4's two digits on
+ *      neondot (neon.c, 15 bits per block of 32): per group of 16,
  *      d sc sx (sum q X) plus the group's term d sc (-32 sx sum X) (xsum, from the same
  *      X). Without them (x with inf or NaN, or a path with neither) it runs q6_gemv_c in
  *      float. Prompts take the integer GEMM on the x86 paths that have one (codes q, a

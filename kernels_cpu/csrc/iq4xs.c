@@ -14,7 +14,9 @@
  * < 2^31), so the lanes go to float every 8 (every pair of sub-blocks, two on AVX2). The
  * -128 sc sum X term per sub-block comes from x's sums per 32. One row is the rows kernel
  * with R = 1, so a row's output is the same alone or in a batch. Without x's integers
- * (x with inf or NaN, or a path with none: scalar, NEON) the float GEMV runs.
+ * (x with inf or NaN, or a path with none: scalar, plain NEON) the float GEMV runs; neondot
+ * takes x as its int4 GEMV does (two int8 digits per block of 32) and the levels as signed
+ * codes by a table lookup.
  * GEMM: on the vpdpbusd paths the integer GEMM, as int8's codes (c = v + 128, each
  * sub-block's d (ls - 32)); else tiles dequantized exactly, then the float tile.
  */
@@ -312,10 +314,58 @@ static const sb_kernels iq4xs_avx512_vnni = {iq4xs_gemv_c, sb_xprep_pairs_avx2, 
 #undef TI
 #endif
 
+/* ------------------------------------------------------------------------------------
+ * AArch64 with the dot product (neondot): x as neon.c's int4 GEMV takes it (two int8
+ * digits, one sx per block of 32: a sub-block); the levels as signed codes by a table
+ * lookup, four sdot a sub-block
+ * ---------------------------------------------------------------------------------- */
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+
+#if defined(__clang__)
+#define TARGET_DOT __attribute__((target("dotprod")))
+#else
+#define TARGET_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+
+TARGET_DOT static void iq4xs_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
+    const int64_t K = a->K, B = K / Q4K_BLOCK, C = K / 32;
+    const int8_t *xd = a->xq;
+    const float *sx = (const float *)(xd + C * 64);
+    const int8x16_t levels = vld1q_s8(iq4_values);
+    const uint8x16_t m4 = vdupq_n_u8(15);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *blk = (const uint8_t *)a->qw + n * B * IQ4XS_BLOCK_BYTES;
+        float32x4_t acc[4] = {vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)};
+        for (int64_t b = 0; b < B; b++, blk += IQ4XS_BLOCK_BYTES) {
+            const float d = half_to_float((uint16_t)(blk[0] | blk[1] << 8));
+            int sc[8];
+            iq4_scales(blk, sc);
+            for (int j = 0; j < 8; j++) {
+                const uint8x16_t q = vld1q_u8(blk + 8 + 16 * j);
+                const int8x16_t lo = vqtbl1q_s8(levels, vandq_u8(q, m4)); /* elements 0-15 */
+                const int8x16_t hi = vqtbl1q_s8(levels, vshrq_n_u8(q, 4)); /* 16-31 */
+                const int64_t c = 8 * b + j;
+                const int8_t *xc = xd + c * 64;
+                int32x4_t t = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xc)), hi, vld1q_s8(xc + 16));
+                t = vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 32)), hi, vld1q_s8(xc + 48));
+                acc[j % 4] = vfmaq_n_f32(acc[j % 4], vcvtq_f32_s32(t), d * (float)sc[j] * sx[c]);
+            }
+        }
+        a->y[n] = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
+    }
+}
+
+static const sb_kernels iq4xs_neon_dot = {iq4xs_gemv_c, neon_q4_xprep, iq4xs_gemv_dot, NULL, iq4xs_dequant_c};
+#endif
+
 const sb_kernels *iq4xs_for(const kernel_table *kt) {
 #ifdef INFER_X86
     if (kt->sb_path == SB_AVX512_VNNI) return &iq4xs_avx512_vnni;
     if (kt->sb_path == SB_AVX2) return &iq4xs_avx2;
+#elif defined(__aarch64__)
+    if (kt->sb_path == SB_NEON_DOT) return &iq4xs_neon_dot;
 #endif
     return &iq4xs_plain;
 }

@@ -21,7 +21,8 @@
  * block by d sx. The rest, per group of 16 from x's sums sx sum X: Q3_K's -4 d sc and
  * Q2_K's -dmin m. One row is the rows kernel with R = 1, so a row's output is the same
  * alone or in a batch. Without x's integers (x with inf or NaN, or a path with none:
- * scalar, NEON) the float GEMV runs.
+ * scalar, plain NEON) the float GEMV runs; neondot takes x as its int4 GEMV does (two int8
+ * digits per block of 32), the codes signed (Q3_K) or their mins from sdot by ones (Q2_K).
  * GEMM: tiles dequantized exactly, then the float tile; on x86 paths the integer GEMM:
  * Q3_K as int8's codes on the vpdpbusd paths (q3k_block_panel), Q2_K's codes with a scale
  * and a min per 16 (q2k_block_panel).
@@ -458,10 +459,88 @@ static const sb_kernels q2k_avx512_vnni = {q2k_gemv_c, sb_xprep_pairs_avx2, q2k_
 #undef TI
 #endif
 
+/* ------------------------------------------------------------------------------------
+ * AArch64 with the dot product (neondot): x as neon.c's int4 GEMV takes it (two int8
+ * digits, one sx per block of 32); per group of 16 two sdot per digit pair
+ * ---------------------------------------------------------------------------------- */
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+
+#if defined(__clang__)
+#define TARGET_DOT __attribute__((target("dotprod")))
+#else
+#define TARGET_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+
+/* 256 hi + lo digits' sum of q times x's elements 16 e .. 16 e + 15 of block xc, per lane */
+TARGET_DOT static inline __attribute__((always_inline)) int32x4_t dot16(int8x16_t q, const int8_t *xc, int e) {
+    const int32x4_t t = vshlq_n_s32(vdotq_s32(vdupq_n_s32(0), q, vld1q_s8(xc + 16 * e)), 8);
+    return vdotq_s32(t, q, vld1q_s8(xc + 32 + 16 * e));
+}
+
+/* Row n. Q3_K: codes q in -4..3 as they are, times d (sc - 32) sx per group. Q2_K: codes
+ * 0..3 times d sc sx, less dmin m sx (sum X) per group, the sum by sdot with ones. */
+TARGET_DOT static inline __attribute__((always_inline)) void low_row_dot(const int kind, const qmat *a,
+                                                                         int64_t n) {
+    const int64_t K = a->K, B = K / Q4K_BLOCK, C = K / 32, bytes = block_bytes(kind);
+    const int8_t *xd = a->xq;
+    const float *sx = (const float *)(xd + C * 64);
+    const uint8_t *blk = (const uint8_t *)a->qw + n * B * bytes;
+    float32x4_t acc[4] = {vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)};
+    float32x4_t corr = vdupq_n_f32(0);
+    const uint8x16_t three = vdupq_n_u8(3), four = vdupq_n_u8(4);
+    const int8x16_t ones = vdupq_n_s8(1);
+    for (int64_t b = 0; b < B; b++, blk += bytes) {
+        const float d = half_at(blk + d_at(kind)), dmin = kind == Q2K ? half_at(blk + 82) : 0;
+        int8_t sc[16];
+        if (kind == Q3K) q3k_scales(blk + 96, sc);
+        for (int s = 0; s < 8; s++) { /* sub-block s = 4 h + j: groups 2 s, 2 s + 1 */
+            const int h = s / 4, j = s % 4;
+            const uint8_t *qs = blk + qs_at(kind) + 32 * h;
+            const int8x16_t down = vdupq_n_s8((int8_t)(-2 * j));
+            const int64_t c = 8 * b + s;
+            const int8_t *xc = xd + c * 64;
+            for (int e = 0; e < 2; e++) {
+                const uint8x16_t low = vandq_u8(vshlq_u8(vld1q_u8(qs + 16 * e), down), three);
+                int8x16_t q;
+                float ds;
+                if (kind == Q3K) { /* -4 where hmask's bit 4 h + j is clear */
+                    const uint8x16_t set = vtstq_u8(vld1q_u8(blk + 16 * e), vdupq_n_u8((uint8_t)(1 << s)));
+                    q = vsubq_s8(vreinterpretq_s8_u8(low), vreinterpretq_s8_u8(vbicq_u8(four, set)));
+                    ds = d * (float)sc[2 * s + e];
+                } else {
+                    q = vreinterpretq_s8_u8(low);
+                    const uint8_t sm = blk[2 * s + e];
+                    ds = d * (float)(sm & 15);
+                    const float mn = dmin * (float)(sm >> 4);
+                    corr = vfmaq_n_f32(corr, vcvtq_f32_s32(dot16(ones, xc, e)), mn * sx[c]);
+                }
+                acc[(2 * s + e) % 4] = vfmaq_n_f32(acc[(2 * s + e) % 4], vcvtq_f32_s32(dot16(q, xc, e)), ds * sx[c]);
+            }
+        }
+    }
+    const float32x4_t v = vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3]));
+    a->y[n] = vaddvq_f32(v) - vaddvq_f32(corr);
+}
+
+TARGET_DOT static void q3k_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) low_row_dot(Q3K, a, n);
+}
+TARGET_DOT static void q2k_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) low_row_dot(Q2K, a, n);
+}
+
+static const sb_kernels q3k_neon_dot = {q3k_gemv_c, neon_q4_xprep, q3k_gemv_dot, NULL, q3k_dequant_c};
+static const sb_kernels q2k_neon_dot = {q2k_gemv_c, neon_q4_xprep, q2k_gemv_dot, NULL, q2k_dequant_c};
+#endif
+
 const sb_kernels *q3k_for(const kernel_table *kt) {
 #ifdef INFER_X86
     if (kt->sb_path == SB_AVX512_VNNI) return &q3k_avx512_vnni;
     if (kt->sb_path == SB_AVX2) return &q3k_avx2;
+#elif defined(__aarch64__)
+    if (kt->sb_path == SB_NEON_DOT) return &q3k_neon_dot;
 #endif
     return &q3k_plain;
 }
@@ -470,6 +549,8 @@ const sb_kernels *q2k_for(const kernel_table *kt) {
 #ifdef INFER_X86
     if (kt->sb_path == SB_AVX512_VNNI) return &q2k_avx512_vnni;
     if (kt->sb_path == SB_AVX2) return &q2k_avx2;
+#elif defined(__aarch64__)
+    if (kt->sb_path == SB_NEON_DOT) return &q2k_neon_dot;
 #endif
     return &q2k_plain;
 }

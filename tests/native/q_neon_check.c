@@ -1,5 +1,5 @@
-/* The NEON int8, int4, int6, q4_k and q5_k matmuls (kernels_cpu/csrc/neon.c, q4k_q5k.c)
-   against the scalar path, without Python.
+/* The NEON int8, int4, int6 and super-block kinds' matmuls (kernels_cpu/csrc/neon.c,
+   q4k_q5k.c, q2k_q3k.c, iq4xs.c) against the scalar path, without Python.
 
    AArch64 only; tests/test_neon.py builds it with a cross compiler and runs it under
    qemu-aarch64, once on a CPU with dotprod and once without:
@@ -100,11 +100,21 @@ static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_
     return bad;
 }
 
-/* int6, q4_k and q5_k (Q6_K's, Q4_K's and Q5_K's blocks, random bytes with sane float16
-   d and dmin) against the scalar path, with the same tolerances; the weights from the
+/* The super-block kinds' kernels on a path (NULL for int6, which hangs off the table) */
+static const sb_kernels *sb_of(int kind, const kernel_table *kt) {
+    return kind == Q4K ? q4k_for(kt) : kind == Q5K ? q5k_for(kt) : kind == Q3K ? q3k_for(kt)
+         : kind == Q2K ? q2k_for(kt) : kind == IQ4XS ? iq4xs_for(kt) : NULL;
+}
+
+/* int6, q5_k, q4_k, q3_k, q2_k and iq4_xs (GGUF's blocks, random bytes with sane float16 d
+   and dmin) against the scalar path, with the same tolerances; the weights from the
    scalar dequantization. neondot's GEMVs take x as int4's two digits per block of 32. */
 static int check_kq(int isa, int kind, int64_t M, int64_t N, int64_t K) {
-    const int64_t bytes = kind == 6 ? Q6_BLOCK_BYTES : kind == Q5K ? Q5K_BLOCK_BYTES : Q4K_BLOCK_BYTES;
+    const int64_t bytes = kind == 6 ? Q6_BLOCK_BYTES : kind == Q5K ? Q5K_BLOCK_BYTES
+                        : kind == Q4K ? Q4K_BLOCK_BYTES : kind == Q3K ? Q3K_BLOCK_BYTES
+                        : kind == Q2K ? Q2K_BLOCK_BYTES : IQ4XS_BLOCK_BYTES;
+    const int d_at = kind == 6 ? 208 : kind == Q3K ? 108 : kind == Q2K ? 80 : 0; /* float16 d */
+    const int dmin_at = kind == Q4K || kind == Q5K ? 2 : kind == Q2K ? 82 : -1;
     const int64_t B = K / Q4K_BLOCK;
     float *x = malloc(sizeof(float) * M * K), *ys = malloc(sizeof(float) * M * N),
           *y1 = malloc(sizeof(float) * M * N), *y2 = malloc(sizeof(float) * M * N),
@@ -115,14 +125,14 @@ static int check_kq(int isa, int kind, int64_t M, int64_t N, int64_t K) {
     for (int64_t i = 0; i < N * B * bytes; i++) qw[i] = (uint8_t)next_u32();
     for (int64_t blk = 0; blk < N * B; blk++) {
         const uint16_t d = rand_half(), dmin = rand_half();
-        memcpy(qw + blk * bytes + (kind == 6 ? 208 : 0), &d, 2);
-        if (kind != 6) memcpy(qw + blk * bytes + 2, &dmin, 2);
+        memcpy(qw + blk * bytes + d_at, &d, 2);
+        if (dmin_at >= 0) memcpy(qw + blk * bytes + dmin_at, &dmin, 2);
     }
     qmat a = {.x = x, .qw = qw, .M = M, .N = N, .K = K, .g = Q4K_BLOCK};
     if (kind == 6)
         q6_dequant_c(&a, 0, N, w);
     else
-        (kind == Q5K ? q5k_for : q4k_for)(kernels_for(ISA_SCALAR))->dequant(&a, 0, N, w);
+        sb_of(kind, kernels_for(ISA_SCALAR))->dequant(&a, 0, N, w);
     int bad = 0;
     a.y = ys;
     if (q_matmul(kind, &a, ISA_SCALAR, 1)) bad = 1;
@@ -137,7 +147,7 @@ static int check_kq(int isa, int kind, int64_t M, int64_t N, int64_t K) {
     }
     const kernel_table *kt = kernels_for(isa);
     const int runs_gemv = M <= SMALL_M || (M <= WIDE_M && K >= WIDE_K);
-    const int on_digits = kind == 6 ? kt->q6_xprep != NULL : (kind == Q5K ? q5k_for : q4k_for)(kt)->xprep != NULL;
+    const int on_digits = kind == 6 ? kt->q6_xprep != NULL : sb_of(kind, kt)->xprep != NULL;
     const int two_digits = on_digits && runs_gemv;
     for (int64_t m = 0; m < M && !bad; m++)
         for (int64_t n = 0; n < N; n++) {
@@ -190,7 +200,7 @@ int main(void) {
                         bad |= check(isas[i], KINDS[k][0], KINDS[k][1], KINDS[k][2], MS[m],
                                      NS[n], KS[kk]);
             }
-    static const int KQ[] = {6, Q4K, Q5K};
+    static const int KQ[] = {6, Q5K, Q4K, Q3K, Q2K, IQ4XS};
     static const int64_t KQ_KS[] = {256, 256 * 3, 256 * 6};
     for (int i = 0; i < (dot ? 2 : 1); i++)
         for (size_t k = 0; k < sizeof KQ / sizeof *KQ; k++)

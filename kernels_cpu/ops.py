@@ -115,8 +115,8 @@ def int4_gemv_fifteen_bits(isa: str | None = None) -> bool:
 
 
 def int5_gemv_fifteen_bits(isa: str | None = None) -> bool:
-    """As int4_gemv_fifteen_bits, for int5 weights: the x86 paths (NEON runs int5's GEMV
-    in float32, in plain C)."""
+    """As int4_gemv_fifteen_bits, for int5 weights: the x86 paths and neondot (plain NEON
+    runs int5's GEMV in float32, in plain C)."""
     if _C is None:
         return False
     return _C.isa_int5_digits(_default_isa() if isa is None else _isa_id(isa))

@@ -59,7 +59,7 @@ def assert_matches(y, x, w, isa):
 @needs_c
 def test_digit_paths():
     for isa in ops.supported_isas():
-        on_digits = isa in ("avx2", "avx2vnni", "avx512", "avx512vnni")
+        on_digits = isa in ("avx2", "avx2vnni", "avx512", "avx512vnni", "neondot")
         assert ops.int5_gemv_fifteen_bits(isa) == on_digits, isa
 
 

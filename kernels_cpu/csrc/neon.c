@@ -5,7 +5,7 @@
  * GEMV: one row at a time, ACC accumulators. int8 and (neon) int4 widen weights to float;
  * neondot's int4 GEMV takes x as two int8 digits per element (15 significant bits a
  * block: the integer GEMM's x, as on x86), one 32-element block (16 bytes of a row) per
- * step, four sdot; its int6 GEMV (and q4k_q5k.c's q4_k and q5_k) the same x.
+ * step, four sdot; its int5 and int6 GEMVs (and the super-block kinds') the same x.
  * GEMM: dequantized tile times x in 4 x 4 blocks of dot products (16 accumulators of
  * the 32 registers).
  */
@@ -274,6 +274,41 @@ TARGET_DOT TI void q4_digits_row(const qmat *a, int64_t n, const int64_t g) {
               group_offset((a->mins ? a->mins : (const uint16_t *)a->scales) + n * G, G, a->xsum);
 }
 
+/* int5: block c's codes, int4's nibbles ORed with 16 where the block's qh bit (a
+ * little-endian uint32 per 32) is set, times X per lane as q4_chunk */
+TARGET_DOT TI int32x4_t q5_chunk(const uint8_t *q, const uint8_t *qh, const int8_t *xd, int64_t c) {
+    static const uint8_t bits[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    static const uint8_t lo_idx[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+    const int8_t *xc = xd + c * CHUNK_BYTES;
+    const uint8x16_t w = vld1q_u8(q + 16 * c), b = vld1q_u8(bits), sixteen = vdupq_n_u8(16);
+    uint32_t hb;
+    memcpy(&hb, qh + 4 * c, 4);
+    const uint8x16_t h = vreinterpretq_u8_u32(vdupq_n_u32(hb)), idx = vld1q_u8(lo_idx);
+    const uint8x16_t h0 = vqtbl1q_u8(h, idx), h1 = vqtbl1q_u8(h, vaddq_u8(idx, vdupq_n_u8(2)));
+    const int8x16_t lo = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(w, vdupq_n_u8(15)), vandq_u8(vtstq_u8(h0, b), sixteen)));
+    const int8x16_t hi = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(w, 4), vandq_u8(vtstq_u8(h1, b), sixteen)));
+    int32x4_t t = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xc)), hi, vld1q_s8(xc + 16));
+    return vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 32)), hi, vld1q_s8(xc + 48));
+}
+
+/* int5 (g = 32): as q4_digits_row, the codes from q5_chunk; the -16 d (or mins) term from
+ * x's group sums (xsum) */
+TARGET_DOT static void q5_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
+    const int64_t K = a->K, C = K / CHUNK;
+    const int8_t *xd = a->xq;
+    const float *scale = (const float *)(xd + C * CHUNK_BYTES);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *q = (const uint8_t *)a->qw + n * (K / 2), *qh = a->qh + n * (K / 8);
+        const uint16_t *s = (const uint16_t *)a->scales + n * C;
+        float32x4_t acc[ACC];
+        for (int i = 0; i < ACC; i++) acc[i] = vdupq_n_f32(0);
+        for (int64_t c = 0; c < C; c++)
+            acc[c % ACC] = vfmaq_n_f32(acc[c % ACC], vcvtq_f32_s32(q5_chunk(q, qh, xd, c)),
+                                       half_to_float(s[c]) * scale[c]);
+        a->y[n] = hsum_acc(acc) + group_offset((a->mins ? a->mins : (const uint16_t *)a->scales) + n * C, C, a->xsum);
+    }
+}
+
 TARGET_DOT static void q4_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
     switch (a->g) {
     case 32: ROWS_LOOP(q4_digits_row, 32); break;
@@ -436,7 +471,7 @@ const kernel_table kernels_neon = {q8_gemv, q4_gemv, NULL, NULL, q8_dequant, q4_
 const kernel_table kernels_neon_dot = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
     .q6_xprep = q4_xprep, .q6_gemv_digits = q6_gemv_digits, .q6_xsum = q6_xsum, .q6_xblock = 32,
-    .sb_path = SB_NEON_DOT,
+    .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .sb_path = SB_NEON_DOT,
 };
 
 #endif

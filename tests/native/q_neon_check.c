@@ -1,4 +1,4 @@
-/* The NEON int8, int4, int6 and super-block kinds' matmuls (kernels_cpu/csrc/neon.c,
+/* The NEON int8, int4, int5, int6 and super-block kinds' matmuls (kernels_cpu/csrc/neon.c,
    q4k_q5k.c, q2k_q3k.c, iq4xs.c) against the scalar path, without Python.
 
    AArch64 only; tests/test_neon.py builds it with a cross compiler and runs it under
@@ -35,17 +35,18 @@ static double weight(const qmat *a, int bits, int64_t n, int64_t k) {
                  : q * ((const float *)a->scales)[n];
     }
     const uint8_t byte = ((const uint8_t *)a->qw)[n * (K / 2) + k / 32 * 16 + k % 16];
-    const int q = k % 32 < 16 ? byte & 15 : byte >> 4;
+    int q = k % 32 < 16 ? byte & 15 : byte >> 4;
+    if (bits == 5) q |= ((a->qh[n * (K / 8) + k / 8] >> (k % 8)) & 1) << 4; /* bit k % 32 */
     const int64_t G = n * (K / g) + k / g;
     const double d = half_to_float(((const uint16_t *)a->scales)[G]);
-    return a->mins ? q * d + half_to_float(a->mins[G]) : (q - 8) * d;
+    return a->mins ? q * d + half_to_float(a->mins[G]) : (q - (bits == 5 ? 16 : 8)) * d;
 }
 
 static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_t K) {
     const int64_t nq = bits == 8 ? N * K : N * K / 2, ns = g ? N * (K / g) : N;
     float *x = malloc(sizeof(float) * M * K), *ys = malloc(sizeof(float) * M * N),
           *y1 = malloc(sizeof(float) * M * N), *y2 = malloc(sizeof(float) * M * N);
-    uint8_t *qw = malloc((size_t)nq);
+    uint8_t *qw = malloc((size_t)nq), *qh = malloc((size_t)(N * K / 8));
     uint16_t *s = malloc(2 * ns), *mn = sym ? NULL : malloc(2 * ns);
     float *sf = malloc(sizeof(float) * N);
     activations(x, M * K);
@@ -53,11 +54,12 @@ static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_
     if (M > 2)
         for (int k = 0; k < 32; k++) x[2 * K + k] *= 1e-30f; /* a block of tiny values */
     for (int64_t i = 0; i < nq; i++) qw[i] = (uint8_t)next_u32();
+    for (int64_t i = 0; i < N * K / 8; i++) qh[i] = (uint8_t)next_u32();
     for (int64_t i = 0; i < ns; i++) s[i] = rand_half();
     for (int64_t i = 0; mn && i < ns; i++) mn[i] = rand_half();
     for (int64_t i = 0; i < N; i++) sf[i] = uniform() * 0.02f + 0.001f;
     qmat a = {.x = x, .qw = qw, .scales = bits == 8 && !g ? (const void *)sf : s, .mins = mn,
-              .M = M, .N = N, .K = K, .g = g};
+              .M = M, .N = N, .K = K, .g = g, .qh = bits == 5 ? qh : NULL};
     int bad = 0;
     a.y = ys;
     if (q_matmul(bits, &a, ISA_SCALAR, 1)) bad = 1;
@@ -72,7 +74,7 @@ static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_
     }
     const kernel_table *kt = kernels_for(isa);
     const int runs_gemv = M <= SMALL_M || (M <= WIDE_M && K >= WIDE_K);
-    const int two_digits = bits == 4 && kt->q4_xprep && runs_gemv;
+    const int two_digits = ((bits == 4 && kt->q4_xprep) || (bits == 5 && kt->q5_xprep)) && runs_gemv;
     for (int64_t m = 0; m < M && !bad; m++)
         for (int64_t n = 0; n < N; n++) {
             double tol = 1e-30, digits = 0;
@@ -96,7 +98,7 @@ static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_
                 break;
             }
         }
-    free(x), free(ys), free(y1), free(y2), free(qw), free(s), free(mn), free(sf);
+    free(x), free(ys), free(y1), free(y2), free(qw), free(qh), free(s), free(mn), free(sf);
     return bad;
 }
 
@@ -185,7 +187,7 @@ int main(void) {
     /* (bits, g, symmetric) as tests/test_kernels_q.py's KINDS, int6 aside (check_kq) */
     static const int KINDS[][3] = {{8, 0, 1},  {8, 32, 1},  {8, 64, 1},  {8, 128, 1},
                                    {4, 32, 1}, {4, 32, 0},  {4, 64, 1},  {4, 64, 0},
-                                   {4, 128, 1}, {4, 128, 0}};
+                                   {4, 128, 1}, {4, 128, 0}, {5, 32, 1}, {5, 32, 0}};
     static const int64_t KS[] = {32 * 7, 128 * 3, 32 * 5, 32 * 38, 64 * 3};
     static const int64_t NS[] = {1, 37};
     static const int64_t MS[] = {1, 3, 7, 12};

@@ -323,12 +323,6 @@ static const sb_kernels iq4xs_avx512_vnni = {iq4xs_gemv_c, sb_xprep_pairs_avx2, 
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
-#if defined(__clang__)
-#define TARGET_DOT __attribute__((target("dotprod")))
-#else
-#define TARGET_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
-#endif
-
 TARGET_DOT static void iq4xs_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
     const int64_t K = a->K, B = K / Q4K_BLOCK, C = K / 32;
     const int8_t *xd = a->xq;

@@ -50,6 +50,15 @@ int isa_best(void);         /* the fastest supported path */
 /* Features by name ("avx512vnni", "avxvnni", "dotprod", "f16c", ...): 1 when present. */
 int cpu_has(const char *feature);
 
+#if defined(__aarch64__)
+/* neondot's functions: Armv8.2's dot product (sdot), chosen at run time as on x86 */
+#if defined(__clang__)
+#define TARGET_DOT __attribute__((target("dotprod")))
+#else
+#define TARGET_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 #define INFER_X86 1
 /* AVX2 path: Haswell / Zen 1 and later. AVX-512 path: Skylake-X / Zen 4 and later. */

@@ -16,12 +16,6 @@
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
-#if defined(__clang__)
-#define TARGET_DOT __attribute__((target("dotprod")))
-#else
-#define TARGET_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
-#endif
-
 #define TI static inline __attribute__((always_inline))
 
 enum { ACC = 4 };

@@ -467,12 +467,6 @@ static const sb_kernels q2k_avx512_vnni = {q2k_gemv_c, sb_xprep_pairs_avx2, q2k_
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
-#if defined(__clang__)
-#define TARGET_DOT __attribute__((target("dotprod")))
-#else
-#define TARGET_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
-#endif
-
 /* 256 hi + lo digits' sum of q times x's elements 16 e .. 16 e + 15 of block xc, per lane */
 TARGET_DOT static inline __attribute__((always_inline)) int32x4_t dot16(int8x16_t q, const int8_t *xc, int e) {
     const int32x4_t t = vshlq_n_s32(vdotq_s32(vdupq_n_s32(0), q, vld1q_s8(xc + 16 * e)), 8);

@@ -567,12 +567,6 @@ static const sb_kernels q5k_avx512_vnni = {q5k_gemv_c, q4k_xprep_avx2, q5k_gemv_
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
-#if defined(__clang__)
-#define TARGET_DOT __attribute__((target("dotprod")))
-#else
-#define TARGET_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
-#endif
-
 /* Row n: per sub-block c (a block of x), sum q X of its 32 codes by sdot on the high
  * digits, shifted by 8, plus the low ones; then (d sc[j] sx) times it, less the mins'
  * dmin m[j] (sx sum X). 4 accumulators over the sub-blocks. */

@@ -5,15 +5,16 @@
    qemu-aarch64, once on a CPU with dotprod and once without:
 
      aarch64-linux-gnu-gcc -O2 -std=c11 -ffp-contract=off -pthread -Ikernels_cpu/csrc \
-         tests/native/q_neon_check.c kernels_cpu/csrc/{pool,cpu,scalar,neon,matmul,igemm}.c \
-         -lm -o q_neon
+         tests/native/q_neon_check.c \
+         kernels_cpu/csrc/{pool,cpu,scalar,neon,matmul,igemm,q4k_q5k,q2k_q3k,iq4xs}.c -lm -o q_neon
      qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max ./q_neon   (or -cpu cortex-a53)
 
    Awkward shapes as tests/test_kernels_q.py's: M = 1 and 3 (a GEMV per row), 7 (a GEMV per
-   row when K >= 768, else the GEMM), 12 (the GEMM); N odd; K = 32 x odd. Each result must
-   equal the scalar path's up to float summation order (1e-5 of sum |x| |w|) and, where the
-   rows run neondot's int4 GEMV, what x's two int8 digits lose: half a step, amax / IG_XMAX
-   per block of 32 (kernels.h), and float32's rounding of it, times sum |w| over the block.
+   row when K >= 768, else the GEMM), 12 (the GEMM); N odd; K = 32 x odd (256 x 1, 3, 6 for
+   the blocks of 256). Each result must equal the scalar path's up to float summation order
+   (1e-5 of sum |x| |w|) and, where the rows run one of neondot's digit GEMVs, what x's two
+   int8 digits lose: half a step, amax / IG_XMAX per block of 32 (kernels.h), and float32's
+   rounding of it, times sum |w| over the block.
    1 and 2 threads must give the same bits. Prints "dotprod=D cases=C" and exits 0 when
    every case holds, 1 otherwise. */
 #include <math.h>
@@ -42,10 +43,61 @@ static double weight(const qmat *a, int bits, int64_t n, int64_t k) {
     return a->mins ? q * d + half_to_float(a->mins[G]) : (q - (bits == 5 ? 16 : 8)) * d;
 }
 
+/* Runs `a` (its x and weights set) on the scalar path and on `isa` with 1 and 2 threads.
+   Each result must equal the scalar one up to float summation order (1e-5 of sum |x| |w|,
+   w the N x K weights as the format defines them) and, with two_digits, what x's two int8
+   digits lose: half a step, amax / IG_XMAX per block of 32, and float32's rounding of it,
+   times sum |w| over the block. 1 and 2 threads must give the same bits. `what` names the
+   case in a failure. */
+static int compare(int isa, int bits, qmat *a, const float *w, int two_digits, const char *what) {
+    const int64_t M = a->M, N = a->N, K = a->K;
+    const float *x = a->x;
+    float *ys = malloc(sizeof(float) * M * N), *y1 = malloc(sizeof(float) * M * N),
+          *y2 = malloc(sizeof(float) * M * N);
+    int bad = 0;
+    a->y = ys;
+    if (q_matmul(bits, a, ISA_SCALAR, 1)) bad = 1;
+    a->y = y1;
+    if (q_matmul(bits, a, isa, 1)) bad = 1;
+    a->y = y2;
+    if (q_matmul(bits, a, isa, 2)) bad = 1;
+    if (memcmp(y1, y2, sizeof(float) * M * N)) {
+        printf("THREADS %s %s M=%ld N=%ld K=%ld: 1 and 2 threads differ\n", isa_name(isa), what,
+               (long)M, (long)N, (long)K);
+        bad = 1;
+    }
+    for (int64_t m = 0; m < M && !bad; m++)
+        for (int64_t n = 0; n < N; n++) {
+            double tol = 1e-30, digits = 0;
+            for (int64_t b = 0; b < K / 32; b++) {
+                double amax = 0, wsum = 0;
+                for (int64_t k = 32 * b; k < 32 * b + 32; k++) {
+                    const double wk = fabs(w[n * K + k]), xk = fabs(x[m * K + k]);
+                    tol += 1e-5 * wk * xk;
+                    wsum += wk;
+                    amax = xk > amax ? xk : amax;
+                }
+                digits += amax * wsum;
+            }
+            if (two_digits) tol += (0.5 / IG_XMAX + 0x1p-21) * digits;
+            const double err = fabs((double)y1[m * N + n] - ys[m * N + n]);
+            if (!(err <= tol)) {
+                printf("MISMATCH %s %s M=%ld N=%ld K=%ld at (%ld, %ld): %.9g against %.9g "
+                       "(tolerance %.3g)\n", isa_name(isa), what, (long)M, (long)N, (long)K, (long)m,
+                       (long)n, y1[m * N + n], ys[m * N + n], tol);
+                bad = 1;
+                break;
+            }
+        }
+    free(ys), free(y1), free(y2);
+    return bad;
+}
+
+static int runs_gemv(int64_t M, int64_t K) { return M <= SMALL_M || (M <= WIDE_M && K >= WIDE_K); }
+
 static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_t K) {
     const int64_t nq = bits == 8 ? N * K : N * K / 2, ns = g ? N * (K / g) : N;
-    float *x = malloc(sizeof(float) * M * K), *ys = malloc(sizeof(float) * M * N),
-          *y1 = malloc(sizeof(float) * M * N), *y2 = malloc(sizeof(float) * M * N);
+    float *x = malloc(sizeof(float) * M * K), *w = malloc(sizeof(float) * N * K);
     uint8_t *qw = malloc((size_t)nq), *qh = malloc((size_t)(N * K / 8));
     uint16_t *s = malloc(2 * ns), *mn = sym ? NULL : malloc(2 * ns);
     float *sf = malloc(sizeof(float) * N);
@@ -60,45 +112,14 @@ static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_
     for (int64_t i = 0; i < N; i++) sf[i] = uniform() * 0.02f + 0.001f;
     qmat a = {.x = x, .qw = qw, .scales = bits == 8 && !g ? (const void *)sf : s, .mins = mn,
               .M = M, .N = N, .K = K, .g = g, .qh = bits == 5 ? qh : NULL};
-    int bad = 0;
-    a.y = ys;
-    if (q_matmul(bits, &a, ISA_SCALAR, 1)) bad = 1;
-    a.y = y1;
-    if (q_matmul(bits, &a, isa, 1)) bad = 1;
-    a.y = y2;
-    if (q_matmul(bits, &a, isa, 2)) bad = 1;
-    if (memcmp(y1, y2, sizeof(float) * M * N)) {
-        printf("THREADS %s bits=%d g=%d M=%ld N=%ld K=%ld: 1 and 2 threads differ\n",
-               isa_name(isa), bits, g, (long)M, (long)N, (long)K);
-        bad = 1;
-    }
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++) w[n * K + k] = (float)weight(&a, bits, n, k);
     const kernel_table *kt = kernels_for(isa);
-    const int runs_gemv = M <= SMALL_M || (M <= WIDE_M && K >= WIDE_K);
-    const int two_digits = ((bits == 4 && kt->q4_xprep) || (bits == 5 && kt->q5_xprep)) && runs_gemv;
-    for (int64_t m = 0; m < M && !bad; m++)
-        for (int64_t n = 0; n < N; n++) {
-            double tol = 1e-30, digits = 0;
-            for (int64_t b = 0; b < K / 32; b++) {
-                double amax = 0, wsum = 0;
-                for (int64_t k = 32 * b; k < 32 * b + 32; k++) {
-                    const double w = fabs(weight(&a, bits, n, k)), xk = fabs(x[m * K + k]);
-                    tol += 1e-5 * w * xk;
-                    wsum += w;
-                    amax = xk > amax ? xk : amax;
-                }
-                digits += amax * wsum;
-            }
-            if (two_digits) tol += (0.5 / IG_XMAX + 0x1p-21) * digits;
-            const double err = fabs((double)y1[m * N + n] - ys[m * N + n]);
-            if (!(err <= tol)) {
-                printf("MISMATCH %s bits=%d g=%d sym=%d M=%ld N=%ld K=%ld at (%ld, %ld): %.9g "
-                       "against %.9g (tolerance %.3g)\n", isa_name(isa), bits, g, sym, (long)M,
-                       (long)N, (long)K, (long)m, (long)n, y1[m * N + n], ys[m * N + n], tol);
-                bad = 1;
-                break;
-            }
-        }
-    free(x), free(ys), free(y1), free(y2), free(qw), free(qh), free(s), free(mn), free(sf);
+    const int digits = (bits == 4 && kt->q4_xprep) || (bits == 5 && kt->q5_xprep);
+    char what[64];
+    snprintf(what, sizeof what, "bits=%d g=%d sym=%d", bits, g, sym);
+    const int bad = compare(isa, bits, &a, w, digits && runs_gemv(M, K), what);
+    free(x), free(w), free(qw), free(qh), free(s), free(mn), free(sf);
     return bad;
 }
 
@@ -118,9 +139,7 @@ static int check_kq(int isa, int kind, int64_t M, int64_t N, int64_t K) {
     const int d_at = kind == 6 ? 208 : kind == Q3K ? 108 : kind == Q2K ? 80 : 0; /* float16 d */
     const int dmin_at = kind == Q4K || kind == Q5K ? 2 : kind == Q2K ? 82 : -1;
     const int64_t B = K / Q4K_BLOCK;
-    float *x = malloc(sizeof(float) * M * K), *ys = malloc(sizeof(float) * M * N),
-          *y1 = malloc(sizeof(float) * M * N), *y2 = malloc(sizeof(float) * M * N),
-          *w = malloc(sizeof(float) * N * K);
+    float *x = malloc(sizeof(float) * M * K), *w = malloc(sizeof(float) * N * K);
     uint8_t *qw = malloc((size_t)(N * B * bytes));
     activations(x, M * K);
     if (M > 1) memset(x + K, 0, sizeof(float) * 32); /* a block of zeros */
@@ -135,46 +154,12 @@ static int check_kq(int isa, int kind, int64_t M, int64_t N, int64_t K) {
         q6_dequant_c(&a, 0, N, w);
     else
         sb_of(kind, kernels_for(ISA_SCALAR))->dequant(&a, 0, N, w);
-    int bad = 0;
-    a.y = ys;
-    if (q_matmul(kind, &a, ISA_SCALAR, 1)) bad = 1;
-    a.y = y1;
-    if (q_matmul(kind, &a, isa, 1)) bad = 1;
-    a.y = y2;
-    if (q_matmul(kind, &a, isa, 2)) bad = 1;
-    if (memcmp(y1, y2, sizeof(float) * M * N)) {
-        printf("THREADS %s kind=%d M=%ld N=%ld K=%ld: 1 and 2 threads differ\n", isa_name(isa), kind,
-               (long)M, (long)N, (long)K);
-        bad = 1;
-    }
     const kernel_table *kt = kernels_for(isa);
-    const int runs_gemv = M <= SMALL_M || (M <= WIDE_M && K >= WIDE_K);
-    const int on_digits = kind == 6 ? kt->q6_xprep != NULL : sb_of(kind, kt)->xprep != NULL;
-    const int two_digits = on_digits && runs_gemv;
-    for (int64_t m = 0; m < M && !bad; m++)
-        for (int64_t n = 0; n < N; n++) {
-            double tol = 1e-30, digits = 0;
-            for (int64_t b = 0; b < K / 32; b++) {
-                double amax = 0, wsum = 0;
-                for (int64_t k = 32 * b; k < 32 * b + 32; k++) {
-                    const double wk = fabs(w[n * K + k]), xk = fabs(x[m * K + k]);
-                    tol += 1e-5 * wk * xk;
-                    wsum += wk;
-                    amax = xk > amax ? xk : amax;
-                }
-                digits += amax * wsum;
-            }
-            if (two_digits) tol += (0.5 / IG_XMAX + 0x1p-21) * digits;
-            const double err = fabs((double)y1[m * N + n] - ys[m * N + n]);
-            if (!(err <= tol)) {
-                printf("MISMATCH %s kind=%d M=%ld N=%ld K=%ld at (%ld, %ld): %.9g against %.9g "
-                       "(tolerance %.3g)\n", isa_name(isa), kind, (long)M, (long)N, (long)K, (long)m,
-                       (long)n, y1[m * N + n], ys[m * N + n], tol);
-                bad = 1;
-                break;
-            }
-        }
-    free(x), free(ys), free(y1), free(y2), free(w), free(qw);
+    const int digits = kind == 6 ? kt->q6_xprep != NULL : sb_of(kind, kt)->xprep != NULL;
+    char what[32];
+    snprintf(what, sizeof what, "kind=%d", kind);
+    const int bad = compare(isa, kind, &a, w, digits && runs_gemv(M, K), what);
+    free(x), free(w), free(qw);
     return bad;
 }
 

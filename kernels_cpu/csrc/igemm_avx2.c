@@ -53,7 +53,7 @@ TI void ig_scale8(const ig_x *x, int64_t i, const __m256i s[4], const int lo, co
 }
 
 /* y for rows [32 t + 8 u, + 8) of x and NR rows of W; RUN groups of 4 summed in int16; H
- * 2: a d per 16 (int6), each half of a block scaled apart. */
+ * 2: a d (and m) per 16 (int6, q2_k), each half of a block scaled apart. */
 TI void ig_block8(const ig_x *x, int64_t t, int u, const uint8_t *w, const float *d,
                   const float *mins, float *y, int64_t ldy, const int NR, const int RUN, const int H) {
     const int64_t Kp = x->Kp, B = Kp / 32;
@@ -106,8 +106,8 @@ TI void ig_block8(const ig_x *x, int64_t t, int u, const uint8_t *w, const float
         ig_block8(x, t, u, w + n * Kp, d + n * B * H_, m ? m + n * B * H_ : NULL, y + n, ldy, NR_, RUN_, H_); \
         break;
 
-/* Codes of at most 15 (int4, q4_k) sum a whole block in int16, up to 31 (int5, q5_k) half,
- * up to 63 (int6, a d per 16) a quarter. */
+/* Codes of at most 15 (int4, q4_k) sum a whole block in int16, up to 31 (int5, q5_k) half;
+ * the kinds with a d per 16 (int6, codes up to 63; q2_k) a quarter. */
 TI void ig_panel_run(const ig_x *x, const uint8_t *w, const float *d, const float *m, float *y,
                      int64_t ldy, int64_t nb, const int RUN, const int H) {
     const int64_t Kp = x->Kp, B = Kp / 32;

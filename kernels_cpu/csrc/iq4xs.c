@@ -321,8 +321,6 @@ static const sb_kernels iq4xs_avx512_vnni = {iq4xs_gemv_c, sb_xprep_pairs_avx2, 
  * ---------------------------------------------------------------------------------- */
 
 #if defined(__aarch64__)
-#include <arm_neon.h>
-
 TARGET_DOT static void iq4xs_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
     const int64_t K = a->K, B = K / Q4K_BLOCK, C = K / 32;
     const int8_t *xd = a->xq;
@@ -341,10 +339,7 @@ TARGET_DOT static void iq4xs_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
                 const int8x16_t lo = vqtbl1q_s8(levels, vandq_u8(q, m4)); /* elements 0-15 */
                 const int8x16_t hi = vqtbl1q_s8(levels, vshrq_n_u8(q, 4)); /* 16-31 */
                 const int64_t c = 8 * b + j;
-                const int8_t *xc = xd + c * 64;
-                int32x4_t t = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xc)), hi, vld1q_s8(xc + 16));
-                t = vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 32)), hi, vld1q_s8(xc + 48));
-                acc[j % 4] = vfmaq_n_f32(acc[j % 4], vcvtq_f32_s32(t), d * (float)sc[j] * sx[c]);
+                acc[j % 4] = vfmaq_n_f32(acc[j % 4], vcvtq_f32_s32(neon_dot32(lo, hi, xd + c * 64)), d * (float)sc[j] * sx[c]);
             }
         }
         a->y[n] = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));

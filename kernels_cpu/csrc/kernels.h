@@ -51,12 +51,27 @@ int isa_best(void);         /* the fastest supported path */
 int cpu_has(const char *feature);
 
 #if defined(__aarch64__)
+#include <arm_neon.h>
 /* neondot's functions: Armv8.2's dot product (sdot), chosen at run time as on x86 */
 #if defined(__clang__)
 #define TARGET_DOT __attribute__((target("dotprod")))
 #else
 #define TARGET_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
 #endif
+/* neondot's GEMVs take x as its int4 GEMV lays it out (neon.c): per block of 32, 64 bytes
+ * at xc, the high digits of elements 0-15 and 16-31, then the low ones. Per lane, 256 times
+ * the codes' products with the high digits plus those with the low ones: of 32 codes (lo:
+ * elements 0-15, hi: 16-31), or of 16 codes with half e of the block. */
+TARGET_DOT static inline __attribute__((always_inline)) int32x4_t neon_dot32(int8x16_t lo, int8x16_t hi,
+                                                                             const int8_t *xc) {
+    const int32x4_t t = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xc)), hi, vld1q_s8(xc + 16));
+    return vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 32)), hi, vld1q_s8(xc + 48));
+}
+TARGET_DOT static inline __attribute__((always_inline)) int32x4_t neon_dot16(int8x16_t q, const int8_t *xc,
+                                                                             int e) {
+    const int32x4_t t = vshlq_n_s32(vdotq_s32(vdupq_n_s32(0), q, vld1q_s8(xc + 16 * e)), 8);
+    return vdotq_s32(t, q, vld1q_s8(xc + 32 + 16 * e));
+}
 #endif
 
 #if defined(__x86_64__) || defined(__i386__)

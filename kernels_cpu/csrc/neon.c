@@ -243,8 +243,7 @@ TARGET_DOT TI int32x4_t q4_chunk(const uint8_t *q, const int8_t *xd, int64_t c) 
     uint8x16_t w = vld1q_u8(q + 16 * c);
     int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(w, vdupq_n_u8(15)));
     int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(w, 4));
-    int32x4_t t = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xc)), hi, vld1q_s8(xc + 16));
-    return vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 32)), hi, vld1q_s8(xc + 48));
+    return neon_dot32(lo, hi, xc);
 }
 
 TARGET_DOT TI void q4_digits_row(const qmat *a, int64_t n, const int64_t g) {
@@ -281,8 +280,7 @@ TARGET_DOT TI int32x4_t q5_chunk(const uint8_t *q, const uint8_t *qh, const int8
     const uint8x16_t h0 = vqtbl1q_u8(h, idx), h1 = vqtbl1q_u8(h, vaddq_u8(idx, vdupq_n_u8(2)));
     const int8x16_t lo = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(w, vdupq_n_u8(15)), vandq_u8(vtstq_u8(h0, b), sixteen)));
     const int8x16_t hi = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(w, 4), vandq_u8(vtstq_u8(h1, b), sixteen)));
-    int32x4_t t = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xc)), hi, vld1q_s8(xc + 16));
-    return vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 32)), hi, vld1q_s8(xc + 48));
+    return neon_dot32(lo, hi, xc);
 }
 
 /* int5 (g = 32): as q4_digits_row, the codes from q5_chunk; the -16 d (or mins) term from
@@ -352,8 +350,7 @@ TARGET_DOT TI void q6_digits_row(const qmat *a, int64_t n) {
             const int64_t c = 8 * b + s;
             const int8_t *xc = xd + c * CHUNK_BYTES;
             for (int e = 0; e < 2; e++) {
-                int32x4_t t = vshlq_n_s32(vdotq_s32(vdupq_n_s32(0), q[e], vld1q_s8(xc + 16 * e)), 8);
-                t = vdotq_s32(t, q[e], vld1q_s8(xc + 32 + 16 * e));
+                const int32x4_t t = neon_dot16(q[e], xc, e);
                 const float ds = d * (float)sc[2 * s + e];
                 acc[(2 * s + e) % ACC] = vfmaq_n_f32(acc[(2 * s + e) % ACC], vcvtq_f32_s32(t), ds * sx[c]);
                 groups += ds * a->xsum[16 * b + 2 * s + e];

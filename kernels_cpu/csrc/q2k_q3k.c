@@ -465,14 +465,6 @@ static const sb_kernels q2k_avx512_vnni = {q2k_gemv_c, sb_xprep_pairs_avx2, q2k_
  * ---------------------------------------------------------------------------------- */
 
 #if defined(__aarch64__)
-#include <arm_neon.h>
-
-/* 256 hi + lo digits' sum of q times x's elements 16 e .. 16 e + 15 of block xc, per lane */
-TARGET_DOT static inline __attribute__((always_inline)) int32x4_t dot16(int8x16_t q, const int8_t *xc, int e) {
-    const int32x4_t t = vshlq_n_s32(vdotq_s32(vdupq_n_s32(0), q, vld1q_s8(xc + 16 * e)), 8);
-    return vdotq_s32(t, q, vld1q_s8(xc + 32 + 16 * e));
-}
-
 /* Row n. Q3_K: codes q in -4..3 as they are, times d (sc - 32) sx per group. Q2_K: codes
  * 0..3 times d sc sx, less dmin m sx (sum X) per group, the sum by sdot with ones. */
 TARGET_DOT static inline __attribute__((always_inline)) void low_row_dot(const int kind, const qmat *a,
@@ -508,9 +500,9 @@ TARGET_DOT static inline __attribute__((always_inline)) void low_row_dot(const i
                     const uint8_t sm = blk[2 * s + e];
                     ds = d * (float)(sm & 15);
                     const float mn = dmin * (float)(sm >> 4);
-                    corr = vfmaq_n_f32(corr, vcvtq_f32_s32(dot16(ones, xc, e)), mn * sx[c]);
+                    corr = vfmaq_n_f32(corr, vcvtq_f32_s32(neon_dot16(ones, xc, e)), mn * sx[c]);
                 }
-                acc[(2 * s + e) % 4] = vfmaq_n_f32(acc[(2 * s + e) % 4], vcvtq_f32_s32(dot16(q, xc, e)), ds * sx[c]);
+                acc[(2 * s + e) % 4] = vfmaq_n_f32(acc[(2 * s + e) % 4], vcvtq_f32_s32(neon_dot16(q, xc, e)), ds * sx[c]);
             }
         }
     }

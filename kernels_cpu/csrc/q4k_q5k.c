@@ -565,8 +565,6 @@ static const sb_kernels q5k_avx512_vnni = {q5k_gemv_c, q4k_xprep_avx2, q5k_gemv_
  * ---------------------------------------------------------------------------------- */
 
 #if defined(__aarch64__)
-#include <arm_neon.h>
-
 /* Row n: per sub-block c (a block of x), sum q X of its 32 codes by sdot on the high
  * digits, shifted by 8, plus the low ones; then (d sc[j] sx) times it, less the mins'
  * dmin m[j] (sx sum X). 4 accumulators over the sub-blocks. */
@@ -596,8 +594,7 @@ TARGET_DOT static inline __attribute__((always_inline)) void kq_row_dot(const in
             }
             const int8x16_t l = vreinterpretq_s8_u8(lo), h = vreinterpretq_s8_u8(hi);
             const int8_t *xc = xd + c * 64;
-            int32x4_t t = vdotq_s32(vdotq_s32(vdupq_n_s32(0), l, vld1q_s8(xc)), h, vld1q_s8(xc + 16));
-            t = vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), l, vld1q_s8(xc + 32)), h, vld1q_s8(xc + 48));
+            const int32x4_t t = neon_dot32(l, h, xc);
             acc[j % 4] = vfmaq_n_f32(acc[j % 4], vcvtq_f32_s32(t), d * (float)sm[j] * sx[c]);
             mins += dmin * (float)sm[8 + j] * xs[c];
         }

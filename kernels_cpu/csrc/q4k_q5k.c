@@ -18,8 +18,9 @@
  * dmin * m[j] * (sx * sum X) per sub-block from x's sums. neondot takes x as its int4
  * GEMV does (two digits, one sx per block of 32: a sub-block), four sdot a sub-block.
  * Without digits (x with inf or NaN, or a path with none: scalar, plain NEON) q4k_gemv_c
- * runs in float. Several rows of x
- * (q4k_rows; with AVX-512 VNNI, q4k_rows_vnni) take X as int16 and sum the same integers.
+ * runs in float. Several rows of x (q4k_rows) take X as int16 and sum the same integers.
+ * AVX-512 VNNI runs one row and several on q4k_rows_vnni: the same integers, each
+ * block's sum to float in 16 lanes (its own float steps, one row or several alike).
  * Q5_K runs q4k_rows (one row: R = 1) with each code's bit 4 added: |q sc X| <= 31 * 63 *
  * 32512, 32 of them an int32 lane a block (< 2^31).
  * GEMM: tiles dequantized exactly (q4k_dequant_c, or AVX2's), then the float tile.
@@ -262,16 +263,21 @@ TI __m256i lane16(__m256i v, int j) {
     return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
 }
 
-/* A block's bytes sc[0..7], m[0..7] in one vector (the words go by registers: a store
- * and a wider load would stall on forwarding) */
+/* A block's bytes sc[0..7], m[0..7] in one vector: ggml's get_scale_min_k4 on the four
+ * words at once, in vector registers (in general registers, the words then inserted one
+ * by one, it cost the AVX-512 rows kernel a cycle per block and row of x at 8 rows) */
 TI __m128i q4k_scale_vec(const uint8_t *blk) {
-    uint32_t u[4];
-    q4k_scale_words(blk + 4, u);
-    return _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+    const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 4)); /* u0 u1 u2, 4 bytes unused */
+    const __m128i p = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)); /* u0 u2 u1 u2 */
+    const __m128i q = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 0, 0)); /* u0 u0 u0 u1 */
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(p, _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(q, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(lo, hi);
 }
 
-/* Row's float step at the end of a block, the same in every q4_k GEMV so that a row's
- * output does not depend on the kernel: t's lanes (sc q X) times d sx, and the mins' term
+/* Row's float step at the end of a block, the same in every AVX2 q4_k GEMV so that a
+ * row's output does not depend on the kernel: t's lanes (sc q X) times d sx, and the mins' term
  * dmin m[j] (sx sum X), xs the block's x sums, kept apart. */
 TI void q4k_block_end(__m256i t, float dsx, __m256 mins, const float *xs, float dmin,
                       __m256 *acc, __m256 *accm) {
@@ -472,30 +478,36 @@ static const sb_kernels q5k_avx2 = {q5k_gemv_c, q4k_xprep_avx2, q5k_gemv, q5k_ge
 
 #define TI TARGET_AVX512_VNNI static inline __attribute__((always_inline))
 
-/* Up to 8 rows of x against weight row n, summing what q4k_rows sums: a run's codes
- * (32 bytes) in both 256-bit halves, times the scale pairs of its even elements in the
- * low half and of its odd ones in the high half, so that one vpdpwssd per row meets the
- * 64 bytes of X those products pair with. The halves' int32 lanes added at the end of a
- * block are q4k_rows' t lane for lane (exact integers), so every row's output is the one
- * q4k_row gives it alone. */
-TI void q4k_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t n) {
+/* Up to 8 rows of x against blocks [b0, b1) of weight row n, summing what q4k_rows sums:
+ * a run's codes (32 bytes) in both 256-bit halves, times the scale pairs of its even
+ * elements in the low half and of its odd ones in the high half, so that one vpdpwssd
+ * per row meets the 64 bytes of X those products pair with. Each row's block sums (exact
+ * integers) go to float in 16 lanes, times d sx; the mins' term (dmin m[j]) (sx sum X) in
+ * 8 more. A row's accumulators start at zero on block 0, else from st, and go back to st
+ * unless b1 ends the row: its blocks add up in one order however K is sliced, so a row's
+ * output is the same whether it runs alone, with others, whole or in slices. pf: how far
+ * ahead the weights are prefetched. */
+TI void q4k_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t n, int64_t b0,
+                      int64_t b1, int64_t pf, __m512 *st) {
     const int64_t K = a[0]->K, B = K / Q4K_BLOCK, bytes = kq_bytes(kind);
-    const uint8_t *blk = (const uint8_t *)a[0]->qw + n * B * bytes;
+    const uint8_t *blk = (const uint8_t *)a[0]->qw + (n * B + b0) * bytes;
     const int16_t *xd[8];
     const float *sxs[8], *xs[8];
-    __m256 acc[8], accm[8];
+    __m512 acc[8], accm[8];
     for (int m = 0; m < R; m++) {
         xd[m] = sb_x16(a[m]->xq, K), sxs[m] = sb_sx(a[m]->xq, K), xs[m] = sb_xs32(a[m]->xq, K);
-        acc[m] = accm[m] = _mm256_setzero_ps();
+        acc[m] = b0 ? st[2 * m] : _mm512_setzero_ps();
+        accm[m] = b0 ? st[2 * m + 1] : _mm512_setzero_ps();
     }
     const __m512i m4 = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
-    for (int64_t b = 0; b < B; b++, blk += bytes) {
-        for (int i = 0; i < 3; i++) PREFETCH_STREAM_L1(blk + 64 * i);
+    for (int64_t b = b0; b < b1; b++, blk += bytes) {
+        for (int i = 0; i < 3; i++) __builtin_prefetch(blk + 64 * i + pf, 0, 3);
         const __m128i sm = q4k_scale_vec(blk);
         const __m512i sc = _mm512_broadcast_i32x4(sm);
         const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
         __m512i t[8];
         for (int m = 0; m < R; m++) t[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
         for (int j = 0; j < 8; j++) { /* sub-block j: run j / 2's low or high nibbles */
             const __m256i run = _mm256_loadu_si256((const __m256i *)(blk + kq_qs(kind) + 32 * (j / 2)));
             const __m512i w = _mm512_broadcast_i64x4(run);
@@ -513,29 +525,63 @@ TI void q4k_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t
                 t[m] = _mm512_dpwssd_epi32(t[m], p, _mm512_loadu_si512(xd[m] + 256 * b + 32 * j));
         }
         const uint16_t *h = (const uint16_t *)blk;
-        const float d = _cvtsh_ss(h[0]), dmin = _cvtsh_ss(h[1]);
-        const __m256 mins = q4k_mins(sm);
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(h[0]));
+        const __m256 md = _mm256_mul_ps(q4k_mins(sm), _mm256_set1_ps(_cvtsh_ss(h[1])));
         for (int m = 0; m < R; m++) {
-            const __m256i t8 =
-                _mm256_add_epi32(_mm512_castsi512_si256(t[m]), _mm512_extracti64x4_epi64(t[m], 1));
-            q4k_block_end(t8, d * sxs[m][b], mins, xs[m] + 8 * b, dmin, &acc[m], &accm[m]);
+            const __m512 dsx = _mm512_mul_ps(d, _mm512_set1_ps(sxs[m][b]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]), dsx, acc[m]);
+            accm[m] = _mm512_castps256_ps512(
+                _mm256_fmadd_ps(md, _mm256_loadu_ps(xs[m] + 8 * b), _mm512_castps512_ps256(accm[m])));
         }
     }
-    for (int m = 0; m < R; m++) a[m]->y[n] = q4k_total(acc[m], accm[m]);
+    for (int m = 0; m < R; m++) {
+        if (b1 < B) {
+            st[2 * m] = acc[m], st[2 * m + 1] = accm[m];
+            continue;
+        }
+        const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(acc[m]), _mm512_extractf32x8_ps(acc[m], 1));
+        a[m]->y[n] = q4k_total(v, _mm512_castps512_ps256(accm[m]));
+    }
 }
 
+TI void q4k_rows_vnni_any(const int kind, const qmat *const *a, int R, int64_t n, int64_t b0,
+                          int64_t b1, int64_t pf, __m512 *st) {
+    switch (R) {
+    case 1: q4k_rows_vnni(kind, a, 1, n, b0, b1, pf, st); break;
+    case 2: q4k_rows_vnni(kind, a, 2, n, b0, b1, pf, st); break;
+    case 3: q4k_rows_vnni(kind, a, 3, n, b0, b1, pf, st); break;
+    case 4: q4k_rows_vnni(kind, a, 4, n, b0, b1, pf, st); break;
+    case 5: q4k_rows_vnni(kind, a, 5, n, b0, b1, pf, st); break;
+    case 6: q4k_rows_vnni(kind, a, 6, n, b0, b1, pf, st); break;
+    case 7: q4k_rows_vnni(kind, a, 7, n, b0, b1, pf, st); break;
+    default: q4k_rows_vnni(kind, a, 8, n, b0, b1, pf, st); break;
+    }
+}
+
+/* Rows of x 8 at a time. Where their X fits KQ_WHOLE_BYTES of L1, each weight row is read
+ * whole; else KQ_ROWS weight rows at a time, K in slices of KQ_SLICE blocks (8 rows'
+ * slices of X, 24 KiB, stay in L1), the accumulators carried between slices. */
+enum { KQ_WHOLE_BYTES = 40960, KQ_SLICE = 6, KQ_ROWS = 8 };
 TI void kq_gemv_rows_vnni(const int kind, const qmat *const *a, int R, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++)
-        for (int m = 0; m < R; m += 8) switch (R - m < 8 ? R - m : 8) {
-            case 1: q4k_rows_vnni(kind, a + m, 1, n); break;
-            case 2: q4k_rows_vnni(kind, a + m, 2, n); break;
-            case 3: q4k_rows_vnni(kind, a + m, 3, n); break;
-            case 4: q4k_rows_vnni(kind, a + m, 4, n); break;
-            case 5: q4k_rows_vnni(kind, a + m, 5, n); break;
-            case 6: q4k_rows_vnni(kind, a + m, 6, n); break;
-            case 7: q4k_rows_vnni(kind, a + m, 7, n); break;
-            default: q4k_rows_vnni(kind, a + m, 8, n); break;
-            }
+    const int64_t B = a[0]->K / Q4K_BLOCK;
+    __m512 st[KQ_ROWS][16];
+    if (R * B * 2 * Q4K_BLOCK <= KQ_WHOLE_BYTES) {
+        for (int64_t n = n0; n < n1; n++)
+            for (int m = 0; m < R; m += 8)
+                q4k_rows_vnni_any(kind, a + m, R - m < 8 ? R - m : 8, n, 0, B, PREFETCH_AHEAD_L1, st[0]);
+        return;
+    }
+    const int64_t pf = prefetch_distance(B * kq_bytes(kind), 1);
+    for (int m = 0; m < R; m += 8) {
+        const int r = R - m < 8 ? R - m : 8;
+        for (int64_t c = n0; c < n1; c += KQ_ROWS) {
+            const int64_t c1 = n1 - c < KQ_ROWS ? n1 : c + KQ_ROWS;
+            for (int64_t b0 = 0; b0 < B; b0 += KQ_SLICE)
+                for (int64_t n = c; n < c1; n++)
+                    q4k_rows_vnni_any(kind, a + m, r, n, b0, B - b0 < KQ_SLICE ? B : b0 + KQ_SLICE,
+                                      pf, st[n - c]);
+        }
+    }
 }
 TARGET_AVX512_VNNI static void q4k_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0, int64_t n1) {
     kq_gemv_rows_vnni(Q4K, a, R, n0, n1);
@@ -543,14 +589,11 @@ TARGET_AVX512_VNNI static void q4k_gemv_rows_vnni(const qmat *const *a, int R, i
 TARGET_AVX512_VNNI static void q5k_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0, int64_t n1) {
     kq_gemv_rows_vnni(Q5K, a, R, n0, n1);
 }
-
-/* One row with VNNI: the rows kernel's one-row form (its sums, and so its output, are
- * q4k_row's), faster than q4k_row's two digits on vpmaddubsw. */
 TARGET_AVX512_VNNI static void q4k_gemv_vnni(const qmat *a, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) q4k_rows_vnni(Q4K, &a, 1, n);
+    kq_gemv_rows_vnni(Q4K, &a, 1, n0, n1);
 }
 TARGET_AVX512_VNNI static void q5k_gemv_vnni(const qmat *a, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) q4k_rows_vnni(Q5K, &a, 1, n);
+    kq_gemv_rows_vnni(Q5K, &a, 1, n0, n1);
 }
 
 static const sb_kernels q4k_avx512_vnni = {q4k_gemv_c, q4k_xprep_avx2, q4k_gemv_vnni,

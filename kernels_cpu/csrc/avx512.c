@@ -685,11 +685,12 @@ T void q6_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
 
 /* ---- AVX-512 VNNI: int6 on x as int16 X, 15 significant bits per block of 256 --------
  * (in the XPREP8_BYTES buffer): X in element order (2 K bytes), then per block sx. A half
- * block's codes widen to int16 and take their group's sc once (|q sc| <= 63 * 128 fits
- * int16) for up to 8 rows of x; each row then takes one vpdpwssd per 32 weights. A half's
- * int32 lanes sum 8 products each, 8 * 63 * 128 * IG_XMAX < 2^31, so they are exact; a
- * half then takes one float step, d sx times its sum. The one-row GEMV is this kernel
- * with one row, so a row's output is the same alone or in a batch. */
+ * block's codes less 32 widen to int16 and take their group's sc once (|(q - 32) sc| <=
+ * 32 * 128) for up to 8 rows of x; each row then takes one vpdpwssd per 32 weights. A
+ * block's int32 lanes sum 16 products each, 16 * 32 * 128 * IG_XMAX < 2^31, so they are
+ * exact, the groups' offset included; a block then takes one float step, d sx times its
+ * sum. The one-row GEMV is this kernel with one row, so a row's output is the same alone
+ * or in a batch. */
 
 T int q6_xprep256(const float *x, int64_t K, void *buf) {
     int16_t *X = buf;
@@ -720,20 +721,10 @@ T int q6_xprep256(const float *x, int64_t K, void *buf) {
     return 0;
 }
 
-/* per 16 elements -32 sx sum X, the groups' offset term, from q6_xprep256's x */
-T void q6_xsum256(const void *xq, int64_t K, float *xsum) {
-    const int16_t *X = xq;
-    const float *sxs = (const float *)(X + K);
-    for (int64_t k = 0; k < K; k += 16) {
-        const __m512i v = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(X + k)));
-        xsum[k / 16] = -32.0f * sxs[k / Q6_BLOCK] * (float)_mm512_reduce_add_epi32(v);
-    }
-}
-
 /* Up to 8 rows of x against int6 weight row n, blocks b0..b1. Each row of x carries its
  * accumulator in st from block to block: zero at block 0, the output at block B. So a
- * row's arithmetic is one chain over the blocks (per block the groups' offset term, then
- * each half's sum), whichever order the blocks and weight rows are visited in. */
+ * row's arithmetic is one chain over the blocks (one step a block), whichever order the
+ * blocks and weight rows are visited in. */
 TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q6_rows16(
     const qmat *const *a, const int R, int64_t n, int64_t b0, int64_t b1, int64_t pf,
     __m512 *st) {
@@ -743,8 +734,13 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q6_rows16(
     const __m512i pair = _mm512_srli_epi16(
         _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15,
                          14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 4);
-    __m512 acc[8], dsx[8];
-    for (int m = 0; m < R; m++) acc[m] = b0 ? st[m] : _mm512_setzero_ps();
+    __m512 acc[8];
+    const float *sxp[8];
+    const int16_t *xp[8];
+    for (int m = 0; m < R; m++) {
+        acc[m] = b0 ? st[m] : _mm512_setzero_ps();
+        xp[m] = a[m]->xq, sxp[m] = (const float *)(xp[m] + K);
+    }
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *blk = row + b * Q6_BLOCK_BYTES;
         for (int p = 0; p < Q6_BLOCK_BYTES; p += 64) PREFETCH_AT(blk + p, pf);
@@ -753,12 +749,8 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q6_rows16(
         const float d = _cvtsh_ss(dh);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
         const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
-        const __m512 scd =
-            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)), _mm512_set1_ps(d));
-        for (int m = 0; m < R; m++) {
-            acc[m] = _mm512_fmadd_ps(scd, _mm512_loadu_ps(a[m]->xsum + 16 * b), acc[m]);
-            dsx[m] = _mm512_set1_ps(d * ((const float *)((const int16_t *)a[m]->xq + K))[b]);
-        }
+        __m512i t[8];
+        for (int m = 0; m < R; m++) t[m] = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++) {
             __m512i lo, hi, p[4];
             q6_widen(blk, h, &lo, &hi);
@@ -767,16 +759,15 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q6_rows16(
             for (int i = 0; i < 4; i++) { /* elements 32 i.. of the half: groups 2 i, 2 i + 1 */
                 const __m512i s = _mm512_permutexvar_epi16(
                     _mm512_add_epi16(pair, _mm512_set1_epi16((short)(8 * h + 2 * i))), sc);
-                p[i] = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(q32[i]), s);
+                p[i] = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_sub_epi8(q32[i], _mm256_set1_epi8(32))), s);
             }
             for (int m = 0; m < R; m++) {
-                const int16_t *X = a[m]->xq;
-                const __m512i *x = (const __m512i *)(X + b * Q6_BLOCK + 128 * h);
-                __m512i t = _mm512_dpwssd_epi32(_mm512_setzero_si512(), p[0], _mm512_loadu_si512(x));
-                for (int i = 1; i < 4; i++) t = _mm512_dpwssd_epi32(t, p[i], _mm512_loadu_si512(x + i));
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), dsx[m], acc[m]);
+                const __m512i *x = (const __m512i *)(xp[m] + b * Q6_BLOCK + 128 * h);
+                for (int i = 0; i < 4; i++) t[m] = _mm512_dpwssd_epi32(t[m], p[i], _mm512_loadu_si512(x + i));
             }
         }
+        for (int m = 0; m < R; m++)
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]), _mm512_set1_ps(d * sxp[m][b]), acc[m]);
     }
     for (int m = 0; m < R; m++) {
         if (b1 == B)
@@ -1170,7 +1161,7 @@ const kernel_table kernels_avx512_vnni = {
     IG_KIND(4) | IG_KIND(5) | IG_KIND(6) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) |
         IG_KIND(Q3K) | IG_KIND(Q2K) | IG_KIND(IQ4XS),
     .q5_gemv_rows = q5_gemv_rows_vnni, .q6_gemv_rows = q6_gemv_rows16,
-    .q6_xsum = q6_xsum256, .q6_xblock = Q6_BLOCK, .sb_path = SB_AVX512_VNNI,
+    .q6_xblock = Q6_BLOCK, .sb_path = SB_AVX512_VNNI,
 };
 
 #endif

@@ -346,9 +346,10 @@ typedef struct {
     /* the digit GEMVs over several rows of x (NULL: one row at a time) */
     gemv_rows_fn q4_gemv_rows, q5_gemv_rows, q6_gemv_rows;
     gemv_rows_fn q8_gemv_rows; /* over float x: rows whose GEMV is the float q8_gemv */
-    /* int6: per 16 elements -32 sx sum X from the path's prepared x (NULL: its x is
-     * XPREP8's three digits, whose sums matmul.c takes), and that x's block of one sx
-     * (int16 X: 32 on plain AVX2, 256 on AVX-512 VNNI) */
+    /* int6 on x as int16 X: that x's block of one sx (32 on plain AVX2 and neondot, 256 on
+     * AVX-512 VNNI; 0: x is XPREP8's three digits, whose sums matmul.c takes), and per 16
+     * elements -32 sx sum X from it (NULL where the kernel keeps the offset in its
+     * integers: AVX-512 VNNI) */
     void (*q6_xsum)(const void *xq, int64_t K, float *xsum);
     int q6_xblock;
     int sb_path; /* the super-block kinds' kernels it runs (sb_for): SB_PLAIN by default */

@@ -90,16 +90,19 @@ static int gemv_prepare(int bits, qmat *a, const kernel_table *kt, int nthreads,
     if (bits == 6 && kt->q6_xprep) { /* x as the int8 GEMV's digits (or the path's own
                                       * layout, q6_xsum); inf or NaN: float */
         const int64_t K = a->K;
-        if (!(tmp[0] = malloc((size_t)(K / 16) * sizeof(float)))) return -1;
+        /* per 16: -32 sx sum X, from the digits the kernel multiplies (not where the
+         * kernel keeps the offset in its integers) */
+        const int sums = kt->q6_xsum || !kt->q6_xblock;
+        if (sums && !(tmp[0] = malloc((size_t)(K / 16) * sizeof(float)))) return -1;
         if (!xq_ready) {
             if (!(tmp[1] = alloc64(ANY_XPREP_BYTES(K)))) return -1;
             if (kt->q6_xprep(a->x, K, tmp[1]) == 0) xq_ready = tmp[1];
         }
-        if (xq_ready) { /* per 16: -32 sx sum X, from the digits the kernel multiplies */
+        if (xq_ready) {
             float *xsum = tmp[0];
             if (kt->q6_xsum) {
                 kt->q6_xsum(xq_ready, K, xsum);
-            } else {
+            } else if (sums) {
                 const int8_t *xd = xq_ready;
                 const float *lanes = (const float *)(xd + (K + 63) / 64 * XPREP8_CHUNK_BYTES);
                 for (int64_t s = 0; s < K / 16; s++) {

@@ -202,7 +202,7 @@ static PyObject *py_isa_int5_digits(PyObject *self, PyObject *arg) {
 static PyObject *py_isa_int6_x16(PyObject *self, PyObject *arg) {
     (void)self;
     const kernel_table *kt;
-    return table_of(arg, &kt) ? NULL : PyLong_FromLong(kt && kt->q6_xsum ? kt->q6_xblock : 0);
+    return table_of(arg, &kt) ? NULL : PyLong_FromLong(kt ? kt->q6_xblock : 0);
 }
 
 static PyObject *py_isa_q4k_digits(PyObject *self, PyObject *arg) {

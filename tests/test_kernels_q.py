@@ -346,6 +346,26 @@ def test_extreme_activations(isa, kind, M):
 
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("M", [1, 4])
+def test_int6_largest_integer_sums(isa, M):
+    """int6 blocks whose products all take one sign and the largest size: codes 0 or 63
+    (q - 32 = -32 or 31), every scale -128 or 127, x of one value, so that a GEMV summing
+    a whole block in integers meets its largest sums (AVX-512 VNNI: 16 products of
+    32 * 128 * IG_XMAX a lane). An overflow would flip a sign."""
+    blocks = torch.from_numpy(random_blocks(T.Q6_K, 4, 512, 3)).view(4, 2, 210).clone()
+    blocks[0, :, :192] = 0  # q = 0
+    blocks[0, :, 192:208] = 128  # sc = -128
+    blocks[1, :, :192] = 255  # q = 63
+    blocks[1, :, 192:208] = 127
+    blocks[2:, :, 192:208] = torch.tensor([128, 127], dtype=torch.uint8).repeat(8)
+    w = {"qweight": blocks.view(4, -1)}
+    x = torch.full((M, 512), 0.75)
+    x[-1] = -x[-1]
+    assert_matches(run(6, 256, w, x, isa=isa), x, 6, 256, w, isa)
+
+
+@needs_c
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("M", [1, 3, 5, 40])
 def test_threads_give_identical_bits(isa, kind, M):

@@ -417,18 +417,37 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q5_codes(
     *hi = _mm512_mask_add_epi8(*hi, (__mmask64)_mm_extract_epi64(hw, 1), *hi, sixteen);
 }
 
+/* int4 g32's codes of chunk c as the one-row kernel makes them */
+TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q4_codes(
+    const uint8_t *q, int64_t KB, int64_t c, int64_t pf, __m512i *lo, __m512i *hi) {
+    const int64_t bytes = KB - 64 * c < 64 ? KB - 64 * c : 64;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    PREFETCH_AT(q + 64 * c, pf);
+    const __m512i w = bytes == 64 ? _mm512_loadu_si512(q + 64 * c)
+                                  : _mm512_maskz_loadu_epi8(((__mmask64)1 << bytes) - 1, q + 64 * c);
+    *lo = _mm512_and_si512(w, m4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);
+}
+
+/* Up to 4 rows of x against weight row n, chunks c0..c1: int5 (five), or int4 with groups
+ * of 32, whose rows then sum what q4_gemv_digits_vnni sums for each alone. */
 TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q5_rows_vnni(
-    const qmat *const *a, const int R, int64_t n, int64_t c0, int64_t c1) {
+    const qmat *const *a, const int R, int64_t n, int64_t c0, int64_t c1, const int five) {
     const int64_t K = a[0]->K, KB = K / 2, G = K / 32, C = (K + CHUNK - 1) / CHUNK;
-    const uint8_t *q = (const uint8_t *)a[0]->qw + n * KB, *qh = a[0]->qh + n * (K / 8);
+    const uint8_t *q = (const uint8_t *)a[0]->qw + n * KB;
+    const uint8_t *qh = five ? a[0]->qh + n * (K / 8) : NULL;
     const uint16_t *s = (const uint16_t *)a[0]->scales + n * G;
     const int64_t pf = prefetch_distance(KB, C > Q4_SLICE_CHUNKS);
     /* lane l of a chunk belongs to its block l / 4 */
     const __m512i gidx =
         _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
     __m512 acc[4][ACC];
-    for (int m = 0; m < R; m++)
+    const int8_t *xd[4];
+    const float *lanes[4];
+    for (int m = 0; m < R; m++) {
         for (int i = 0; i < ACC; i++) acc[m][i] = _mm512_setzero_ps();
+        xd[m] = a[m]->xq, lanes[m] = (const float *)(xd[m] + C * CHUNK_BYTES);
+    }
     /* chunks in turn to ACC accumulators, the last (c1 - c0) % ACC to the first */
     for (int64_t c = c0; c < c1; c += ACC) {
         const int u_end = c1 - c < ACC ? (int)(c1 - c) : ACC;
@@ -436,16 +455,18 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q5_rows_vnn
             if (u >= u_end) break;
             const int64_t cu = c + u, bytes = KB - 64 * cu < 64 ? KB - 64 * cu : 64;
             __m512i lo, hi;
-            q5_codes(q, qh, KB, cu, pf, &lo, &hi);
+            if (five)
+                q5_codes(q, qh, KB, cu, pf, &lo, &hi);
+            else
+                q4_codes(q, KB, cu, pf, &lo, &hi);
             const __m128i h = bytes < 64 ? _mm_maskz_loadu_epi16((__mmask8)((1u << (bytes / 16)) - 1), s + 4 * cu)
                                          : _mm_loadl_epi64((const __m128i *)(s + 4 * cu));
             const __m512 d = _mm512_permutexvar_ps(gidx, _mm512_castps128_ps512(_mm_cvtph_ps(h)));
             for (int m = 0; m < R; m++) {
-                const __m512i *xc = (const __m512i *)((const int8_t *)a[m]->xq + cu * CHUNK_BYTES);
-                const float *lanes = (const float *)((const int8_t *)a[m]->xq + C * CHUNK_BYTES);
+                const __m512i *xc = (const __m512i *)(xd[m] + cu * CHUNK_BYTES);
                 __m512i t = DOT2_VNNI(_mm512_setzero_si512(), lo, xc[0], hi, xc[1]);
                 t = DOT2_VNNI(_mm512_slli_epi32(t, 8), lo, xc[2], hi, xc[3]);
-                const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(lanes + 16 * cu));
+                const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(lanes[m] + 16 * cu));
                 __m512 *to = &acc[m][u_end == ACC ? u : 0];
                 *to = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, *to);
             }
@@ -460,23 +481,39 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q5_rows_vnn
 }
 
 /* R rows of x, 4 at a time per weight row, K in int4's slices */
-TARGET_AVX512_VNNI static void q5_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0,
-                                                 int64_t n1) {
+TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q45_gemv_rows_vnni(
+    const qmat *const *a, int R, int64_t n0, int64_t n1, const int five) {
     const int64_t C = (a[0]->K + CHUNK - 1) / CHUNK;
     for (int64_t c0 = 0; c0 < C; c0 += Q4_SLICE_CHUNKS) {
         const int64_t c1 = C - c0 < Q4_SLICE_CHUNKS ? C : c0 + Q4_SLICE_CHUNKS;
         for (int64_t n = n0; n < n1; n++)
             for (int m = 0; m < R; m += 4) switch (R - m < 4 ? R - m : 4) {
-                case 1: q5_rows_vnni(a + m, 1, n, c0, c1); break;
-                case 2: q5_rows_vnni(a + m, 2, n, c0, c1); break;
-                case 3: q5_rows_vnni(a + m, 3, n, c0, c1); break;
-                default: q5_rows_vnni(a + m, 4, n, c0, c1); break;
+                case 1: q5_rows_vnni(a + m, 1, n, c0, c1, five); break;
+                case 2: q5_rows_vnni(a + m, 2, n, c0, c1, five); break;
+                case 3: q5_rows_vnni(a + m, 3, n, c0, c1, five); break;
+                default: q5_rows_vnni(a + m, 4, n, c0, c1, five); break;
                 }
     }
 }
 
+TARGET_AVX512_VNNI static void q5_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0,
+                                                 int64_t n1) {
+    q45_gemv_rows_vnni(a, R, n0, n1, 1);
+}
+
 TARGET_AVX512_VNNI static void q5_gemv_vnni(const qmat *a, int64_t n0, int64_t n1) {
     q5_gemv_rows_vnni(&a, 1, n0, n1);
+}
+
+/* int4's rows: groups of 32 (GGUF's Q4_0 and Q4_1, our default) share each weight row's
+ * codes; other groups run the one-row kernel a row at a time */
+TARGET_AVX512_VNNI static void q4_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0,
+                                                 int64_t n1) {
+    if (a[0]->g == 32) {
+        q45_gemv_rows_vnni(a, R, n0, n1, 0);
+        return;
+    }
+    for (int m = 0; m < R; m++) q4_gemv_digits_vnni(a[m], n0, n1);
 }
 
 /* ------------------------------------------------------------------------------------
@@ -1160,8 +1197,8 @@ const kernel_table kernels_avx512_vnni = {
     q4_xprep, q5_gemv_vnni, avx2_q5_dequant, /* avx2.c's dequantization */
     IG_KIND(4) | IG_KIND(5) | IG_KIND(6) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) |
         IG_KIND(Q3K) | IG_KIND(Q2K) | IG_KIND(IQ4XS),
-    .q5_gemv_rows = q5_gemv_rows_vnni, .q6_gemv_rows = q6_gemv_rows16,
-    .q6_xblock = Q6_BLOCK, .sb_path = SB_AVX512_VNNI,
+    .q4_gemv_rows = q4_gemv_rows_vnni, .q5_gemv_rows = q5_gemv_rows_vnni,
+    .q6_gemv_rows = q6_gemv_rows16, .q6_xblock = Q6_BLOCK, .sb_path = SB_AVX512_VNNI,
 };
 
 #endif

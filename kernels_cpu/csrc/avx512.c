@@ -394,7 +394,8 @@ Q4_GEMV_DIGITS(q4_gemv_digits_vnni, TARGET_AVX512_VNNI, DOT2_VNNI)
  * 16 + i): the words' low halves, gathered, are lo's byte mask, their high halves hi's.
  * Codes <= 31. The codes are made once for up to 4 rows of x; each row adds chunk c to
  * its accumulator c % ACC as int4's one-row kernel does, and one row is this kernel
- * with R = 1, so a row's output is the same alone or in a batch.
+ * with R = 1, so a row's output is the same alone or in a batch. int4's rows with groups
+ * of 32 take the same kernel without qh: each sums what q4_gemv_digits_vnni sums alone.
  * ---------------------------------------------------------------------------------- */
 
 TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q5_codes(
@@ -431,7 +432,7 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q4_codes(
 
 /* Up to 4 rows of x against weight row n, chunks c0..c1: int5 (five), or int4 with groups
  * of 32, whose rows then sum what q4_gemv_digits_vnni sums for each alone. */
-TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q5_rows_vnni(
+TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q45_rows_vnni(
     const qmat *const *a, const int R, int64_t n, int64_t c0, int64_t c1, const int five) {
     const int64_t K = a[0]->K, KB = K / 2, G = K / 32, C = (K + CHUNK - 1) / CHUNK;
     const uint8_t *q = (const uint8_t *)a[0]->qw + n * KB;
@@ -488,10 +489,10 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q45_gemv_ro
         const int64_t c1 = C - c0 < Q4_SLICE_CHUNKS ? C : c0 + Q4_SLICE_CHUNKS;
         for (int64_t n = n0; n < n1; n++)
             for (int m = 0; m < R; m += 4) switch (R - m < 4 ? R - m : 4) {
-                case 1: q5_rows_vnni(a + m, 1, n, c0, c1, five); break;
-                case 2: q5_rows_vnni(a + m, 2, n, c0, c1, five); break;
-                case 3: q5_rows_vnni(a + m, 3, n, c0, c1, five); break;
-                default: q5_rows_vnni(a + m, 4, n, c0, c1, five); break;
+                case 1: q45_rows_vnni(a + m, 1, n, c0, c1, five); break;
+                case 2: q45_rows_vnni(a + m, 2, n, c0, c1, five); break;
+                case 3: q45_rows_vnni(a + m, 3, n, c0, c1, five); break;
+                default: q45_rows_vnni(a + m, 4, n, c0, c1, five); break;
                 }
     }
 }

@@ -364,17 +364,17 @@ static const sb_kernels q2k_avx2 = {q2k_gemv_c, sb_xprep_pairs_avx2, q2k_gemv, q
 /* As rows_avx2 on 512 bits, a pair of quarters at a time: quarter 2k's 32 codes in the low
  * 256 bits and 2k + 1's in the high, times the scale pairs of their even elements, then
  * of their odd ones, each product vector meeting 64 bytes of X in one vpdpwssd per row.
- * The groups' terms take one 16-lane FMA a block. */
+ * A block's sums go to float in 16 lanes, times d sx; the groups' terms take one 16-lane
+ * FMA a block. */
 TI void low_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t n) {
     const int64_t K = a[0]->K, B = K / Q4K_BLOCK, bytes = block_bytes(kind);
     const uint8_t *blk = (const uint8_t *)a[0]->qw + n * B * bytes;
     const int16_t *xd[8];
     const float *sxs[8], *xs16[8];
-    __m256 acc[8];
-    __m512 corr[8];
+    __m512 acc[8], corr[8];
     for (int m = 0; m < R; m++) {
         xd[m] = sb_x16(a[m]->xq, K), sxs[m] = sb_sx(a[m]->xq, K), xs16[m] = sb_xs16(a[m]->xq, K);
-        acc[m] = _mm256_setzero_ps(), corr[m] = _mm512_setzero_ps();
+        acc[m] = corr[m] = _mm512_setzero_ps();
     }
     const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
     for (int64_t b = 0; b < B; b++, blk += bytes) {
@@ -412,17 +412,14 @@ TI void low_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t
                 }
             }
         }
+        const __m512 dv = _mm512_set1_ps(d);
         for (int m = 0; m < R; m++) {
-            const __m256i t8 =
-                _mm256_add_epi32(_mm512_castsi512_si256(t[m]), _mm512_extracti64x4_epi64(t[m], 1));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t8), _mm256_set1_ps(d * sxs[m][b]), acc[m]);
+            const __m512 dsx = _mm512_mul_ps(dv, _mm512_set1_ps(sxs[m][b]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]), dsx, acc[m]);
             corr[m] = _mm512_fmadd_ps(f, _mm512_loadu_ps(xs16[m] + 16 * b), corr[m]);
         }
     }
-    for (int m = 0; m < R; m++) {
-        const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(corr[m]), _mm512_extractf32x8_ps(corr[m], 1));
-        a[m]->y[n] = row_total(acc[m], c8);
-    }
+    for (int m = 0; m < R; m++) a[m]->y[n] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[m], corr[m]));
 }
 
 TI void low_gemv_rows_vnni(const int kind, const qmat *const *a, int R, int64_t n0, int64_t n1) {

@@ -378,21 +378,26 @@ def test_threads_give_identical_bits(isa, kind, M):
         assert torch.equal(run(bits, g, w, x, isa=isa, threads=threads), y1)
 
 
+# K >= 768: up to 8 rows take the GEMV; 1,024 + g ends in part of a chunk of 128 (groups
+# of 32 and 64 only: 128 and int6's blocks of 256 make whole chunks)
+ROWS_CASES = [
+    (kind, K)
+    for kind in KINDS
+    for K in (1024, 4608, *((1024 + kind[1],) if kind[1] in (32, 64) else ()))
+]
+
+
 @needs_c
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
-@pytest.mark.parametrize("K", [1024, "part", 4608])  # K >= 768: up to 8 rows take the GEMV
+@pytest.mark.parametrize(
+    ("kind", "K"), ROWS_CASES, ids=[f"{KIND_IDS[KINDS.index(k)]}-K{K}" for k, K in ROWS_CASES]
+)
 def test_rows_together_equal_each_alone(isa, kind, K):
     """A GEMV of a few rows (sequences decoded together, guesses checked) unpacks each
     weight row once for all of them; each row's output is still its one-row output, bit
     for bit, for every count of rows that takes the GEMV, and beside a row holding inf.
-    1,024 + g ends in part of a chunk of 128 (groups of 32 and 64); 4,608 elements run in
-    two slices where a GEMV takes x a slice at a time."""
+    4,608 elements run in two slices where a GEMV takes x a slice at a time."""
     bits, g, sym = kind
-    if K == "part":
-        if g not in (32, 64):
-            pytest.skip("whole chunks only: groups of 128, int6's blocks of 256")
-        K = 1024 + g
     N = 67
     w = packed(bits, g, sym, N, K, seed=4)
     x = torch.randn(WIDE_M, K, generator=torch.Generator().manual_seed(4))

@@ -815,44 +815,23 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q6_rows16(
     }
 }
 
-TARGET_AVX512_VNNI static void q6_rows16_any(const qmat *const *a, int R, int64_t n, int64_t b0,
-                                             int64_t b1, int64_t pf, __m512 *st) {
+TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q6_slice(
+    const qmat *const *a, int R, int64_t n, int64_t b0, int64_t b1, int64_t pf, float *st) {
+    __m512 *s = (__m512 *)st;
     switch (R) {
-    case 1: q6_rows16(a, 1, n, b0, b1, pf, st); break;
-    case 2: q6_rows16(a, 2, n, b0, b1, pf, st); break;
-    case 3: q6_rows16(a, 3, n, b0, b1, pf, st); break;
-    case 4: q6_rows16(a, 4, n, b0, b1, pf, st); break;
-    case 5: q6_rows16(a, 5, n, b0, b1, pf, st); break;
-    case 6: q6_rows16(a, 6, n, b0, b1, pf, st); break;
-    case 7: q6_rows16(a, 7, n, b0, b1, pf, st); break;
-    default: q6_rows16(a, 8, n, b0, b1, pf, st); break;
+    case 1: q6_rows16(a, 1, n, b0, b1, pf, s); break;
+    case 2: q6_rows16(a, 2, n, b0, b1, pf, s); break;
+    case 3: q6_rows16(a, 3, n, b0, b1, pf, s); break;
+    case 4: q6_rows16(a, 4, n, b0, b1, pf, s); break;
+    case 5: q6_rows16(a, 5, n, b0, b1, pf, s); break;
+    case 6: q6_rows16(a, 6, n, b0, b1, pf, s); break;
+    case 7: q6_rows16(a, 7, n, b0, b1, pf, s); break;
+    default: q6_rows16(a, 8, n, b0, b1, pf, s); break;
     }
 }
 
-/* Rows of x 8 at a time. Where their x fits Q6_X16_WHOLE_BYTES of L1, each weight row is
- * read whole; else Q6_X16_ROWS weight rows at a time, K in slices of Q6_X16_SLICE blocks
- * (8 rows' slices of x, 24 KiB, stay in L1), the accumulators carried between slices. */
-enum { Q6_X16_WHOLE_BYTES = 40960, Q6_X16_SLICE = 6, Q6_X16_ROWS = 8 };
 TARGET_AVX512_VNNI static void q6_gemv_rows16(const qmat *const *a, int R, int64_t n0, int64_t n1) {
-    const int64_t B = a[0]->K / Q6_BLOCK;
-    if (R * B * 2 * Q6_BLOCK <= Q6_X16_WHOLE_BYTES) {
-        for (int64_t n = n0; n < n1; n++)
-            for (int m = 0; m < R; m += 8)
-                q6_rows16_any(a + m, R - m < 8 ? R - m : 8, n, 0, B, PREFETCH_AHEAD, NULL);
-        return;
-    }
-    const int64_t pf = prefetch_distance(B * Q6_BLOCK_BYTES, 1);
-    __m512 st[Q6_X16_ROWS][8];
-    for (int m = 0; m < R; m += 8) {
-        const int r = R - m < 8 ? R - m : 8;
-        for (int64_t c = n0; c < n1; c += Q6_X16_ROWS) {
-            const int64_t c1 = n1 - c < Q6_X16_ROWS ? n1 : c + Q6_X16_ROWS;
-            for (int64_t b0 = 0; b0 < B; b0 += Q6_X16_SLICE)
-                for (int64_t n = c; n < c1; n++)
-                    q6_rows16_any(a + m, r, n, b0, B - b0 < Q6_X16_SLICE ? B : b0 + Q6_X16_SLICE,
-                                  pf, st[n - c]);
-        }
-    }
+    rows_in_slices(q6_slice, a, R, n0, n1, a[0]->K / Q6_BLOCK, Q6_BLOCK_BYTES, PREFETCH_AHEAD);
 }
 
 TARGET_AVX512_VNNI static void q6_gemv16(const qmat *a, int64_t n0, int64_t n1) {

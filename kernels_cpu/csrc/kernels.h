@@ -444,6 +444,40 @@ extern const kernel_table kernels_scalar;
 #ifdef INFER_X86
 extern const kernel_table kernels_avx2, kernels_avx2_vnni;
 extern const kernel_table kernels_avx512, kernels_avx512_vnni;
+/* AVX-512 VNNI's rows kernels on x as int16 (q4_k, q5_k, int6), one call: up to 8 rows of
+ * x against blocks [b0, b1) of weight row n, each row's accumulators in st (16 vectors of
+ * 16 floats a weight row, 64-byte aligned) from call to call: zero at block 0, the output
+ * at the row's last block. pf: how far ahead its weights are prefetched. */
+typedef void (*rows_slice_fn)(const qmat *const *a, int R, int64_t n, int64_t b0, int64_t b1,
+                              int64_t pf, float *st);
+/* Such a kernel over rows of x 8 at a time and weight rows [n0, n1) of B blocks of 256
+ * (`block_bytes` each; x 512 bytes a block and row). Where the rows' x fits 40 KiB of L1,
+ * each weight row is read whole (prefetched `ahead`); else 8 weight rows at a time, K in
+ * slices of 6 blocks (8 rows' slices of x, 24 KiB, stay in L1), the accumulators carried
+ * between slices. A row's blocks add up in one order either way. Inline, so that
+ * each caller's kernel is inlined into it with its constants. */
+enum { SLICE_WHOLE_BYTES = 40960, SLICE_BLOCKS = 6, SLICE_ROWS = 8 };
+static inline __attribute__((always_inline)) void rows_in_slices(
+    rows_slice_fn slice, const qmat *const *a, int R, int64_t n0, int64_t n1, int64_t B,
+    int64_t block_bytes, int64_t ahead) {
+    float st[SLICE_ROWS][16 * 16] __attribute__((aligned(64)));
+    if (R * B * 512 <= SLICE_WHOLE_BYTES) { /* x as int16: 512 bytes a block and row */
+        for (int64_t n = n0; n < n1; n++)
+            for (int m = 0; m < R; m += 8) slice(a + m, R - m < 8 ? R - m : 8, n, 0, B, ahead, st[0]);
+        return;
+    }
+    const int64_t pf = prefetch_distance(B * block_bytes, 1);
+    for (int m = 0; m < R; m += 8) {
+        const int r = R - m < 8 ? R - m : 8;
+        for (int64_t c = n0; c < n1; c += SLICE_ROWS) {
+            const int64_t c1 = n1 - c < SLICE_ROWS ? n1 : c + SLICE_ROWS;
+            for (int64_t b0 = 0; b0 < B; b0 += SLICE_BLOCKS)
+                for (int64_t n = c; n < c1; n++)
+                    slice(a + m, r, n, b0, B - b0 < SLICE_BLOCKS ? B : b0 + SLICE_BLOCKS, pf, st[n - c]);
+        }
+    }
+}
+
 /* avx2.c's int5 kernels, which plain AVX-512 uses too (AVX-512 VNNI has its own GEMVs). */
 int avx2_q4_xprep(const float *x, int64_t K, void *buf);
 void avx2_q5_gemv_digits(const qmat *a, int64_t n0, int64_t n1);

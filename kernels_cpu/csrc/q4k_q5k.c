@@ -544,56 +544,41 @@ TI void q4k_rows_vnni(const int kind, const qmat *const *a, const int R, int64_t
     }
 }
 
-TI void q4k_rows_vnni_any(const int kind, const qmat *const *a, int R, int64_t n, int64_t b0,
-                          int64_t b1, int64_t pf, __m512 *st) {
+TI void kq_slice(const int kind, const qmat *const *a, int R, int64_t n, int64_t b0, int64_t b1,
+                int64_t pf, float *st) {
+    __m512 *s = (__m512 *)st;
     switch (R) {
-    case 1: q4k_rows_vnni(kind, a, 1, n, b0, b1, pf, st); break;
-    case 2: q4k_rows_vnni(kind, a, 2, n, b0, b1, pf, st); break;
-    case 3: q4k_rows_vnni(kind, a, 3, n, b0, b1, pf, st); break;
-    case 4: q4k_rows_vnni(kind, a, 4, n, b0, b1, pf, st); break;
-    case 5: q4k_rows_vnni(kind, a, 5, n, b0, b1, pf, st); break;
-    case 6: q4k_rows_vnni(kind, a, 6, n, b0, b1, pf, st); break;
-    case 7: q4k_rows_vnni(kind, a, 7, n, b0, b1, pf, st); break;
-    default: q4k_rows_vnni(kind, a, 8, n, b0, b1, pf, st); break;
+    case 1: q4k_rows_vnni(kind, a, 1, n, b0, b1, pf, s); break;
+    case 2: q4k_rows_vnni(kind, a, 2, n, b0, b1, pf, s); break;
+    case 3: q4k_rows_vnni(kind, a, 3, n, b0, b1, pf, s); break;
+    case 4: q4k_rows_vnni(kind, a, 4, n, b0, b1, pf, s); break;
+    case 5: q4k_rows_vnni(kind, a, 5, n, b0, b1, pf, s); break;
+    case 6: q4k_rows_vnni(kind, a, 6, n, b0, b1, pf, s); break;
+    case 7: q4k_rows_vnni(kind, a, 7, n, b0, b1, pf, s); break;
+    default: q4k_rows_vnni(kind, a, 8, n, b0, b1, pf, s); break;
     }
+}
+TI void q4k_slice(const qmat *const *a, int R, int64_t n, int64_t b0, int64_t b1, int64_t pf,
+                float *st) {
+    kq_slice(Q4K, a, R, n, b0, b1, pf, st);
+}
+TI void q5k_slice(const qmat *const *a, int R, int64_t n, int64_t b0, int64_t b1, int64_t pf,
+                float *st) {
+    kq_slice(Q5K, a, R, n, b0, b1, pf, st);
 }
 
-/* Rows of x 8 at a time. Where their X fits KQ_WHOLE_BYTES of L1, each weight row is read
- * whole; else KQ_ROWS weight rows at a time, K in slices of KQ_SLICE blocks (8 rows'
- * slices of X, 24 KiB, stay in L1), the accumulators carried between slices. */
-enum { KQ_WHOLE_BYTES = 40960, KQ_SLICE = 6, KQ_ROWS = 8 };
-TI void kq_gemv_rows_vnni(const int kind, const qmat *const *a, int R, int64_t n0, int64_t n1) {
-    const int64_t B = a[0]->K / Q4K_BLOCK;
-    __m512 st[KQ_ROWS][16];
-    if (R * B * 2 * Q4K_BLOCK <= KQ_WHOLE_BYTES) {
-        for (int64_t n = n0; n < n1; n++)
-            for (int m = 0; m < R; m += 8)
-                q4k_rows_vnni_any(kind, a + m, R - m < 8 ? R - m : 8, n, 0, B, PREFETCH_AHEAD_L1, st[0]);
-        return;
-    }
-    const int64_t pf = prefetch_distance(B * kq_bytes(kind), 1);
-    for (int m = 0; m < R; m += 8) {
-        const int r = R - m < 8 ? R - m : 8;
-        for (int64_t c = n0; c < n1; c += KQ_ROWS) {
-            const int64_t c1 = n1 - c < KQ_ROWS ? n1 : c + KQ_ROWS;
-            for (int64_t b0 = 0; b0 < B; b0 += KQ_SLICE)
-                for (int64_t n = c; n < c1; n++)
-                    q4k_rows_vnni_any(kind, a + m, r, n, b0, B - b0 < KQ_SLICE ? B : b0 + KQ_SLICE,
-                                      pf, st[n - c]);
-        }
-    }
-}
+/* Rows of x as kernels.h's rows_in_slices runs them (int6's scheme) */
 TARGET_AVX512_VNNI static void q4k_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0, int64_t n1) {
-    kq_gemv_rows_vnni(Q4K, a, R, n0, n1);
+    rows_in_slices(q4k_slice, a, R, n0, n1, a[0]->K / Q4K_BLOCK, Q4K_BLOCK_BYTES, PREFETCH_AHEAD_L1);
 }
 TARGET_AVX512_VNNI static void q5k_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0, int64_t n1) {
-    kq_gemv_rows_vnni(Q5K, a, R, n0, n1);
+    rows_in_slices(q5k_slice, a, R, n0, n1, a[0]->K / Q4K_BLOCK, Q5K_BLOCK_BYTES, PREFETCH_AHEAD_L1);
 }
 TARGET_AVX512_VNNI static void q4k_gemv_vnni(const qmat *a, int64_t n0, int64_t n1) {
-    kq_gemv_rows_vnni(Q4K, &a, 1, n0, n1);
+    q4k_gemv_rows_vnni(&a, 1, n0, n1);
 }
 TARGET_AVX512_VNNI static void q5k_gemv_vnni(const qmat *a, int64_t n0, int64_t n1) {
-    kq_gemv_rows_vnni(Q5K, &a, 1, n0, n1);
+    q5k_gemv_rows_vnni(&a, 1, n0, n1);
 }
 
 static const sb_kernels q4k_avx512_vnni = {q4k_gemv_c, q4k_xprep_avx2, q4k_gemv_vnni,

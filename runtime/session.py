@@ -8,6 +8,7 @@ can share one model, each with its own cache.
     session = Session(model)               # context up to the model's rope tables
     logits = session.prefill(prompt_ids)   # (vocab,) after the last prompt token
     session.prefill_chunk(prompt_ids, 256) # the same a chunk a call: None until the last
+    prefill_together([s1, s2], [p1, p2], 256)  # the same for several sequences in one pass
     logits = session.step(token)           # one token on: the fused step where it runs
     out = decode([s1, s2], [[t1], [t2, t3]])  # several sequences in one pass: logits per row
     p = start_decode([s1], [[t1]]); ...; out = p.wait()  # the same, the pass begun first
@@ -92,16 +93,11 @@ class Session:
         """One step of `prefill`: compute the next `chunk` tokens of `prompt` the cache
         lacks. Returns the logits (vocab,) after its last token once the cache holds all
         of it, else None (a server runs other sequences between the chunks)."""
-        if not prompt:
-            raise InferError("empty prompt")
-        if len(prompt) > self.max_seq_len:
-            raise InferError(
-                f"prompt is {len(prompt)} tokens, longer than the context of "
-                f"{self.max_seq_len} (raise --ctx)"
-            )
-        n = self.reused_prefix(prompt)
-        logits = self.forward(prompt[n : n + chunk], n)
-        return logits[-1] if n + chunk >= len(prompt) else None
+        return prefill_together([self], [prompt], chunk)[0]
+
+    def missing(self, prompt: list[int]) -> int:
+        """How many tokens of `prompt` a prefill computes: those after the reused prefix."""
+        return len(prompt) - self.reused_prefix(prompt)
 
     def reused_prefix(self, prompt: list[int]) -> int:
         """How many of `prompt`'s first tokens the cache already holds (at least one token
@@ -119,6 +115,48 @@ class Session:
         """Keep the sequence's first `n` tokens (guessed tokens that were not accepted go;
         their cache positions are written again by the next pass)."""
         del self.tokens[n:]
+
+
+@torch.inference_mode()
+def prefill_together(
+    sessions: Sequence[Session], prompts: Sequence[list[int]], chunk: int = 512
+) -> list[torch.Tensor | None]:
+    """`Session.prefill_chunk` of several sequences of one model in one pass: the next
+    `chunk` tokens of each prompt its session's cache lacks, all rows through each
+    weight at once (prompts that arrive together start together). Per session the
+    logits (vocab,) after its prompt's last token once its cache holds all of it, else
+    None. Each row sees only its own sequence; the matmul of more rows may take another
+    kernel than alone, so a prompt's logits can differ from alone's in the last bits."""
+    model = sessions[0].model
+    if len({id(s) for s in sessions}) < len(sessions):
+        raise ValueError("prefill: a session appears twice")
+    spans, parts = [], []  # (pos, n, cache) and the tokens of each sequence's chunk
+    for session, prompt in zip(sessions, prompts, strict=True):
+        if session.model is not model:
+            raise ValueError("prefill: the sessions run different models")
+        if not prompt:
+            raise InferError("empty prompt")
+        if len(prompt) > session.max_seq_len:
+            raise InferError(
+                f"prompt is {len(prompt)} tokens, longer than the context of "
+                f"{session.max_seq_len} (raise --ctx)"
+            )
+        n = session.reused_prefix(prompt)
+        parts.append(prompt[n : n + chunk])
+        spans.append((n, len(parts[-1]), session.cache))
+    ids, rows, first = torch.tensor([[t for part in parts for t in part]]), Rows(spans), sessions[0]
+    blocks = None
+    if first.stages is not None:
+        seqs = [(s.sequence, pos, n) for s, (pos, n, _) in zip(sessions, spans)]
+        blocks = first.stages.blocks(seqs, rows=False)
+    with first.threads.forward():
+        logits = model(ids, None, rows, blocks=blocks)[0]  # each sequence's last row
+    out = []
+    for session, prompt, part, (pos, _, _), row in zip(sessions, prompts, parts, spans, logits):
+        del session.tokens[pos:]
+        session.tokens.extend(part)
+        out.append(row if pos + len(part) == len(prompt) else None)
+    return out
 
 
 def decode(sessions: Sequence[Session], tokens: Sequence[list[int]]) -> list[torch.Tensor]:

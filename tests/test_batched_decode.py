@@ -15,7 +15,7 @@ from infer.quant.formats.recipes import get_recipe
 from infer.quant.quantize import quantize_model
 from infer.runtime.files.checkpoint import read_checkpoint
 from infer.runtime.loader import load_model
-from infer.runtime.session import Session, decode
+from infer.runtime.session import Session, decode, prefill_together
 
 PROMPTS = [
     [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140],
@@ -183,6 +183,34 @@ def test_sequences_and_guesses_share_a_pass(hf_dirs):
         torch.stack([r.step(t) for t in toks]) for r, toks in zip(refs, [[1], [2, 3, 4, 5], [6]])
     ]
     assert all(torch.equal(g, r) for g, r in zip(got, ref))
+
+
+@pytest.mark.parametrize("arch, recipe", [("llama", "int8"), ("qwen2_moe", None), ("gemma3", None)])
+def test_prompts_prefilled_together_equal_alone(hf_dirs, arch, recipe):
+    """Prompts' chunks of several sequences in one pass (prefill_together): each prompt's
+    logits and cache those of its prefill alone, a cached prefix reused, and the tokens
+    decoded after it the same. Gemma's sliding window (8) is crossed."""
+    if recipe:
+        model = quantized(hf_dirs, arch, recipe)
+    else:
+        model = load_model(hf_dirs / arch, max_seq_len=64).model
+    prompts = [PROMPTS[0] * 2, PROMPTS[1], PROMPTS[2] + PROMPTS[0]]
+    sessions = [Session(model) for _ in prompts]
+    sessions[2].prefill(PROMPTS[2] + [1, 2])  # holds the prompt's first 9 tokens
+    last = [None] * len(prompts)
+    while any(x is None for x in last):
+        todo = [i for i, x in enumerate(last) if x is None]
+        got = prefill_together([sessions[i] for i in todo], [prompts[i] for i in todo], 10)
+        for i, x in zip(todo, got):
+            last[i] = x
+    for s, p, x in zip(sessions, prompts, last):
+        ref = Session(model)
+        want = ref.prefill(p, 10)
+        assert s.tokens == p
+        tol = 1e-4 * want.abs().max().item()
+        torch.testing.assert_close(x, want, rtol=1e-4, atol=tol)
+        t = int(want.argmax())
+        torch.testing.assert_close(s.step(t), ref.step(t), rtol=1e-4, atol=tol)
 
 
 def test_decode_refuses_bad_rows(hf_dirs):

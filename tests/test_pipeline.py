@@ -30,7 +30,7 @@ from infer.runtime.pipeline import handshake
 from infer.runtime.pipeline.coordinator import assign_layers, load_pipelined
 from infer.runtime.pipeline.link import Op, Pass
 from infer.runtime.pipeline.stage import load_stage, stage_bytes
-from infer.runtime.session import Session, decode, start_decode
+from infer.runtime.session import Session, decode, prefill_together, start_decode
 from infer.runtime.speculative import LookupDrafter
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 200, 17, 3, 99, 140]
@@ -231,14 +231,14 @@ def test_stage_rows_on_the_fused_step_equal_its_torch_blocks(models):
 
 def test_batched_step_over_stages(models, workers):
     """Several sequences in one pass give each sequence's logits of the single-process
-    batched step, on the fused step on both sides."""
+    batched step, on the fused step on both sides; their prompts too, in one pass."""
     path = models / "moe-int4"
     prompts = [PROMPT, PROMPT[:5], PROMPT[3:]]
     guesses = [list(range(10, 19)), [3], list(range(30, 40))]  # more rows than a C call's
 
     def run(model, stages=None):
         sessions = [Session(model, 128, stages=stages) for _ in prompts]
-        firsts = [int(s.prefill(p).argmax()) for s, p in zip(sessions, prompts)]
+        firsts = [int(x.argmax()) for x in prefill_together(sessions, prompts, 128)]
         steps = decode(sessions, [[t] for t in firsts]) + decode(sessions, [[1, 2], [3], [4, 5]])
         return steps + decode(sessions, guesses)
 

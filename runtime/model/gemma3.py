@@ -27,7 +27,7 @@ from ...quant.formats.base import QuantLinear
 from . import kvcache, llama
 from .gemma3_config import Gemma3Args
 from .kvcache import KVCache
-from .llama import _LINEARS, Rows, rope_rows, rows_apply
+from .llama import _LINEARS, Rows, last_rows, rope_rows, rows_apply
 from .rope import rope_inv_freq
 
 
@@ -185,7 +185,7 @@ class Gemma3(nn.Module):
     def head(self, x: torch.Tensor, cache, all_logits: bool) -> torch.Tensor:
         """Logits of the last block's states, soft-capped (llama.Transformer.head)."""
         if not all_logits:
-            x = x[:, -1:]
+            x = last_rows(x, cache)
         logits = rows_apply(lambda h: self.lm_head(self.norm(h)), x, cache)
         cap = self.args.final_logit_softcapping
         if cap:

@@ -16,6 +16,7 @@ Shapes below use T = tokens in this call, S = positions visible to attention.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -53,6 +54,7 @@ class Rows:
     def __init__(self, spans: list[tuple[int, int, list[KVCache]]]):
         self.spans = spans
         self.positions = [p + j for p, n, _ in spans for j in range(n)]
+        self.last = list(itertools.accumulate(n for _, n, _ in spans))  # each span's end
 
     def __iter__(self) -> Iterator[LayerRows]:
         return (LayerRows(self.spans, i) for i in range(len(self.spans[0][2])))
@@ -112,6 +114,14 @@ def rope_rows(cos, sin, pos: int, T: int, cache) -> tuple[torch.Tensor, torch.Te
 GEMV_ROWS = 4
 
 
+def last_rows(x: torch.Tensor, cache) -> torch.Tensor:
+    """The states (1, 1 or spans, dim) whose logits generation needs: the last row, or
+    each sequence's last row in a pass of Rows."""
+    if isinstance(cache, Rows):
+        return x[:, [end - 1 for end in cache.last]]
+    return x[:, -1:]
+
+
 def rows_apply(fn, x: torch.Tensor, cache) -> torch.Tensor:
     """fn(x) for x (1, T, dim); for a pass of Rows a few rows at a time, so that each
     row's output is that of the row alone (the output layer of a decode pass)."""
@@ -156,7 +166,7 @@ class Attention(nn.Module):
         if isinstance(cache, LayerRows):  # each sequence's rows attend to its own cache
             parts = [self.attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], p, c)
                      for a, b, p, c in cache]  # fmt: skip
-            out = torch.cat(parts, dim=2)
+            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         else:
             out = self.attend(q, k, v, pos, cache)
         return self.o_proj(out.transpose(1, 2).reshape(1, T, -1))
@@ -340,7 +350,8 @@ class Transformer(nn.Module):
         return self.embed_tokens(tokens).to(self.rope_cos.dtype)
 
     def head(self, x: torch.Tensor, cache, all_logits: bool) -> torch.Tensor:
-        """Logits (1, T or 1, vocab) of the last block's states x (1, T, dim)."""
+        """Logits (1, T or 1, vocab) of the last block's states x (1, T, dim); without
+        `all_logits`, of the last position only (of each sequence's, for Rows)."""
         if not all_logits:
-            x = x[:, -1:]  # generation needs only the last position's logits
+            x = last_rows(x, cache)
         return rows_apply(lambda h: self.lm_head(self.norm(h)), x, cache)

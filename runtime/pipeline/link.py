@@ -38,8 +38,8 @@ CAPACITY = 8 * (HEADER_WORDS + 3 * MAX_SPANS) + INLINE_BYTES
 class Op(IntEnum):
     STOP = 0  # the coordinator is done: each worker passes it on and leaves the group
     PING = 1  # round the ring while idle, so that no stage's wait times out
-    CHUNK = 2  # one sequence's tokens from a position: Session.forward (a prompt's chunk)
-    ROWS = 3  # rows of several sequences: session.decode (llama.Rows)
+    CHUNK = 2  # prompts' tokens, one or several sequences': Session.forward, prefill_together
+    ROWS = 3  # decode rows of several sequences: session.decode (the fused step)
 
 
 class LinkError(InferError):

@@ -70,18 +70,15 @@ class Stage:
 
     @torch.inference_mode()
     def forward(self, p: Pass) -> torch.Tensor:
-        """The blocks over a pass's states, as the model's own loop runs them: a chunk
-        of one sequence from its position, or Rows of several."""
+        """The blocks over a pass's states, as the model's own loop runs them: Rows of
+        one or several sequences, prompts' chunks (CHUNK) or decode rows (ROWS, the
+        fused step where it runs)."""
         x, T = p.x, p.x.shape[1]
-        if p.op is Op.CHUNK:
-            ((sequence, pos, _),) = p.spans
-            caches = self.cache(sequence)
-        else:
-            pos, caches = None, Rows([(q, n, self.cache(s)) for s, q, n in p.spans])
-            if self.fused is not None:
-                words = torch.stack([self.words[s] for s, _, n in p.spans for _ in range(n)])
-                with self.threads.forward():
-                    return self.fused(x, caches, words)
+        pos, caches = None, Rows([(q, n, self.cache(s)) for s, q, n in p.spans])
+        if p.op is Op.ROWS and self.fused is not None:
+            words = torch.stack([self.words[s] for s, _, n in p.spans for _ in range(n)])
+            with self.threads.forward():
+                return self.fused(x, caches, words)
         rope = {}  # a table's rows, by table (Gemma's local and global layers)
         with self.threads.forward():
             for i, layer_cache in zip(self.layers, caches):

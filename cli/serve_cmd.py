@@ -94,8 +94,8 @@ def serve(
         typer.Option(
             "--prefill-chunk",
             min=1,
-            help="Prompt tokens computed between two decode steps: a new request's "
-            "prompt pauses the running answers for one chunk at a time.",
+            help="Prompt tokens computed between two decode steps, new requests' "
+            "together: their prompts pause the running answers for one chunk at a time.",
         ),
     ] = 256,
     lookup: Lookup = False,

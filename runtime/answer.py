@@ -19,7 +19,7 @@ import torch
 from .. import InferError
 from .generate import Decoding, Penalties, Sampler
 from .model.tokenizer import Tokenizer
-from .session import Session, decode
+from .session import Session, decode, prefill_together
 
 if TYPE_CHECKING:
     from .speculative import Drafter
@@ -128,6 +128,16 @@ def answer_room(context: int, max_tokens: int) -> int:
     return min(max_tokens if max_tokens > 0 else context, context // 4)
 
 
+def prefill_answers(answers: Sequence[Answering], chunk: int) -> list[torch.Tensor | None]:
+    """The next `chunk` tokens of each answer's prompt in one pass (session's
+    prefill_together), and of its drafter's (each on its own); per answer what its
+    `prefilled` takes."""
+    for a in answers:
+        if a.decoding.drafter is not None:
+            a.decoding.drafter.prefill(chunk)
+    return prefill_together([a.session for a in answers], [a.prompt for a in answers], chunk)
+
+
 class Answering:
     """One answer after `prompt` in `session`, a pass at a time:
 
@@ -179,12 +189,14 @@ class Answering:
         self._t_first = self._t_last = 0.0
         self._chosen = 0
 
-    @torch.inference_mode()
     def prefill(self, chunk: int = 512) -> None:
         """Compute the next `chunk` tokens of the prompt; after the last, the first token."""
-        if self.decoding.drafter is not None:
-            self.decoding.drafter.prefill(chunk)
-        logits = self.session.prefill_chunk(self.prompt, chunk)
+        self.prefilled(prefill_answers([self], chunk)[0])
+
+    @torch.inference_mode()
+    def prefilled(self, logits: torch.Tensor | None) -> None:
+        """Take what `prefill_answers` gave this answer: after the prompt's last token,
+        choose the first token."""
         if logits is not None:
             self.prefilling = False
             self._chose(self._choose(logits[None]))

@@ -7,8 +7,9 @@ that already holds the longest prefix of its prompt (the same system prompt, the
 earlier turns of a chat), so only the rest is prefilled: that is the prefix cache.
 
 Continuous batching: every running job advances in the same decode pass
-(session.decode), one pass a step. Between two steps one chunk of a new job's prompt
-is prefilled, so the running answers pause for a chunk at most. A job that ends (done,
+(session.decode), one pass a step. Between two steps one chunk of new jobs' prompts is
+prefilled (prompts that arrive together share its pass), so the running answers pause
+for a chunk at most. A job that ends (done,
 cancelled, its client gone) leaves the batch at once and frees its slot for the next
 queued job, in order of arrival. A job hands its text and its end to its `on_event`
 callback from the scheduler's thread.
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .. import InferError
-from .answer import Answer, Answering
+from .answer import Answer, Answering, prefill_answers
 from .generate import Penalties, Sampler, make_sampler
 from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
@@ -87,6 +88,8 @@ class SchedulerStats:
     cached_tokens: int = 0  # prompt tokens whose KV a slot already held
     prefix_hits: int = 0  # jobs that reused at least one cached token
     generated_tokens: int = 0
+    prefills: int = 0  # prompt passes (a chunk of one or several prompts)
+    prefilled: int = 0  # answers those passes advanced, summed
     steps: int = 0  # decode passes
     batched: int = 0  # answers those passes advanced, summed: / steps is the mean batch
     guessed: int = 0  # tokens guessed (prompt lookup or a draft model) and checked
@@ -278,11 +281,29 @@ class Scheduler:
                 self._run(i, lambda a=answering: a.finish("cancelled"))
 
     def _prefill(self) -> None:
-        """One chunk of the earliest job still prefilling."""
-        for i, (_, answering) in list(self._active.items()):
-            if answering.prefilling:
-                self._run(i, lambda a=answering: a.prefill(self.prefill_chunk))
-                return
+        """The next chunk of the earliest job still prefilling, in one pass with those of
+        the jobs after it while their rows fit in one chunk's (prompts that arrive
+        together start together)."""
+        group, rows = [], 0
+        for i, (_, a) in self._active.items():
+            if a.prefilling:
+                n = min(a.session.missing(a.prompt), self.prefill_chunk)
+                if group and rows + n > self.prefill_chunk:
+                    break
+                group.append((i, a))
+                rows += n
+        if not group:
+            return
+        try:
+            out = prefill_answers([a for _, a in group], self.prefill_chunk)
+        except Exception as err:  # noqa: BLE001  (every answer of the pass fails with it)
+            for i, _ in group:
+                self._leave(i, err)
+            return
+        self.stats.prefills += 1
+        self.stats.prefilled += len(group)
+        for (i, a), logits in zip(group, out):
+            self._run(i, lambda a=a, logits=logits: a.prefilled(logits))
 
     def _step(self) -> None:
         """Start a decode pass over the answers past their prefill that no pass holds,

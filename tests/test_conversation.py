@@ -9,6 +9,7 @@ import pytest
 from tiny import make_hf_model
 
 from infer.cli.chat import ChatSettings, LocalModel, chat_loop
+from infer.runtime import answer as answering
 from infer.runtime.conversation import answer_turn
 from infer.runtime.generate import make_sampler
 from infer.runtime.loader import load_model
@@ -29,7 +30,7 @@ def turn(role: str, content: str) -> dict:
     return {"role": role, "content": content}
 
 
-def test_the_answer_goes_on_past_a_full_context(tiny_dir):
+def test_the_answer_goes_on_past_a_full_context(tiny_dir, monkeypatch):
     lm = load_model(tiny_dir, max_seq_len=CTX)
     tok = lm.tokenizer
     messages = [SYSTEM, turn("user", "a"), turn("assistant", "b" * 10),
@@ -39,8 +40,13 @@ def test_the_answer_goes_on_past_a_full_context(tiny_dir):
     assert prompt <= CTX - CTX // 4  # it fits with the room an answer gets: nothing dropped
     session = Session(lm.model)
     starts = []  # where each prompt pass begins: after what the cache already holds
-    forward = session.forward
-    session.forward = lambda ids, pos, *a: starts.append(pos) or forward(ids, pos, *a)
+    prefill = answering.prefill_together
+
+    def spy(sessions, prompts, chunk):
+        starts.extend(s.reused_prefix(p) for s, p in zip(sessions, prompts))
+        return prefill(sessions, prompts, chunk)
+
+    monkeypatch.setattr(answering, "prefill_together", spy)
     text = []
     answer, dropped = answer_turn(session, tok, messages, make_sampler(0.0), 200, text.append)
     assert dropped == 0 and answer.shifts == 1 and answer.dropped == 4

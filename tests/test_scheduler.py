@@ -382,3 +382,28 @@ def test_default_model_batched_equals_alone(smollm2_gguf, guess, kv_cache):
         assert (scheduler.stats.accepted > 0) == (guess is not None)
     finally:
         scheduler.close()
+
+
+def test_default_model_prompts_arriving_together_share_a_pass(smollm2_gguf):
+    """Chat prompts that arrive together while another answer decodes are prefilled in
+    one pass; each answer equals the answer alone (the real model on the kernels: each
+    prompt's rows take the same kernel in the shared pass as alone)."""
+    lm = load_model(smollm2_gguf, max_seq_len=CTX * 4)
+    tok = lm.tokenizer
+    chats = ["What is the capital of France?", "Count from 1 to 10.", "Name a fruit.", "Hi!"]
+    ids = [tok.encode_chat([{"role": "user", "content": c}]) for c in chats]
+    scheduler = Scheduler(lm.model, tok, parallel=4, context=CTX * 4, prefill_chunk=256)
+    try:
+        runs = [Run(scheduler, p, 10) for p in ids]
+        runs[0].when(2, lambda: [r.submit() for r in runs[1:]])
+        runs[0].submit()
+        for r in runs:
+            session = Session(lm.model, CTX * 4)
+            want = stream_answer(
+                session, tok, r.ids, make_sampler(0), r.max_tokens, lambda _: None,
+                prefill_chunk=256,
+            )  # fmt: skip
+            assert r.wait().text == want.text and r.answer.tokens == want.tokens
+        assert (scheduler.stats.prefills, scheduler.stats.prefilled) == (2, 4)
+    finally:
+        scheduler.close()

@@ -115,8 +115,8 @@ def int4_gemv_fifteen_bits(isa: str | None = None) -> bool:
 
 
 def int5_gemv_fifteen_bits(isa: str | None = None) -> bool:
-    """As int4_gemv_fifteen_bits, for int5 weights: the x86 paths and neondot (plain NEON
-    runs int5's GEMV in float32, in plain C)."""
+    """As int4_gemv_fifteen_bits, for int5 weights: the x86 and NEON paths (plain NEON
+    with its sdot emulated); scalar multiplies in float32."""
     if _C is None:
         return False
     return _C.isa_int5_digits(_default_isa() if isa is None else _isa_id(isa))
@@ -124,7 +124,7 @@ def int5_gemv_fifteen_bits(isa: str | None = None) -> bool:
 
 def int6_gemv_x_block(isa: str | None = None) -> int:
     """The block of x per scale where a path's int6 GEMV takes x as int16, 15 significant
-    bits per block: 32 on plain AVX2 and neondot (two int8 digits), 256 on AVX-512 VNNI;
+    bits per block: 32 on plain AVX2 and NEON (two int8 digits), 256 on AVX-512 VNNI;
     0 where it takes the int8 GEMV's three digits (22 bits, AVX-VNNI) or float32."""
     if _C is None:
         return 0
@@ -133,8 +133,8 @@ def int6_gemv_x_block(isa: str | None = None) -> int:
 
 def q4k_gemv_fifteen_bits(isa: str | None = None) -> bool:
     """Whether a path's q4_k GEMV takes x as two int8 digits, 15 significant bits per
-    block of 256 (csrc/q4k_q5k.c): the x86 paths, and neondot (per block of 32, within
-    that bound); scalar and plain NEON multiply in float32."""
+    block of 256 (csrc/q4k_q5k.c): the x86 paths, and NEON (per block of 32, within
+    that bound; plain NEON with its sdot emulated); scalar multiplies in float32."""
     if _C is None:
         return False
     return _C.isa_q4k_digits(_default_isa() if isa is None else _isa_id(isa))

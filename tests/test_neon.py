@@ -5,9 +5,10 @@ qemu-aarch64, on a CPU with dotprod (max) and one without (cortex-a53), so both 
 levels run:
 - lut_neon_check.c: the LUT-GEMV (kernels_cpu/csrc/lut_neon.c through lut.c) equals the
   scalar path bit for bit; awkward shapes (M 1 and 7, K % 256 != 0, odd N, bits 1..4, g 8..128).
-- q_neon_check.c: the int8 and int4 matmuls (neon.c through matmul.c) equal the scalar
-  path up to float summation order and, in neondot's int4 GEMV, x's two digits; M 1, 3, 7,
-  12, odd N, K = 32 x odd; 1 and 2 threads give the same bits.
+- q_neon_check.c: the int8, int4, int5, int6 and super-block kinds' matmuls (neon.c,
+  q4k_q5k.c, q2k_q3k.c, iq4xs.c through matmul.c) equal the scalar path up to float
+  summation order and, in the digit GEMVs, x's two digits; M 1, 3, 7, 12, odd N, K = 32 x
+  odd; 1 and 2 threads give the same bits, and neon (sdot emulated) neondot's.
 Skipped where the cross tools are missing; on an AArch64 machine test_kernels_lut.py and
 test_kernels_q.py run the NEON paths natively.
 """
@@ -67,3 +68,14 @@ def test_neon_matches_scalar(binary, cpu, dotprod):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"dotprod={dotprod} " in r.stdout, r.stdout  # the CPU gave the level asked for
+
+
+def test_sdot_is_inlined_into_the_dot_kernels(binary):
+    """kernels.h's sdot (neon_sdot_insn) is not always_inline, as the kernels' bodies
+    compile for both paths: each neondot kernel must still have it inlined, one sdot
+    instruction, never a call."""
+    nm = shutil.which(CC.replace("gcc", "nm"))
+    if nm is None:
+        pytest.skip("needs the cross binutils' nm")
+    symbols = subprocess.run([nm, str(binary)], check=True, capture_output=True, text=True)
+    assert "neon_sdot_insn" not in symbols.stdout

@@ -14,9 +14,9 @@
  * < 2^31), so the lanes go to float every 8 (every pair of sub-blocks, two on AVX2). The
  * -128 sc sum X term per sub-block comes from x's sums per 32. One row is the rows kernel
  * with R = 1, so a row's output is the same alone or in a batch. Without x's integers
- * (x with inf or NaN, or a path with none: scalar, plain NEON) the float GEMV runs; neondot
- * takes x as its int4 GEMV does (two int8 digits per block of 32) and the levels as signed
- * codes by a table lookup.
+ * (x with inf or NaN, or a path with none: scalar) the float GEMV runs; NEON takes x as
+ * neondot's int4 GEMV does (two int8 digits per block of 32) and the levels as signed codes
+ * by a table lookup (plain NEON with kernels.h's exact emulation of sdot).
  * GEMM: on the vpdpbusd paths the integer GEMM, as int8's codes (c = v + 128, each
  * sub-block's d (ls - 32)); else tiles dequantized exactly, then the float tile.
  */
@@ -315,13 +315,14 @@ static const sb_kernels iq4xs_avx512_vnni = {iq4xs_gemv_c, sb_xprep_pairs_avx2, 
 #endif
 
 /* ------------------------------------------------------------------------------------
- * AArch64 with the dot product (neondot): x as neon.c's int4 GEMV takes it (two int8
- * digits, one sx per block of 32: a sub-block); the levels as signed codes by a table
- * lookup, four sdot a sub-block
+ * AArch64 (neondot, and neon by kernels.h's neon_sdot): x as neon.c's int4 GEMV takes it
+ * (two int8 digits, one sx per block of 32: a sub-block); the levels as signed codes by a
+ * table lookup, four sdot a sub-block
  * ---------------------------------------------------------------------------------- */
 
 #if defined(__aarch64__)
-TARGET_DOT static void iq4xs_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
+static inline __attribute__((always_inline)) void iq4xs_rows(const qmat *a, int64_t n0, int64_t n1,
+                                                             const int dot) {
     const int64_t K = a->K, B = K / Q4K_BLOCK, C = K / 32;
     const int8_t *xd = a->xq;
     const float *sx = (const float *)(xd + C * 64);
@@ -339,14 +340,18 @@ TARGET_DOT static void iq4xs_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
                 const int8x16_t lo = vqtbl1q_s8(levels, vandq_u8(q, m4)); /* elements 0-15 */
                 const int8x16_t hi = vqtbl1q_s8(levels, vshrq_n_u8(q, 4)); /* 16-31 */
                 const int64_t c = 8 * b + j;
-                acc[j % 4] = vfmaq_n_f32(acc[j % 4], vcvtq_f32_s32(neon_dot32(lo, hi, xd + c * 64)), d * (float)sc[j] * sx[c]);
+                acc[j % 4] = vfmaq_n_f32(acc[j % 4], vcvtq_f32_s32(neon_dot32(lo, hi, xd + c * 64, dot)), d * (float)sc[j] * sx[c]);
             }
         }
         a->y[n] = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
     }
 }
 
+TARGET_DOT static void iq4xs_gemv_dot(const qmat *a, int64_t n0, int64_t n1) { iq4xs_rows(a, n0, n1, 1); }
+static void iq4xs_gemv_neon(const qmat *a, int64_t n0, int64_t n1) { iq4xs_rows(a, n0, n1, 0); }
+
 static const sb_kernels iq4xs_neon_dot = {iq4xs_gemv_c, neon_q4_xprep, iq4xs_gemv_dot, NULL, iq4xs_dequant_c};
+static const sb_kernels iq4xs_neon = {iq4xs_gemv_c, neon_q4_xprep, iq4xs_gemv_neon, NULL, iq4xs_dequant_c};
 #endif
 
 const sb_kernels *iq4xs_for(const kernel_table *kt) {
@@ -355,6 +360,7 @@ const sb_kernels *iq4xs_for(const kernel_table *kt) {
     if (kt->sb_path == SB_AVX2) return &iq4xs_avx2;
 #elif defined(__aarch64__)
     if (kt->sb_path == SB_NEON_DOT) return &iq4xs_neon_dot;
+    if (kt->sb_path == SB_NEON) return &iq4xs_neon;
 #endif
     return &iq4xs_plain;
 }

@@ -58,19 +58,34 @@ int cpu_has(const char *feature);
 #else
 #define TARGET_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
 #endif
-/* neondot's GEMVs take x as its int4 GEMV lays it out (neon.c): per block of 32, 64 bytes
+/* sdot itself. Not always_inline: the kernels' bodies carry no target, so it is inlined
+ * only once they are, into a TARGET_DOT function (tests/test_neon.py checks it was). */
+TARGET_DOT static inline int32x4_t neon_sdot_insn(int32x4_t acc, int8x16_t a, int8x16_t b) {
+    return vdotq_s32(acc, a, b);
+}
+/* acc lane i + the 4 products of bytes 4i..4i+3 of a and b: sdot with `dot`, else the
+ * same integers by Armv8.0's widening multiplies (pairs of products in int16: exact for
+ * a in -127..127, as every kernel's codes are), so that the kernels' bodies compile for
+ * both neon paths ("_dot" and "_neon" functions) and give the same bits on each. */
+static inline __attribute__((always_inline)) int32x4_t neon_sdot(int32x4_t acc, int8x16_t a,
+                                                                 int8x16_t b, const int dot) {
+    if (dot) return neon_sdot_insn(acc, a, b);
+    const int16x8_t pairs = vpaddq_s16(vmull_s8(vget_low_s8(a), vget_low_s8(b)), vmull_high_s8(a, b));
+    return vpadalq_s16(acc, pairs);
+}
+/* The digit GEMVs take x as neon.c's int4 GEMV lays it out: per block of 32, 64 bytes
  * at xc, the high digits of elements 0-15 and 16-31, then the low ones. Per lane, 256 times
  * the codes' products with the high digits plus those with the low ones: of 32 codes (lo:
  * elements 0-15, hi: 16-31), or of 16 codes with half e of the block. */
-TARGET_DOT static inline __attribute__((always_inline)) int32x4_t neon_dot32(int8x16_t lo, int8x16_t hi,
-                                                                             const int8_t *xc) {
-    const int32x4_t t = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xc)), hi, vld1q_s8(xc + 16));
-    return vdotq_s32(vdotq_s32(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 32)), hi, vld1q_s8(xc + 48));
+static inline __attribute__((always_inline)) int32x4_t neon_dot32(int8x16_t lo, int8x16_t hi,
+                                                                  const int8_t *xc, const int dot) {
+    const int32x4_t t = neon_sdot(neon_sdot(vdupq_n_s32(0), lo, vld1q_s8(xc), dot), hi, vld1q_s8(xc + 16), dot);
+    return neon_sdot(neon_sdot(vshlq_n_s32(t, 8), lo, vld1q_s8(xc + 32), dot), hi, vld1q_s8(xc + 48), dot);
 }
-TARGET_DOT static inline __attribute__((always_inline)) int32x4_t neon_dot16(int8x16_t q, const int8_t *xc,
-                                                                             int e) {
-    const int32x4_t t = vshlq_n_s32(vdotq_s32(vdupq_n_s32(0), q, vld1q_s8(xc + 16 * e)), 8);
-    return vdotq_s32(t, q, vld1q_s8(xc + 32 + 16 * e));
+static inline __attribute__((always_inline)) int32x4_t neon_dot16(int8x16_t q, const int8_t *xc,
+                                                                  int e, const int dot) {
+    const int32x4_t t = vshlq_n_s32(neon_sdot(vdupq_n_s32(0), q, vld1q_s8(xc + 16 * e), dot), 8);
+    return neon_sdot(t, q, vld1q_s8(xc + 32 + 16 * e), dot);
 }
 #endif
 
@@ -354,7 +369,7 @@ typedef struct {
     int q6_xblock;
     int sb_path; /* the super-block kinds' kernels it runs (sb_for): SB_PLAIN by default */
 } kernel_table;
-enum { SB_PLAIN = 0, SB_AVX2 = 1, SB_AVX512_VNNI = 2, SB_NEON_DOT = 3 };
+enum { SB_PLAIN = 0, SB_AVX2 = 1, SB_AVX512_VNNI = 2, SB_NEON_DOT = 3, SB_NEON = 4 };
 #define IG_KIND(bits) (1u << (bits))
 
 /* int6 in plain C (scalar.c), every path's fallback: the GEMV in float32 (x with inf or

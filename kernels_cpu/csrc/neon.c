@@ -5,7 +5,9 @@
  * GEMV: one row at a time, ACC accumulators. int8 and (neon) int4 widen weights to float;
  * neondot's int4 GEMV takes x as two int8 digits per element (15 significant bits a
  * block: the integer GEMM's x, as on x86), one 32-element block (16 bytes of a row) per
- * step, four sdot; its int5 and int6 GEMVs (and the super-block kinds') the same x.
+ * step, four sdot; the int5 and int6 GEMVs (and the super-block kinds') take the same x
+ * on both paths, their bodies compiled twice: with sdot ("_dot") and with kernels.h's
+ * exact emulation of it ("_neon"), the same bits.
  * GEMM: dequantized tile times x in 4 x 4 blocks of dot products (16 accumulators of
  * the 32 registers).
  */
@@ -238,12 +240,12 @@ static int q4_xprep(const float *x, int64_t K, void *buf) {
 int neon_q4_xprep(const float *x, int64_t K, void *buf) { return q4_xprep(x, K, buf); }
 
 /* sum over block c of q * X, per lane */
-TARGET_DOT TI int32x4_t q4_chunk(const uint8_t *q, const int8_t *xd, int64_t c) {
+TI int32x4_t q4_chunk(const uint8_t *q, const int8_t *xd, int64_t c, const int dot) {
     const int8_t *xc = xd + c * CHUNK_BYTES;
     uint8x16_t w = vld1q_u8(q + 16 * c);
     int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(w, vdupq_n_u8(15)));
     int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(w, 4));
-    return neon_dot32(lo, hi, xc);
+    return neon_dot32(lo, hi, xc, dot);
 }
 
 TARGET_DOT TI void q4_digits_row(const qmat *a, int64_t n, const int64_t g) {
@@ -259,17 +261,18 @@ TARGET_DOT TI void q4_digits_row(const qmat *a, int64_t n, const int64_t g) {
     for (; c + ACC <= C; c += ACC)
         for (int u = 0; u < ACC; u++) {
             const float d = half_to_float(s[(c + u) / bpg]) * scale[c + u];
-            acc[u] = vfmaq_n_f32(acc[u], vcvtq_f32_s32(q4_chunk(q, xd, c + u)), d);
+            acc[u] = vfmaq_n_f32(acc[u], vcvtq_f32_s32(q4_chunk(q, xd, c + u, 1)), d);
         }
     for (; c < C; c++)
-        acc[0] = vfmaq_n_f32(acc[0], vcvtq_f32_s32(q4_chunk(q, xd, c)), half_to_float(s[c / bpg]) * scale[c]);
+        acc[0] = vfmaq_n_f32(acc[0], vcvtq_f32_s32(q4_chunk(q, xd, c, 1)), half_to_float(s[c / bpg]) * scale[c]);
     a->y[n] = hsum_acc(acc) +
               group_offset((a->mins ? a->mins : (const uint16_t *)a->scales) + n * G, G, a->xsum);
 }
 
 /* int5: block c's codes, int4's nibbles ORed with 16 where the block's qh bit (a
  * little-endian uint32 per 32) is set, times X per lane as q4_chunk */
-TARGET_DOT TI int32x4_t q5_chunk(const uint8_t *q, const uint8_t *qh, const int8_t *xd, int64_t c) {
+TI int32x4_t q5_chunk(const uint8_t *q, const uint8_t *qh, const int8_t *xd, int64_t c,
+                     const int dot) {
     static const uint8_t bits[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
     static const uint8_t lo_idx[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
     const int8_t *xc = xd + c * CHUNK_BYTES;
@@ -280,12 +283,12 @@ TARGET_DOT TI int32x4_t q5_chunk(const uint8_t *q, const uint8_t *qh, const int8
     const uint8x16_t h0 = vqtbl1q_u8(h, idx), h1 = vqtbl1q_u8(h, vaddq_u8(idx, vdupq_n_u8(2)));
     const int8x16_t lo = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(w, vdupq_n_u8(15)), vandq_u8(vtstq_u8(h0, b), sixteen)));
     const int8x16_t hi = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(w, 4), vandq_u8(vtstq_u8(h1, b), sixteen)));
-    return neon_dot32(lo, hi, xc);
+    return neon_dot32(lo, hi, xc, dot);
 }
 
 /* int5 (g = 32): as q4_digits_row, the codes from q5_chunk; the -16 d (or mins) term from
- * x's group sums (xsum) */
-TARGET_DOT static void q5_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
+ * x's group sums (xsum). neon and neondot (below) alike. */
+TI void q5_digits_rows(const qmat *a, int64_t n0, int64_t n1, const int dot) {
     const int64_t K = a->K, C = K / CHUNK;
     const int8_t *xd = a->xq;
     const float *scale = (const float *)(xd + C * CHUNK_BYTES);
@@ -295,10 +298,15 @@ TARGET_DOT static void q5_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
         float32x4_t acc[ACC];
         for (int i = 0; i < ACC; i++) acc[i] = vdupq_n_f32(0);
         for (int64_t c = 0; c < C; c++)
-            acc[c % ACC] = vfmaq_n_f32(acc[c % ACC], vcvtq_f32_s32(q5_chunk(q, qh, xd, c)),
+            acc[c % ACC] = vfmaq_n_f32(acc[c % ACC], vcvtq_f32_s32(q5_chunk(q, qh, xd, c, dot)),
                                        half_to_float(s[c]) * scale[c]);
         a->y[n] = hsum_acc(acc) + group_offset((a->mins ? a->mins : (const uint16_t *)a->scales) + n * C, C, a->xsum);
     }
+}
+
+static void q5_gemv_digits_neon(const qmat *a, int64_t n0, int64_t n1) { q5_digits_rows(a, n0, n1, 0); }
+TARGET_DOT static void q5_gemv_digits_dot(const qmat *a, int64_t n0, int64_t n1) {
+    q5_digits_rows(a, n0, n1, 1);
 }
 
 TARGET_DOT static void q4_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
@@ -324,7 +332,7 @@ static void q6_xsum(const void *xq, int64_t K, float *xsum) {
     }
 }
 
-TARGET_DOT TI void q6_digits_row(const qmat *a, int64_t n) {
+TI void q6_digits_row(const qmat *a, int64_t n, const int dot) {
     const int64_t K = a->K, B = K / Q6_BLOCK, C = K / CHUNK;
     const int8_t *xd = a->xq;
     const float *sx = (const float *)(xd + C * CHUNK_BYTES);
@@ -350,7 +358,7 @@ TARGET_DOT TI void q6_digits_row(const qmat *a, int64_t n) {
             const int64_t c = 8 * b + s;
             const int8_t *xc = xd + c * CHUNK_BYTES;
             for (int e = 0; e < 2; e++) {
-                const int32x4_t t = neon_dot16(q[e], xc, e);
+                const int32x4_t t = neon_dot16(q[e], xc, e, dot);
                 const float ds = d * (float)sc[2 * s + e];
                 acc[(2 * s + e) % ACC] = vfmaq_n_f32(acc[(2 * s + e) % ACC], vcvtq_f32_s32(t), ds * sx[c]);
                 groups += ds * a->xsum[16 * b + 2 * s + e];
@@ -360,8 +368,11 @@ TARGET_DOT TI void q6_digits_row(const qmat *a, int64_t n) {
     a->y[n] = hsum_acc(acc) + groups;
 }
 
-TARGET_DOT static void q6_gemv_digits(const qmat *a, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) q6_digits_row(a, n);
+static void q6_gemv_digits_neon(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) q6_digits_row(a, n, 0);
+}
+TARGET_DOT static void q6_gemv_digits_dot(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) q6_digits_row(a, n, 1);
 }
 
 /* ------------------------------------------------------------------------------------
@@ -458,11 +469,16 @@ static void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, float
     }
 }
 
-const kernel_table kernels_neon = {q8_gemv, q4_gemv, NULL, NULL, q8_dequant, q4_dequant, tile};
+/* int4 on neon keeps its float GEMV (widened codes) */
+const kernel_table kernels_neon = {
+    q8_gemv, q4_gemv, NULL, NULL, q8_dequant, q4_dequant, tile,
+    .q6_xprep = q4_xprep, .q6_gemv_digits = q6_gemv_digits_neon, .q6_xsum = q6_xsum, .q6_xblock = 32,
+    .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits_neon, .sb_path = SB_NEON,
+};
 const kernel_table kernels_neon_dot = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
-    .q6_xprep = q4_xprep, .q6_gemv_digits = q6_gemv_digits, .q6_xsum = q6_xsum, .q6_xblock = 32,
-    .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits, .sb_path = SB_NEON_DOT,
+    .q6_xprep = q4_xprep, .q6_gemv_digits = q6_gemv_digits_dot, .q6_xsum = q6_xsum, .q6_xblock = 32,
+    .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits_dot, .sb_path = SB_NEON_DOT,
 };
 
 #endif

@@ -21,8 +21,9 @@
  * block by d sx. The rest, per group of 16 from x's sums sx sum X: Q3_K's -4 d sc and
  * Q2_K's -dmin m. One row is the rows kernel with R = 1, so a row's output is the same
  * alone or in a batch. Without x's integers (x with inf or NaN, or a path with none:
- * scalar, plain NEON) the float GEMV runs; neondot takes x as its int4 GEMV does (two int8
- * digits per block of 32), the codes signed (Q3_K) or their mins from sdot by ones (Q2_K).
+ * scalar) the float GEMV runs; NEON takes x as neondot's int4 GEMV does (two int8 digits
+ * per block of 32), the codes signed (Q3_K) or their mins from sdot by ones (Q2_K), plain
+ * NEON with kernels.h's exact emulation of sdot.
  * GEMM: tiles dequantized exactly, then the float tile; on x86 paths the integer GEMM:
  * Q3_K as int8's codes on the vpdpbusd paths (q3k_block_panel), Q2_K's codes with a scale
  * and a min per 16 (q2k_block_panel).
@@ -457,15 +458,15 @@ static const sb_kernels q2k_avx512_vnni = {q2k_gemv_c, sb_xprep_pairs_avx2, q2k_
 #endif
 
 /* ------------------------------------------------------------------------------------
- * AArch64 with the dot product (neondot): x as neon.c's int4 GEMV takes it (two int8
- * digits, one sx per block of 32); per group of 16 two sdot per digit pair
+ * AArch64 (neondot, and neon by kernels.h's neon_sdot): x as neon.c's int4 GEMV takes it
+ * (two int8 digits, one sx per block of 32); per group of 16 two sdot per digit pair
  * ---------------------------------------------------------------------------------- */
 
 #if defined(__aarch64__)
 /* Row n. Q3_K: codes q in -4..3 as they are, times d (sc - 32) sx per group. Q2_K: codes
  * 0..3 times d sc sx, less dmin m sx (sum X) per group, the sum by sdot with ones. */
-TARGET_DOT static inline __attribute__((always_inline)) void low_row_dot(const int kind, const qmat *a,
-                                                                         int64_t n) {
+static inline __attribute__((always_inline)) void low_row_dot(const int kind, const qmat *a, int64_t n,
+                                                              const int dot) {
     const int64_t K = a->K, B = K / Q4K_BLOCK, C = K / 32, bytes = block_bytes(kind);
     const int8_t *xd = a->xq;
     const float *sx = (const float *)(xd + C * 64);
@@ -497,9 +498,9 @@ TARGET_DOT static inline __attribute__((always_inline)) void low_row_dot(const i
                     const uint8_t sm = blk[2 * s + e];
                     ds = d * (float)(sm & 15);
                     const float mn = dmin * (float)(sm >> 4);
-                    corr = vfmaq_n_f32(corr, vcvtq_f32_s32(neon_dot16(ones, xc, e)), mn * sx[c]);
+                    corr = vfmaq_n_f32(corr, vcvtq_f32_s32(neon_dot16(ones, xc, e, dot)), mn * sx[c]);
                 }
-                acc[(2 * s + e) % 4] = vfmaq_n_f32(acc[(2 * s + e) % 4], vcvtq_f32_s32(neon_dot16(q, xc, e)), ds * sx[c]);
+                acc[(2 * s + e) % 4] = vfmaq_n_f32(acc[(2 * s + e) % 4], vcvtq_f32_s32(neon_dot16(q, xc, e, dot)), ds * sx[c]);
             }
         }
     }
@@ -508,14 +509,22 @@ TARGET_DOT static inline __attribute__((always_inline)) void low_row_dot(const i
 }
 
 TARGET_DOT static void q3k_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) low_row_dot(Q3K, a, n);
+    for (int64_t n = n0; n < n1; n++) low_row_dot(Q3K, a, n, 1);
 }
 TARGET_DOT static void q2k_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) low_row_dot(Q2K, a, n);
+    for (int64_t n = n0; n < n1; n++) low_row_dot(Q2K, a, n, 1);
+}
+static void q3k_gemv_neon(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) low_row_dot(Q3K, a, n, 0);
+}
+static void q2k_gemv_neon(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) low_row_dot(Q2K, a, n, 0);
 }
 
 static const sb_kernels q3k_neon_dot = {q3k_gemv_c, neon_q4_xprep, q3k_gemv_dot, NULL, q3k_dequant_c};
 static const sb_kernels q2k_neon_dot = {q2k_gemv_c, neon_q4_xprep, q2k_gemv_dot, NULL, q2k_dequant_c};
+static const sb_kernels q3k_neon = {q3k_gemv_c, neon_q4_xprep, q3k_gemv_neon, NULL, q3k_dequant_c};
+static const sb_kernels q2k_neon = {q2k_gemv_c, neon_q4_xprep, q2k_gemv_neon, NULL, q2k_dequant_c};
 #endif
 
 const sb_kernels *q3k_for(const kernel_table *kt) {
@@ -524,6 +533,7 @@ const sb_kernels *q3k_for(const kernel_table *kt) {
     if (kt->sb_path == SB_AVX2) return &q3k_avx2;
 #elif defined(__aarch64__)
     if (kt->sb_path == SB_NEON_DOT) return &q3k_neon_dot;
+    if (kt->sb_path == SB_NEON) return &q3k_neon;
 #endif
     return &q3k_plain;
 }
@@ -534,6 +544,7 @@ const sb_kernels *q2k_for(const kernel_table *kt) {
     if (kt->sb_path == SB_AVX2) return &q2k_avx2;
 #elif defined(__aarch64__)
     if (kt->sb_path == SB_NEON_DOT) return &q2k_neon_dot;
+    if (kt->sb_path == SB_NEON) return &q2k_neon;
 #endif
     return &q2k_plain;
 }

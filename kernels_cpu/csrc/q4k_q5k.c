@@ -16,8 +16,9 @@
  * sc[j] * sum q X, at most 32 * 15 * 128 * 63 * 256 + 32 * 15 * 128 * 63 < 2^31 with the
  * high digit's sum shifted by 8. One float FMA per block by d sx, and the mins' term
  * dmin * m[j] * (sx * sum X) per sub-block from x's sums. neondot takes x as its int4
- * GEMV does (two digits, one sx per block of 32: a sub-block), four sdot a sub-block.
- * Without digits (x with inf or NaN, or a path with none: scalar, plain NEON) q4k_gemv_c
+ * GEMV does (two digits, one sx per block of 32: a sub-block), four sdot a sub-block, and
+ * plain NEON the same with kernels.h's exact emulation of sdot.
+ * Without digits (x with inf or NaN, or a path with none: scalar) q4k_gemv_c
  * runs in float. Several rows of x (q4k_rows) take X as int16 and sum the same integers.
  * AVX-512 VNNI runs one row and several on q4k_rows_vnni: the same integers, each
  * block's sum to float in 16 lanes (its own float steps, one row or several alike).
@@ -588,16 +589,17 @@ static const sb_kernels q5k_avx512_vnni = {q5k_gemv_c, q4k_xprep_avx2, q5k_gemv_
 #endif
 
 /* ------------------------------------------------------------------------------------
- * AArch64 with the dot product (neondot): x as neon.c's int4 GEMV takes it, two int8
- * digits per block of 32 with one sx each (a sub-block here), four sdot per sub-block
+ * AArch64 (neondot, and neon by kernels.h's neon_sdot): x as neon.c's int4 GEMV takes it,
+ * two int8 digits per block of 32 with one sx each (a sub-block here), four sdot per
+ * sub-block
  * ---------------------------------------------------------------------------------- */
 
 #if defined(__aarch64__)
 /* Row n: per sub-block c (a block of x), sum q X of its 32 codes by sdot on the high
  * digits, shifted by 8, plus the low ones; then (d sc[j] sx) times it, less the mins'
  * dmin m[j] (sx sum X). 4 accumulators over the sub-blocks. */
-TARGET_DOT static inline __attribute__((always_inline)) void kq_row_dot(const int kind, const qmat *a,
-                                                                        int64_t n) {
+static inline __attribute__((always_inline)) void kq_row_dot(const int kind, const qmat *a, int64_t n,
+                                                             const int dot) {
     const int64_t K = a->K, B = K / Q4K_BLOCK, C = K / 32, bytes = kq_bytes(kind);
     const int8_t *xd = a->xq;
     const float *sx = (const float *)(xd + C * 64), *xs = xprep4_xs((void *)a->xq, K);
@@ -622,7 +624,7 @@ TARGET_DOT static inline __attribute__((always_inline)) void kq_row_dot(const in
             }
             const int8x16_t l = vreinterpretq_s8_u8(lo), h = vreinterpretq_s8_u8(hi);
             const int8_t *xc = xd + c * 64;
-            const int32x4_t t = neon_dot32(l, h, xc);
+            const int32x4_t t = neon_dot32(l, h, xc, dot);
             acc[j % 4] = vfmaq_n_f32(acc[j % 4], vcvtq_f32_s32(t), d * (float)sm[j] * sx[c]);
             mins += dmin * (float)sm[8 + j] * xs[c];
         }
@@ -632,14 +634,22 @@ TARGET_DOT static inline __attribute__((always_inline)) void kq_row_dot(const in
 }
 
 TARGET_DOT static void q4k_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) kq_row_dot(Q4K, a, n);
+    for (int64_t n = n0; n < n1; n++) kq_row_dot(Q4K, a, n, 1);
 }
 TARGET_DOT static void q5k_gemv_dot(const qmat *a, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) kq_row_dot(Q5K, a, n);
+    for (int64_t n = n0; n < n1; n++) kq_row_dot(Q5K, a, n, 1);
+}
+static void q4k_gemv_neon(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) kq_row_dot(Q4K, a, n, 0);
+}
+static void q5k_gemv_neon(const qmat *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) kq_row_dot(Q5K, a, n, 0);
 }
 
 static const sb_kernels q4k_neon_dot = {q4k_gemv_c, neon_q4_xprep, q4k_gemv_dot, NULL, q4k_dequant_c};
 static const sb_kernels q5k_neon_dot = {q5k_gemv_c, neon_q4_xprep, q5k_gemv_dot, NULL, q5k_dequant_c};
+static const sb_kernels q4k_neon = {q4k_gemv_c, neon_q4_xprep, q4k_gemv_neon, NULL, q4k_dequant_c};
+static const sb_kernels q5k_neon = {q5k_gemv_c, neon_q4_xprep, q5k_gemv_neon, NULL, q5k_dequant_c};
 #endif
 
 const sb_kernels *q4k_for(const kernel_table *kt) {
@@ -648,6 +658,7 @@ const sb_kernels *q4k_for(const kernel_table *kt) {
     if (kt->sb_path == SB_AVX2) return &q4k_avx2;
 #elif defined(__aarch64__)
     if (kt->sb_path == SB_NEON_DOT) return &q4k_neon_dot;
+    if (kt->sb_path == SB_NEON) return &q4k_neon;
 #endif
     return &q4k_plain;
 }
@@ -658,6 +669,7 @@ const sb_kernels *q5k_for(const kernel_table *kt) {
     if (kt->sb_path == SB_AVX2) return &q5k_avx2;
 #elif defined(__aarch64__)
     if (kt->sb_path == SB_NEON_DOT) return &q5k_neon_dot;
+    if (kt->sb_path == SB_NEON) return &q5k_neon;
 #endif
     return &q5k_plain;
 }

@@ -12,11 +12,12 @@
    Awkward shapes as tests/test_kernels_q.py's: M = 1 and 3 (a GEMV per row), 7 (a GEMV per
    row when K >= 768, else the GEMM), 12 (the GEMM); N odd; K = 32 x odd (256 x 1, 3, 6 for
    the blocks of 256). Each result must equal the scalar path's up to float summation order
-   (1e-5 of sum |x| |w|) and, where the rows run one of neondot's digit GEMVs, what x's two
-   int8 digits lose: half a step, amax / IG_XMAX per block of 32 (kernels.h), and float32's
+   (1e-5 of sum |x| |w|) and, where the rows run one of the digit GEMVs, what x's two int8
+   digits lose: half a step, amax / IG_XMAX per block of 32 (kernels.h), and float32's
    rounding of it, times sum |w| over the block.
-   1 and 2 threads must give the same bits. Prints "dotprod=D cases=C" and exits 0 when
-   every case holds, 1 otherwise. */
+   1 and 2 threads must give the same bits; where dotprod runs, neon (sdot emulated) the
+   bits of neondot but for int4 (float x on neon). Prints "dotprod=D cases=C" and exits 0
+   when every case holds, 1 otherwise. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,9 +48,11 @@ static double weight(const qmat *a, int bits, int64_t n, int64_t k) {
    Each result must equal the scalar one up to float summation order (1e-5 of sum |x| |w|,
    w the N x K weights as the format defines them) and, with two_digits, what x's two int8
    digits lose: half a step, amax / IG_XMAX per block of 32, and float32's rounding of it,
-   times sum |w| over the block. 1 and 2 threads must give the same bits. `what` names the
-   case in a failure. */
-static int compare(int isa, int bits, qmat *a, const float *w, int two_digits, const char *what) {
+   times sum |w| over the block. 1 and 2 threads must give the same bits, and with
+   `as_neon` neondot the bits of neon (whose sdot is kernels.h's exact emulation). `what`
+   names the case in a failure. */
+static int compare(int isa, int bits, qmat *a, const float *w, int two_digits, int as_neon,
+                   const char *what) {
     const int64_t M = a->M, N = a->N, K = a->K;
     const float *x = a->x;
     float *ys = malloc(sizeof(float) * M * N), *y1 = malloc(sizeof(float) * M * N),
@@ -65,6 +68,14 @@ static int compare(int isa, int bits, qmat *a, const float *w, int two_digits, c
         printf("THREADS %s %s M=%ld N=%ld K=%ld: 1 and 2 threads differ\n", isa_name(isa), what,
                (long)M, (long)N, (long)K);
         bad = 1;
+    }
+    if (as_neon && isa == ISA_NEON_DOT) {
+        a->y = y2;
+        if (q_matmul(bits, a, ISA_NEON, 1) || memcmp(y1, y2, sizeof(float) * M * N)) {
+            printf("NEON %s M=%ld N=%ld K=%ld: neon and neondot differ\n", what, (long)M,
+                   (long)N, (long)K);
+            bad = 1;
+        }
     }
     for (int64_t m = 0; m < M && !bad; m++)
         for (int64_t n = 0; n < N; n++) {
@@ -118,7 +129,7 @@ static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_
     const int digits = (bits == 4 && kt->q4_xprep) || (bits == 5 && kt->q5_xprep);
     char what[64];
     snprintf(what, sizeof what, "bits=%d g=%d sym=%d", bits, g, sym);
-    const int bad = compare(isa, bits, &a, w, digits && runs_gemv(M, K), what);
+    const int bad = compare(isa, bits, &a, w, digits && runs_gemv(M, K), bits != 4, what);
     free(x), free(w), free(qw), free(qh), free(s), free(mn), free(sf);
     return bad;
 }
@@ -131,7 +142,7 @@ static const sb_kernels *sb_of(int kind, const kernel_table *kt) {
 
 /* int6, q5_k, q4_k, q3_k, q2_k and iq4_xs (GGUF's blocks, random bytes with sane float16 d
    and dmin) against the scalar path, with the same tolerances; the weights from the
-   scalar dequantization. neondot's GEMVs take x as int4's two digits per block of 32. */
+   scalar dequantization. The neon GEMVs take x as int4's two digits per block of 32. */
 static int check_kq(int isa, int kind, int64_t M, int64_t N, int64_t K) {
     const int64_t bytes = kind == 6 ? Q6_BLOCK_BYTES : kind == Q5K ? Q5K_BLOCK_BYTES
                         : kind == Q4K ? Q4K_BLOCK_BYTES : kind == Q3K ? Q3K_BLOCK_BYTES
@@ -158,7 +169,7 @@ static int check_kq(int isa, int kind, int64_t M, int64_t N, int64_t K) {
     const int digits = kind == 6 ? kt->q6_xprep != NULL : sb_of(kind, kt)->xprep != NULL;
     char what[32];
     snprintf(what, sizeof what, "kind=%d", kind);
-    const int bad = compare(isa, kind, &a, w, digits && runs_gemv(M, K), what);
+    const int bad = compare(isa, kind, &a, w, digits && runs_gemv(M, K), 1, what);
     free(x), free(w), free(qw);
     return bad;
 }

@@ -9,10 +9,9 @@ earlier turns of a chat), so only the rest is prefilled: that is the prefix cach
 Continuous batching: every running job advances in the same decode pass
 (session.decode), one pass a step. Between two steps one chunk of new jobs' prompts is
 prefilled (prompts that arrive together share its pass), so the running answers pause
-for a chunk at most. A job that ends (done,
-cancelled, its client gone) leaves the batch at once and frees its slot for the next
-queued job, in order of arrival. A job hands its text and its end to its `on_event`
-callback from the scheduler's thread.
+for a chunk at most. A job that ends (done, cancelled, its client gone) leaves the
+batch at once and frees its slot for the next queued job, in order of arrival. A job
+hands its text and its end to its `on_event` callback from the scheduler's thread.
 
 Over pipeline stages the running jobs go in as many groups as there are stages, each
 group's pass begun while the others are on the ring (session.start_decode): every stage

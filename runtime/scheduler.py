@@ -293,11 +293,8 @@ class Scheduler:
                 rows += n
         if not group:
             return
-        try:
-            out = prefill_answers([a for _, a in group], self.prefill_chunk)
-        except Exception as err:  # noqa: BLE001  (every answer of the pass fails with it)
-            for i, _ in group:
-                self._leave(i, err)
+        out = self._pass(group, prefill_answers, [a for _, a in group], self.prefill_chunk)
+        if out is None:
             return
         self.stats.prefills += 1
         self.stats.prefilled += len(group)
@@ -313,26 +310,29 @@ class Scheduler:
             (i, a) for i, (_, a) in self._active.items() if not a.prefilling and i not in flying
         ]
         for group in _groups(ready, self.in_flight - len(self._flying)):
-            try:
-                p = start_decode([a.session for _, a in group], [a.feed() for _, a in group])
-            except Exception as err:  # noqa: BLE001  (every answer of the pass fails with it)
-                for i, _ in group:
-                    self._leave(i, err)
-                continue
-            self._flying.append((group, p))
+            p = self._pass(group, _start_pass, group)
+            if p is not None:
+                self._flying.append((group, p))
         if not self._flying:
             return
         group, p = self._flying.popleft()
-        try:
-            logits = p.wait()
-        except Exception as err:  # noqa: BLE001
-            for i, _ in group:
-                self._leave(i, err)
+        logits = self._pass(group, p.wait)
+        if logits is None:
             return
         self.stats.steps += 1
         self.stats.batched += len(group)
         for (i, a), rows in zip(group, logits):
             self._run(i, lambda a=a, rows=rows: a.take(rows))
+
+    def _pass(self, group: list[tuple[int, Answering]], action: Callable, *args):
+        """action(*args) for a pass over the jobs in `group`; if it fails, every one of
+        them leaves with the error, and None is returned."""
+        try:
+            return action(*args)
+        except Exception as err:  # noqa: BLE001  (every answer of the pass fails with it)
+            for i, _ in group:
+                self._leave(i, err)
+            return None
 
     def _run(self, i: int, action: Callable[[], None]) -> None:
         """Do `action` for the job in slot `i`; if it ends the job, or fails, the job
@@ -368,6 +368,11 @@ class Scheduler:
         st.prefix_hits += result.cached_tokens > 0
         st.generated_tokens += len(result.tokens)
         _tell(job, "done", result)
+
+
+def _start_pass(group: list[tuple[int, Answering]]) -> DecodePass:
+    """The decode pass of the answers in `group`, begun."""
+    return start_decode([a.session for _, a in group], [a.feed() for _, a in group])
 
 
 def _groups(items: list, n: int) -> list[list]:

@@ -398,11 +398,7 @@ def test_default_model_prompts_arriving_together_share_a_pass(smollm2_gguf):
         runs[0].when(2, lambda: [r.submit() for r in runs[1:]])
         runs[0].submit()
         for r in runs:
-            session = Session(lm.model, CTX * 4)
-            want = stream_answer(
-                session, tok, r.ids, make_sampler(0), r.max_tokens, lambda _: None,
-                prefill_chunk=256,
-            )  # fmt: skip
+            want = alone(lm, r.ids, r.max_tokens, chunk=256, session=Session(lm.model, CTX * 4))
             assert r.wait().text == want.text and r.answer.tokens == want.tokens
         assert (scheduler.stats.prefills, scheduler.stats.prefilled) == (2, 4)
     finally:

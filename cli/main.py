@@ -299,6 +299,17 @@ def bench(
             "layers vs the rest.",
         ),
     ] = False,
+    parallel: Annotated[
+        int,
+        typer.Option(
+            "--parallel",
+            "-np",
+            min=1,
+            help="Also decode N sequences at once, one batched step a token for all (as "
+            "`infer serve --parallel N` runs concurrent answers): their tokens a second "
+            "in all, against one sequence's.",
+        ),
+    ] = 1,
     max_memory: MaxMemory = None,
     expert_policy: ExpertPolicyOpt = None,
     expert_prediction: ExpertPredictionOpt = None,
@@ -365,9 +376,10 @@ def bench(
     from dataclasses import asdict
 
     if lookup or draft is not None:
-        if replay or roofline or max_memory or trace:
+        if replay or roofline or max_memory or trace or parallel > 1:
             raise InferError(
-                "--lookup and --draft take none of --replay, --roofline, --max-memory, --trace"
+                "--lookup and --draft take none of --replay, --roofline, --max-memory, "
+                "--trace, --parallel"
             )
         text = _bench_prompt(prompt, prompt_file)
         _speculative_bench(
@@ -403,6 +415,7 @@ def bench(
             trace=trace,
             expert_prediction=expert_prediction and expert_prediction.value,
             kv_cache=kv_cache and kv_cache.value,
+            parallel=parallel,
         )
     if json_out:
         print_json(asdict(result))

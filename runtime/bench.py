@@ -36,7 +36,7 @@ from .generate import generate, make_sampler
 from .loader import load_model
 from .model.kvcache import cache_bytes
 from .model.llama import Transformer
-from .session import Session
+from .session import Session, decode, prefill_together
 
 # Real text, so the prompt is made of real token ids (cycled to the length asked for).
 BENCH_TEXT = (
@@ -106,6 +106,8 @@ class BenchResult:
     kernels: str = ""  # the C kernels' instruction-set path, as kernel_path() names it
     kv_cache: str = ""  # the KV cache's format (model/kvcache.py)
     kv_cache_bytes: int = 0  # its size at n_prompt + n_gen positions
+    parallel: int = 1  # sequences decoded at once in the batched run (1: none)
+    parallel_decode_tok_s: float | None = None  # their tokens in all a second (median)
 
     def rows(self) -> list[list[str]]:
         """(metric, value) pairs as text, for a table."""
@@ -117,6 +119,7 @@ class BenchResult:
             [f"prefill ({self.n_prompt} tok)", f"{self.prefill_tok_s:.1f} tok/s"],
             ["TTFT", f"{self.ttft_s * 1000:.0f} ms"],
             [f"decode ({self.n_gen} tok)", f"{self.decode_tok_s:.1f} tok/s"],
+            *self._parallel_rows(),
             ["weights read per token", f"{self.weight_bytes_per_token / 1e6:.1f} MB"],
             ["achieved bandwidth", f"{self.decode_gb_s:.2f} GB/s"],
             ["KV cache", f"{self.kv_cache}, {self.kv_cache_bytes / 1e6:.1f} MB"],
@@ -147,6 +150,13 @@ class BenchResult:
                 ["  linear by name (ms)", by_name],
             ]
         return rows
+
+    def _parallel_rows(self) -> list[list[str]]:
+        if self.parallel_decode_tok_s is None:
+            return []
+        n, tok_s = self.parallel, self.parallel_decode_tok_s
+        each = f"{tok_s / n:.1f} each, {tok_s / self.decode_tok_s:.2f}x one sequence"
+        return [[f"decode, {n} sequences at once", f"{tok_s:.1f} tok/s in all ({each})"]]
 
 
 def _huge_pages(n: int | None) -> str:
@@ -415,6 +425,21 @@ def _timed_run(session: Session, prompt: list[int], n_gen: int, snapshot=None):
     return t1 - t0, t2 - t1, (snapshot() - before) if snapshot else None
 
 
+def _timed_batch(sessions: list[Session], prompt: list[int], n_gen: int) -> float:
+    """Seconds for n_gen greedy decode passes over every session at once (as a server
+    runs its concurrent answers), after their prompts: `prompt` rotated by one token a
+    session, so that each is a sequence of its own."""
+    prompts = [prompt[i % len(prompt) :] + prompt[: i % len(prompt)] for i in range(len(sessions))]
+    for s in sessions:
+        s.reset()
+    last = prefill_together(sessions, prompts, len(prompt))
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        out = decode(sessions, [[int(x.argmax())] for x in last])
+        last = [o[-1] for o in out]
+    return time.perf_counter() - t0
+
+
 def run_bench(
     path: Path,
     *,
@@ -430,6 +455,7 @@ def run_bench(
     trace: Path | None = None,
     expert_prediction: str | None = None,
     kv_cache: str | None = None,
+    parallel: int = 1,
 ) -> BenchResult:
     """Load the model at `path` and time it; figures are medians over `repeats` runs.
 
@@ -439,10 +465,11 @@ def run_bench(
     result's `offload` has the streaming figures of the timed runs. A mixture-of-experts
     model caches experts instead (`expert_policy`, `expert_prediction`), and `experts`
     has the cache's figures over the timed runs' decode steps. trace: save its routing
-    there. kv_cache: the KV cache's format (default the compute dtype's).
+    there. kv_cache: the KV cache's format (default the compute dtype's). parallel > 1:
+    also decode that many sequences at once, one pass a token for all (session.decode).
     """
-    if n_prompt < 1 or n_gen < 1 or repeats < 1:
-        raise InferError("n_prompt, n_gen and repeats must be at least 1")
+    if n_prompt < 1 or n_gen < 1 or repeats < 1 or parallel < 1:
+        raise InferError("n_prompt, n_gen, repeats and parallel must be at least 1")
     lm = load_model(
         path,
         dtype,
@@ -480,6 +507,12 @@ def run_bench(
     threads = torch.get_num_threads()
     rss = peak_rss_bytes()  # before the bandwidth buffer (1 GiB) is allocated
     huge = hugepages.mapped_bytes()
+    parallel_tok_s = None
+    if parallel > 1:
+        sessions = [session] + [Session(model) for _ in range(parallel - 1)]
+        _timed_batch(sessions, prompt, min(n_gen, 4))  # warm-up
+        batch_s = statistics.median(_timed_batch(sessions, prompt, n_gen) for _ in range(repeats))
+        parallel_tok_s = parallel * n_gen / batch_s
     ceiling = breakdown = None
     if roofline:
         breakdown = decode_breakdown(session, prompt, n_gen)
@@ -511,4 +544,6 @@ def run_bench(
         kernels=kernel_path(),
         kv_cache=session.cache[0].kind,
         kv_cache_bytes=cache_bytes(model.args, n_prompt + n_gen, session.cache[0].kind),
+        parallel=parallel,
+        parallel_decode_tok_s=parallel_tok_s,
     )

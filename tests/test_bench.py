@@ -162,6 +162,32 @@ def test_run_bench_int8_kv_cache(tiny_smollm):
     assert "int8" in dict(r.rows())["KV cache"]
 
 
+def test_run_bench_parallel(tiny_smollm):
+    r = run_bench(tiny_smollm, n_prompt=8, n_gen=4, repeats=1, parallel=3)
+    assert r.parallel == 3 and r.parallel_decode_tok_s > 0
+    assert "x one sequence" in dict(r.rows())["decode, 3 sequences at once"]
+    one = run_bench(tiny_smollm, n_prompt=8, n_gen=4, repeats=1)
+    assert one.parallel_decode_tok_s is None
+    assert not any("at once" in name for name, _ in one.rows())
+
+
+def test_timed_batch_decodes_each_sequence_as_alone(tiny_smollm):
+    """The batched run decodes sequences of their own (the prompt rotated), each the
+    greedy continuation it has alone."""
+    from infer.runtime.bench import _timed_batch
+    from infer.runtime.generate import generate, make_sampler
+    from infer.runtime.loader import load_model
+
+    model = load_model(tiny_smollm, max_seq_len=64).model
+    prompt = list(range(10, 22))
+    sessions = [Session(model) for _ in range(3)]
+    assert _timed_batch(sessions, prompt, 5) > 0
+    for i, s in enumerate(sessions):
+        mine = prompt[i:] + prompt[:i]
+        alone = list(generate(Session(model), mine, make_sampler(temperature=0), max_tokens=5))
+        assert s.tokens == mine + alone
+
+
 def test_run_bench_rejects_more_than_the_context(tiny_smollm):
     with pytest.raises(InferError, match="context"):
         run_bench(tiny_smollm, n_prompt=250, n_gen=10, repeats=1)  # context is 256

@@ -6,9 +6,10 @@ levels run:
 - lut_neon_check.c: the LUT-GEMV (kernels_cpu/csrc/lut_neon.c through lut.c) equals the
   scalar path bit for bit; awkward shapes (M 1 and 7, K % 256 != 0, odd N, bits 1..4, g 8..128).
 - q_neon_check.c: the int8, int4, int5, int6 and super-block kinds' matmuls (neon.c,
-  q4k_q5k.c, q2k_q3k.c, iq4xs.c through matmul.c) equal the scalar path up to float
-  summation order and, in the digit GEMVs, x's two digits; M 1, 3, 7, 12, odd N, K = 32 x
-  odd; 1 and 2 threads give the same bits, and neon (sdot emulated) neondot's.
+  q4k_q5k.c, q2k_q3k.c, iq4xs.c, igemm_neon.c through matmul.c) equal the scalar path up
+  to float summation order and, in the digit GEMVs and neondot's integer GEMM, x's two
+  digits; M 1, 3, 7, 12, 16, 41, odd N, K = 32 x odd; 1 and 2 threads give the same bits,
+  and neon (sdot emulated) neondot's where both run one algorithm.
 Skipped where the cross tools are missing; on an AArch64 machine test_kernels_lut.py and
 test_kernels_q.py run the NEON paths natively.
 """
@@ -25,7 +26,16 @@ CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 SYSROOT = Path("/usr/aarch64-linux-gnu")  # Debian / Ubuntu's cross libc
 # harness -> the kernel files it links
 HARNESSES = {
-    "lut_neon_check": ("pool", "cpu", "scalar", "neon", "lut", "lut_scalar", "lut_neon"),
+    "lut_neon_check": (
+        "pool",
+        "cpu",
+        "scalar",
+        "neon",
+        "igemm_neon",
+        "lut",
+        "lut_scalar",
+        "lut_neon",
+    ),
     "q_neon_check": (
         "pool",
         "cpu",
@@ -33,6 +43,7 @@ HARNESSES = {
         "neon",
         "matmul",
         "igemm",
+        "igemm_neon",
         "q4k_q5k",
         "q2k_q3k",
         "iq4xs",

@@ -5,7 +5,7 @@
  * element (kernels.h: 15 significant bits per block of 32) and W's codes stay bytes:
  * vpdpbusd does 4 multiply-adds per 32-bit lane; plain AVX2's vpmaddubsw 2 per 16-bit
  * lane, summed in int16 over a block (igemm_avx2.c), which is why it takes only codes
- * up to 31 (int4, q4_k, int5). x, prepared once per call, is laid out
+ * up to 31 (int4, q4_k, int5); neondot's sdot by element 4 (igemm_neon.c). x, prepared once per call, is laid out
  * for the kernel (16 rows' digits per vector); W is read in its own row order, a byte
  * per code, so a panel's preparation is a sequential widening of nibbles (int4, q4_k;
  * int5 adds its qh bits) or a flip of sign bits (int8), nothing strided. llama.cpp's one

@@ -284,7 +284,8 @@ static inline void xprep8_pad(void *buf, int64_t K) {
 
 /* The integer GEMM (igemm.c), for prefill: x as two int8 digits per element and W's
  * codes as bytes, multiplied by integer dot products (vpdpbusd; on plain AVX2
- * vpmaddubsw with int16 sums, igemm_avx2.c), then scaled per block.
+ * vpmaddubsw with int16 sums, igemm_avx2.c; on neondot sdot, igemm_neon.c), then scaled
+ * per block.
  *
  * x, row m, block b of 32: X = round(x / sx) with sx = amax / IG_XMAX (a block of zeros
  * has sx = 0), so |X| <= IG_XMAX = 32512: 15 significant bits of the block's largest
@@ -504,6 +505,10 @@ void avx2_ig_panel(const ig_x *x, const uint8_t *w, const float *d, const float 
 #endif
 #if defined(__aarch64__)
 extern const kernel_table kernels_neon, kernels_neon_dot;
+/* The integer GEMM on neondot (igemm_neon.c): x's digits and the sdot panel kernel. */
+int neon_ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d);
+void neon_ig_panel(const ig_x *x, const uint8_t *w, const float *d, const float *m, float *y,
+                   int64_t ldy, int64_t nb);
 #endif
 const kernel_table *kernels_for(int isa); /* NULL when the path is not built in */
 

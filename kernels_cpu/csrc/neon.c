@@ -479,6 +479,9 @@ const kernel_table kernels_neon_dot = {
     q8_gemv, q4_gemv, q4_xprep, q4_gemv_digits, q8_dequant, q4_dequant, tile,
     .q6_xprep = q4_xprep, .q6_gemv_digits = q6_gemv_digits_dot, .q6_xsum = q6_xsum, .q6_xblock = 32,
     .q5_xprep = q4_xprep, .q5_gemv_digits = q5_gemv_digits_dot, .sb_path = SB_NEON_DOT,
+    .ig_xprep = neon_ig_xprep, .ig_panel = neon_ig_panel,
+    .ig_kinds = IG_KIND(4) | IG_KIND(5) | IG_KIND(6) | IG_KIND(8) | IG_KIND(Q4K) | IG_KIND(Q5K) |
+                IG_KIND(Q3K) | IG_KIND(Q2K) | IG_KIND(IQ4XS),
 };
 
 #endif

@@ -6,7 +6,8 @@
      aarch64-linux-gnu-gcc -O2 -std=c11 -ffp-contract=off -pthread -DINFER_NO_PYTHON \
          -Ikernels_cpu/csrc tests/native/lut_neon_check.c kernels_cpu/csrc/pool.c \
          kernels_cpu/csrc/cpu.c kernels_cpu/csrc/scalar.c kernels_cpu/csrc/neon.c \
-         kernels_cpu/csrc/lut.c kernels_cpu/csrc/lut_scalar.c kernels_cpu/csrc/lut_neon.c -lm -o lut_neon
+         kernels_cpu/csrc/igemm_neon.c kernels_cpu/csrc/lut.c kernels_cpu/csrc/lut_scalar.c \
+         kernels_cpu/csrc/lut_neon.c -lm -o lut_neon
      qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max ./lut_neon   (or -cpu cortex-a53)
 
    Prints "dotprod=D cases=C" and exits 0 when every case matches, 1 otherwise. */

@@ -1,23 +1,26 @@
 /* The NEON int8, int4, int5, int6 and super-block kinds' matmuls (kernels_cpu/csrc/neon.c,
-   q4k_q5k.c, q2k_q3k.c, iq4xs.c) against the scalar path, without Python.
+   q4k_q5k.c, q2k_q3k.c, iq4xs.c, igemm_neon.c) against the scalar path, without Python.
 
    AArch64 only; tests/test_neon.py builds it with a cross compiler and runs it under
    qemu-aarch64, once on a CPU with dotprod and once without:
 
      aarch64-linux-gnu-gcc -O2 -std=c11 -ffp-contract=off -pthread -Ikernels_cpu/csrc \
          tests/native/q_neon_check.c \
-         kernels_cpu/csrc/{pool,cpu,scalar,neon,matmul,igemm,q4k_q5k,q2k_q3k,iq4xs}.c -lm -o q_neon
+         kernels_cpu/csrc/{pool,cpu,scalar,neon,matmul,igemm,igemm_neon,q4k_q5k,q2k_q3k,iq4xs}.c \
+         -lm -o q_neon
      qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max ./q_neon   (or -cpu cortex-a53)
 
    Awkward shapes as tests/test_kernels_q.py's: M = 1 and 3 (a GEMV per row), 7 (a GEMV per
-   row when K >= 768, else the GEMM), 12 (the GEMM); N odd; K = 32 x odd (256 x 1, 3, 6 for
-   the blocks of 256). Each result must equal the scalar path's up to float summation order
-   (1e-5 of sum |x| |w|) and, where the rows run one of the digit GEMVs, what x's two int8
-   digits lose: half a step, amax / IG_XMAX per block of 32 (kernels.h), and float32's
-   rounding of it, times sum |w| over the block.
+   row when K >= 768, else the GEMM), 12 (the float GEMM), 16 and 41 (neondot's integer
+   GEMM: one tile, and two with a part); N odd; K = 32 x odd (256 x 1, 3, 6 for the blocks
+   of 256). Each result must equal the scalar path's up to float summation order (1e-5 of
+   sum |x| |w|) and, where the rows run one of the digit GEMVs or the integer GEMM, what x's
+   two int8 digits lose: half a step, amax / IG_XMAX per block of 32 (kernels.h), and
+   float32's rounding of it, times sum |w| over the block.
    1 and 2 threads must give the same bits; where dotprod runs, neon (sdot emulated) the
-   bits of neondot but for int4 (float x on neon). Prints "dotprod=D cases=C" and exits 0
-   when every case holds, 1 otherwise. */
+   bits of neondot but for int4 (float x on neon) and from 16 rows (neondot's integer GEMM,
+   neon's float one). Prints "dotprod=D cases=C" and exits 0 when every case holds, 1
+   otherwise. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,7 +29,8 @@
 #include "kernels.h"
 #include "random_inputs.h"
 
-enum { SMALL_M = 4, WIDE_M = 8, WIDE_K = 768 }; /* matmul.c: which rows run a GEMV each */
+/* matmul.c: which rows run a GEMV each, and from how many the integer GEMM runs */
+enum { SMALL_M = 4, WIDE_M = 8, WIDE_K = 768, IGEMM_MIN_M = 16 };
 
 /* W[n, k] as the format defines it (kernels.h, "Quantized matmul") */
 static double weight(const qmat *a, int bits, int64_t n, int64_t k) {
@@ -106,6 +110,13 @@ static int compare(int isa, int bits, qmat *a, const float *w, int two_digits, i
 
 static int runs_gemv(int64_t M, int64_t K) { return M <= SMALL_M || (M <= WIDE_M && K >= WIDE_K); }
 
+/* Whether `isa` runs a matmul of M rows on x's two digits: a digit GEMV (`digits`: the
+   path has one for the kind), or the integer GEMM (neondot's). */
+static int on_digits(int isa, int kind, int digits, int64_t M, int64_t K) {
+    if (M >= IGEMM_MIN_M) return (kernels_for(isa)->ig_kinds & IG_KIND(kind)) != 0;
+    return digits && runs_gemv(M, K);
+}
+
 static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_t K) {
     const int64_t nq = bits == 8 ? N * K : N * K / 2, ns = g ? N * (K / g) : N;
     float *x = malloc(sizeof(float) * M * K), *w = malloc(sizeof(float) * N * K);
@@ -129,7 +140,8 @@ static int check(int isa, int bits, int g, int sym, int64_t M, int64_t N, int64_
     const int digits = (bits == 4 && kt->q4_xprep) || (bits == 5 && kt->q5_xprep);
     char what[64];
     snprintf(what, sizeof what, "bits=%d g=%d sym=%d", bits, g, sym);
-    const int bad = compare(isa, bits, &a, w, digits && runs_gemv(M, K), bits != 4, what);
+    const int bad = compare(isa, bits, &a, w, on_digits(isa, bits, digits, M, K),
+                            bits != 4 && M < IGEMM_MIN_M, what);
     free(x), free(w), free(qw), free(qh), free(s), free(mn), free(sf);
     return bad;
 }
@@ -169,7 +181,8 @@ static int check_kq(int isa, int kind, int64_t M, int64_t N, int64_t K) {
     const int digits = kind == 6 ? kt->q6_xprep != NULL : sb_of(kind, kt)->xprep != NULL;
     char what[32];
     snprintf(what, sizeof what, "kind=%d", kind);
-    const int bad = compare(isa, kind, &a, w, digits && runs_gemv(M, K), 1, what);
+    const int bad = compare(isa, kind, &a, w, on_digits(isa, kind, digits, M, K), M < IGEMM_MIN_M,
+                            what);
     free(x), free(w), free(qw);
     return bad;
 }
@@ -186,7 +199,7 @@ int main(void) {
                                    {4, 128, 1}, {4, 128, 0}, {5, 32, 1}, {5, 32, 0}};
     static const int64_t KS[] = {32 * 7, 128 * 3, 32 * 5, 32 * 38, 64 * 3};
     static const int64_t NS[] = {1, 37};
-    static const int64_t MS[] = {1, 3, 7, 12};
+    static const int64_t MS[] = {1, 3, 7, 12, 16, 41};
     const int isas[2] = {ISA_NEON, ISA_NEON_DOT};
     int cases = 0, bad = 0;
     for (int i = 0; i < (dot ? 2 : 1); i++)

@@ -393,6 +393,11 @@ def test_answers_run_together(http, server):
         wait_for(lambda: metrics(http)[batched] >= m[batched] + 4, what="two passes")
         now = metrics(http)
         assert now[batched] - m[batched] > now[steps] - m[steps]
+        # Each prompt was computed in some prompt pass, alone or beside the other's.
+        passes, prompts = (
+            f'infer_prompt_{k}_total{{model="{MODEL}"}}' for k in ("passes", "batched")
+        )
+        assert 1 <= now[passes] <= now[prompts]
     wait_for(lambda: _finished(http, "cancelled") == cancelled + 2, what="both cancelled")
     assert metrics(http)[running] == 0 and generates(http)
 

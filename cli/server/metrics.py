@@ -122,6 +122,18 @@ class Metrics:
             [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.batched) for m in models],
         )
         metric(
+            "prompt_passes_total",
+            "counter",
+            "Prompt passes (a chunk of one or several prompts), by loaded model.",
+            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.prefills) for m in models],
+        )
+        metric(
+            "prompt_batched_total",
+            "counter",
+            "Answers those passes advanced (prompts that arrived together share one).",
+            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.prefilled) for m in models],
+        )
+        metric(
             "speculative_guessed_tokens_total",
             "counter",
             "Tokens guessed (serve --lookup or --draft) and checked, by model.",

@@ -481,19 +481,29 @@ TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q45_rows_vn
     }
 }
 
-/* R rows of x, 4 at a time per weight row, K in int4's slices */
+/* How many rows' slices of x (2.5 bytes an element: two digits, and a lane scale per 8)
+ * fit Q45_ROWS_X_BYTES of L1 at once, for rows of K */
+enum { Q45_ROWS_X_BYTES = 32768 };
+static inline int64_t q45_rows_fit(int64_t K) {
+    const int64_t C = (K + CHUNK - 1) / CHUNK;
+    return Q45_ROWS_X_BYTES / ((C < Q4_SLICE_CHUNKS ? C : Q4_SLICE_CHUNKS) * (CHUNK_BYTES + 64));
+}
+
+/* R rows of x, K in int4's slices: as many rows at once (up to 4) as q45_rows_fit, each
+ * group of rows over all the task's weight rows (from L2) before the next, so that their
+ * x stays in L1. Every row sums its chunks in one order either way. */
 TARGET_AVX512_VNNI static inline __attribute__((always_inline)) void q45_gemv_rows_vnni(
     const qmat *const *a, int R, int64_t n0, int64_t n1, const int five) {
-    const int64_t C = (a[0]->K + CHUNK - 1) / CHUNK;
+    const int64_t C = (a[0]->K + CHUNK - 1) / CHUNK, fit = q45_rows_fit(a[0]->K);
+    const int per = fit < 1 ? 1 : fit > 4 ? 4 : (int)fit;
     for (int64_t c0 = 0; c0 < C; c0 += Q4_SLICE_CHUNKS) {
         const int64_t c1 = C - c0 < Q4_SLICE_CHUNKS ? C : c0 + Q4_SLICE_CHUNKS;
-        for (int64_t n = n0; n < n1; n++)
-            for (int m = 0; m < R; m += 4) switch (R - m < 4 ? R - m : 4) {
-                case 1: q45_rows_vnni(a + m, 1, n, c0, c1, five); break;
-                case 2: q45_rows_vnni(a + m, 2, n, c0, c1, five); break;
-                case 3: q45_rows_vnni(a + m, 3, n, c0, c1, five); break;
-                default: q45_rows_vnni(a + m, 4, n, c0, c1, five); break;
-                }
+        for (int m = 0; m < R; m += per) switch (R - m < per ? R - m : per) {
+            case 1: for (int64_t n = n0; n < n1; n++) q45_rows_vnni(a + m, 1, n, c0, c1, five); break;
+            case 2: for (int64_t n = n0; n < n1; n++) q45_rows_vnni(a + m, 2, n, c0, c1, five); break;
+            case 3: for (int64_t n = n0; n < n1; n++) q45_rows_vnni(a + m, 3, n, c0, c1, five); break;
+            default: for (int64_t n = n0; n < n1; n++) q45_rows_vnni(a + m, 4, n, c0, c1, five); break;
+            }
     }
 }
 
@@ -507,10 +517,12 @@ TARGET_AVX512_VNNI static void q5_gemv_vnni(const qmat *a, int64_t n0, int64_t n
 }
 
 /* int4's rows: groups of 32 (GGUF's Q4_0 and Q4_1, our default) share each weight row's
- * codes; other groups run the one-row kernel a row at a time */
+ * codes while 3 or more rows' x fit L1 (K up to 4,352); longer rows, and other groups,
+ * run the one-row kernel a row at a time over the task's weights, from L2 (as fast or
+ * faster there, and the same sums) */
 TARGET_AVX512_VNNI static void q4_gemv_rows_vnni(const qmat *const *a, int R, int64_t n0,
                                                  int64_t n1) {
-    if (a[0]->g == 32) {
+    if (a[0]->g == 32 && q45_rows_fit(a[0]->K) >= 3) {
         q45_gemv_rows_vnni(a, R, n0, n1, 0);
         return;
     }

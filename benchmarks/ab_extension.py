@@ -8,7 +8,7 @@ builds alike. Separate processes run minutes apart cannot resolve a 10-20 % chan
     python benchmarks/ab_extension.py OTHER.so --rows 128 --shapes 8960x1536 --format q4_k
     python benchmarks/ab_extension.py OTHER.so --model DIR --tokens 2 4 8 64 [--decode 64]
 
-The kernel mode times a matmul (2 threads; int4 g32 asymmetric, int5 symmetric, int6, int8
+The kernel mode times a matmul (2 threads; int4 g32 asymmetric (or g64, g128: int4-g64, int4-g128), int5 symmetric, int6, int8
 g32 or q4_k)
 on cold copies of each shape for M rows of x; the model mode times a whole prompt's forward, and with --decode single-token steps
 (the fused decode step) after the last prompt. Both print medians for this tree's
@@ -63,8 +63,8 @@ def alternate(builds: dict, run, rounds: int) -> dict[str, float]:
 
 def weights(fmt: str, N: int, K: int, gen: torch.Generator) -> dict:
     """Random weights of one format (the kernels' speed does not depend on values)."""
-    if fmt == "int4":
-        return packed(4, 32, False, N, K, gen)
+    if fmt.startswith("int4"):  # int4, int4-g64, int4-g128
+        return packed(4, _group(fmt), False, N, K, gen)
     if fmt == "int8":  # GGUF Q8_0's layout: int8 codes, a float16 scale per 32
         return packed(8, 32, True, N, K, gen)
     if fmt == "int5":
@@ -79,9 +79,14 @@ def weights(fmt: str, N: int, K: int, gen: torch.Generator) -> dict:
     return {"qweight": b.view(N, -1)}
 
 
+def _group(fmt: str) -> int:
+    """int4's group size: 32, or what "int4-gG" names."""
+    return int(fmt.partition("-g")[2] or 32)
+
+
 def matmul(fmt: str, x: torch.Tensor, w: dict, threads: int) -> torch.Tensor:
-    if fmt == "int4":
-        return ops.q4_matmul(x, w["qweight"], w["scales"], w["mins"], 32, threads=threads)
+    if fmt.startswith("int4"):
+        return ops.q4_matmul(x, w["qweight"], w["scales"], w["mins"], _group(fmt), threads=threads)
     if fmt == "int8":
         return ops.q8_matmul(x, w["qweight"], w["scales"], 32, threads=threads)
     if fmt == "int5":
@@ -158,7 +163,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="kernels: rows of x")
-    ap.add_argument("--format", choices=["int4", "int5", "int6", "int8", "q4_k"], default="int4")
+    formats = ["int4", "int4-g64", "int4-g128", "int5", "int6", "int8", "q4_k"]
+    ap.add_argument("--format", choices=formats, default="int4")
     ap.add_argument(
         "--shapes",
         nargs="+",

@@ -609,15 +609,17 @@ TI void q45_rows(const qmat *const *a, const int R, int64_t n, const int64_t g, 
     }
 }
 
-/* R rows of x, 4 at a time per weight row (its later passes read it from L1) */
+/* R rows of x, 4 at a time, each 4 over all the task's weight rows (from L2) before the
+ * next 4, so that only 4 rows' x share L1. Every row sums its chunks in one order either
+ * way. (Fewer rows at a time on long rows, as AVX-512 VNNI does, is slower here: these
+ * rows share more of a weight row's unpacking.) */
 #define Q45_ROWS(g, five)                                                                        \
-    for (int64_t n = n0; n < n1; n++)                                                            \
-        for (int m = 0; m < R; m += 4) switch (R - m) {                                          \
-            case 1: q45_rows(a + m, 1, n, g, five); break;                                       \
-            case 2: q45_rows(a + m, 2, n, g, five); break;                                       \
-            case 3: q45_rows(a + m, 3, n, g, five); break;                                       \
-            default: q45_rows(a + m, 4, n, g, five); break;                                      \
-            }
+    for (int m = 0, per = 4; m < R; m += per) switch (R - m < per ? R - m : per) {             \
+        case 1: for (int64_t n = n0; n < n1; n++) q45_rows(a + m, 1, n, g, five); break;         \
+        case 2: for (int64_t n = n0; n < n1; n++) q45_rows(a + m, 2, n, g, five); break;         \
+        case 3: for (int64_t n = n0; n < n1; n++) q45_rows(a + m, 3, n, g, five); break;         \
+        default: for (int64_t n = n0; n < n1; n++) q45_rows(a + m, 4, n, g, five); break;        \
+        }
 
 T void q4_gemv_rows(const qmat *const *a, int R, int64_t n0, int64_t n1) {
     switch (a[0]->g) {

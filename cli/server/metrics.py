@@ -97,60 +97,64 @@ class Metrics:
             [*buckets, ("_sum", round(self.ttft_sum, 6)), ("_count", total)],
         )
         models = list(pool.loaded.values())
+
+        def by_model(value) -> list[tuple[str, float]]:
+            return [(f'{{model="{_label(m.name)}"}}', value(m)) for m in models]
+
         metric(
             "queue_depth",
             "gauge",
             "Answers waiting for their model, by model.",
-            [(f'{{model="{_label(m.name)}"}}', m.scheduler.waiting) for m in models],
+            by_model(lambda m: m.scheduler.waiting),
         )
         metric(
             "answers_running",
             "gauge",
             "Answers being generated, by model.",
-            [(f'{{model="{_label(m.name)}"}}', m.scheduler.running) for m in models],
+            by_model(lambda m: m.scheduler.running),
         )
         metric(
             "decode_steps_total",
             "counter",
             "Decode passes, by loaded model.",
-            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.steps) for m in models],
+            by_model(lambda m: m.scheduler.stats.steps),
         )
         metric(
             "decode_batched_total",
             "counter",
             "Answers those passes advanced (over decode_steps_total: the mean batch).",
-            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.batched) for m in models],
+            by_model(lambda m: m.scheduler.stats.batched),
         )
         metric(
             "prompt_passes_total",
             "counter",
             "Prompt passes (a chunk of one or several prompts), by loaded model.",
-            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.prefills) for m in models],
+            by_model(lambda m: m.scheduler.stats.prefills),
         )
         metric(
             "prompt_batched_total",
             "counter",
             "Answers those passes advanced (prompts that arrived together share one).",
-            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.prefilled) for m in models],
+            by_model(lambda m: m.scheduler.stats.prefilled),
         )
         metric(
             "speculative_guessed_tokens_total",
             "counter",
             "Tokens guessed (serve --lookup or --draft) and checked, by model.",
-            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.guessed) for m in models],
+            by_model(lambda m: m.scheduler.stats.guessed),
         )
         metric(
             "speculative_accepted_tokens_total",
             "counter",
             "Of those, the tokens kept.",
-            [(f'{{model="{_label(m.name)}"}}', m.scheduler.stats.accepted) for m in models],
+            by_model(lambda m: m.scheduler.stats.accepted),
         )
         metric("models_loaded", "gauge", "Models in memory.", [("", len(models))])
         metric(
             "model_memory_bytes",
             "gauge",
             "Estimated bytes a loaded model holds (weights and KV caches).",
-            [(f'{{model="{_label(m.name)}"}}', m.size) for m in models],
+            by_model(lambda m: m.size),
         )
         import psutil
 

@@ -614,7 +614,7 @@ TI void q45_rows(const qmat *const *a, const int R, int64_t n, const int64_t g, 
  * way. (Fewer rows at a time on long rows, as AVX-512 VNNI does, is slower here: these
  * rows share more of a weight row's unpacking.) */
 #define Q45_ROWS(g, five)                                                                        \
-    for (int m = 0, per = 4; m < R; m += per) switch (R - m < per ? R - m : per) {             \
+    for (int m = 0; m < R; m += 4) switch (R - m < 4 ? R - m : 4) {                             \
         case 1: for (int64_t n = n0; n < n1; n++) q45_rows(a + m, 1, n, g, five); break;         \
         case 2: for (int64_t n = n0; n < n1; n++) q45_rows(a + m, 2, n, g, five); break;         \
         case 3: for (int64_t n = n0; n < n1; n++) q45_rows(a + m, 3, n, g, five); break;         \

@@ -22,8 +22,8 @@
 
 #define TD TARGET_DOT static inline __attribute__((always_inline))
 
-/* x's tile t as digits (kernels.h's layout), X as every path rounds it (avx512.c's
- * ig_xprep); -1 if the rows have inf or NaN. */
+/* x's tile t as digits (kernels.h's layout), X as every path rounds it
+ * (neon_block_digits); -1 if the rows have inf or NaN. */
 int neon_ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
     const int64_t Kp = d->Kp, B = Kp / 32;
     int8_t *dt = d->digits + t * B * 8 * 256;
@@ -35,32 +35,21 @@ int neon_ig_xprep(const float *x, int64_t K, int64_t t, int o, const ig_x *d) {
             float xb[32] = {0};
             const int64_t n = K - 32 * b < 32 ? K - 32 * b : 32;
             memcpy(xb, xr + 32 * b, (size_t)n * sizeof(float));
-            float32x4_t xv[8], m = vdupq_n_f32(0);
-            for (int i = 0; i < 8; i++) {
-                xv[i] = vld1q_f32(xb + 4 * i);
-                m = vmaxq_f32(m, vabsq_f32(xv[i])); /* FMAX: NaN propagates */
-            }
-            const float amax = vmaxvq_f32(m);
-            if (!(amax <= 0x1.fffffep127f)) return -1; /* inf or NaN */
-            /* X = round(x / sx), sx = amax / IG_XMAX; tiny blocks scaled up first (exactly) */
-            const float up = amax < 0x1p-100f ? 0x1p100f : 1.0f;
-            const float32x4_t vup = vdupq_n_f32(up), inv = vdupq_n_f32(amax > 0 ? IG_XMAX / (amax * up) : 0);
-            int32x4_t sum = vdupq_n_s32(0);
+            int32x4_t hi[8], lo[8];
+            int32_t sum;
+            const float amax = neon_block_digits(xb, hi, lo, &sum);
+            if (amax < 0) return -1; /* inf or NaN */
             int8_t *db = dr + b * 8 * 256;
-            for (int j = 0; j < 8; j++) { /* group j: elements 4j..4j+3 */
-                const int32x4_t X = vcvtnq_s32_f32(vmulq_f32(vmulq_f32(xv[j], vup), inv));
-                const int32x4_t lo = vshrq_n_s32(vshlq_n_s32(X, 24), 24); /* X mod 256 */
-                const int32x4_t hi = vshrq_n_s32(vsubq_s32(X, lo), 8);
-                sum = vaddq_s32(sum, X);
+            for (int j = 0; j < 8; j++) { /* group j: elements 4j..4j+3, row r's lane */
                 int32_t h[4], l[4];
-                vst1q_s32(h, hi);
-                vst1q_s32(l, lo);
+                vst1q_s32(h, hi[j]);
+                vst1q_s32(l, lo[j]);
                 for (int e = 0; e < 4; e++) {
                     db[256 * j + e] = (int8_t)h[e];
                     db[256 * j + 128 + e] = (int8_t)l[e];
                 }
             }
-            ig_terms(d, (t * B + b) * IG_MR + r, amax, vaddvq_s32(sum), o);
+            ig_terms(d, (t * B + b) * IG_MR + r, amax, sum, o);
         }
     }
     return 0;

@@ -330,6 +330,33 @@ static inline void ig_terms(const ig_x *d, int64_t i, float amax, int32_t sum, i
     d->xs[i] = d->sx[i] * (float)sum;
     d->off[i] = o * sum;
 }
+#if defined(__aarch64__)
+/* A block of 32 floats x as the NEON paths take it: X = round(x / sx), sx = amax /
+ * IG_XMAX (tiny blocks scaled up first, exactly), as digits hi = (X - lo) / 256 and lo = X
+ * mod 256 in [-128, 127], 4 elements a vector in order; *sum is sum X. Returns amax, or
+ * -1 for a block with inf or NaN. */
+static inline __attribute__((always_inline)) float neon_block_digits(const float *x, int32x4_t hi[8],
+                                                                     int32x4_t lo[8], int32_t *sum) {
+    float32x4_t xv[8], m = vdupq_n_f32(0);
+    for (int i = 0; i < 8; i++) {
+        xv[i] = vld1q_f32(x + 4 * i);
+        m = vmaxq_f32(m, vabsq_f32(xv[i])); /* FMAX: NaN propagates */
+    }
+    const float amax = vmaxvq_f32(m);
+    if (!(amax <= 0x1.fffffep127f)) return -1; /* inf or NaN */
+    const float up = amax < 0x1p-100f ? 0x1p100f : 1.0f;
+    const float32x4_t vup = vdupq_n_f32(up), inv = vdupq_n_f32(amax > 0 ? IG_XMAX / (amax * up) : 0);
+    int32x4_t s = vdupq_n_s32(0);
+    for (int i = 0; i < 8; i++) {
+        const int32x4_t X = vcvtnq_s32_f32(vmulq_f32(vmulq_f32(xv[i], vup), inv));
+        lo[i] = vshrq_n_s32(vshlq_n_s32(X, 24), 24);
+        hi[i] = vshrq_n_s32(vsubq_s32(X, lo[i]), 8);
+        s = vaddq_s32(s, X);
+    }
+    *sum = vaddvq_s32(s);
+    return amax;
+}
+#endif
 /* Tile t of x (rows 32 t .. 32 t + 31 of x, each K long, up to d->M) -> its digits and
  * block terms in `d` (the caller has zeroed those of rows past d->M); o as above. Returns
  * -1 if the rows have inf or NaN (the float GEMM then runs). */

@@ -209,30 +209,17 @@ static int q4_xprep(const float *x, int64_t K, void *buf) {
     int8_t *xd = buf;
     float *scale = (float *)(xd + C * CHUNK_BYTES);
     for (int64_t c = 0; c < C; c++) {
-        float32x4_t xv[8], m = vdupq_n_f32(0);
-        for (int i = 0; i < 8; i++) {
-            xv[i] = vld1q_f32(x + c * CHUNK + 4 * i);
-            m = vmaxq_f32(m, vabsq_f32(xv[i])); /* FMAX: NaN propagates */
-        }
-        const float amax = vmaxvq_f32(m);
-        if (!(amax <= 0x1.fffffep127f)) return -1; /* inf or NaN */
-        /* X = round(x / sx), sx = amax / IG_XMAX; tiny blocks scaled up first (exactly) */
-        const float up = amax < 0x1p-100f ? 0x1p100f : 1.0f;
-        const float32x4_t vup = vdupq_n_f32(up), inv = vdupq_n_f32(amax > 0 ? IG_XMAX / (amax * up) : 0);
-        int32x4_t hi[8], lo[8], sum = vdupq_n_s32(0);
-        for (int i = 0; i < 8; i++) {
-            const int32x4_t X = vcvtnq_s32_f32(vmulq_f32(vmulq_f32(xv[i], vup), inv));
-            lo[i] = vshrq_n_s32(vshlq_n_s32(X, 24), 24); /* X mod 256 in [-128, 127] */
-            hi[i] = vshrq_n_s32(vsubq_s32(X, lo[i]), 8);
-            sum = vaddq_s32(sum, X);
-        }
+        int32x4_t hi[8], lo[8];
+        int32_t sum;
+        const float amax = neon_block_digits(x + c * CHUNK, hi, lo, &sum);
+        if (amax < 0) return -1; /* inf or NaN */
         int8_t *out = xd + c * CHUNK_BYTES;
         vst1q_s8(out, narrow16(hi));          /* elements 0..15 */
         vst1q_s8(out + 16, narrow16(hi + 4)); /* elements 16..31 */
         vst1q_s8(out + 32, narrow16(lo));
         vst1q_s8(out + 48, narrow16(lo + 4));
         scale[c] = amax / IG_XMAX;
-        xprep4_xs(buf, K)[c] = scale[c] * (float)vaddvq_s32(sum);
+        xprep4_xs(buf, K)[c] = scale[c] * (float)sum;
     }
     return 0;
 }

@@ -101,54 +101,29 @@ class Metrics:
         def by_model(value) -> list[tuple[str, float]]:
             return [(f'{{model="{_label(m.name)}"}}', value(m)) for m in models]
 
-        metric(
-            "queue_depth",
-            "gauge",
-            "Answers waiting for their model, by model.",
-            by_model(lambda m: m.scheduler.waiting),
-        )
-        metric(
-            "answers_running",
-            "gauge",
-            "Answers being generated, by model.",
-            by_model(lambda m: m.scheduler.running),
-        )
-        metric(
-            "decode_steps_total",
-            "counter",
-            "Decode passes, by loaded model.",
-            by_model(lambda m: m.scheduler.stats.steps),
-        )
-        metric(
-            "decode_batched_total",
-            "counter",
-            "Answers those passes advanced (over decode_steps_total: the mean batch).",
-            by_model(lambda m: m.scheduler.stats.batched),
-        )
-        metric(
-            "prompt_passes_total",
-            "counter",
-            "Prompt passes (a chunk of one or several prompts), by loaded model.",
-            by_model(lambda m: m.scheduler.stats.prefills),
-        )
-        metric(
-            "prompt_batched_total",
-            "counter",
-            "Answers those passes advanced (prompts that arrived together share one).",
-            by_model(lambda m: m.scheduler.stats.prefilled),
-        )
-        metric(
-            "speculative_guessed_tokens_total",
-            "counter",
-            "Tokens guessed (serve --lookup or --draft) and checked, by model.",
-            by_model(lambda m: m.scheduler.stats.guessed),
-        )
-        metric(
-            "speculative_accepted_tokens_total",
-            "counter",
-            "Of those, the tokens kept.",
-            by_model(lambda m: m.scheduler.stats.accepted),
-        )
+        for name, kind, text, value in (
+            ("queue_depth", "gauge", "Answers waiting for their model, by model.",
+             lambda m: m.scheduler.waiting),
+            ("answers_running", "gauge", "Answers being generated, by model.",
+             lambda m: m.scheduler.running),
+            ("decode_steps_total", "counter", "Decode passes, by loaded model.",
+             lambda m: m.scheduler.stats.steps),
+            ("decode_batched_total", "counter",
+             "Answers those passes advanced (over decode_steps_total: the mean batch).",
+             lambda m: m.scheduler.stats.batched),
+            ("prompt_passes_total", "counter",
+             "Prompt passes (a chunk of one or several prompts), by loaded model.",
+             lambda m: m.scheduler.stats.prefills),
+            ("prompt_batched_total", "counter",
+             "Answers those passes advanced (prompts that arrived together share one).",
+             lambda m: m.scheduler.stats.prefilled),
+            ("speculative_guessed_tokens_total", "counter",
+             "Tokens guessed (serve --lookup or --draft) and checked, by model.",
+             lambda m: m.scheduler.stats.guessed),
+            ("speculative_accepted_tokens_total", "counter", "Of those, the tokens kept.",
+             lambda m: m.scheduler.stats.accepted),
+        ):  # fmt: skip
+            metric(name, kind, text, by_model(value))
         metric("models_loaded", "gauge", "Models in memory.", [("", len(models))])
         metric(
             "model_memory_bytes",

@@ -99,8 +99,8 @@ class SpeculationStats:
 
 
 class DraftLength:
-    """How many tokens to guess at the next pass. The length k starts at 1, grows by one
-    after a pass that kept every guess and shrinks by one after a miss (1 to `k_max`).
+    """How many tokens to guess at the next pass. The length k starts at 1, doubles after
+    a pass that kept every guess and shrinks by one after a miss (1 to `k_max`).
 
     Whether guessing pays comes from measured costs: a plain pass t, a checking pass of k
     guesses c(k), each guess's drafting d, and the share of guesses kept a. Guessing k
@@ -109,7 +109,8 @@ class DraftLength:
     others it is t + k r, r the mean cost of a checked row beyond the first. When no k
     up to the current one beats a plain pass's 1 token in t, guessing pauses for a number
     of passes that doubles each time (16 up to 256), then one guess probes again; a kept
-    probe resets the pause and earns 3 checking passes before the next. Where guesses
+    probe resets the pause and earns 3 checking passes before the next, as the first
+    checks of all do (one refused guess is not yet a measure of acceptance). Where guesses
     always fail that costs about one guess per doubling pause: a pass whose guesses cost
     as much as itself keeps 0.95 of plain decoding's speed over 200 tokens, 0.97 over
     500. A probe's drafting (a draft model's includes the prefill of every token it
@@ -137,7 +138,7 @@ class DraftLength:
         self.pause_len = self.PAUSE
         self.since_plain = 0  # checking passes since the last plain one
         self.probing = False  # a pause ended: the next pass probes with one guess
-        self.grace = 0  # checking passes to go before guessing may pause again
+        self.grace = self.MIN_CHECKS  # checking passes to go before guessing may pause
         self.checks = 0  # checking passes measured
         self.probe_s = 0.0  # the last probe's drafting
 
@@ -202,7 +203,7 @@ class DraftLength:
                 self.pause_len = self.PAUSE
             return
         self.draft_s = self._mix(self.draft_s, draft_s / guessed)
-        self.k = max(1, self.k - 1) if missed else min(self.k + 1, self.k_max)
+        self.k = max(1, self.k - 1) if missed else min(2 * self.k, self.k_max)
 
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else self.DECAY * old + (1 - self.DECAY) * new
@@ -255,10 +256,11 @@ class Drafter:
 
 class LookupDrafter(Drafter):
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the text's
-    last n tokens (n from `n_max` down to 1), as deterministic guesses. No second model;
-    it pays where the answer copies its prompt (edit this file, fix this text)."""
+    last n tokens, the longest that occurred (n from `n_max` down to 1), as deterministic
+    guesses. No second model; it pays where the answer copies its prompt (edit this file,
+    fix this text), and there long matches are rarely wrong, so runs of guesses are long."""
 
-    def __init__(self, n_max: int = 3, k_max: int = 8, adaptive: bool = True):
+    def __init__(self, n_max: int = 8, k_max: int = 16, adaptive: bool = True):
         super().__init__(k_max, adaptive)
         self.n_max = n_max
         self._clear()

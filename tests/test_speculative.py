@@ -367,7 +367,7 @@ def test_guessing_pauses_when_it_does_not_pay(row, draft):
         n.record(k, 0, draft * k, 1.0 + row * k)
         seconds += 1.0 + (row + draft) * k
     assert 200 / seconds >= 0.95, passes
-    assert passes[-1] == 0 and sum(1 for k in passes if k) <= 6
+    assert passes[-1] == 0 and sum(1 for k in passes if k) <= 7  # the first checks' 3 too
 
 
 def test_guessing_stops_for_good_where_no_acceptance_could_pay():
@@ -409,6 +409,19 @@ def test_a_draft_models_probes_stay_cheap():
         n.record(k, kept, draft, 1.0 + 0.52 * k)
         seconds, tokens, skipped = seconds + 1.0 + 0.52 * k + draft, tokens + kept + 1, 0
     assert tokens / seconds >= 0.95
+
+
+def test_a_first_refused_guess_does_not_pause_guessing():
+    """The answer's first guess refused (its opening words are its own), the rest kept
+    (it copies): guessing goes on at once, and the length soon reaches k_max."""
+    n = DraftLength(k_max=16)
+    passes = []
+    for i in range(40):
+        k = n.next()
+        passes.append(k)
+        n.record(k, 0 if i == 1 else k, 0.0, 1.0 + 0.4 * k)
+    assert passes[:2] == [0, 1] and 0 not in passes[2:20], passes
+    assert 16 in passes[:12], passes  # as the kept share recovers from the miss
 
 
 def test_guessing_goes_on_while_it_pays():

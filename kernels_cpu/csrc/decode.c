@@ -435,10 +435,11 @@ VI const float *kv_rows(const attn_job *J, const void *cache, const uint16_t *sc
    mx), and sum of e_t v_t (each element summed over t in order); attn_combine weighs the
    blocks together. `groups` (AVX-512): scores 16 positions at a time, their lanes summed
    together (hsum16x16), rather than one position's at a time. */
-VI void attn_block(const attn_job *J, int64_t task, const int halves, const int groups) {
+VI void attn_block(const attn_job *J, int64_t task, const int halves, const int groups,
+                   const int64_t D) {
     const model_t *m = J->m;
     const int64_t g = task / J->blocks, b = task % J->blocks, rep = m->n_heads / m->n_kv;
-    const int64_t d = m->head_dim, d16 = d / 16 * 16;
+    const int64_t d = D ? D : m->head_dim, d16 = d / 16 * 16;
     const int64_t sub = ATTN_SUB_FLOATS / d < 1 ? 1 : ATTN_SUB_FLOATS / d > 64 ? 64 : ATTN_SUB_FLOATS / d;
     const int64_t lo = J->lo + b * ATTN_BLOCK;
     const int64_t n = (lo + ATTN_BLOCK - 1 < J->hi ? lo + ATTN_BLOCK - 1 : J->hi) - lo + 1;
@@ -624,7 +625,14 @@ typedef struct {
         const attn_rows *A = ctx;                                                               \
         int r = 0;                                                                              \
         while (task >= A->first[r + 1]) r++;                                                    \
-        attn_block(&A->row[r], task - A->first[r], HALVES, GROUPS);                             \
+        const attn_job *J = &A->row[r];                                                         \
+        task -= A->first[r];                                                                    \
+        if (J->m->head_dim == 64)                                                               \
+            attn_block(J, task, HALVES, GROUPS, 64);                                            \
+        else if (J->m->head_dim == 128)                                                         \
+            attn_block(J, task, HALVES, GROUPS, 128);                                           \
+        else                                                                                    \
+            attn_block(J, task, HALVES, GROUPS, 0);                                             \
     }
 ATTN_TASK(attn_task, , 0, 0)
 #ifdef INFER_X86

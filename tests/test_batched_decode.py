@@ -170,6 +170,25 @@ def test_guessed_tokens_in_one_pass_equal_one_at_a_time(hf_dirs, fused, kv_cache
     assert torch.equal(decode([together], [[77]])[0][-1], one.step(77)) or not fused
 
 
+@pytest.mark.parametrize("kv_cache", ["f32", "int8"])
+def test_guesses_across_attention_blocks_equal_one_at_a_time(tmp_path, kv_cache):
+    """Past 256 positions attention splits into blocks, and the rows of a sequence's
+    guesses share each block's tasks: 20 rows crossing from the second block into the
+    third, beside a sequence decoding one token, equal one at a time bit for bit."""
+    make_hf_model("llama", tmp_path, max_position_embeddings=600)
+    model = load_model(tmp_path).model
+    quantize_model(model, get_recipe("int8", n_layers=model.args.n_layers))
+    prompt = [(7 * i) % 300 + 3 for i in range(500)]
+    guesses = [(11 * i) % 300 + 1 for i in range(20)]
+    one, other, together, beside = (Session(model, 600, kv_cache=kv_cache) for _ in range(4))
+    for s, p in ((one, prompt), (together, prompt), (other, PROMPTS[1]), (beside, PROMPTS[1])):
+        s.prefill(p)
+    ref = torch.stack([one.step(t) for t in guesses])
+    got, side = decode([together, beside], [guesses, [9]])
+    assert together.fused is not None and torch.equal(got, ref)
+    assert torch.equal(side[0], other.step(9))
+
+
 def test_sequences_and_guesses_share_a_pass(hf_dirs):
     """One session checking guesses beside others decoding a token each."""
     model = quantized(hf_dirs, "qwen3", "int8")

@@ -232,7 +232,7 @@ static void kv_store(int kind, int64_t g, const float *x, int64_t n, void *cache
  *
  * At long contexts attention is a token's largest cost, and it is memory-bound: the
  * attended keys and values are read once per key-value head (not once per query head
- * sharing it), in blocks of ATTN_BLOCK positions that are the pool's tasks, with a
+ * sharing it, nor once per row where a sequence's guesses are checked together), in blocks of ATTN_BLOCK positions that are the pool's tasks, with a
  * software prefetch 8 rows ahead (the hardware's alone left the loads stalling).
  * ---------------------------------------------------------------------------------- */
 
@@ -428,163 +428,175 @@ VI const float *kv_rows(const attn_job *J, const void *cache, const uint16_t *sc
     return buf;
 }
 
-/* One block b of positions for the query heads of key-value head g (a pool task), as
-   flash-decoding splits it: the block's keys and values are read from memory once, for
-   all of the heads that share them, a sub-block of rows at a time. For each such head h
-   it leaves in J->part (h, b): the block's largest score mx, sum of e_t = exp(score_t -
-   mx), and sum of e_t v_t (each element summed over t in order); attn_combine weighs the
-   blocks together. `groups` (AVX-512): scores 16 positions at a time, their lanes summed
-   together (hsum16x16), rather than one position's at a time. */
-VI void attn_block(const attn_job *J, int64_t task, const int halves, const int groups,
-                   const int64_t D) {
+/* A query head of a row, as a task sees it: the row's queries for the head, where its
+   partials for the task's block go, and how many of the block's positions it attends. */
+typedef struct {
+    const float *q;
+    float *part;
+    int64_t n;
+} attn_pair;
+
+/* One block b of positions for key-value head g (a pool task), as flash-decoding splits
+   it, for up to ATTN_HEADS (row, query head) pairs that share the head: one row's heads,
+   or the rows of one sequence checked together. The block's keys and values are read
+   from memory once for all of them, a sub-block of rows at a time. For each pair it
+   leaves in its `part`: the block's largest score mx, sum of e_t = exp(score_t - mx),
+   and sum of e_t v_t (each element summed over t in order); attn_combine weighs the
+   blocks together. A pair's sums do not depend on the others in the task. `groups`
+   (AVX-512): scores 16 positions at a time, their lanes summed together (hsum16x16),
+   rather than one position's at a time. D: the head size as a constant (0: m's). */
+VI void attn_block(const attn_job *J, int64_t g, int64_t b, const attn_pair *P, int64_t nh,
+                   const int halves, const int groups, const int64_t D) {
     const model_t *m = J->m;
-    const int64_t g = task / J->blocks, b = task % J->blocks, rep = m->n_heads / m->n_kv;
     const int64_t d = D ? D : m->head_dim, d16 = d / 16 * 16;
     const int64_t sub = ATTN_SUB_FLOATS / d < 1 ? 1 : ATTN_SUB_FLOATS / d > 64 ? 64 : ATTN_SUB_FLOATS / d;
     const int64_t lo = J->lo + b * ATTN_BLOCK;
-    const int64_t n = (lo + ATTN_BLOCK - 1 < J->hi ? lo + ATTN_BLOCK - 1 : J->hi) - lo + 1;
     const int64_t at = (g * J->seq + lo) * d; /* row lo's first element in the cache */
     const int prefetch = J->kind == KV_F32;   /* rows read from memory in place */
     const float scale = m->attn_scale;
-    float s[ATTN_HEADS][ATTN_BLOCK]; /* each head's scores, then their exponentials */
+    int64_t n = 0; /* the block's positions any pair attends */
+    for (int64_t j = 0; j < nh; j++) n = P[j].n > n ? P[j].n : n;
+    float s[ATTN_HEADS][ATTN_BLOCK]; /* each pair's scores, then their exponentials */
     float buf[ATTN_SUB_FLOATS];      /* a converted sub-block */
-    for (int64_t h0 = g * rep; h0 < (g + 1) * rep; h0 += ATTN_HEADS) {
-        const int64_t nh = (g + 1) * rep - h0 < ATTN_HEADS ? (g + 1) * rep - h0 : ATTN_HEADS;
-        float mx[ATTN_HEADS];
-        for (int64_t j = 0; j < nh; j++) mx[j] = -INFINITY;
-        for (int64_t t0 = 0; t0 < n; t0 += sub) {
-            const int64_t nt = n - t0 < sub ? n - t0 : sub;
-            const float *kb = kv_rows(J, J->kc, J->ks, at + t0 * d, nt * d, buf);
-            for (int64_t j = 0; j < nh; j++) {
-                const float *q = J->q + (h0 + j) * d;
-                int64_t t = 0;
-                if (groups) { /* 16 positions' scores at once, their lanes summed by one tree */
-                    v16 top = {0};
-                    top += mx[j];
-                    for (; t + 16 <= nt; t += 16) {
-                        v16 acc[16];
-                        for (int u = 0; u < 16; u++) {
-                            const float *k = kb + (t + u) * d;
-                            if (prefetch)
-                                for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(k + 8 * d + i, 0, 3);
-                            v16 a = {0};
-                            for (int64_t i = 0; i < d16; i += 16) a += load16(q + i) * load16(k + i);
-                            acc[u] = a;
-                        }
-                        v16 dot = hsum16x16(acc);
-                        for (int64_t i = d16; i < d; i++)
-                            for (int u = 0; u < 16; u++) dot[u] += q[i] * kb[(t + u) * d + i];
-                        dot *= scale;
-                        store16(s[j] + t0 + t, dot);
-                        const v16i more = dot > top; /* NaN is never more, as below */
-                        top = (v16)(((v16i)dot & more) | ((v16i)top & ~more));
-                    }
-                    for (int u = 0; u < 16; u++)
-                        if (top[u] > mx[j]) mx[j] = top[u];
-                }
-                for (; t < nt; t++) {
-                    const float *k = kb + t * d;
-                    if (prefetch)
-                        for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(k + 8 * d + i, 0, 3);
-                    float dot;
-                    if (halves) {
-                        v8 lo = {0}, hi = {0};
-                        for (int64_t i = 0; i < d16; i += 16) {
-                            lo += load8(q + i) * load8(k + i);
-                            hi += load8(q + i + 8) * load8(k + i + 8);
-                        }
-                        dot = hsum8x2(lo, hi);
-                    } else {
-                        v16 acc = {0};
-                        for (int64_t i = 0; i < d16; i += 16) acc += load16(q + i) * load16(k + i);
-                        dot = hsum16(acc);
-                    }
-                    for (int64_t i = d16; i < d; i++) dot += q[i] * k[i];
-                    s[j][t0 + t] = dot * scale;
-                    if (s[j][t0 + t] > mx[j]) mx[j] = s[j][t0 + t];
-                }
-            }
-        }
+    float mx[ATTN_HEADS];
+    for (int64_t j = 0; j < nh; j++) mx[j] = -INFINITY;
+    for (int64_t t0 = 0; t0 < n; t0 += sub) {
+        const int64_t nk = n - t0 < sub ? n - t0 : sub;
+        const float *kb = kv_rows(J, J->kc, J->ks, at + t0 * d, nk * d, buf);
         for (int64_t j = 0; j < nh; j++) {
-            /* each score s = exp(s - mx), summed by lane; the last partial vector through a buffer */
-            float *sj = s[j], *part = J->part + ((h0 + j) * J->blocks + b) * (d + 2);
-            v16 sum16 = {0};
+            const int64_t nt = P[j].n - t0 < nk ? P[j].n - t0 : nk; /* as it alone would */
+            if (nt <= 0) continue;
+            const float *q = P[j].q;
             int64_t t = 0;
-            for (; t + 16 <= n; t += 16) {
-                const v16 e = exp16(load16(sj + t) - mx[j]);
-                store16(sj + t, e);
-                sum16 += e;
+            if (groups) { /* 16 positions' scores at once, their lanes summed by one tree */
+                v16 top = {0};
+                top += mx[j];
+                for (; t + 16 <= nt; t += 16) {
+                    v16 acc[16];
+                    for (int u = 0; u < 16; u++) {
+                        const float *k = kb + (t + u) * d;
+                        if (prefetch)
+                            for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(k + 8 * d + i, 0, 3);
+                        v16 a = {0};
+                        for (int64_t i = 0; i < d16; i += 16) a += load16(q + i) * load16(k + i);
+                        acc[u] = a;
+                    }
+                    v16 dot = hsum16x16(acc);
+                    for (int64_t i = d16; i < d; i++)
+                        for (int u = 0; u < 16; u++) dot[u] += q[i] * kb[(t + u) * d + i];
+                    dot *= scale;
+                    store16(s[j] + t0 + t, dot);
+                    const v16i more = dot > top; /* NaN is never more, as below */
+                    top = (v16)(((v16i)dot & more) | ((v16i)top & ~more));
+                }
+                for (int u = 0; u < 16; u++)
+                    if (top[u] > mx[j]) mx[j] = top[u];
             }
-            if (t < n) {
-                float tail[16];
-                for (int i = 0; i < 16; i++) tail[i] = t + i < n ? sj[t + i] - mx[j] : -INFINITY;
-                const v16 e = exp16(load16(tail));
-                store16(tail, e);
-                for (int64_t i = 0; t + i < n; i++) sj[t + i] = tail[i];
-                sum16 += e;
+            for (; t < nt; t++) {
+                const float *k = kb + t * d;
+                if (prefetch)
+                    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(k + 8 * d + i, 0, 3);
+                float dot;
+                if (halves) {
+                    v8 lo = {0}, hi = {0};
+                    for (int64_t i = 0; i < d16; i += 16) {
+                        lo += load8(q + i) * load8(k + i);
+                        hi += load8(q + i + 8) * load8(k + i + 8);
+                    }
+                    dot = hsum8x2(lo, hi);
+                } else {
+                    v16 acc = {0};
+                    for (int64_t i = 0; i < d16; i += 16) acc += load16(q + i) * load16(k + i);
+                    dot = hsum16(acc);
+                }
+                for (int64_t i = d16; i < d; i++) dot += q[i] * k[i];
+                s[j][t0 + t] = dot * scale;
+                if (s[j][t0 + t] > mx[j]) mx[j] = s[j][t0 + t];
             }
-            part[0] = mx[j];
-            part[1] = hsum16(sum16);
         }
-        for (int64_t t0 = 0; t0 < n; t0 += sub) {
-            const int64_t nt = n - t0 < sub ? n - t0 : sub;
-            const float *vb = kv_rows(J, J->vc, J->vs, at + t0 * d, nt * d, buf);
-            for (int64_t j = 0; j < nh; j++) {
-                const float *e = s[j] + t0;
-                float *out = J->part + ((h0 + j) * J->blocks + b) * (d + 2) + 2;
-                /* up to 64 elements at a time, so each row of V is read once (not once per 16),
-                   the sums carried from the sub-block before */
-                for (int64_t i = 0; i < d16; i += 64) {
-                    const int64_t nv = d16 - i < 64 ? (d16 - i) / 16 : 4;
-                    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                    if (t0) {
-                        a0 = load16(out + i);
-                        if (nv > 1) a1 = load16(out + i + 16);
-                        if (nv > 2) a2 = load16(out + i + 32);
-                        if (nv > 3) a3 = load16(out + i + 48);
-                    }
-                    const float *v = vb + i;
-                    if (nv == 4 && halves) { /* the same lanes, in v8 halves */
-                        v8 b[8];
-                        for (int u = 0; u < 8; u++) b[u] = t0 ? load8(out + i + 8 * u) : (v8){0};
-                        for (int64_t t = 0; t < nt; t++, v += d) {
-                            if (prefetch)
-                                for (int u = 0; u < 4; u++) __builtin_prefetch(v + 8 * d + 16 * u, 0, 3);
-                            for (int u = 0; u < 8; u++) b[u] += load8(v + 8 * u) * e[t];
-                        }
-                        for (int u = 0; u < 8; u++) store8(out + i + 8 * u, b[u]);
-                        continue;
-                    }
-                    if (nv == 4) {
-                        for (int64_t t = 0; t < nt; t++, v += d) {
-                            if (prefetch) {
-                                __builtin_prefetch(v + 8 * d, 0, 3);
-                                __builtin_prefetch(v + 8 * d + 16, 0, 3);
-                                __builtin_prefetch(v + 8 * d + 32, 0, 3);
-                                __builtin_prefetch(v + 8 * d + 48, 0, 3);
-                            }
-                            a0 += load16(v) * e[t];
-                            a1 += load16(v + 16) * e[t];
-                            a2 += load16(v + 32) * e[t];
-                            a3 += load16(v + 48) * e[t];
-                        }
-                    } else {
-                        for (int64_t t = 0; t < nt; t++, v += d) {
-                            a0 += load16(v) * e[t];
-                            if (nv > 1) a1 += load16(v + 16) * e[t];
-                            if (nv > 2) a2 += load16(v + 32) * e[t];
-                        }
-                    }
-                    store16(out + i, a0);
-                    if (nv > 1) store16(out + i + 16, a1);
-                    if (nv > 2) store16(out + i + 32, a2);
-                    if (nv > 3) store16(out + i + 48, a3);
+    }
+    for (int64_t j = 0; j < nh; j++) {
+        /* each score s = exp(s - mx), summed by lane; the last partial vector through a buffer */
+        float *sj = s[j], *part = P[j].part;
+        const int64_t n = P[j].n;
+        v16 sum16 = {0};
+        int64_t t = 0;
+        for (; t + 16 <= n; t += 16) {
+            const v16 e = exp16(load16(sj + t) - mx[j]);
+            store16(sj + t, e);
+            sum16 += e;
+        }
+        if (t < n) {
+            float tail[16];
+            for (int i = 0; i < 16; i++) tail[i] = t + i < n ? sj[t + i] - mx[j] : -INFINITY;
+            const v16 e = exp16(load16(tail));
+            store16(tail, e);
+            for (int64_t i = 0; t + i < n; i++) sj[t + i] = tail[i];
+            sum16 += e;
+        }
+        part[0] = mx[j];
+        part[1] = hsum16(sum16);
+    }
+    for (int64_t t0 = 0; t0 < n; t0 += sub) {
+        const int64_t nk = n - t0 < sub ? n - t0 : sub;
+        const float *vb = kv_rows(J, J->vc, J->vs, at + t0 * d, nk * d, buf);
+        for (int64_t j = 0; j < nh; j++) {
+            const int64_t nt = P[j].n - t0 < nk ? P[j].n - t0 : nk;
+            if (nt <= 0) continue;
+            const float *e = s[j] + t0;
+            float *out = P[j].part + 2;
+            /* up to 64 elements at a time, so each row of V is read once (not once per 16),
+               the sums carried from the sub-block before */
+            for (int64_t i = 0; i < d16; i += 64) {
+                const int64_t nv = d16 - i < 64 ? (d16 - i) / 16 : 4;
+                v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                if (t0) {
+                    a0 = load16(out + i);
+                    if (nv > 1) a1 = load16(out + i + 16);
+                    if (nv > 2) a2 = load16(out + i + 32);
+                    if (nv > 3) a3 = load16(out + i + 48);
                 }
-                for (int64_t i = d16; i < d; i++) {
-                    float acc = t0 ? out[i] : 0.0f;
-                    for (int64_t t = 0; t < nt; t++) acc += vb[t * d + i] * e[t];
-                    out[i] = acc;
+                const float *v = vb + i;
+                if (nv == 4 && halves) { /* the same lanes, in v8 halves */
+                    v8 b[8];
+                    for (int u = 0; u < 8; u++) b[u] = t0 ? load8(out + i + 8 * u) : (v8){0};
+                    for (int64_t t = 0; t < nt; t++, v += d) {
+                        if (prefetch)
+                            for (int u = 0; u < 4; u++) __builtin_prefetch(v + 8 * d + 16 * u, 0, 3);
+                        for (int u = 0; u < 8; u++) b[u] += load8(v + 8 * u) * e[t];
+                    }
+                    for (int u = 0; u < 8; u++) store8(out + i + 8 * u, b[u]);
+                    continue;
                 }
+                if (nv == 4) {
+                    for (int64_t t = 0; t < nt; t++, v += d) {
+                        if (prefetch) {
+                            __builtin_prefetch(v + 8 * d, 0, 3);
+                            __builtin_prefetch(v + 8 * d + 16, 0, 3);
+                            __builtin_prefetch(v + 8 * d + 32, 0, 3);
+                            __builtin_prefetch(v + 8 * d + 48, 0, 3);
+                        }
+                        a0 += load16(v) * e[t];
+                        a1 += load16(v + 16) * e[t];
+                        a2 += load16(v + 32) * e[t];
+                        a3 += load16(v + 48) * e[t];
+                    }
+                } else {
+                    for (int64_t t = 0; t < nt; t++, v += d) {
+                        a0 += load16(v) * e[t];
+                        if (nv > 1) a1 += load16(v + 16) * e[t];
+                        if (nv > 2) a2 += load16(v + 32) * e[t];
+                    }
+                }
+                store16(out + i, a0);
+                if (nv > 1) store16(out + i + 16, a1);
+                if (nv > 2) store16(out + i + 32, a2);
+                if (nv > 3) store16(out + i + 48, a3);
+            }
+            for (int64_t i = d16; i < d; i++) {
+                float acc = t0 ? out[i] : 0.0f;
+                for (int64_t t = 0; t < nt; t++) acc += vb[t * d + i] * e[t];
+                out[i] = acc;
             }
         }
     }
@@ -612,27 +624,58 @@ static void attn_combine(const attn_job *J) {
     }
 }
 
-/* Every row's attention as one pool job: row r's tasks are numbered after row r - 1's. */
+/* Every row's attention as one pool job. Rows in a run (one sequence's, attending from
+   the same first position: guesses checked together) share tasks, so a block's keys and
+   values are read once for all of them. Run i's tasks are numbered after run i - 1's: per
+   key-value head g and block b, `chunks[i]` tasks of ATTN_HEADS of its (row, query head)
+   pairs, row by row. */
 typedef struct {
     attn_job row[GEMV_ROWS_MAX];
-    int64_t first[GEMV_ROWS_MAX + 1];
+    int64_t run[GEMV_ROWS_MAX + 1];   /* run i: rows run[i] .. run[i + 1] - 1 */
+    int64_t first[GEMV_ROWS_MAX + 1]; /* its first task */
+    int64_t blocks[GEMV_ROWS_MAX], chunks[GEMV_ROWS_MAX];
+    int64_t runs;
 } attn_rows;
 
-/* attn_block compiled for each instruction set */
+/* Task `task`'s run, key-value head g and block b, and its (row, query head) pairs in P;
+   returns how many (rows that end before the block have none there). */
+static int64_t attn_pairs(const attn_rows *A, int64_t task, int64_t *run, int64_t *g, int64_t *b,
+                          attn_pair *P) {
+    int64_t i = 0;
+    while (task >= A->first[i + 1]) i++;
+    task -= A->first[i];
+    const model_t *m = A->row[0].m;
+    const int64_t rep = m->n_heads / m->n_kv, d = m->head_dim, c = task % A->chunks[i];
+    *run = A->run[i];
+    *g = task / A->chunks[i] / A->blocks[i];
+    *b = task / A->chunks[i] % A->blocks[i];
+    const int64_t last = (A->run[i + 1] - A->run[i]) * rep;
+    int64_t nh = 0;
+    for (int64_t k = c * ATTN_HEADS; k < (c + 1) * ATTN_HEADS && k < last; k++) {
+        const attn_job *R = &A->row[A->run[i] + k / rep];
+        const int64_t h = *g * rep + k % rep, lo = R->lo + *b * ATTN_BLOCK;
+        if (*b >= R->blocks) continue;
+        const int64_t end = lo + ATTN_BLOCK - 1 < R->hi ? lo + ATTN_BLOCK - 1 : R->hi;
+        P[nh++] = (attn_pair){R->q + h * d, R->part + (h * R->blocks + *b) * (d + 2), end - lo + 1};
+    }
+    return nh;
+}
+
+/* attn_block compiled for each instruction set, with the common head sizes constant */
 #define ATTN_TASK(NAME, TARGET, HALVES, GROUPS)                                                  \
     TARGET static void NAME(void *ctx, int64_t task, int tid) {                                 \
         (void)tid;                                                                              \
         const attn_rows *A = ctx;                                                               \
-        int r = 0;                                                                              \
-        while (task >= A->first[r + 1]) r++;                                                    \
-        const attn_job *J = &A->row[r];                                                         \
-        task -= A->first[r];                                                                    \
-        if (J->m->head_dim == 64)                                                               \
-            attn_block(J, task, HALVES, GROUPS, 64);                                            \
-        else if (J->m->head_dim == 128)                                                         \
-            attn_block(J, task, HALVES, GROUPS, 128);                                           \
+        attn_pair P[ATTN_HEADS];                                                                \
+        int64_t run, g, b;                                                                      \
+        const int64_t nh = attn_pairs(A, task, &run, &g, &b, P), d = A->row[0].m->head_dim;     \
+        const attn_job *J = &A->row[run]; /* the run's cache and first position */             \
+        if (d == 64)                                                                            \
+            attn_block(J, g, b, P, nh, HALVES, GROUPS, 64);                                     \
+        else if (d == 128)                                                                      \
+            attn_block(J, g, b, P, nh, HALVES, GROUPS, 128);                                    \
         else                                                                                    \
-            attn_block(J, task, HALVES, GROUPS, 0);                                             \
+            attn_block(J, g, b, P, nh, HALVES, GROUPS, 0);                                      \
     }
 ATTN_TASK(attn_task, , 0, 0)
 #ifdef INFER_X86
@@ -669,7 +712,7 @@ static int block(const model_t *m, const int64_t *P, int64_t l, float *x, const 
     const int64_t *qkv[3] = {lin + L_Q * LIN, lin + L_K * LIN, lin + L_V * LIN};
     rc |= linears(3, qkv, m->xn, (float *const[]){m->q, m->k, m->v}, m);
     attn_rows A;
-    A.first[0] = 0;
+    A.runs = 0;
     int64_t work = 0;
     for (int64_t r = 0; r < R; r++) {
         float *q = m->q + r * hd, *k = m->k + r * kvd, *v = m->v + r * kvd;
@@ -694,11 +737,22 @@ static int block(const model_t *m, const int64_t *P, int64_t l, float *x, const 
         const int64_t blocks = attn_blocks(p - lo + 1);
         A.row[r] = (attn_job){m, q, m->part + r * m->n_heads * attn_blocks(m->max_seq) * (d + 2),
                               m->att + r * hd, kc, vc, ks, vs, seq, kind, group, lo, p, blocks};
-        A.first[r + 1] = A.first[r] + m->n_kv * blocks;
+        if (r == 0 || kc != A.row[r - 1].kc || lo != A.row[r - 1].lo) {
+            A.run[A.runs] = r;
+            A.blocks[A.runs++] = 0;
+        }
+        if (blocks > A.blocks[A.runs - 1]) A.blocks[A.runs - 1] = blocks;
         work += (p - lo + 1) * hd;
     }
+    A.run[A.runs] = R;
+    A.first[0] = 0;
+    for (int64_t i = 0; i < A.runs; i++) {
+        const int64_t pairs = (A.run[i + 1] - A.run[i]) * (m->n_heads / m->n_kv);
+        A.chunks[i] = (pairs + ATTN_HEADS - 1) / ATTN_HEADS;
+        A.first[i + 1] = A.first[i] + m->n_kv * A.blocks[i] * A.chunks[i];
+    }
     /* every row's keys and values are in place: rows of one sequence see those before them */
-    pool_run(work >= 1 << 16 ? m->nthreads : 1, A.first[R], attn_task_for(m->isa), &A);
+    pool_run(work >= 1 << 16 ? m->nthreads : 1, A.first[A.runs], attn_task_for(m->isa), &A);
     for (int64_t r = 0; r < R; r++) attn_combine(&A.row[r]);
     rc |= linear(lin + L_O * LIN, m->att, m->xn, m);
     for (int64_t r = 0; r < R; r++) {

@@ -340,6 +340,15 @@ def test_lookup_proposes_what_followed_the_latest_occurrence():
     assert d.propose([5, 6, 7, 8], 4, greedy) == []  # nothing repeats
 
 
+def test_lookup_follows_the_longest_match():
+    """The text "1 2 3 4" occurred once, followed by 5 6; "2 3 4" later, followed by 9: the
+    longer match is the copy being made (n_max 3 would have guessed 9)."""
+    greedy = make_sampler(0)
+    history = [1, 2, 3, 4, 5, 6, 7, 2, 3, 4, 9, 8, 1, 2, 3, 4]
+    assert [g.token for g in LookupDrafter().propose(history, 2, greedy)] == [5, 6]
+    assert [g.token for g in LookupDrafter(n_max=3).propose(history, 2, greedy)] == [9, 8]
+
+
 def test_draft_length_grows_and_shrinks():
     n = DraftLength(k_max=4)
     assert n.next() == 0  # a plain pass first, to measure what one costs

@@ -246,8 +246,11 @@ def test_decode_refuses_bad_rows(hf_dirs):
 
 def test_streamed_layers_read_once_for_all_rows(tmp_path):
     """A streamed model decodes its sequences together as alone, and a pass reads each
-    streamed layer once whatever its rows."""
-    ckpt = read_checkpoint(convert(make_hf(tmp_path / "hf"), tmp_path / "int8", "int8"))
+    streamed layer once whatever its rows. The torch path: an MLP width of a multiple of 32
+    (as real models'), or torch's SiLU would take a row's last elements by its scalar
+    tail alone and by its vector body in a batch, an ulp apart."""
+    hf = make_hf(tmp_path / "hf", intermediate_size=128)
+    ckpt = read_checkpoint(convert(hf, tmp_path / "int8", "int8"))
     budget, _ = min_budget(ckpt)
     model, stream, plan = load_streamed(ckpt, torch.float32, 64, budget, process_bytes=0)
     try:

@@ -188,11 +188,14 @@ class Attention(nn.Module):
         k and v (1, n_kv, T, D) go into its cache first."""
         T = q.shape[2]
         k, v = cache.update(pos, k, v)  # (1, n_kv, S, D)
+        # With a sliding window, the keys before the first row's window are no row's.
+        lo = max(0, pos - self.sliding_window + 1) if self.sliding_window else 0
+        k, v = k[:, :, lo:], v[:, :, lo:]
         # GQA without copying K/V: fold each kv head's group of query heads into
         # the query length, (1, n_kv, n_rep * T, D), and attend to (1, n_kv, S, D).
         n_rep = self.n_heads // self.n_kv_heads
         q = q.reshape(1, self.n_kv_heads, n_rep * T, self.head_dim)
-        mask = self._mask(pos, T, k.shape[2], q.device)
+        mask = self._mask(pos, T, lo, lo + k.shape[2], q.device)
         if mask is not None:
             mask = mask.repeat(n_rep, 1)  # (n_rep * T, S), rows in q's folded order
         # A long prompt's attention, torch's one large op, gets every thread back.
@@ -201,13 +204,14 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.view(1, self.n_heads, T, self.head_dim)
 
-    def _mask(self, pos: int, T: int, S: int, device) -> torch.Tensor | None:
-        """Boolean (T, S) mask, True where attention is allowed; None when all are."""
+    def _mask(self, pos: int, T: int, lo: int, S: int, device) -> torch.Tensor | None:
+        """Boolean (T, S - lo) mask of rows [pos, pos + T) over keys [lo, S), True where
+        attention is allowed; None when all are."""
         window = self.sliding_window
-        if T == 1 and (window is None or S <= window):
+        if T == 1 and (window is None or S - lo <= window):
             return None  # one new token sees every cached position
         q_pos = torch.arange(pos, pos + T, device=device)[:, None]
-        k_pos = torch.arange(S, device=device)[None, :]
+        k_pos = torch.arange(lo, S, device=device)[None, :]
         mask = k_pos <= q_pos
         if window is not None:
             mask &= k_pos > q_pos - window

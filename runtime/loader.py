@@ -32,7 +32,7 @@ from ..offload.stream import (
 from ..offload.trace import TraceRecorder
 from .files.build import build
 from .files.checkpoint import Checkpoint, verify
-from .files.hugepages import give_back_freed_heap
+from .files.hugepages import give_back_freed_heap, reuse_freed_heap
 from .files.sources import CheckpointSource, Source, open_source
 from .model.config import ModelArgs
 from .model.kvcache import KINDS, cache_bytes, float_kind
@@ -104,6 +104,7 @@ def load_model(
     if kv_cache is not None and kv_cache not in KINDS:
         raise InferError(f"unknown KV cache {kv_cache!r}: one of {', '.join(KINDS)}")
     t0 = time.perf_counter()
+    reuse_freed_heap()
     process = process_rss()  # before anything of this model: torch and all
     source = open_source(path)  # inspect
     args = source.args

@@ -107,6 +107,23 @@ def _huge_map(nbytes: int) -> torch.Tensor:
     return whole[skip : skip + nbytes]
 
 
+# glibc's mallopt parameters, and the values reuse_freed_heap sets
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEPT_FREE_HEAP = 1 << 30  # free memory at the heap's top kept for reuse
+MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks above it are maps of their own
+
+
+def reuse_freed_heap() -> None:
+    """Keep freed activations in the heap for the next layer. A prompt's activations (tens
+    of MB a chunk and layer) are freed and allocated again layer after layer; under
+    glibc's adaptive thresholds many go back to the system and return as fresh zeroed
+    pages, gigabytes of page faults a long prompt. give_back_freed_heap still trims."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_TRIM_THRESHOLD, KEPT_FREE_HEAP)
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
 def give_back_freed_heap() -> None:
     """glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in its
     heap, counted in RSS; malloc_trim returns them to the system (other C libraries have

@@ -22,6 +22,7 @@ from ... import InferError
 from ...kernels_cpu.threads import ThreadPolicy
 from ...offload.stream import load_streamed
 from ..files.build import Part, build
+from ..files.hugepages import reuse_freed_heap
 from ..files.sources import CheckpointSource, open_source
 from ..model import kvcache
 from ..model.fused_decode import FusedDecode, cache_words
@@ -96,6 +97,7 @@ def load_stage(
     """The blocks `layers` of the model at `path`, read from it alone. With `budget`
     (the bytes they and a sequence's KV cache of `kv_cache` may hold) the blocks that do
     not fit stream from the disk as in one process (offload/stream.py)."""
+    reuse_freed_heap()  # as load_model does
     source = open_source(path)
     if budget is None:
         model = build(source, dtype, ctx, part=Part(layers, ends=False))

@@ -104,7 +104,6 @@ def load_model(
     if kv_cache is not None and kv_cache not in KINDS:
         raise InferError(f"unknown KV cache {kv_cache!r}: one of {', '.join(KINDS)}")
     t0 = time.perf_counter()
-    reuse_freed_heap()
     process = process_rss()  # before anything of this model: torch and all
     source = open_source(path)  # inspect
     args = source.args
@@ -148,6 +147,7 @@ def load_model(
         RoutingRecorder(model, recorder)
     model.kv_cache = kv_cache  # what Session(model) makes
     give_back_freed_heap()  # what the weights' temporaries freed
+    reuse_freed_heap()  # from now on: activations
     load_s = time.perf_counter() - t0
     return LoadedModel(
         model, tokenizer, source, dtype, load_s, plan, stream, auto, offload, recorder

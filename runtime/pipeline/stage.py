@@ -97,20 +97,21 @@ def load_stage(
     """The blocks `layers` of the model at `path`, read from it alone. With `budget`
     (the bytes they and a sequence's KV cache of `kv_cache` may hold) the blocks that do
     not fit stream from the disk as in one process (offload/stream.py)."""
-    reuse_freed_heap()  # as load_model does
     source = open_source(path)
+    stream = None
     if budget is None:
         model = build(source, dtype, ctx, part=Part(layers, ends=False))
-        return Stage(model, layers, dtype, threads)
-    if not isinstance(source, CheckpointSource):
+    elif not isinstance(source, CheckpointSource):
         raise InferError(
             f"layers {layers.start}-{layers.stop - 1} do not fit this worker's "
             f"{budget / 1e9:.2f} GB, and only infer's own format streams from disk: "
             f"infer quantize {path.name} -o DIR --to int8 (or int4)"
         )
-    model, stream, _ = load_streamed(
-        source.checkpoint, dtype, ctx, budget, process_bytes=0, kv_cache=kv_cache, layers=layers
-    )
+    else:
+        model, stream, _ = load_streamed(
+            source.checkpoint, dtype, ctx, budget, process_bytes=0, kv_cache=kv_cache, layers=layers
+        )
+    reuse_freed_heap()  # as load_model does
     return Stage(model, layers, dtype, threads, stream)
 
 

@@ -28,7 +28,7 @@ from . import kvcache, llama
 from .gemma3_config import Gemma3Args
 from .kvcache import KVCache
 from .llama import _LINEARS, Rows, last_rows, rope_rows, rows_apply
-from .rope import rope_inv_freq
+from .rope import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -134,10 +134,9 @@ class Gemma3(nn.Module):
             self.args, rope_theta=self.args.rope_local_theta, rope_scaling=None
         )
         for kind, a in (("global", self.args), ("local", local)):
-            angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), rope_inv_freq(a))
-            angles = torch.cat((angles, angles), dim=-1)
-            self.register_buffer(f"{kind}_cos", angles.cos().to(dtype), persistent=False)
-            self.register_buffer(f"{kind}_sin", angles.sin().to(dtype), persistent=False)
+            cos, sin = rope_tables(a, max_seq_len, dtype)
+            self.register_buffer(f"{kind}_cos", cos, persistent=False)
+            self.register_buffer(f"{kind}_sin", sin, persistent=False)
 
     def layer_rope(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """Layer i's rope tables and sliding window (the fused step's)."""

@@ -29,7 +29,7 @@ from . import kvcache
 from .config import ModelArgs
 from .kvcache import KVCache
 from .moe import MoE
-from .rope import rope_inv_freq
+from .rope import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -302,12 +302,9 @@ class Transformer(nn.Module):
         """Rope tables for `max_seq_len` positions in the compute dtype; a cache covers at
         most that many."""
         self.max_seq_len = max_seq_len
-        angles = torch.outer(
-            torch.arange(max_seq_len, dtype=torch.float64), rope_inv_freq(self.args)
-        )
-        angles = torch.cat((angles, angles), dim=-1)  # (max_seq_len, head_dim)
-        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        cos, sin = rope_tables(self.args, max_seq_len, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def layer_rope(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """Layer i's rope tables and sliding window (the fused step's)."""

@@ -38,9 +38,8 @@ def rope_inv_freq(args: ModelArgs):
 
 def rope_tables(args: ModelArgs, positions: int, dtype: torch.dtype):
     """cos and sin of each position's angles, (positions, head_dim) in `dtype`, the two
-    halves alike. Each half is computed once in float64 and copied into the other in
-    `dtype`: no float64 table of the whole width is made (Gemma 3's two tables at 4,096
-    positions held some 30 MB more at load's peak)."""
+    halves alike: a half is computed in float64 and copied in `dtype`, so no float64
+    table of the whole width raises load's peak memory."""
     angles = torch.outer(torch.arange(positions, dtype=torch.float64), rope_inv_freq(args))
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)

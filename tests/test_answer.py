@@ -172,22 +172,28 @@ def test_chat_wraps_between_words():
 
 def test_server_pool_unloads_the_least_recently_used(tmp_path, monkeypatch):
     """A model that would not fit unloads idle ones, least recently used first, until it
-    does (the pool itself, without HTTP; 'available memory' is faked)."""
+    does (the pool itself, without HTTP; 'available memory' is faked). Each check comes
+    after the heap's freed blocks (activations kept for reuse) are given back."""
     import asyncio
     from types import SimpleNamespace
 
     import psutil
 
     from infer.cli.server.pool import ModelPool, ServeSettings
+    from infer.runtime.files import hugepages
 
     for name in ("a", "b", "c"):
         make_hf_model("smollm2", tmp_path / name, seed=len(name))
     fits = []  # what each memory check answers, in order; roomy once it runs out
-    monkeypatch.setattr(
-        psutil,
-        "virtual_memory",
-        lambda: SimpleNamespace(available=0 if fits and not fits.pop(0) else 2**40),
-    )
+    events = []
+
+    def available():
+        roomy = not (fits and not fits.pop(0))
+        events.append("roomy" if roomy else "full")
+        return SimpleNamespace(available=2**40 if roomy else 0)
+
+    monkeypatch.setattr(psutil, "virtual_memory", available)
+    monkeypatch.setattr(hugepages, "give_back_freed_heap", lambda: events.append("trim"))
 
     async def scenario():
         pool = ModelPool(ServeSettings(model_dirs=[tmp_path], ctx=64, parallel=1))
@@ -204,3 +210,5 @@ def test_server_pool_unloads_the_least_recently_used(tmp_path, monkeypatch):
 
     loaded = asyncio.run(scenario())
     assert loaded == sorted([str(tmp_path / "a"), str(tmp_path / "c")])  # b went
+    full = events.index("full")  # the check that unloaded b
+    assert events[full - 1] == "trim" and events[full + 1 : full + 3] == ["trim", "roomy"]

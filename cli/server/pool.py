@@ -273,9 +273,11 @@ class ModelPool:
         import psutil
 
         from ...offload.stream import process_rss
+        from ...runtime.files.hugepages import give_back_freed_heap
 
         s = self.settings
         while self.loaded:
+            give_back_freed_heap()  # freed activations kept for reuse count as free
             if s.max_memory is not None:
                 fits = process_rss() + need <= s.max_memory
             else:

@@ -104,7 +104,6 @@ def load_model(
     if kv_cache is not None and kv_cache not in KINDS:
         raise InferError(f"unknown KV cache {kv_cache!r}: one of {', '.join(KINDS)}")
     t0 = time.perf_counter()
-    give_back_freed_heap()  # an earlier model's freed activations are not in use
     process = process_rss()  # before anything of this model: torch and all
     source = open_source(path)  # inspect
     args = source.args

@@ -128,20 +128,3 @@ def test_freed_activations_are_reused_not_faulted_in_again():
     out = subprocess.run(command, check=False, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) < 4
-
-
-def test_a_load_measures_the_process_after_giving_back_freed_heap(tmp_path, monkeypatch):
-    # freed activations kept for reuse (an earlier model's, in a server) are not in use:
-    # the budget counts the process without them, and keeps them from the next load on
-    from tiny import make_hf_model
-
-    from infer.runtime import loader
-
-    make_hf_model("smollm2", tmp_path / "m")
-    events = []
-    measure = loader.process_rss
-    monkeypatch.setattr(loader, "give_back_freed_heap", lambda: events.append("trim"))
-    monkeypatch.setattr(loader, "reuse_freed_heap", lambda: events.append("reuse"))
-    monkeypatch.setattr(loader, "process_rss", lambda: events.append("rss") or measure())
-    loader.load_model(tmp_path / "m")
-    assert events[:2] == ["trim", "rss"] and events[-1] == "reuse"

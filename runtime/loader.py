@@ -147,7 +147,7 @@ def load_model(
         RoutingRecorder(model, recorder)
     model.kv_cache = kv_cache  # what Session(model) makes
     give_back_freed_heap()  # what the weights' temporaries freed
-    reuse_freed_heap()  # from now on: activations
+    reuse_freed_heap(keep=budget is None and not auto)  # from now on: activations
     load_s = time.perf_counter() - t0
     return LoadedModel(
         model, tokenizer, source, dtype, load_s, plan, stream, auto, offload, recorder

@@ -455,6 +455,17 @@ def wide(tmp_path_factory):
     return convert(out / "hf", out / "f32")
 
 
+def test_freed_activations_are_kept_only_without_a_budget(wide, monkeypatch):
+    # a budget's plan counts what is in use: its freed blocks go back at once
+    from infer.runtime import loader
+
+    asked = []
+    monkeypatch.setattr(loader, "reuse_freed_heap", lambda keep: asked.append(keep))
+    load_model(wide, torch.float32, 64)
+    load_model(wide, torch.float32, 64, max_memory=1 << 40)
+    assert asked == [True, False]
+
+
 def test_footprint_stays_under_the_budget(wide):
     ckpt = read_checkpoint(wide)
     drop_cache(ckpt.file)  # left by writing it

@@ -107,21 +107,31 @@ def _huge_map(nbytes: int) -> torch.Tensor:
     return whole[skip : skip + nbytes]
 
 
-# glibc's mallopt parameters, and the values reuse_freed_heap sets
+# glibc's mallopt parameters, and the values reuse_freed_heap sets: kept for reuse, or
+# given back at once (glibc's initial thresholds, fixed)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-KEPT_FREE_HEAP = 1 << 30  # free memory at the heap's top kept for reuse
-MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks above it are maps of their own
+KEPT_FREE_HEAP, KEPT_MMAP_THRESHOLD = 1 << 30, 32 << 20  # 32 MiB: glibc's largest
+EXACT_THRESHOLD = 128 << 10
+_kept = False  # whether this process keeps freed blocks (mallopt's settings are global)
 
 
-def reuse_freed_heap() -> None:
-    """Keep freed activations in the heap for the next layer. A prompt's activations (tens
-    of MB a chunk and layer) are freed and allocated again layer after layer; under
-    glibc's adaptive thresholds many go back to the system and return as fresh zeroed
-    pages, gigabytes of page faults a long prompt. give_back_freed_heap still trims."""
+def reuse_freed_heap(keep: bool) -> None:
+    """Whether freed activations stay in the heap for the next layer.
+
+    A prompt's activations (tens of MB a chunk and layer) are freed and allocated again
+    layer after layer; under glibc's adaptive thresholds many go back to the system and
+    return as fresh zeroed pages, gigabytes of page faults a long prompt. `keep` holds
+    them (free blocks up to 1 GiB at the heap's top, blocks up to 32 MiB in the heap);
+    a model loaded under a memory budget asks for the opposite, every freed block
+    given back, so that its footprint stays what its plan counts. The first call with
+    keep False leaves glibc's own adaptive thresholds as they are."""
+    global _kept
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is not None:
-        mallopt(M_TRIM_THRESHOLD, KEPT_FREE_HEAP)
-        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    if mallopt is None or (not keep and not _kept):
+        return
+    mallopt(M_TRIM_THRESHOLD, KEPT_FREE_HEAP if keep else EXACT_THRESHOLD)
+    mallopt(M_MMAP_THRESHOLD, KEPT_MMAP_THRESHOLD if keep else EXACT_THRESHOLD)
+    _kept = keep
 
 
 def give_back_freed_heap() -> None:

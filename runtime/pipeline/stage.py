@@ -111,7 +111,7 @@ def load_stage(
         model, stream, _ = load_streamed(
             source.checkpoint, dtype, ctx, budget, process_bytes=0, kv_cache=kv_cache, layers=layers
         )
-    reuse_freed_heap()  # as load_model does
+    reuse_freed_heap(keep=budget is None)  # as load_model does
     return Stage(model, layers, dtype, threads, stream)
 
 

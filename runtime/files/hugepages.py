@@ -12,6 +12,10 @@ those straight into an `Arena`: one anonymous map that asks for transparent huge
 (MADV_HUGEPAGE; the kernel's default "madvise" mode grants them only where asked). Where
 the kernel has none, they go to torch's memory. (Float weights converted at load stay
 there: large float models gain nothing from huge pages and would load slower.)
+
+The process's heap is set here too (glibc's malloc): what loading freed is given back
+(`give_back_freed_heap`), and a loaded model's freed activations kept for reuse, or not
+under a memory budget (`reuse_freed_heap`).
 """
 
 from __future__ import annotations

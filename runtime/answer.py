@@ -108,17 +108,19 @@ def _overlap(text: str, stop: str) -> int:
     return 0
 
 
-def fit_chat(tok: Tokenizer, messages: list[dict], budget: int) -> tuple[list[int], int]:
-    """Encode a chat, first dropping its oldest messages (never a leading system message,
-    never the newest) until the prompt is at most `budget` tokens. Returns (prompt ids,
-    messages dropped); `messages` is edited in place."""
-    ids = tok.encode_chat(messages)
+def fit_chat(
+    tok: Tokenizer, messages: list[dict], budget: int, tools: list[dict] | None = None
+) -> tuple[list[int], int]:
+    """Encode a chat (offering `tools`), first dropping its oldest messages (never a
+    leading system message, never the newest) until the prompt is at most `budget`
+    tokens. Returns (prompt ids, messages dropped); `messages` is edited in place."""
+    ids = tok.encode_chat(messages, tools=tools)
     first = 1 if messages and messages[0]["role"] == "system" else 0
     dropped = 0
     while len(ids) > budget and len(messages) - first > 1:
         del messages[first]
         dropped += 1
-        ids = tok.encode_chat(messages)
+        ids = tok.encode_chat(messages, tools=tools)
     return ids, dropped
 
 

@@ -14,6 +14,7 @@ built once per Tokenizer: over a 152k vocabulary it takes about a second.
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
 
@@ -23,6 +24,7 @@ import torch
 
 from .. import InferError
 from .model.tokenizer import Tokenizer
+from .model.tool_calls import CLOSE, OPEN
 
 # "json": any JSON object (OpenAI's json_object, ollama's format "json").
 ANY_OBJECT = {"type": "object"}
@@ -49,9 +51,27 @@ def compile_format(tok: Tokenizer, fmt: str | dict) -> Grammar:
         source = llguidance.LLMatcher.grammar_from_json_schema(schema)
     except ValueError as err:
         raise InferError(f"invalid JSON schema: {_one_line(err)}") from None
+    return _compile(tok, source, "invalid JSON schema")
+
+
+def compile_tool_call(tok: Tokenizer, schema: dict) -> Grammar:
+    """An answer that is one tool call in <tool_call> tags (model/tool_calls.py), its
+    object following `schema` (call_schema), compiled for `tok`'s vocabulary. The object
+    is laid out as json.dumps does, as templates write earlier calls: no padding."""
+    layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    schema = {"x-guidance": layout, **schema}
+    lark = f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {json.dumps(schema)}\n'
+    try:
+        source = llguidance.LLMatcher.grammar_from_lark(lark)
+    except ValueError as err:
+        raise InferError(f"invalid tool parameters: {_one_line(err)}") from None
+    return _compile(tok, source, "invalid tool parameters")
+
+
+def _compile(tok: Tokenizer, source: str, what: str) -> Grammar:
     matcher = llguidance.LLMatcher(_ll_tokenizer(tok), source, log_level=0)
     if matcher.is_error():
-        raise InferError(f"invalid JSON schema: {_one_line(matcher.get_error())}")
+        raise InferError(f"{what}: {_one_line(matcher.get_error())}")
     return Grammar(matcher, tok.vocab_size)
 
 

@@ -17,6 +17,23 @@ CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# A Hermes-style template (as Qwen2.5's): tools listed in the system turn, earlier calls
+# in <tool_call> tags, tool results in the user's turn.
+HERMES = (
+    "{%- if tools %}<|im_start|>system\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools><|im_end|>\n"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant"
+    "{%- for c in m.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
+    "\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 320  # 256 byte tokens + specials, rounded up
 
@@ -127,6 +144,11 @@ def write_tokenizer(path: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def set_chat_template(path: Path, template: str) -> None:
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
 
 
 def make_hf_model(arch: str, path: Path, seed: int = 0, **overrides):

@@ -32,16 +32,22 @@ _deadline: contextvars.ContextVar[float] = contextvars.ContextVar("chat_template
 
 
 class ChatTemplate:
-    """A compiled template: `render(messages, add_generation_prompt, bos_token=...)`."""
+    """A compiled template: `render(messages, add_generation_prompt, tools, bos_token=...)`."""
 
     def __init__(self, source: str):
         self._template = _compile_template(source)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **tokens) -> str:
+    def render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **tokens,
+    ) -> str:
         context = {
             "messages": [dict(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
-            "tools": None,
+            "tools": tools or None,
             "documents": None,
             **tokens,
         }

@@ -28,6 +28,7 @@ from ... import InferError
 from .chat_template import ChatTemplate
 from .pretokenizers import FALLBACK_PRE_TOKENIZER, PRE_TOKENIZERS, byte_level_pre_tokenizer
 from .spm_merges import spm_merges
+from .tool_calls import TOOL_CALL_TAGS, takes_tools
 
 # GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -142,7 +143,10 @@ class Tokenizer:
         # (spelling a 262k vocabulary up front took a third of its construction).
         self._pieces = pieces
         self._spell = spell
-        self._special_ids = special_ids  # dropped by decode(skip_special=True)
+        # dropped by decode(skip_special=True); not tool-call tags, even where the file
+        # marks them special: an answer's reader needs them (tool_calls.py)
+        tags = {backend.token_to_id(t) for t in TOOL_CALL_TAGS}
+        self._special_ids = special_ids - tags
         # SentencePiece puts a space before the text; decoding a sequence takes it off.
         self._strip_leading_space = strip_leading_space
         self.vocab_size = len(pieces)
@@ -242,9 +246,15 @@ class Tokenizer:
 
     # -- chat ---------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ({"role", "content"} dicts) with the model's template, in a
-        sandbox, with the variables transformers provides."""
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """Render `messages` ({"role", "content"} dicts, an assistant's with "tool_calls")
+        with the model's template, in a sandbox, with the variables transformers provides;
+        `tools` as transformers passes them (OpenAI's {"type": "function", ...})."""
         if self._compiled_template is None:
             self._compiled_template = ChatTemplate(self.chat_template or self._fallback_template())
         specials = {
@@ -252,17 +262,28 @@ class Tokenizer:
             for name, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_id))
             if token_id is not None
         }
-        return self._compiled_template.render(messages, add_generation_prompt, **specials)
+        return self._compiled_template.render(messages, add_generation_prompt, tools, **specials)
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template lists tools and asks for calls as tool_calls.py
+        reads them."""
+        return takes_tools(self.chat_template or "")
 
     def _fallback_template(self) -> str:
         """The template of a model that has none (see CHATML_TEMPLATE)."""
         gemma = all(self._backend.token_to_id(t) is not None for t in GEMMA_TURN_TOKENS)
         return GEMMA_TEMPLATE if gemma else CHATML_TEMPLATE
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
         """Render and encode a chat. BOS goes in once: where the template writes it and the
         model adds one too, the written one is dropped (what llama.cpp does)."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         bos = self._token_text(self.bos_id)
         if self.add_bos and bos and text.startswith(bos):
             text = text[len(bos) :]

@@ -1,0 +1,161 @@
+"""Tool calls in the Hermes format, which Qwen2.5, Qwen3, Hermes and SmolLM3 are trained on:
+the chat template lists the tools (its `tools` variable), and the model calls one as
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+one block per call, after any text. Small models often drop the tags and answer with the
+object alone, or in a ```json fence: an answer that begins so is read as calls too (as
+llama.cpp's server reads them). An object is a call only if it names an offered tool.
+
+Here: whether a template takes tools, the calls in an answer (whole, or as it streams),
+and the schema of a call, for an answer that must be one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+TOOL_CALL_TAGS = (OPEN, CLOSE)  # single tokens in Qwen's vocabulary, marked special
+
+# Where a call's object starts: after its tag or fence, if any; and what may close it.
+_OPENER = re.compile(r"\s*(?:<tool_call>|```(?:json)?)?\s*(?=\{)")
+_CLOSER = re.compile(r"\s*(?:</tool_call>|```)?")
+# The beginnings of an answer that is calls, whitespace taken out.
+_STARTS = (OPEN, '```json{"name"', '```{"name"', '{"name"')
+
+
+def takes_tools(template: str) -> bool:
+    """Whether a chat template renders `tools` and asks for calls in <tool_call> tags."""
+    return OPEN in template and re.search(r"\btools\b", template) is not None
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+def parse_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
+    """(the answer's text without its calls, the calls) where the answer begins with
+    calls or has a <tool_call> tag; (text, []) when it has none, or when what follows is
+    not a call of one of `names` (the model wrote about a call): then it is all text."""
+    found = _find_calls(text, names)
+    if found is None:
+        return text, []
+    at, calls, end = found
+    before, after = text[:at].rstrip(), text[end:].strip()
+    return "\n\n".join(t for t in (before, after) if t), calls
+
+
+def _find_calls(text: str, names: set[str]) -> tuple[int, list[ToolCall], int] | None:
+    """Where the calls start, the calls, where they end; None if there are none."""
+    for at in (0, text.find(OPEN)):
+        if at < 0 or at == 0 and not _starts_calls(text):
+            continue
+        calls, end = _scan(text, at, names)
+        if calls:
+            return at, calls, end
+    return None
+
+
+def _starts_calls(text: str) -> bool:
+    squeezed = re.sub(r"\s+", "", text[:64])
+    return squeezed.startswith(_STARTS)
+
+
+def _scan(text: str, pos: int, names: set[str]) -> tuple[list[ToolCall], int]:
+    """The calls from `pos` on, one after another, and where they end."""
+    calls, decoder = [], json.JSONDecoder()
+    while m := _OPENER.match(text, pos):
+        try:
+            obj, end = decoder.raw_decode(text, m.end())
+        except ValueError:
+            break
+        call = _call(obj, names)
+        if call is None:
+            break
+        calls.append(call)
+        pos = _CLOSER.match(text, end).end()
+    return calls, pos
+
+
+def _call(obj, names: set[str]) -> ToolCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return ToolCall(obj["name"], args) if isinstance(args, dict) else None
+
+
+class CallSplitter:
+    """An answer's text as it streams: `feed` returns what may be shown now. The start
+    of the answer is held while it may be a call; later, the end of a piece that may
+    begin a <tool_call> tag, and everything from the tag on. `finish` returns the rest to
+    show and the calls (parse_calls of the whole answer)."""
+
+    def __init__(self, names: set[str]):
+        self._names = names
+        self._text = ""  # the whole answer so far
+        self._shown = 0  # how much of it `feed` returned
+        self._at_start = True  # nothing shown yet: the answer may be calls
+
+    def feed(self, piece: str) -> str:
+        self._text += piece
+        text = self._text
+        if self._at_start:
+            squeezed = re.sub(r"\s+", "", text[:64])
+            if any(s.startswith(squeezed) or squeezed.startswith(s) for s in _STARTS):
+                return ""  # a call, or maybe one: held
+            self._at_start = False
+        tag = text.find(OPEN, self._shown)
+        end = tag if tag >= 0 else len(text) - _partial_tag(text)
+        out, self._shown = text[self._shown : max(end, self._shown)], max(end, self._shown)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        found = _find_calls(self._text, self._names)
+        if found is None:
+            return self._text[self._shown :], []
+        at, calls, end = found  # the text before `at` not shown yet, and after the calls
+        parts = (self._text[self._shown : at].rstrip(), self._text[end:].strip())
+        return "\n\n".join(t for t in parts if t), calls
+
+
+def _partial_tag(text: str) -> int:
+    """How many characters at the end of `text` begin OPEN."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def call_schema(tools: list[dict], name: str | None = None) -> dict:
+    """The JSON schema of one call's object ({"name", "arguments"}) of one of `tools`
+    (OpenAI's {"type": "function", "function": {...}}), or of the one called `name`."""
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": t["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+        if name is None or t["function"]["name"] == name
+    ]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def tool_names(tools: list[dict] | None) -> set[str]:
+    return {t["function"]["name"] for t in tools or ()}

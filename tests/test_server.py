@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
+from tiny import HERMES, make_hf_model, set_chat_template
 
 MODEL = "smollm2-135m"
 KEY = "sk-test-123"
@@ -116,6 +118,10 @@ def files(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
         "link": root / "served" / "link.gguf",
     }
     files["link"].symlink_to(files["outside"])
+    # A tiny random model whose template offers tools (Hermes style), served by path.
+    files["tools"] = root / "served" / "tools"
+    make_hf_model("qwen2", files["tools"], max_position_embeddings=1024)
+    set_chat_template(files["tools"], HERMES)
     return files
 
 
@@ -456,7 +462,7 @@ def test_ollama_listings(http):
     show = http.post("/api/show", json={"model": MODEL}).json()
     assert show["details"]["format"] == "gguf" and show["details"]["quantization_level"] == "Q4_1"
     assert show["model_info"]["general.architecture"] == "llama"
-    assert "im_start" in show["template"]
+    assert "im_start" in show["template"] and show["capabilities"] == ["completion"]
     assert re.fullmatch(r"\d+\.\d+\.\d+.*", http.get("/api/version").json()["version"])
     assert http.get("/health").json()["status"] == "ok"
 
@@ -667,6 +673,109 @@ def test_models_dir_policy(http, files):
         # Unloaded again, to leave one model for the tests after.
         r = http.post("/api/generate", json={"model": str(name), "keep_alive": 0})
         assert r.status_code == 200 and r.json()["done_reason"] == "unload"
+
+
+# -- tool calls ---------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+NONE = {"type": "object", "properties": {}, "additionalProperties": False}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": NONE}}
+
+
+def test_tools_need_a_template_that_takes_them(oai, http):
+    """The default model's template lists no tools: a clear 400 from both APIs."""
+    with pytest.raises(openai.BadRequestError, match="does not support tools"):
+        oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER])
+    r = http.post("/api/chat", json={"model": MODEL, "messages": QUESTION, "tools": [WEATHER]})
+    assert r.status_code == 400 and r.json()["error"] == f"{MODEL} does not support tools"
+    # tool_choice "none" offers no tools: a plain answer
+    r = oai.chat.completions.create(
+        model=MODEL, messages=QUESTION, tools=[WEATHER], tool_choice="none", max_tokens=2
+    )
+    assert r.choices[0].message.tool_calls is None
+
+
+def test_required_tool_call(oai, http, files):
+    """tool_choice "required" (or a named tool): the answer is a call, parsed into
+    tool_calls (streamed or not), its arguments valid; an earlier call and its result in
+    the messages are taken."""
+    model = str(files["tools"])
+    show = http.post("/api/show", json={"model": model}).json()
+    assert show["capabilities"] == ["completion", "tools"]
+    messages = [{"role": "user", "content": "Weather?"}]
+    for choice, names in (("required", {"get_weather", "get_time"}), (WEATHER, {"get_weather"})):
+        if isinstance(choice, dict):
+            choice = {"type": "function", "function": {"name": "get_weather"}}
+        r = oai.chat.completions.create(
+            model=model, messages=messages, tools=[WEATHER, CLOCK], tool_choice=choice,
+            max_tokens=200, temperature=1.0, seed=3,
+        )  # fmt: skip
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None, (c, r.usage)
+        (call,) = c.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        if call.function.name == "get_weather":
+            jsonschema.validate(
+                json.loads(call.function.arguments), WEATHER["function"]["parameters"]
+            )
+    stream = oai.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER], tool_choice="required",
+        max_tokens=200, stream=True, temperature=0,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert not any(ch.choices and ch.choices[0].delta.content for ch in chunks)  # never shown
+    calls = [t for ch in chunks if ch.choices for t in ch.choices[0].delta.tool_calls or ()]
+    assert [t.function.name for t in calls] == ["get_weather"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the call and its result, sent back
+    args = calls[0].function.arguments
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]  # fmt: skip
+    r = oai.chat.completions.create(model=model, messages=history, tools=[CLOCK], max_tokens=2)
+    assert r.usage.prompt_tokens > len("18 C" + args)
+    ollama_history = [*history[:1], {**history[1], "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": json.loads(args)}}]}, history[2]]  # fmt: skip
+    body = {"model": model, "messages": ollama_history, "tools": [CLOCK], "stream": False}
+    r = http.post("/api/chat", json={**body, "options": {"num_predict": 2}})
+    assert r.status_code == 200 and r.json()["prompt_eval_count"] > 0, r.text
+    # bad calls and choices are 400s
+    bad = [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
+        ({"tool_choice": "sometimes"}, "tool_choice must be"),
+        ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0] must be"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{"}}],
+                    }
+                ]
+            },
+            "not valid JSON",
+        ),
+    ]
+    for extra, words in bad:
+        body = {"model": model, "messages": messages, "tools": [WEATHER], **extra}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert http.post("/api/generate", json={"model": model, "keep_alive": 0}).status_code == 200
 
 
 def test_keep_alive_zero_unloads(http):

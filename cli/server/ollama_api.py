@@ -1,4 +1,5 @@
-"""The ollama API: /api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version.
+"""The ollama API: /api/chat (with tool calls), /api/generate, /api/tags, /api/ps,
+/api/show, /api/version.
 
 Streams are newline-delimited JSON objects, the last with `"done": true` and ollama's
 timings in nanoseconds; errors are `{"error": "message"}` with the HTTP status.
@@ -16,6 +17,7 @@ from starlette.routing import Route
 
 from ... import __version__
 from ...runtime.generate import Penalties
+from ...runtime.model.tool_calls import CallSplitter, ToolCall, parse_calls, tool_names
 from .errors import ApiError
 from .requests import (
     NUMBER,
@@ -30,6 +32,7 @@ from .requests import (
     run,
     sampling_of,
     stop_of,
+    tools_of,
 )
 
 
@@ -106,6 +109,7 @@ async def _answer(request: Request, chat: bool):
     name = req.model or app.pool.default_name
     if chat:
         req.messages = messages_of(body) if body.get("messages") else None
+        req.tools = tools_of(body)
     else:
         prompt = get(body, "prompt", str, "")
         system = get(body, "system", str, None)
@@ -131,25 +135,42 @@ async def _answer(request: Request, chat: bool):
     p = await prepare(app.pool, req)
     load_s = time.perf_counter() - t_load  # loading the model, if it was not, and encoding
 
-    def message(piece: str) -> dict:
+    def message(piece: str, calls: list[ToolCall] | None = None) -> dict:
         out = {"model": name, "created_at": _now()}
         if chat:
             out["message"] = {"role": "assistant", "content": piece}
+            if calls:  # ollama's: arguments as an object
+                out["message"]["tool_calls"] = [
+                    {"function": {"name": c.name, "arguments": c.arguments}} for c in calls
+                ]
         else:
             out["response"] = piece
         return out
 
     if not req.stream:
         text, finished = await collect(p, app.metrics, request)
-        return JSONResponse({**message(text), **_done_fields(finished, load_s, t0, p.dropped)})
+        calls = []
+        if req.tools is not None:
+            text, calls = parse_calls(text, tool_names(req.tools))
+        done = _done_fields(finished, load_s, t0, p.dropped)
+        return JSONResponse({**message(text, calls), **done})
+
+    # With tools, text that may begin a call is held back until it is known to be one.
+    splitter = CallSplitter(tool_names(req.tools)) if req.tools is not None else None
 
     async def lines():
         try:
             async for item in run(p, app.metrics):
                 if isinstance(item, Finished):
+                    rest, calls = splitter.finish() if splitter else ("", [])
+                    if rest or calls:
+                        yield json.dumps({**message(rest, calls), "done": False}) + "\n"
                     out = {**message(""), **_done_fields(item, load_s, t0, p.dropped)}
                 else:
-                    out = {**message(item), "done": False}
+                    piece = splitter.feed(item) if splitter else item
+                    if not piece:
+                        continue
+                    out = {**message(piece), "done": False}
                 yield json.dumps(out) + "\n"
         except ApiError as err:  # after the headers went out: an error line ends it
             yield json.dumps({"error": err.message}) + "\n"
@@ -250,7 +271,7 @@ async def show(request: Request):
                 f"{arch}.attention.head_count_kv": args.n_kv_heads,
                 f"{arch}.vocab_size": args.vocab_size,
             },
-            "capabilities": ["completion"],
+            "capabilities": ["completion", "tools"] if tok.takes_tools else ["completion"],
         }
     )
 

@@ -1,4 +1,4 @@
-"""The OpenAI API: /v1/chat/completions, /v1/completions, /v1/models.
+"""The OpenAI API: /v1/chat/completions (with tool calls), /v1/completions, /v1/models.
 
 Streams are server-sent events (`data: {...}` chunks, then `data: [DONE]`); errors
 are `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ...runtime.generate import Penalties
+from ...runtime.model.tool_calls import CallSplitter, ToolCall, parse_calls, tool_names
 from .errors import ApiError
 from .requests import (
     NUMBER,
@@ -29,6 +30,7 @@ from .requests import (
     run,
     sampling_of,
     stop_of,
+    tools_of,
 )
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
@@ -42,8 +44,47 @@ def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(body, status_code=err.status)
 
 
-def _finish_reason(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
+def _finish_reason(reason: str, calls: list[ToolCall] | None = None) -> str:
+    return "tool_calls" if calls else "length" if reason == "length" else "stop"
+
+
+def _tool_calls(calls: list[ToolCall], streamed: bool = False) -> list[dict]:
+    """OpenAI's tool_calls: each with an id, its arguments as a JSON string (and in a
+    stream's delta, its index)."""
+    out = []
+    for i, c in enumerate(calls):
+        call = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+        }
+        out.append({"index": i, **call} if streamed else call)
+    return out
+
+
+def _tool_choice(body: dict, req: AnswerRequest) -> None:
+    """tool_choice: "auto" (the default), "none" (no tools offered), "required" (the
+    answer is a call), or {"type": "function", "function": {"name": NAME}} (a call of it)."""
+    choice = body.get("tool_choice")
+    if choice in (None, "auto") or req.tools is None:
+        return
+    if choice == "none":
+        req.tools = None
+        return
+    if choice == "required":
+        req.call_required = True
+    elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+        name = choice["function"]["name"]
+        if name not in [t["function"]["name"] for t in req.tools]:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+        req.call_required, req.call_name = True, name
+    else:
+        raise ApiError(
+            400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+            '"function": {"name": ...}}', "tool_choice",
+        )  # fmt: skip
+    if req.format is not None:
+        raise ApiError(400, "give response_format or a required tool call, not both", "tool_choice")
 
 
 def _usage(f: Finished) -> dict:
@@ -111,6 +152,8 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
     )
     if chat:
         req.messages = messages_of(body)
+        req.tools = tools_of(body)
+        _tool_choice(body, req)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -136,10 +179,18 @@ async def _complete(request: Request, chat: bool):
     }
     if not req.stream:
         content, finished = await collect(p, app.metrics, request)
-        reason = _finish_reason(finished.answer.finish_reason)
+        calls = []
+        if req.tools is not None:
+            content, calls = parse_calls(content, tool_names(req.tools))
+        reason = _finish_reason(finished.answer.finish_reason, calls)
         choice = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": content}
+            choice["message"] = {
+                "role": "assistant",
+                "content": (content or None) if calls else content,
+            }
+            if calls:
+                choice["message"]["tool_calls"] = _tool_calls(calls)
         else:
             choice["text"] = content
         return JSONResponse({**common, "choices": [choice], "usage": _usage(finished)})
@@ -147,13 +198,16 @@ async def _complete(request: Request, chat: bool):
     include_usage = bool(get(body, "stream_options", dict, {}).get("include_usage"))
     common["object"] = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(piece: str | None, reason: str | None = None) -> str:
+    def chunk(piece: str | None, reason: str | None = None, delta: dict | None = None) -> str:
         choice: dict = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:
-            choice["delta"] = {} if piece is None else {"content": piece}
+            choice["delta"] = delta or ({} if piece is None else {"content": piece})
         else:
             choice["text"] = piece or ""
         return json.dumps({**common, "choices": [choice]})
+
+    # With tools, text that may begin a call is held back until it is known to be one.
+    splitter = CallSplitter(tool_names(req.tools)) if req.tools is not None else None
 
     async def events():
         if chat:
@@ -166,11 +220,23 @@ async def _complete(request: Request, chat: bool):
         try:
             async for item in run(p, app.metrics):
                 if isinstance(item, Finished):
-                    yield {"data": chunk(None, _finish_reason(item.answer.finish_reason))}
+                    rest, calls = splitter.finish() if splitter else ("", [])
+                    if rest:
+                        yield {"data": chunk(rest)}
+                    if calls:
+                        yield {
+                            "data": chunk(
+                                None, delta={"tool_calls": _tool_calls(calls, streamed=True)}
+                            )
+                        }
+                    reason = _finish_reason(item.answer.finish_reason, calls)
+                    yield {"data": chunk(None, reason)}
                     if include_usage:
                         yield {"data": json.dumps({**common, "choices": [], "usage": _usage(item)})}
                 else:
-                    yield {"data": chunk(item)}
+                    piece = splitter.feed(item) if splitter else item
+                    if piece:
+                        yield {"data": chunk(piece)}
         except ApiError as err:  # after the headers went out: an error event, then the end
             yield {"data": json.dumps({"error": {"message": err.message, "type": "server_error"}})}
         yield {"data": "[DONE]"}

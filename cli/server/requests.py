@@ -21,8 +21,9 @@ from starlette.requests import ClientDisconnect, Request
 from ... import InferError
 from ...runtime.answer import Answer, answer_room, fit_chat
 from ...runtime.generate import Penalties
+from ...runtime.model.tool_calls import call_schema
 from ...runtime.scheduler import Job, Sampling
-from ...runtime.structured import compile_format
+from ...runtime.structured import compile_format, compile_tool_call
 from .errors import ApiError
 from .pool import Loaded, ModelPool, parse_keep_alive
 
@@ -106,15 +107,67 @@ def text_content(content, where: str) -> str:
 
 
 def messages_of(body: dict) -> list[dict]:
+    """The chat as templates take it: role and text content, an assistant's tool_calls
+    (arguments as objects), a tool result's tool_call_id and name."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of messages", "messages")
     out = []
     for i, m in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a role", "messages")
-        out.append({"role": m["role"], "content": text_content(m.get("content"), f"messages[{i}]")})
+            raise ApiError(400, f"{where} must be an object with a role", "messages")
+        msg = {"role": m["role"], "content": text_content(m.get("content"), where)}
+        calls = get(m, "tool_calls", list, [])
+        if calls:
+            msg["tool_calls"] = [
+                _tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
+            ]
+        for key in ("tool_call_id", "name", "tool_name"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        out.append(msg)
     return out
+
+
+def _tool_call(call, where: str) -> dict:
+    """An earlier call, OpenAI's (arguments a JSON string) or ollama's (an object)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ApiError(400, f"{where} must be an object with a function and its name", "messages")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ApiError(400, f"{where}: arguments is not valid JSON", "messages") from None
+    if not isinstance(args, dict):
+        raise ApiError(400, f"{where}: arguments must be a JSON object", "messages")
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def tools_of(body: dict) -> list[dict] | None:
+    """`tools`, both APIs' shape: [{"type": "function", "function": {"name", "description",
+    "parameters"}}]; None when none are given."""
+    tools = get(body, "tools", list, [])
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("parameters", {}), dict)
+        ):
+            raise ApiError(
+                400,
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                f'"parameters": {{...}}}}}}',
+                "tools",
+            )
+    return tools or None
 
 
 def stop_of(value, key: str = "stop") -> tuple[str, ...]:
@@ -154,6 +207,9 @@ class AnswerRequest:
     truncate: bool = False  # drop a chat's oldest messages when it does not fit (ollama)
     format: str | dict | None = None  # "json" or a JSON schema the answer must follow
     format_param: str = "format"  # the field it came from, for errors
+    tools: list[dict] | None = None  # offered to the model (a chat's template lists them)
+    call_required: bool = False  # the answer must be a call (of call_name, if given)
+    call_name: str | None = None
 
 
 @dataclass(eq=False)  # hashed by identity, for Loaded.pending
@@ -177,8 +233,10 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
         # Without truncation every message must fit: a budget of all the context.
         room = answer_room(limit, req.max_tokens) if req.max_tokens > 0 else 0
         budget = limit - room if req.truncate else math.inf
+        if req.tools is not None and not tok.takes_tools:
+            raise ApiError(400, f"{loaded.name} does not support tools", "tools")
         try:
-            ids, dropped = fit_chat(tok, req.messages, budget)
+            ids, dropped = fit_chat(tok, req.messages, budget, req.tools)
         except InferError as e:  # the template refused these messages
             raise ApiError(400, str(e), "messages") from None
     else:
@@ -197,6 +255,13 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
             grammar = await anyio.to_thread.run_sync(compile_format, tok, req.format)
         except InferError as e:
             raise ApiError(400, f"{req.format_param}: {e}", req.format_param) from None
+        constraint = grammar.matcher()
+    elif req.call_required and req.tools:
+        schema = call_schema(req.tools, req.call_name)
+        try:
+            grammar = await anyio.to_thread.run_sync(compile_tool_call, tok, schema)
+        except InferError as e:
+            raise ApiError(400, f"tools: {e}", "tools") from None
         constraint = grammar.matcher()
     prepared = Prepared(loaded, ids, req, dropped, constraint)
     loaded.pending.add(prepared)  # until `run` ends (or it is dropped, never run)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import InferError
-from .generate import Decoding, Penalties, Sampler
+from .generate import Decoding, Penalties, Sampler, TokenLogprob
 from .model.tokenizer import Tokenizer
 from .session import Session, decode, prefill_together
 
@@ -39,6 +39,7 @@ class Answer:
     decode_s: float = 0.0  # first token to last token
     n_decoded: int = 0  # tokens chosen in decode_s (after the first)
     context: int = 0  # the session's positions; a "length" answer may have filled them
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, if asked for
 
     @property
     def n_generated(self) -> int:
@@ -154,7 +155,9 @@ class Answering:
     the answer "cancelled" after the pass it is in; `finish(reason)` ends it from
     outside (Ctrl-C: "interrupted"). What was generated so far is kept. A `constraint`
     (structured.py, one per answer) keeps the text to its grammar; a `drafter`
-    (speculative.py) makes feed() add guessed tokens, and take() keep those that hold."""
+    (speculative.py) makes feed() add guessed tokens, and take() keep those that hold.
+    With `logprobs` (generate.Decoding's), each token's goes to `answer.logprobs`, and
+    `on_logprobs` gets those of a piece of text just before `on_text` gets the piece."""
 
     def __init__(
         self,
@@ -169,6 +172,8 @@ class Answering:
         cancelled: Callable[[], bool] = lambda: False,
         constraint: Constraint | None = None,
         drafter: Drafter | None = None,
+        logprobs: int | None = None,
+        on_logprobs: Callable[[list[TokenLogprob]], None] = lambda _: None,
     ):
         if len(prompt) > session.max_seq_len:
             raise InferError(
@@ -181,7 +186,11 @@ class Answering:
         max_tokens = room if max_tokens < 0 else min(max_tokens, room)
         ctx = session.max_seq_len
         self.answer = Answer(len(prompt), session.reused_prefix(prompt), context=ctx)
-        self.decoding = Decoding(sampler, max_tokens, prompt, penalties, constraint, drafter)
+        self.decoding = Decoding(
+            sampler, max_tokens, prompt, penalties, constraint, drafter, logprobs
+        )
+        self.on_logprobs = on_logprobs
+        self._logprobs_sent = 0  # answer.logprobs given to on_logprobs
         self.decoder, self.stops = tok.stream_decoder(), StopStrings(stop)
         self.stop_ids = tok.stop_ids
         self.prefilling = max_tokens > 0
@@ -229,6 +238,8 @@ class Answering:
             if token in self.stop_ids:
                 return self.finish("stop")
             self.answer.tokens.append(token)
+            if self.decoding.logprobs is not None:
+                self.answer.logprobs.append(self.decoding.token_logprobs[self._chosen - 1])
             shown, stopped = self.stops.push(self.decoder.push(token))
             self._emit(shown)
             if stopped:
@@ -260,6 +271,9 @@ class Answering:
     def _emit(self, piece: str) -> None:
         if piece:
             self.answer.text += piece
+            if self._logprobs_sent < len(self.answer.logprobs):
+                self.on_logprobs(self.answer.logprobs[self._logprobs_sent :])
+                self._logprobs_sent = len(self.answer.logprobs)
             self.on_text(piece)
 
 
@@ -276,12 +290,13 @@ def stream_answer(
     constraint: Constraint | None = None,
     prefill_chunk: int = 512,
     drafter: Drafter | None = None,
+    logprobs: int | None = None,
 ) -> Answer:
     """Generate after `prompt` in `session` alone, calling `on_text` with each decoded
     piece (Answering's loop). Ctrl-C ends the answer "interrupted"."""
     a = Answering(
         session, tok, prompt, sampler, max_tokens, on_text, penalties, stop, cancelled,
-        constraint, drafter,
+        constraint, drafter, logprobs,
     )  # fmt: skip
     try:
         while a.prefilling:

@@ -18,7 +18,24 @@ from .speculative import Drafter, Guess, verify
 if TYPE_CHECKING:
     from .structured import Constraint
 
-__all__ = ["Decoding", "Penalties", "Sampler", "generate", "make_sampler"]
+__all__ = ["Decoding", "Penalties", "Sampler", "TokenLogprob", "generate", "make_sampler"]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log probability under the model (its logits' log-softmax, before
+    penalties, sampling settings or a grammar), and the `top` most likely tokens'."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    lp = torch.log_softmax(logits.float(), -1)
+    best = torch.topk(lp, top) if top > 0 else None
+    pairs = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best else ()
+    return TokenLogprob(token, float(lp[token]), pairs)
 
 
 @dataclass(frozen=True)
@@ -67,6 +84,8 @@ class Decoding:
     A `constraint` (structured.py) masks the logits after the penalties and follows
     each token. With a `drafter` (speculative.py), feed() adds guesses of the next tokens
     after the last one, and choose() keeps those the model agrees with, row by row.
+    With `logprobs` (the number of alternatives: 0 or more), `token_logprobs` holds a
+    TokenLogprob per chosen token.
     """
 
     def __init__(
@@ -77,11 +96,14 @@ class Decoding:
         penalties: Penalties | None = None,
         constraint: Constraint | None = None,
         drafter: Drafter | None = None,
+        logprobs: int | None = None,
     ):
         self.sampler, self.penalties, self.constraint = as_sampler(sampler), penalties, constraint
         self.history = list(history)  # prompt and answer so far (the penalties' window)
         self.remaining = max_tokens
         self.tokens: list[int] = []  # chosen so far
+        self.logprobs = logprobs
+        self.token_logprobs: list[TokenLogprob] = []  # with `logprobs`: one per token
         self.drafter = drafter
         self._guesses: list[Guess] | None = None  # fed after the last token, to be checked
         if drafter is not None:
@@ -118,6 +140,8 @@ class Decoding:
                 token, kept = verify(p, guesses[j], self.sampler)
             else:
                 token, kept = self.sampler.draw(p), False
+            if self.logprobs is not None:
+                self.token_logprobs.append(token_logprob(row, token, self.logprobs))
             self._take(token)
             new.append(token)
             if not kept:

@@ -56,8 +56,9 @@ class Sampling:
 @dataclass
 class Job:
     """One answer to generate. `on_event(kind, value)` is called from the scheduler's
-    thread with ("text", piece) as text comes, then once ("done", Answer) or
-    ("error", InferError)."""
+    thread with ("text", piece) as text comes (with `logprobs`, just before it ("logprobs",
+    [TokenLogprob]) for the piece's tokens), then once ("done", Answer) or ("error",
+    InferError)."""
 
     prompt: list[int]
     max_tokens: int  # < 0: until the context is full
@@ -67,6 +68,7 @@ class Job:
     stop: Sequence[str] = ()
     context: int | None = None  # the request's own context limit (ollama's num_ctx)
     constraint: object | None = None  # structured.Constraint: the answer keeps to a grammar
+    logprobs: int | None = None  # give each token's log probability, and this many others'
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when a slot took it (its prefill began)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -255,6 +257,8 @@ class Scheduler:
             cancelled=lambda: job.cancelled,
             constraint=job.constraint,
             drafter=self._drafter(i),
+            logprobs=job.logprobs,
+            on_logprobs=lambda entries: job.on_event("logprobs", entries),
         )
         answering.answer.context = limit
         return answering

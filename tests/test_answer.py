@@ -3,6 +3,7 @@ tiny random model."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -107,6 +108,45 @@ def test_scheduler_reuses_the_slot_holding_the_prefix(tiny):
         assert text_a == alone.text
     finally:
         scheduler.close()
+
+
+def test_logprobs_are_the_models(tiny):
+    """Each token's log probability (and its top alternatives) is the log-softmax of the
+    logits that one forward pass over prompt and answer gives at its position; greedy
+    takes the top one. Through the scheduler, each piece's come just before it."""
+    tok = tiny.tokenizer
+    prompt = tok.encode("count with me: one two three")
+    greedy = make_sampler(0)
+    answer = stream_answer(
+        Session(tiny.model, 128), tok, prompt, greedy, 8, lambda _: None, logprobs=3
+    )
+    assert len(answer.logprobs) == len(answer.tokens) > 0
+    full = Session(tiny.model, 128).forward(prompt + answer.tokens, 0, all_logits=True)
+    ref = torch.log_softmax(full.float(), -1)[len(prompt) - 1 :]
+    for e, token, row in zip(answer.logprobs, answer.tokens, ref, strict=False):
+        assert e.token == token and abs(e.logprob - row[token]) < 1e-4
+        assert [t for t, _ in e.top] == row.topk(3).indices.tolist()
+        assert e.top[0] == (token, e.logprob)
+
+    scheduler = Scheduler(tiny.model, tiny.tokenizer, parallel=1, context=128)
+    events, done = [], threading.Event()
+
+    def on_event(kind, value):
+        events.append((kind, value))
+        if kind in ("done", "error"):
+            done.set()
+
+    try:
+        scheduler.submit(Job(prompt, 8, on_event, Sampling(temperature=0), logprobs=3))
+        assert done.wait(60)
+    finally:
+        scheduler.close()
+    kinds = [k for k, _ in events]
+    assert kinds[-1] == "done" and all(
+        b == "text" for a, b in itertools.pairwise(kinds) if a == "logprobs"
+    )
+    sent = [e.token for k, v in events if k == "logprobs" for e in v]
+    assert sent == events[-1][1].tokens[: len(sent)] and events[-1][1].tokens == answer.tokens
 
 
 def test_scheduler_reports_errors_and_goes_on(tiny):

@@ -223,6 +223,10 @@ class Tokenizer:
         keeps a SentencePiece leading space that `decode` of a whole text would drop."""
         return StreamDecoder(self, skip_special)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for (a special token's: its text)."""
+        return self._piece(int(token_id), False)
+
     @property
     def pieces(self) -> list[bytes]:
         """Every id's bytes, in id order."""

@@ -295,6 +295,46 @@ def test_completions(oai):
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
 
 
+def test_logprobs(oai, http, greedy):
+    """Each answer token's log probability and top alternatives, in all three shapes
+    (chat, legacy completions, ollama), streamed or not: greedy takes the top one, and the
+    tokens spell the answer."""
+    r = oai.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == r.choices[0].message.content == greedy(QUESTION, 6)
+    assert len(content) == r.usage.completion_tokens == 6
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob == t.logprob <= 0 and bytes(t.bytes).decode() == t.token
+        assert [a.logprob for a in t.top_logprobs] == sorted(
+            (a.logprob for a in t.top_logprobs), reverse=True
+        )
+    streamed = oai.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=6, temperature=0, logprobs=True, stream=True
+    )
+    tokens = [
+        t
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    assert [t.token for t in tokens] == [t.token for t in content] and not tokens[0].top_logprobs
+    legacy = oai.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=2
+    ).choices[0]
+    assert "".join(legacy.logprobs.tokens) == legacy.text and legacy.logprobs.text_offset[0] == 0
+    assert all(len(top) == 2 for top in legacy.logprobs.top_logprobs)
+    body = {"model": MODEL, "messages": QUESTION, "stream": False, "logprobs": True}
+    r = http.post("/api/chat", json={**body, "options": {"num_predict": 4, "temperature": 0}})
+    assert [t["token"] for t in r.json()["logprobs"]] == [t.token for t in content[:4]]
+    r = http.post("/v1/chat/completions", json={**body, "top_logprobs": 21})
+    assert r.status_code == 400 and "top_logprobs" in r.text
+    r = oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
+    assert r.choices[0].logprobs is None  # not asked for
+
+
 def test_models_list(oai):
     assert MODEL in [m.id for m in oai.models.list()]
 

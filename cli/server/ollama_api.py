@@ -26,6 +26,8 @@ from .requests import (
     collect,
     get,
     keep_alive_of,
+    logprob_json,
+    logprobs_of,
     messages_of,
     prepare,
     read_json,
@@ -61,6 +63,7 @@ def _answer_request(body: dict) -> AnswerRequest:
         last_n=get(options, "repeat_last_n", int, 64, check=lambda v: v >= -1, must="-1 or more"),
     )
     return AnswerRequest(
+        logprobs=logprobs_of(body, get(body, "logprobs", bool, False)),
         model=get(body, "model", str, None),
         max_tokens=num_predict if num_predict > 0 else -1,
         sampling=sampling,
@@ -153,6 +156,9 @@ async def _answer(request: Request, chat: bool):
         if req.tools is not None:
             text, calls = parse_calls(text, tool_names(req.tools))
         done = _done_fields(finished, load_s, t0, p.dropped)
+        if req.logprobs is not None:
+            tok = p.loaded.lm.tokenizer
+            done["logprobs"] = [logprob_json(tok, e) for e in finished.answer.logprobs]
         return JSONResponse({**message(text, calls), **done})
 
     # With tools, text that may begin a call is held back until it is known to be one.
@@ -171,6 +177,8 @@ async def _answer(request: Request, chat: bool):
                     if not piece:
                         continue
                     out = {**message(piece), "done": False}
+                    if req.logprobs is not None:
+                        out["logprobs"] = p.take_logprobs()
                 yield json.dumps(out) + "\n"
         except ApiError as err:  # after the headers went out: an error line ends it
             yield json.dumps({"error": err.message}) + "\n"

@@ -24,6 +24,8 @@ from .requests import (
     Finished,
     collect,
     get,
+    logprob_json,
+    logprobs_of,
     messages_of,
     prepare,
     read_json,
@@ -85,6 +87,25 @@ def _tool_choice(body: dict, req: AnswerRequest) -> None:
         )  # fmt: skip
     if req.format is not None:
         raise ApiError(400, "give response_format or a required tool call, not both", "tool_choice")
+
+
+def _logprobs(req: AnswerRequest, entries: list[dict], chat: bool) -> dict | None:
+    """A choice's logprobs: the chat API's {"content": [...]}, or the legacy API's
+    parallel lists (text_offset within the answer)."""
+    if req.logprobs is None:
+        return None
+    if chat:
+        return {"content": entries}
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def _usage(f: Finished) -> dict:
@@ -154,7 +175,10 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
         req.messages = messages_of(body)
         req.tools = tools_of(body)
         _tool_choice(body, req)
+        req.logprobs = logprobs_of(body, get(body, "logprobs", bool, False))
     else:
+        # the legacy API's logprobs: how many alternatives (0 or more), or null
+        req.logprobs = logprobs_of(body, body.get("logprobs") is not None, "logprobs")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -183,7 +207,9 @@ async def _complete(request: Request, chat: bool):
         if req.tools is not None:
             content, calls = parse_calls(content, tool_names(req.tools))
         reason = _finish_reason(finished.answer.finish_reason, calls)
-        choice = {"index": 0, "finish_reason": reason, "logprobs": None}
+        tok = p.loaded.lm.tokenizer
+        logprobs = [logprob_json(tok, e) for e in finished.answer.logprobs]
+        choice = {"index": 0, "finish_reason": reason, "logprobs": _logprobs(req, logprobs, chat)}
         if chat:
             choice["message"] = {
                 "role": "assistant",
@@ -199,7 +225,8 @@ async def _complete(request: Request, chat: bool):
     common["object"] = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(piece: str | None, reason: str | None = None, delta: dict | None = None) -> str:
-        choice: dict = {"index": 0, "finish_reason": reason, "logprobs": None}
+        logprobs = _logprobs(req, p.take_logprobs(), chat) if piece else None
+        choice: dict = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
         if chat:
             choice["delta"] = delta or ({} if piece is None else {"content": piece})
         else:

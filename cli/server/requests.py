@@ -208,6 +208,7 @@ class AnswerRequest:
     format: str | dict | None = None  # "json" or a JSON schema the answer must follow
     format_param: str = "format"  # the field it came from, for errors
     tools: list[dict] | None = None  # offered to the model (a chat's template lists them)
+    logprobs: int | None = None  # each token's log probability, and this many others'
     call_required: bool = False  # the answer must be a call (of call_name, if given)
     call_name: str | None = None
 
@@ -221,6 +222,27 @@ class Prepared:
     request: AnswerRequest
     dropped: int = 0  # oldest messages dropped to fit the context
     constraint: object | None = None  # the format's matcher, one per answer
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of text not yet sent
+
+    def take_logprobs(self) -> list[dict]:
+        """The log probabilities of the tokens since the last call, as both APIs give
+        them: token, logprob, bytes, top_logprobs."""
+        entries, self.logprobs = self.logprobs, []
+        return [logprob_json(self.loaded.lm.tokenizer, e) for e in entries]
+
+
+def logprob_json(tok, e) -> dict:
+    def one(token: int, logprob: float) -> dict:
+        raw = tok.token_bytes(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+
+
+def logprobs_of(body: dict, on: bool, key: str = "top_logprobs") -> int | None:
+    """How many alternatives each token's log probability comes with, or None (off)."""
+    top = get(body, key, int, 0, check=lambda v: 0 <= v <= 20, must="from 0 to 20")
+    return top if on else None
 
 
 async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
@@ -275,8 +297,9 @@ class Finished:
 
 
 async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
-    """Submit the answer to the model's scheduler; yield text pieces, then Finished.
-    Closing the iterator early (a client gone) cancels the job and frees its slot."""
+    """Submit the answer to the model's scheduler; yield text pieces (with logprobs, their
+    tokens' are then in p.take_logprobs()), then Finished. Closing the iterator early (a
+    client gone) cancels the job and frees its slot."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 
@@ -301,6 +324,7 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
         req.stop,
         req.context,
         p.constraint,
+        req.logprobs,
     )
     if p.loaded.scheduler.stopped:
         raise ApiError(
@@ -310,7 +334,9 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
     try:
         while True:
             kind, value = await events.get()
-            if kind == "text":
+            if kind == "logprobs":  # the next piece's tokens': take_logprobs() gives them
+                p.logprobs.extend(value)
+            elif kind == "text":
                 yield value
             elif kind == "done":
                 yield Finished(value, queued())

@@ -15,6 +15,7 @@ from infer.runtime.generate import Penalties, make_sampler
 from infer.runtime.loader import load_model
 from infer.runtime.scheduler import Job, Sampling, Scheduler
 from infer.runtime.session import Session
+from infer.runtime.speculative import LookupDrafter
 
 
 def _shown(stops, pieces):
@@ -127,6 +128,18 @@ def test_logprobs_are_the_models(tiny):
         assert e.token == token and abs(e.logprob - row[token]) < 1e-4
         assert [t for t, _ in e.top] == row.topk(3).indices.tolist()
         assert e.top[0] == (token, e.logprob)
+    # guessed and checked in one pass (prompt lookup on a repeating prompt): the same
+    looped = tok.encode("a b c a b c a b c a b c")
+    plain = stream_answer(
+        Session(tiny.model, 128), tok, looped, greedy, 12, lambda _: None, logprobs=3
+    )
+    guessed = stream_answer(
+        Session(tiny.model, 128), tok, looped, greedy, 12, lambda _: None,
+        drafter=LookupDrafter(), logprobs=3,
+    )  # fmt: skip
+    assert guessed.tokens == plain.tokens
+    for a, b in zip(guessed.logprobs, plain.logprobs, strict=True):
+        assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
 
     scheduler = Scheduler(tiny.model, tiny.tokenizer, parallel=1, context=128)
     events, done = [], threading.Event()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from real_files import pulled
+from tiny import write_tokenizer
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import pre_tokenizers
 
@@ -280,6 +281,19 @@ def test_encode_chat_does_not_double_bos(metadata):
 # ---------------------------------------------------------------------------------------
 # Hugging Face folders
 # ---------------------------------------------------------------------------------------
+
+
+def test_fill_in_the_middle(tok, tmp_path):
+    """A vocabulary with FIM tokens (Qwen2.5-Coder's spelling) lays out prefix, suffix,
+    middle; its FIM pad and file separator end an answer; the default model has none."""
+    write_tokenizer(tmp_path, ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>"))
+    fim = Tokenizer.from_hf_dir(tmp_path)
+    pre, suf, mid = fim.fim_ids
+    assert fim.encode_infill("ab", "c") == [pre, *fim.encode("ab"), suf, *fim.encode("c"), mid]
+    assert fim._backend.token_to_id("<|fim_pad|>") in fim.stop_ids
+    assert tok.fim_ids is None
+    with pytest.raises(InferError, match="no fill-in-the-middle"):
+        tok.encode_infill("a", "b")
 
 
 def test_save_hf_round_trip(tok, tmp_path):

@@ -35,6 +35,7 @@ HERMES = (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # Qwen2.5-Coder's spelling
 VOCAB = 320  # 256 byte tokens + specials, rounded up
 
 COMMON = {
@@ -125,17 +126,19 @@ MOE_ARCHS = {
 }
 
 
-def write_tokenizer(path: Path) -> None:
-    """A byte-level BPE tokenizer with no merges: one token per byte, plus ChatML specials."""
+def write_tokenizer(path: Path, extra: tuple[str, ...] = ()) -> None:
+    """A byte-level BPE tokenizer with no merges: one token per byte, plus ChatML specials
+    (and `extra` special tokens after the bytes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
     vocab = {ch: i + len(SPECIALS) for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
     vocab.update({s: i for i, s in enumerate(SPECIALS)})
+    vocab.update({s: len(vocab) + i for i, s in enumerate(extra)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
+    tok.add_special_tokens(SPECIALS + list(extra))
     tok.save(str(path / "tokenizer.json"))
     config = {
         "bos_token": None,
@@ -151,9 +154,10 @@ def set_chat_template(path: Path, template: str) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
 
 
-def make_hf_model(arch: str, path: Path, seed: int = 0, **overrides):
+def make_hf_model(arch: str, path: Path, seed: int = 0, specials=(), **overrides):
     """Save a random `arch` model (float32) with a tokenizer to `path`; return the HF model.
-    `overrides` change its config (e.g. hidden_size=256)."""
+    `specials`: more special tokens (e.g. FIM); `overrides` change its config (e.g.
+    hidden_size=256)."""
     import transformers
 
     cls_name, extra = {**ARCHS, **MOE_ARCHS}[arch]
@@ -167,7 +171,7 @@ def make_hf_model(arch: str, path: Path, seed: int = 0, **overrides):
                 p.add_(torch.randn_like(p) * 0.1)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    write_tokenizer(path)
+    write_tokenizer(path, specials)
     return model
 
 

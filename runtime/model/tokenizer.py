@@ -45,7 +45,29 @@ END_OF_TURN_TOKENS = (
     "<|end|>",
     "<end_of_turn>",
     "</s>",
+    # a fill-in-the-middle answer's other ends (llama.cpp's end-of-generation tokens too)
+    "<|fim_pad|>",
+    "<|file_sep|>",
+    "<|repo_name|>",
 )
+
+# Fill-in-the-middle: the tokens before the prefix, the suffix and the middle to write,
+# as code models spell them (Qwen2.5-Coder; StarCoder; DeepSeek-Coder).
+FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+)
+
+
+def _fim_ids(backend: _HFTokenizer) -> tuple[int, int, int] | None:
+    """The ids of the first of FIM_TOKENS the vocabulary has all of, else None."""
+    for names in FIM_TOKENS:
+        ids = tuple(backend.token_to_id(t) for t in names)
+        if None not in ids:
+            return ids
+    return None
+
 
 # No template in the model: llama.cpp falls back to ChatML, and so do we, unless the
 # vocabulary has Gemma's turn tokens: then Gemma's own turns (a system prompt goes before
@@ -121,7 +143,7 @@ class Tokenizer:
     Build with `from_gguf_metadata` or `from_hf_dir`. Attributes: vocab_size, bos_id,
     eos_id, add_bos, stop_ids (ids that end generation), chat_template (None when the
     model has none; rendering then uses ChatML, or Gemma's turns where the vocabulary has
-    them).
+    them), fim_ids (fill-in-the-middle's three tokens, or None).
     """
 
     def __init__(
@@ -159,6 +181,7 @@ class Tokenizer:
         stop = {backend.token_to_id(t) for t in END_OF_TURN_TOKENS}
         stop.update((eos_id, *extra_stop_ids))
         self.stop_ids = frozenset(i for i in stop if i is not None and 0 <= i < self.vocab_size)
+        self.fim_ids = _fim_ids(backend)  # (prefix, suffix, middle), or None
 
     # -- construction -------------------------------------------------------------------
 
@@ -278,6 +301,15 @@ class Tokenizer:
         """The template of a model that has none (see CHATML_TEMPLATE)."""
         gemma = all(self._backend.token_to_id(t) is not None for t in GEMMA_TURN_TOKENS)
         return GEMMA_TEMPLATE if gemma else CHATML_TEMPLATE
+
+    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt: the code before and after the gap, for the model
+        to write the middle (prefix, suffix, middle order: PSM)."""
+        if self.fim_ids is None:
+            raise InferError("the model has no fill-in-the-middle tokens")
+        pre, suf, mid = self.fim_ids
+        bos = [self.bos_id] if self.add_bos else []
+        return [*bos, pre, *self.encode(prefix, False), suf, *self.encode(suffix, False), mid]
 
     def encode_chat(
         self,

@@ -23,7 +23,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from tiny import HERMES, make_hf_model, set_chat_template
+from tiny import FIM, HERMES, make_hf_model, set_chat_template
 
 MODEL = "smollm2-135m"
 KEY = "sk-test-123"
@@ -118,9 +118,10 @@ def files(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
         "link": root / "served" / "link.gguf",
     }
     files["link"].symlink_to(files["outside"])
-    # A tiny random model whose template offers tools (Hermes style), served by path.
-    files["tools"] = root / "served" / "tools"
-    make_hf_model("qwen2", files["tools"], max_position_embeddings=1024)
+    # A tiny random code model, served by path: its template offers tools (Hermes style),
+    # its vocabulary has fill-in-the-middle tokens.
+    files["tools"] = root / "served" / "coder"
+    make_hf_model("qwen2", files["tools"], specials=FIM, max_position_embeddings=1024)
     set_chat_template(files["tools"], HERMES)
     return files
 
@@ -752,7 +753,7 @@ def test_required_tool_call(oai, http, files):
     the messages are taken."""
     model = str(files["tools"])
     show = http.post("/api/show", json={"model": model}).json()
-    assert show["capabilities"] == ["completion", "tools"]
+    assert show["capabilities"] == ["completion", "tools", "insert"]
     messages = [{"role": "user", "content": "Weather?"}]
     for choice, names in (("required", {"get_weather", "get_time"}), (WEATHER, {"get_weather"})):
         if isinstance(choice, dict):
@@ -815,6 +816,25 @@ def test_required_tool_call(oai, http, files):
         body = {"model": model, "messages": messages, "tools": [WEATHER], **extra}
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert http.post("/api/generate", json={"model": model, "keep_alive": 0}).status_code == 200
+
+
+def test_fill_in_the_middle(oai, http, files):
+    """`suffix` (ollama's generate, OpenAI's completions): the prompt is the model's
+    fill-in-the-middle layout, FIM prefix, code before, FIM suffix, code after, FIM
+    middle (one token a byte here); a model without those tokens is a 400."""
+    model, before, after = str(files["tools"]), "def f(x):\n    ", "\n    return y\n"
+    body = {"model": model, "prompt": before, "suffix": after, "stream": False}
+    r = http.post("/api/generate", json={**body, "options": {"num_predict": 3}})
+    assert r.status_code == 200 and r.json()["prompt_eval_count"] == 3 + len(before + after), r.text
+    c = oai.completions.create(model=model, prompt=before, suffix=after, max_tokens=3)
+    assert c.usage.prompt_tokens == 3 + len(before + after)
+    r = http.post("/api/generate", json={**body, "model": MODEL})
+    assert r.status_code == 400 and r.json()["error"] == f"{MODEL} does not support insert"
+    r = http.post(
+        "/api/generate", json={**body, "suffix": "", "raw": True, "options": {"num_predict": 1}}
+    )
+    assert r.status_code == 200 and r.json()["prompt_eval_count"] == len(before)  # "": none
     assert http.post("/api/generate", json={"model": model, "keep_alive": 0}).status_code == 200
 
 

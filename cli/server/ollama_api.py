@@ -116,7 +116,8 @@ async def _answer(request: Request, chat: bool):
     else:
         prompt = get(body, "prompt", str, "")
         system = get(body, "system", str, None)
-        if prompt and get(body, "raw", bool, False):
+        req.suffix = get(body, "suffix", str, None) or None  # "" is none, as in ollama
+        if req.suffix is not None or prompt and get(body, "raw", bool, False):
             req.prompt = prompt
         elif prompt:
             req.messages = [{"role": "system", "content": system}] if system else []
@@ -279,7 +280,9 @@ async def show(request: Request):
                 f"{arch}.attention.head_count_kv": args.n_kv_heads,
                 f"{arch}.vocab_size": args.vocab_size,
             },
-            "capabilities": ["completion", "tools"] if tok.takes_tools else ["completion"],
+            "capabilities": ["completion"]
+            + (["tools"] if tok.takes_tools else [])
+            + (["insert"] if tok.fim_ids else []),
         }
     )
 

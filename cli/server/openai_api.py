@@ -185,6 +185,7 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
         if not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string (one prompt per request)", "prompt")
         req.prompt = prompt
+        req.suffix = get(body, "suffix", str, None) or None  # fill in the middle
     return req
 
 

@@ -197,6 +197,7 @@ class AnswerRequest:
     model: str | None
     messages: list[dict] | None = None  # a chat, or
     prompt: str | None = None  # raw text to complete
+    suffix: str | None = None  # the code after the gap: the prompt is the code before it
     max_tokens: int = -1  # < 0: until the model stops or the context is full
     sampling: Sampling = field(default_factory=Sampling)
     penalties: Penalties | None = None
@@ -261,6 +262,10 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
             ids, dropped = fit_chat(tok, req.messages, budget, req.tools)
         except InferError as e:  # the template refused these messages
             raise ApiError(400, str(e), "messages") from None
+    elif req.suffix is not None:  # fill in the middle
+        if tok.fim_ids is None:
+            raise ApiError(400, f"{loaded.name} does not support insert", "suffix")
+        ids = tok.encode_infill(req.prompt or "", req.suffix)
     else:
         ids = tok.encode(req.prompt or "")
     if not ids:

@@ -800,6 +800,7 @@ def test_required_tool_call(oai, http, files):
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
         ({"tool_choice": "sometimes"}, "tool_choice must be"),
         ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0] must be"),
+        ({"tools": [WEATHER, "get_time"]}, "tools[1] must be"),
         (
             {
                 "messages": [

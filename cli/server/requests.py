@@ -156,8 +156,8 @@ def tools_of(body: dict) -> list[dict] | None:
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if (
-            tool.get("type", "function") != "function"
-            or not isinstance(fn, dict)
+            not isinstance(fn, dict)
+            or tool.get("type", "function") != "function"
             or not isinstance(fn.get("name"), str)
             or not isinstance(fn.get("parameters", {}), dict)
         ):

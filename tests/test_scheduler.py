@@ -236,8 +236,8 @@ class Guessing(Decoding):
 
     known: ClassVar[dict[tuple[int, ...], list[int]]] = {}
 
-    def __init__(self, sampler, max_tokens, history, penalties=None, constraint=None, drafter=None):
-        super().__init__(sampler, max_tokens, history, penalties, constraint, drafter)
+    def __init__(self, sampler, max_tokens, history, *args):
+        super().__init__(sampler, max_tokens, history, *args)
         self.answer = self.known.get(tuple(history), [])
         self._fed: list[int] = []
 

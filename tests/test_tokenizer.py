@@ -18,13 +18,8 @@ from infer import InferError
 from infer.runtime.files.gguf import GGUFFile
 from infer.runtime.model import spm_merges as spm_module
 from infer.runtime.model.pretokenizers import PRE_TOKENIZERS
-from infer.runtime.model.tokenizer import (
-    Tokenizer,
-    _byte_level_piece,
-    _merge_pairs,
-    _sentencepiece_piece,
-    _space_merge,
-)
+from infer.runtime.model.token_pieces import byte_level_piece, sentencepiece_piece
+from infer.runtime.model.tokenizer import Tokenizer, _merge_pairs, _space_merge
 
 TEXTS = [
     "Hello, world!",
@@ -408,7 +403,7 @@ def _eager_pieces(md: dict, spell) -> list[bytes]:
 def test_lazy_pieces_equal_eager_ones(metadata):
     """Pieces are spelled on first use, in any order: the same bytes as spelled up front,
     and, where they are whole characters, what tokenizers' ByteLevel decoder makes."""
-    eager = _eager_pieces(metadata, _byte_level_piece)
+    eager = _eager_pieces(metadata, byte_level_piece)
     tok = Tokenizer.from_gguf_metadata(metadata)
     some = list(range(len(eager) - 1, 0, -97))
     assert [tok._piece(i, False) for i in some] == [eager[i] for i in some]
@@ -510,7 +505,7 @@ def test_sentencepiece_synthetic():
 def test_sentencepiece_lazy_pieces_equal_eager_ones():
     md = _spm_metadata()
     tok = Tokenizer.from_gguf_metadata(md)
-    eager = _eager_pieces(md, _sentencepiece_piece)
+    eager = _eager_pieces(md, sentencepiece_piece)
     assert [tok._piece(i, False) for i in range(len(eager) - 1, -1, -1)] == eager[::-1]
     assert eager[3 + 0xC3] == b"\xc3" and eager[-1] == b"<tool>"
 
@@ -562,7 +557,7 @@ def test_gemma3_merges_and_pieces():
     merges = spm_module.spm_merges(tokens, scores, kept)
     assert len(merges) == 514847 and merges == spm_module.spm_merges_reference(tokens, scores, kept)
     tok = Tokenizer.from_gguf_metadata(md)
-    assert tok.pieces == _eager_pieces(md, _sentencepiece_piece)
+    assert tok.pieces == _eager_pieces(md, sentencepiece_piece)
 
 
 def test_sentencepiece_missing_scores():

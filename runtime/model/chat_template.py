@@ -1,5 +1,6 @@
 """Chat templates: untrusted Jinja code from the model file, rendered in a sandbox with
-the variables and helpers transformers provides, within a time and a size limit.
+the variables and helpers transformers provides, within a time and a size limit; and the
+templates a model without one chats in (ChatML, Gemma's turns).
 
 The limits: every loop iteration checks the render's deadline (loops are the only way a
 template runs long; recursion ends at Python's depth), and every string or list a
@@ -29,6 +30,27 @@ MAX_CHARS = 1 << 26  # 64 Mi characters: more text than any context holds
 # The deadline of the render running in this thread (or task): renders may run side by
 # side, one per conversation.
 _deadline: contextvars.ContextVar[float] = contextvars.ContextVar("chat_template_deadline")
+
+
+# No template in the model: llama.cpp falls back to ChatML, and so do we, unless the
+# vocabulary has Gemma's turn tokens: then Gemma's own turns (a system prompt goes before
+# the first user turn's text, as Gemma's template puts it; "assistant" is "model").
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] + '\n\n' if messages[0]['role'] == 'system' else '' %}"
+    "{% for message in messages if message['role'] != 'system' %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{{ (system if loop.first else '') + message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+GEMMA_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 
 
 class ChatTemplate:

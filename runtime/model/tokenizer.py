@@ -25,9 +25,10 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.processors import TemplateProcessing
 
 from ... import InferError
-from .chat_template import ChatTemplate
+from .chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, GEMMA_TURN_TOKENS, ChatTemplate
 from .pretokenizers import FALLBACK_PRE_TOKENIZER, PRE_TOKENIZERS, byte_level_pre_tokenizer
 from .spm_merges import spm_merges
+from .token_pieces import byte_level_piece, sentencepiece_piece
 from .tool_calls import TOOL_CALL_TAGS, takes_tools
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -67,69 +68,6 @@ def _fim_ids(backend: _HFTokenizer) -> tuple[int, int, int] | None:
         if None not in ids:
             return ids
     return None
-
-
-# No template in the model: llama.cpp falls back to ChatML, and so do we, unless the
-# vocabulary has Gemma's turn tokens: then Gemma's own turns (a system prompt goes before
-# the first user turn's text, as Gemma's template puts it; "assistant" is "model").
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% set system = messages[0]['content'] + '\n\n' if messages[0]['role'] == 'system' else '' %}"
-    "{% for message in messages if message['role'] != 'system' %}"
-    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
-    "{{ (system if loop.first else '') + message['content'] | trim }}{{ '<end_of_turn>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
-)
-GEMMA_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table that byte-level vocabularies are spelled in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-# str.translate table: byte-level character -> the byte it spells, as a latin-1 char.
-# Characters below 256 that are not in the alphabet (space, newline, ...) map to one
-# that latin-1 cannot encode, so a token holding them falls back to its raw UTF-8.
-_BYTE_LEVEL_DECODE = {c: "\uffff" for c in range(256)} | {
-    ord(ch): chr(b) for b, ch in _bytes_to_unicode().items()
-}
-
-
-def _byte_level_piece(token: str) -> bytes:
-    """The bytes a byte-level token spells; a token outside the alphabet stands for itself
-    (tokenizers' ByteLevel decoder does the same)."""
-    try:
-        return token.translate(_BYTE_LEVEL_DECODE).encode("latin-1")
-    except UnicodeEncodeError:
-        return token.encode("utf-8")
-
-
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _sentencepiece_piece(token: str) -> bytes:
-    """The bytes a SentencePiece token spells: <0xXX> is that byte, "▁" is a space."""
-    m = _BYTE_TOKEN.fullmatch(token) if token.startswith("<0x") else None
-    if m:
-        return bytes([int(m.group(1), 16)])
-    return token.replace("▁", " ").encode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------
@@ -510,7 +448,7 @@ def _from_gguf_byte_level(md: dict) -> Tokenizer:
     tok = Tokenizer(
         backend,
         [None] * len(tokens),
-        spell=_spelled(backend, special_ids | user_ids, _byte_level_piece),
+        spell=_spelled(backend, special_ids | user_ids, byte_level_piece),
         special_ids=special_ids,
         **_gguf_common(md, len(tokens), default_add_bos),
     )
@@ -550,7 +488,7 @@ def _from_gguf_sentencepiece(md: dict) -> Tokenizer:
     tok = Tokenizer(
         backend,
         [None] * len(tokens),
-        spell=_spelled(backend, special_ids | user_ids, _sentencepiece_piece),
+        spell=_spelled(backend, special_ids | user_ids, sentencepiece_piece),
         special_ids=special_ids,
         strip_leading_space=add_space_prefix,
         **_gguf_common(md, len(tokens), default_add_bos=True),
@@ -626,9 +564,9 @@ def _from_hf_dir(path: Path) -> Tokenizer:
         d.get("type") == "Replace" and d.get("pattern", {}).get("String") == "▁" for d in steps
     )
     if "ByteLevel" in kinds:
-        spell, strip = _byte_level_piece, False
+        spell, strip = byte_level_piece, False
     elif "Metaspace" in kinds or "ByteFallback" in kinds or replaces_metaspace:
-        spell = _sentencepiece_piece
+        spell = sentencepiece_piece
         strip = any(d.get("type") == "Strip" and d.get("start", 0) > 0 for d in steps) or any(
             d.get("type") == "Metaspace" and d.get("prepend_scheme", "always") != "never"
             for d in steps

@@ -54,13 +54,15 @@ def compile_format(tok: Tokenizer, fmt: str | dict) -> Grammar:
     return _compile(tok, source, "invalid JSON schema")
 
 
-def compile_tool_call(tok: Tokenizer, schema: dict) -> Grammar:
-    """An answer that is one tool call in <tool_call> tags (model/tool_calls.py), its
-    object following `schema` (call_schema), compiled for `tok`'s vocabulary. The object
-    is laid out as json.dumps does, as templates write earlier calls: no padding."""
+def compile_tool_call(tok: Tokenizer, schema: dict, tagged: bool = True) -> Grammar:
+    """An answer that is one tool call (model/tool_calls.py), its object following
+    `schema` (call_schema), in <tool_call> tags if `tagged`, compiled for `tok`'s
+    vocabulary. The object is laid out as json.dumps does, as templates write earlier
+    calls: no padding."""
     layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     schema = {"x-guidance": layout, **schema}
-    lark = f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {json.dumps(schema)}\n'
+    start = f'"{OPEN}\\n" call "\\n{CLOSE}"' if tagged else "call"
+    lark = f"start: {start}\ncall: %json {json.dumps(schema)}\n"
     try:
         source = llguidance.LLMatcher.grammar_from_lark(lark)
     except ValueError as err:

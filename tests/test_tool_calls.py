@@ -12,11 +12,12 @@ from infer.runtime.answer import stream_answer
 from infer.runtime.generate import make_sampler
 from infer.runtime.loader import load_model
 from infer.runtime.model.tool_calls import (
+    CallFormat,
     CallSplitter,
     ToolCall,
+    call_format,
     call_schema,
     parse_calls,
-    takes_tools,
 )
 from infer.runtime.session import Session
 from infer.runtime.structured import compile_tool_call
@@ -93,10 +94,27 @@ def test_plain_answers_stream_at_once():
     assert splitter.feed("s>") == "<tools>"
 
 
-def test_takes_tools():
-    assert takes_tools(HERMES)
-    assert not takes_tools("{% for m in messages %}{{ m.content }}{% endfor %}")
-    assert not takes_tools("{{ tools }}")  # lists them but asks for no format we read
+# Llama 3's way, imitated in ChatML's tokens: tools listed with an instruction naming
+# "parameters", a call answered as the object alone.
+LLAMA3 = (
+    "{%- if tools %}<|im_start|>system\nCall a tool as "
+    '{"name": function name, "parameters": its arguments}:'
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.tool_calls %}<|im_start|>assistant\n{%- for c in m.tool_calls %}"
+    '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+    "{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def test_call_format():
+    assert call_format(HERMES) == CallFormat(tagged=True, key="arguments")
+    assert call_format(LLAMA3) == CallFormat(tagged=False, key="parameters")
+    assert call_format("{{ tools }}") == CallFormat(tagged=False, key="arguments")
+    assert call_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
 
 
 def test_call_schema_names_the_tools():
@@ -111,12 +129,12 @@ def test_call_schema_names_the_tools():
 # -- templates and the grammar, on a tiny random model -----------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A random Qwen2-shaped model, one token per byte, its template HERMES."""
+@pytest.fixture(scope="module", params=["hermes", "llama3"])
+def tiny(request, tmp_path_factory):
+    """A random Qwen2-shaped model, one token per byte, its template HERMES or LLAMA3."""
     path = tmp_path_factory.mktemp("tools") / "tiny"
     make_hf_model("qwen2", path, max_position_embeddings=1024)
-    set_chat_template(path, HERMES)
+    set_chat_template(path, {"hermes": HERMES, "llama3": LLAMA3}[request.param])
     return path
 
 
@@ -135,14 +153,14 @@ def test_template_with_tools_matches_transformers(tiny):
     transformers = pytest.importorskip("transformers")
     theirs = transformers.AutoTokenizer.from_pretrained(tiny)
     tok = load_model(tiny).tokenizer
-    assert tok.takes_tools
+    assert tok.tool_format is not None
     for tools in ([WEATHER], [WEATHER, TIME], None):
         ours = tok.apply_chat_template(CHAT, tools=tools)
         expect = theirs.apply_chat_template(
             CHAT, tools=tools, tokenize=False, add_generation_prompt=True
         )
         assert ours == expect
-        assert ("<tools>" in ours) == (tools is not None)
+        assert ('"get_weather", "description"' in ours) == (tools is not None)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -151,7 +169,9 @@ def test_required_call_from_a_random_model(tiny, seed):
     lm = load_model(tiny)
     tok = lm.tokenizer
     ids = tok.encode_chat(CHAT[:1], tools=[WEATHER, TIME])
-    constraint = compile_tool_call(tok, call_schema([WEATHER, TIME])).matcher()
+    fmt = tok.tool_format
+    schema = call_schema([WEATHER, TIME], key=fmt.key)
+    constraint = compile_tool_call(tok, schema, fmt.tagged).matcher()
     answer = stream_answer(
         Session(lm.model),
         tok,
@@ -168,6 +188,6 @@ def test_required_call_from_a_random_model(tiny, seed):
     schema = {WEATHER["function"]["name"]: WEATHER, TIME["function"]["name"]: TIME}[call.name]
     jsonschema.validate(call.arguments, schema["function"]["parameters"])
     # laid out as json.dumps writes it, as the template writes earlier calls
-    assert answer.text.startswith('<tool_call>\n{"name": "') and answer.text.endswith(
-        "}\n</tool_call>"
-    )
+    start, end = ("<tool_call>\n", "\n</tool_call>") if fmt.tagged else ("", "")
+    assert answer.text.startswith(start + '{"name": "') and answer.text.endswith("}" + end)
+    assert f'"{fmt.key}": ' in answer.text

@@ -281,7 +281,7 @@ async def show(request: Request):
                 f"{arch}.vocab_size": args.vocab_size,
             },
             "capabilities": ["completion"]
-            + (["tools"] if tok.takes_tools else [])
+            + (["tools"] if tok.tool_format else [])
             + (["insert"] if tok.fim_ids else []),
         }
     )

@@ -256,7 +256,7 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
         # Without truncation every message must fit: a budget of all the context.
         room = answer_room(limit, req.max_tokens) if req.max_tokens > 0 else 0
         budget = limit - room if req.truncate else math.inf
-        if req.tools is not None and not tok.takes_tools:
+        if req.tools is not None and tok.tool_format is None:
             raise ApiError(400, f"{loaded.name} does not support tools", "tools")
         try:
             ids, dropped = fit_chat(tok, req.messages, budget, req.tools)
@@ -284,9 +284,10 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
             raise ApiError(400, f"{req.format_param}: {e}", req.format_param) from None
         constraint = grammar.matcher()
     elif req.call_required and req.tools:
-        schema = call_schema(req.tools, req.call_name)
+        fmt = tok.tool_format
+        schema = call_schema(req.tools, req.call_name, fmt.key)
         try:
-            grammar = await anyio.to_thread.run_sync(compile_tool_call, tok, schema)
+            grammar = await anyio.to_thread.run_sync(compile_tool_call, tok, schema, fmt.tagged)
         except InferError as e:
             raise ApiError(400, f"tools: {e}", "tools") from None
         constraint = grammar.matcher()

@@ -29,7 +29,7 @@ from .chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, GEMMA_TURN_TOKENS, C
 from .pretokenizers import FALLBACK_PRE_TOKENIZER, PRE_TOKENIZERS, byte_level_pre_tokenizer
 from .spm_merges import spm_merges
 from .token_pieces import byte_level_piece, sentencepiece_piece
-from .tool_calls import TOOL_CALL_TAGS, takes_tools
+from .tool_calls import TOOL_CALL_TAGS, CallFormat, call_format
 
 # GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -230,10 +230,10 @@ class Tokenizer:
         return self._compiled_template.render(messages, add_generation_prompt, tools, **specials)
 
     @property
-    def takes_tools(self) -> bool:
-        """Whether the chat template lists tools and asks for calls as tool_calls.py
-        reads them."""
-        return takes_tools(self.chat_template or "")
+    def tool_format(self) -> CallFormat | None:
+        """How the chat template asks for tool calls (tool_calls.py); None if it lists no
+        tools."""
+        return call_format(self.chat_template or "")
 
     def _fallback_template(self) -> str:
         """The template of a model that has none (see CHATML_TEMPLATE)."""

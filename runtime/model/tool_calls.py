@@ -1,16 +1,20 @@
-"""Tool calls in the Hermes format, which Qwen2.5, Qwen3, Hermes and SmolLM3 are trained on:
-the chat template lists the tools (its `tools` variable), and the model calls one as
+"""Tool calls as chat templates ask for them. Two formats, told apart by the template:
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- Hermes (Qwen2.5, Qwen3, Hermes, SmolLM3): each call in tags, after any text,
 
-one block per call, after any text. Small models often drop the tags and answer with the
-object alone, or in a ```json fence: an answer that begins so is read as calls too (as
-llama.cpp's server reads them). An object is a call only if it names an offered tool.
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
 
-Here: whether a template takes tools, the calls in an answer (whole, or as it streams),
-and the schema of a call, for an answer that must be one.
+- Llama 3.1-3.3 (a template that lists tools without the tags): the answer is the object
+  alone, {"name": "get_weather", "parameters": {"city": "Paris"}}.
+
+Small models often drop the tags, or put the object in a ```json fence: an answer that
+begins with an object is read as calls in either format (as llama.cpp's server reads
+them). An object is a call only if it names an offered tool.
+
+Here: a template's format, the calls in an answer (whole, or as it streams), and the
+schema of a call, for an answer that must be one.
 """
 
 from __future__ import annotations
@@ -29,9 +33,19 @@ _CLOSER = re.compile(r"\s*(?:</tool_call>|```)?")
 _STARTS = (OPEN, '```json{"name"', '```{"name"', '{"name"')
 
 
-def takes_tools(template: str) -> bool:
-    """Whether a chat template renders `tools` and asks for calls in <tool_call> tags."""
-    return OPEN in template and re.search(r"\btools\b", template) is not None
+@dataclass(frozen=True)
+class CallFormat:
+    tagged: bool  # each call in <tool_call> tags (Hermes), else the object alone
+    key: str  # the arguments' key: "arguments", or Llama 3's "parameters"
+
+
+def call_format(template: str) -> CallFormat | None:
+    """How a chat template asks for calls; None if it lists no tools."""
+    if re.search(r"\btools\b", template) is None:
+        return None
+    if OPEN in template:
+        return CallFormat(tagged=True, key="arguments")
+    return CallFormat(tagged=False, key="parameters" if '"parameters"' in template else "arguments")
 
 
 @dataclass
@@ -138,17 +152,17 @@ def _partial_tag(text: str) -> int:
     return 0
 
 
-def call_schema(tools: list[dict], name: str | None = None) -> dict:
-    """The JSON schema of one call's object ({"name", "arguments"}) of one of `tools`
-    (OpenAI's {"type": "function", "function": {...}}), or of the one called `name`."""
+def call_schema(tools: list[dict], name: str | None = None, key: str = "arguments") -> dict:
+    """The JSON schema of one call's object ({"name", key}) of one of `tools` (OpenAI's
+    {"type": "function", "function": {...}}), or of the one called `name`."""
     options = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": t["function"]["name"]},
-                "arguments": t["function"].get("parameters") or {"type": "object"},
+                key: t["function"].get("parameters") or {"type": "object"},
             },
-            "required": ["name", "arguments"],
+            "required": ["name", key],
             "additionalProperties": False,
         }
         for t in tools

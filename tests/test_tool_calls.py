@@ -3,6 +3,7 @@ streams; templates offered tools render as transformers renders them; an answer 
 must be a call is one (the grammar), even from a random model."""
 
 import json
+import random
 
 import jsonschema
 import pytest
@@ -15,6 +16,7 @@ from infer.runtime.model.tool_calls import (
     CallFormat,
     CallSplitter,
     ToolCall,
+    _find_calls,
     call_format,
     call_schema,
     parse_calls,
@@ -85,6 +87,34 @@ def test_streamed_calls_equal_the_whole(text, rest, calls):
             )
         else:
             assert shown + left == text
+
+
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<tool", "_call>", "```json", "```", "\n", "  ", "{", "}",
+    '"name"', ": ", CALL, '{"name": "get_time", "arguments": {}}', '{"name": "x"}', "Sure.",
+    "It is ", "[1, 2]", '"arguments"', "é", "🙂",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_answers_stream_as_they_parse(seed):
+    """Answers made of calls, tags, braces and prose, split at random: the splitter never
+    fails, finds the calls parse_calls finds, and shows all of an answer without calls."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 12)))
+    rest, calls = parse_calls(text, NAMES)
+    splitter, shown, at = CallSplitter(NAMES), [], 0
+    while at < len(text):
+        n = rng.randint(1, 8)
+        shown.append(splitter.feed(text[at : at + n]))
+        at += n
+    left, got = splitter.finish()
+    assert got == calls, text
+    shown = "".join(shown)
+    if calls:  # what was shown comes before the first call
+        assert text.startswith(shown) and len(shown) <= _find_calls(text, NAMES)[0]
+    else:
+        assert shown + left == text == rest
 
 
 def test_plain_answers_stream_at_once():

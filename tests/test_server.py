@@ -296,6 +296,22 @@ def test_completions(oai):
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
 
 
+def test_developer_messages_are_system_messages(http):
+    """OpenAI's "developer" role reaches the template as "system" (a role a template does
+    not know would be left out, or refused)."""
+    counts = []
+    for role in ("system", "developer"):
+        messages = [{"role": role, "content": "Answer in French."}, *QUESTION]
+        body = {"model": MODEL, "messages": messages, "max_tokens": 1}
+        counts.append(http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"])
+    assert counts[0] == counts[1]
+    # without it, the template writes its own default system prompt: another length
+    body["messages"] = QUESTION
+    assert (
+        http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"] != counts[0]
+    )
+
+
 def test_logprobs(oai, http, greedy):
     """Each answer token's log probability and top alternatives, in all three shapes
     (chat, legacy completions, ollama), streamed or not: greedy takes the top one, and the

@@ -117,7 +117,10 @@ def messages_of(body: dict) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"{where} must be an object with a role", "messages")
-        msg = {"role": m["role"], "content": text_content(m.get("content"), where)}
+        # OpenAI's newer clients send their instructions as "developer": templates know
+        # them as "system"
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg = {"role": role, "content": text_content(m.get("content"), where)}
         calls = get(m, "tool_calls", list, [])
         if calls:
             msg["tool_calls"] = [

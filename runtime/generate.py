@@ -40,30 +40,41 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
 
 @dataclass(frozen=True)
 class Penalties:
-    """Penalties on the tokens of the last `last_n` (prompt and answer): `repeat` as
-    llama.cpp's CTRL-style one (1 is off), `frequency` and `presence` as OpenAI's (0 is
-    off): a token's logit drops by frequency * its count + presence if it occurs."""
+    """What moves logits before sampling. Penalties on the tokens of the last `last_n`
+    (prompt and answer): `repeat` as llama.cpp's CTRL-style one (1 is off), `frequency`
+    and `presence` as OpenAI's (0 is off): a token's logit drops by frequency * its count
+    + presence if it occurs. And `bias`: (token, value) pairs added to those tokens'
+    logits, OpenAI's logit_bias (-100 bans a token, 100 all but forces it)."""
 
     repeat: float = 1.0
     frequency: float = 0.0
     presence: float = 0.0
     last_n: int = 64
+    bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def off(self) -> bool:
+        return self._no_history and not self.bias
+
+    @property
+    def _no_history(self) -> bool:
         return self.repeat == 1.0 and self.frequency == 0.0 and self.presence == 0.0
 
     def apply(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
-        recent = history[-self.last_n :] if self.last_n > 0 else []
-        if self.off or not recent:
+        if self.off:
             return logits
-        ids, counts = torch.tensor(recent).unique(return_counts=True)
-        seen = logits[ids]
-        if self.repeat != 1.0:
-            seen = torch.where(seen > 0, seen / self.repeat, seen * self.repeat)
-        seen = seen - self.frequency * counts - self.presence
         logits = logits.clone()
-        logits[ids] = seen.to(logits.dtype)
+        recent = history[-self.last_n :] if self.last_n > 0 else []
+        if recent and not self._no_history:
+            ids, counts = torch.tensor(recent).unique(return_counts=True)
+            seen = logits[ids]
+            if self.repeat != 1.0:
+                seen = torch.where(seen > 0, seen / self.repeat, seen * self.repeat)
+            seen = seen - self.frequency * counts - self.presence
+            logits[ids] = seen.to(logits.dtype)
+        if self.bias:
+            ids, values = zip(*self.bias, strict=True)
+            logits[list(ids)] += torch.tensor(values, dtype=logits.dtype)
         return logits
 
 

@@ -59,6 +59,10 @@ def test_penalties():
     freq = Penalties(frequency=0.5, presence=0.25).apply(logits, history)
     assert freq.tolist() == [2.0 - 1.0 - 0.25, -2.0 - 0.5 - 0.25, 1.0, 0.5]
     assert Penalties().apply(logits, history) is logits
+    biased = Penalties(bias=((0, -100.0), (3, 2.5))).apply(logits, history)
+    assert biased.tolist() == [-98.0, -2.0, 1.0, 3.0] and logits[0] == 2.0
+    both = Penalties(presence=1.0, bias=((1, 1.0),)).apply(logits, history)
+    assert both.tolist() == [1.0, -2.0, 1.0, 0.5]
     assert Penalties(frequency=1.0, last_n=1).apply(logits, history).tolist() == [
         2.0,
         -3.0,

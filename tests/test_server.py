@@ -296,6 +296,29 @@ def test_completions(oai):
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
 
 
+def test_logit_bias(oai, http, smollm2_gguf):
+    """logit_bias: +100 makes a token the greedy answer's first, -100 keeps it out."""
+    from infer.runtime.files.sources import open_source
+
+    tok = open_source(smollm2_gguf).tokenizer()
+    (yes,) = tok.encode("Yes", add_special=False)
+
+    def first(bias: dict) -> str:
+        r = oai.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=1, temperature=0, logit_bias=bias
+        )
+        return r.choices[0].message.content
+
+    plain = first({})
+    assert first({str(yes): 100}) == "Yes" != plain
+    (top,) = tok.encode(plain, add_special=False)
+    assert first({str(top): -100}) != plain
+    for bad in ({"x": 1}, {"5": 101}, {str(tok.vocab_size): 1}):
+        body = {"model": MODEL, "messages": QUESTION, "logit_bias": bad}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and "logit_bias" in r.text, r.text
+
+
 def test_developer_messages_are_system_messages(http):
     """OpenAI's "developer" role reaches the template as "system" (a role a template does
     not know would be left out, or refused)."""

@@ -108,6 +108,20 @@ def _logprobs(req: AnswerRequest, entries: list[dict], chat: bool) -> dict | Non
     }
 
 
+def _logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:
+    """logit_bias: {"token id": value from -100 to 100}; the ids are checked against the
+    model's vocabulary once it is known (prepare)."""
+    out = []
+    for key, value in bias.items():
+        ok = key.isdigit() and isinstance(value, NUMBER) and not isinstance(value, bool)
+        if not ok or not -100 <= value <= 100:
+            raise ApiError(
+                400, "logit_bias maps token ids to numbers from -100 to 100", "logit_bias"
+            )
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
 def _usage(f: Finished) -> dict:
     a = f.answer
     return {
@@ -158,6 +172,7 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
         repeat=get(body, "repeat_penalty", NUMBER, 1.0, check=lambda v: v > 0, must="more than 0"),
         frequency=get(body, "frequency_penalty", NUMBER, 0.0, check=in_range[0], must=in_range[1]),
         presence=get(body, "presence_penalty", NUMBER, 0.0, check=in_range[0], must=in_range[1]),
+        bias=_logit_bias(get(body, "logit_bias", dict, {})),
     )
     stream_options = get(body, "stream_options", dict, {})
     get(stream_options, "include_usage", bool)  # type-checked here, read by the stream

@@ -273,6 +273,10 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
         ids = tok.encode(req.prompt or "")
     if not ids:
         raise ApiError(400, "the prompt is empty", "prompt")
+    if req.penalties and any(t >= tok.vocab_size for t, _ in req.penalties.bias):
+        raise ApiError(
+            400, f"logit_bias names a token id past the vocabulary ({tok.vocab_size})", "logit_bias"
+        )
     if len(ids) > limit:
         raise ApiError(
             400,

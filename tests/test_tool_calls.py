@@ -63,6 +63,11 @@ ANSWERS = [  # (answer, text without the calls, calls)
     ("{{" + CALL[1:-1] + "}}", "{{" + CALL[1:-1] + "}}", []),  # not JSON
     (f"I would call it so: {CALL}", f"I would call it so: {CALL}", []),  # not at the start
     ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
+    (  # a regex with a backslash JSON has no escape for: a literal backslash
+        '{"name": "get_time", "arguments": {"pattern": ".*\\.py$", "d": "\\\\d"}} ok',
+        "ok",
+        [ToolCall("get_time", {"pattern": ".*\\.py$", "d": "\\d"})],
+    ),
     ("", "", []),
 ]
 
@@ -92,7 +97,8 @@ def test_streamed_calls_equal_the_whole(text, rest, calls):
 FRAGMENTS = [
     "<tool_call>", "</tool_call>", "<tool", "_call>", "```json", "```", "\n", "  ", "{", "}",
     '"name"', ": ", CALL, '{"name": "get_time", "arguments": {}}', '{"name": "x"}', "Sure.",
-    "It is ", "[1, 2]", '"arguments"', "é", "🙂",
+    "It is ", "[1, 2]", '"arguments"', "é", "🙂", "\\", '"\\.py"',
+    '{"name": "get_time", "arguments": {"p": "a\\.b"}}',
 ]  # fmt: skip
 
 

@@ -84,10 +84,10 @@ def _starts_calls(text: str) -> bool:
 
 def _scan(text: str, pos: int, names: set[str]) -> tuple[list[ToolCall], int]:
     """The calls from `pos` on, one after another, and where they end."""
-    calls, decoder = [], json.JSONDecoder()
+    calls = []
     while m := _OPENER.match(text, pos):
         try:
-            obj, end = decoder.raw_decode(text, m.end())
+            obj, end = _json_object(text, m.end())
         except ValueError:
             break
         call = _call(obj, names)
@@ -96,6 +96,32 @@ def _scan(text: str, pos: int, names: set[str]) -> tuple[list[ToolCall], int]:
         calls.append(call)
         pos = _CLOSER.match(text, end).end()
     return calls, pos
+
+
+# A backslash that begins no JSON escape: models write regexes and Windows paths so
+# (".*\.py$"); taken as a literal backslash.
+_STRAY_BACKSLASH = re.compile(r'\\(["\\/bfnrtu])|\\')
+
+
+def _json_object(text: str, at: int) -> tuple[object, int]:
+    """The JSON value at `at` and where it ends, its stray backslashes forgiven."""
+    decoder = json.JSONDecoder()
+    try:
+        return decoder.raw_decode(text, at)
+    except ValueError:
+        added = []  # where, in the repaired text, a backslash was added
+
+        def escape(m: re.Match) -> str:
+            if m[1]:
+                return m[0]
+            added.append(m.start() + len(added))
+            return "\\\\"
+
+        fixed = _STRAY_BACKSLASH.sub(escape, text[at:])
+        if not added:
+            raise
+        obj, n = decoder.raw_decode(fixed)
+        return obj, at + n - sum(1 for p in added if p < n)
 
 
 def _call(obj, names: set[str]) -> ToolCall | None:

@@ -110,18 +110,23 @@ def _overlap(text: str, stop: str) -> int:
 
 
 def fit_chat(
-    tok: Tokenizer, messages: list[dict], budget: int, tools: list[dict] | None = None
+    tok: Tokenizer,
+    messages: list[dict],
+    budget: int,
+    tools: list[dict] | None = None,
+    variables: dict | None = None,
 ) -> tuple[list[int], int]:
-    """Encode a chat (offering `tools`), first dropping its oldest messages (never a
-    leading system message, never the newest) until the prompt is at most `budget`
-    tokens. Returns (prompt ids, messages dropped); `messages` is edited in place."""
-    ids = tok.encode_chat(messages, tools=tools)
+    """Encode a chat (offering `tools`, with the template's further `variables`), first
+    dropping its oldest messages (never a leading system message, never the newest)
+    until the prompt is at most `budget` tokens. Returns (prompt ids, messages dropped);
+    `messages` is edited in place."""
+    ids = tok.encode_chat(messages, tools=tools, variables=variables)
     first = 1 if messages and messages[0]["role"] == "system" else 0
     dropped = 0
     while len(ids) > budget and len(messages) - first > 1:
         del messages[first]
         dropped += 1
-        ids = tok.encode_chat(messages, tools=tools)
+        ids = tok.encode_chat(messages, tools=tools, variables=variables)
     return ids, dropped
 
 

@@ -859,6 +859,31 @@ def test_required_tool_call(oai, http, files):
     assert http.post("/api/generate", json={"model": model, "keep_alive": 0}).status_code == 200
 
 
+def test_template_variables(oai, http, files):
+    """ollama's think and OpenAI's chat_template_kwargs reach the template: false
+    enable_thinking writes Qwen3's empty thought into the prompt; a variable that would
+    replace one the template is given is a 400."""
+    model, hi = str(files["tools"]), [{"role": "user", "content": "Hi"}]
+
+    def ollama_prompt(**extra) -> int:
+        body = {"model": model, "messages": hi, "stream": False, **extra}
+        r = http.post("/api/chat", json={**body, "options": {"num_predict": 1}}).json()
+        return r["prompt_eval_count"] + r["prompt_cache_count"]
+
+    empty_thought = len("<think>\n\n</think>\n\n")  # one token a byte
+    plain = ollama_prompt()
+    assert ollama_prompt(think=True) == plain
+    assert ollama_prompt(think=False) == plain + empty_thought
+    r = oai.chat.completions.create(
+        model=model, messages=hi, max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    assert r.usage.prompt_tokens == plain + empty_thought
+    body = {"model": model, "messages": hi, "chat_template_kwargs": {"messages": []}}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "may not set messages" in r.text, r.text
+
+
 def test_fill_in_the_middle(oai, http, files):
     """`suffix` (ollama's generate, OpenAI's completions): the prompt is the model's
     fill-in-the-middle layout, FIM prefix, code before, FIM suffix, code after, FIM

@@ -17,8 +17,9 @@ CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-# A Hermes-style template (as Qwen2.5's): tools listed in the system turn, earlier calls
-# in <tool_call> tags, tool results in the user's turn.
+# A Hermes-style template (as Qwen2.5's and Qwen3's): tools listed in the system turn,
+# earlier calls in <tool_call> tags, tool results in the user's turn; and Qwen3's switch
+# enable_thinking (false: an empty thought already written).
 HERMES = (
     "{%- if tools %}<|im_start|>system\n<tools>"
     "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools><|im_end|>\n"
@@ -32,7 +33,9 @@ HERMES = (
     "\n</tool_response><|im_end|>\n"
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # Qwen2.5-Coder's spelling

@@ -110,6 +110,8 @@ async def _answer(request: Request, chat: bool):
     body = await read_json(request)
     req = _answer_request(body)
     name = req.model or app.pool.default_name
+    think = get(body, "think", bool, None)  # Qwen3 and the like: whether to think first
+    req.template_vars = None if think is None else {"enable_thinking": think}
     if chat:
         req.messages = messages_of(body) if body.get("messages") else None
         req.tools = tools_of(body)

@@ -190,6 +190,8 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
         req.messages = messages_of(body)
         req.tools = tools_of(body)
         _tool_choice(body, req)
+        # variables for the template, as vLLM and llama-server take them
+        req.template_vars = get(body, "chat_template_kwargs", dict, None)
         req.logprobs = logprobs_of(body, get(body, "logprobs", bool, False))
     else:
         # the legacy API's logprobs: how many alternatives (0 or more), or null

@@ -212,6 +212,7 @@ class AnswerRequest:
     format: str | dict | None = None  # "json" or a JSON schema the answer must follow
     format_param: str = "format"  # the field it came from, for errors
     tools: list[dict] | None = None  # offered to the model (a chat's template lists them)
+    template_vars: dict | None = None  # more for the chat template (Qwen3's enable_thinking)
     logprobs: int | None = None  # each token's log probability, and this many others'
     call_required: bool = False  # the answer must be a call (of call_name, if given)
     call_name: str | None = None
@@ -262,7 +263,7 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
         if req.tools is not None and tok.tool_format is None:
             raise ApiError(400, f"{loaded.name} does not support tools", "tools")
         try:
-            ids, dropped = fit_chat(tok, req.messages, budget, req.tools)
+            ids, dropped = fit_chat(tok, req.messages, budget, req.tools, req.template_vars)
         except InferError as e:  # the template refused these messages
             raise ApiError(400, str(e), "messages") from None
     elif req.suffix is not None:  # fill in the middle

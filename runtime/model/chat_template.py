@@ -54,7 +54,8 @@ GEMMA_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 
 
 class ChatTemplate:
-    """A compiled template: `render(messages, add_generation_prompt, tools, bos_token=...)`."""
+    """A compiled template: `render(messages, add_generation_prompt, tools, variables,
+    bos_token=...)`."""
 
     def __init__(self, source: str):
         self._template = _compile_template(source)
@@ -64,8 +65,11 @@ class ChatTemplate:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        variables: dict | None = None,
         **tokens,
     ) -> str:
+        """`variables`: more for the template to read, as a caller asks (Qwen3's
+        enable_thinking); they may not replace the ones transformers provides."""
         context = {
             "messages": [dict(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
@@ -73,6 +77,10 @@ class ChatTemplate:
             "documents": None,
             **tokens,
         }
+        taken = sorted(set(variables or ()) & set(context))
+        if taken:
+            raise InferError(f"chat template variables may not set {', '.join(taken)}")
+        context.update(variables or {})
         token = _deadline.set(time.monotonic() + RENDER_SECONDS)
         try:
             out, size = [], 0

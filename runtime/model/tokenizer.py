@@ -216,10 +216,12 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        variables: dict | None = None,
     ) -> str:
         """Render `messages` ({"role", "content"} dicts, an assistant's with "tool_calls")
         with the model's template, in a sandbox, with the variables transformers provides;
-        `tools` as transformers passes them (OpenAI's {"type": "function", ...})."""
+        `tools` as transformers passes them (OpenAI's {"type": "function", ...}), and
+        `variables` of the caller's (ChatTemplate.render)."""
         if self._compiled_template is None:
             self._compiled_template = ChatTemplate(self.chat_template or self._fallback_template())
         specials = {
@@ -227,7 +229,9 @@ class Tokenizer:
             for name, token_id in (("bos_token", self.bos_id), ("eos_token", self.eos_id))
             if token_id is not None
         }
-        return self._compiled_template.render(messages, add_generation_prompt, tools, **specials)
+        return self._compiled_template.render(
+            messages, add_generation_prompt, tools, variables, **specials
+        )
 
     @property
     def tool_format(self) -> CallFormat | None:
@@ -254,10 +258,11 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        variables: dict | None = None,
     ) -> list[int]:
         """Render and encode a chat. BOS goes in once: where the template writes it and the
         model adds one too, the written one is dropped (what llama.cpp does)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, variables)
         bos = self._token_text(self.bos_id)
         if self.add_bos and bos and text.startswith(bos):
             text = text[len(bos) :]

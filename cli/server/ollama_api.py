@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from ... import __version__
 from ...runtime.generate import Penalties
-from ...runtime.model.tool_calls import CallSplitter, ToolCall, parse_calls, tool_names
+from ...runtime.model.tool_calls import ToolCall
 from .errors import ApiError
 from .requests import (
     NUMBER,
@@ -26,7 +26,6 @@ from .requests import (
     collect,
     get,
     keep_alive_of,
-    logprob_json,
     logprobs_of,
     messages_of,
     prepare,
@@ -155,17 +154,13 @@ async def _answer(request: Request, chat: bool):
 
     if not req.stream:
         text, finished = await collect(p, app.metrics, request)
-        calls = []
-        if req.tools is not None:
-            text, calls = parse_calls(text, tool_names(req.tools))
+        text, calls = p.calls_in(text)
         done = _done_fields(finished, load_s, t0, p.dropped)
         if req.logprobs is not None:
-            tok = p.loaded.lm.tokenizer
-            done["logprobs"] = [logprob_json(tok, e) for e in finished.answer.logprobs]
+            done["logprobs"] = p.answer_logprobs(finished.answer)
         return JSONResponse({**message(text, calls), **done})
 
-    # With tools, text that may begin a call is held back until it is known to be one.
-    splitter = CallSplitter(tool_names(req.tools)) if req.tools is not None else None
+    splitter = p.call_splitter()
 
     async def lines():
         try:

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ...runtime.generate import Penalties
-from ...runtime.model.tool_calls import CallSplitter, ToolCall, parse_calls, tool_names
+from ...runtime.model.tool_calls import ToolCall, tool_names
 from .errors import ApiError
 from .requests import (
     NUMBER,
@@ -24,7 +24,6 @@ from .requests import (
     Finished,
     collect,
     get,
-    logprob_json,
     logprobs_of,
     messages_of,
     prepare,
@@ -77,7 +76,7 @@ def _tool_choice(body: dict, req: AnswerRequest) -> None:
         req.call_required = True
     elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
         name = choice["function"]["name"]
-        if name not in [t["function"]["name"] for t in req.tools]:
+        if name not in tool_names(req.tools):
             raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
         req.call_required, req.call_name = True, name
     else:
@@ -221,12 +220,9 @@ async def _complete(request: Request, chat: bool):
     }
     if not req.stream:
         content, finished = await collect(p, app.metrics, request)
-        calls = []
-        if req.tools is not None:
-            content, calls = parse_calls(content, tool_names(req.tools))
+        content, calls = p.calls_in(content)
         reason = _finish_reason(finished.answer.finish_reason, calls)
-        tok = p.loaded.lm.tokenizer
-        logprobs = [logprob_json(tok, e) for e in finished.answer.logprobs]
+        logprobs = p.answer_logprobs(finished.answer)
         choice = {"index": 0, "finish_reason": reason, "logprobs": _logprobs(req, logprobs, chat)}
         if chat:
             choice["message"] = {
@@ -251,8 +247,7 @@ async def _complete(request: Request, chat: bool):
             choice["text"] = piece or ""
         return json.dumps({**common, "choices": [choice]})
 
-    # With tools, text that may begin a call is held back until it is known to be one.
-    splitter = CallSplitter(tool_names(req.tools)) if req.tools is not None else None
+    splitter = p.call_splitter()
 
     async def events():
         if chat:

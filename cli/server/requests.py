@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from ... import InferError
 from ...runtime.answer import Answer, answer_room, fit_chat
 from ...runtime.generate import Penalties
-from ...runtime.model.tool_calls import call_schema
+from ...runtime.model.tool_calls import CallSplitter, ToolCall, call_schema, parse_calls, tool_names
 from ...runtime.scheduler import Job, Sampling
 from ...runtime.structured import compile_format, compile_tool_call
 from .errors import ApiError
@@ -234,6 +234,22 @@ class Prepared:
         them: token, logprob, bytes, top_logprobs."""
         entries, self.logprobs = self.logprobs, []
         return [logprob_json(self.loaded.lm.tokenizer, e) for e in entries]
+
+    def answer_logprobs(self, answer: Answer) -> list[dict]:
+        """Every token's of a whole answer (a response that is not streamed)."""
+        return [logprob_json(self.loaded.lm.tokenizer, e) for e in answer.logprobs]
+
+    def calls_in(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole answer's text without its tool calls, and the calls (none unless the
+        request offered tools)."""
+        return (
+            parse_calls(text, tool_names(self.request.tools)) if self.request.tools else (text, [])
+        )
+
+    def call_splitter(self) -> CallSplitter | None:
+        """For a streamed answer to a request that offered tools: text that may begin a
+        call is held back until it is known to be one."""
+        return CallSplitter(tool_names(self.request.tools)) if self.request.tools else None
 
 
 def logprob_json(tok, e) -> dict:

@@ -78,8 +78,12 @@ def _find_calls(text: str, names: set[str]) -> tuple[int, list[ToolCall], int] |
 
 
 def _starts_calls(text: str) -> bool:
-    squeezed = re.sub(r"\s+", "", text[:64])
-    return squeezed.startswith(_STARTS)
+    return _squeezed(text).startswith(_STARTS)
+
+
+def _squeezed(text: str) -> str:
+    """The answer's start, whitespace taken out (as _STARTS are written)."""
+    return re.sub(r"\s+", "", text[:64])
 
 
 def _scan(text: str, pos: int, names: set[str]) -> tuple[list[ToolCall], int]:
@@ -152,7 +156,7 @@ class CallSplitter:
         self._text += piece
         text = self._text
         if self._at_start:
-            squeezed = re.sub(r"\s+", "", text[:64])
+            squeezed = _squeezed(text)
             if any(s.startswith(squeezed) or squeezed.startswith(s) for s in _STARTS):
                 return ""  # a call, or maybe one: held
             self._at_start = False

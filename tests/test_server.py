@@ -23,7 +23,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from tiny import FIM, HERMES, make_hf_model, set_chat_template
+from tiny import FIM, HERMES, THINKER, make_hf_model, set_chat_template
 
 MODEL = "smollm2-135m"
 KEY = "sk-test-123"
@@ -123,6 +123,10 @@ def files(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
     files["tools"] = root / "served" / "coder"
     make_hf_model("qwen2", files["tools"], specials=FIM, max_position_embeddings=1024)
     set_chat_template(files["tools"], HERMES)
+    # A thinking model whose template opens the thought (as QwQ's and DeepSeek-R1's do).
+    files["thinker"] = root / "served" / "thinker"
+    make_hf_model("qwen2", files["thinker"], seed=1)
+    set_chat_template(files["thinker"], THINKER)
     return files
 
 
@@ -792,7 +796,7 @@ def test_required_tool_call(oai, http, files):
     the messages are taken."""
     model = str(files["tools"])
     show = http.post("/api/show", json={"model": model}).json()
-    assert show["capabilities"] == ["completion", "tools", "insert"]
+    assert show["capabilities"] == ["completion", "tools", "insert", "thinking"]
     messages = [{"role": "user", "content": "Weather?"}]
     for choice, names in (("required", {"get_weather", "get_time"}), (WEATHER, {"get_weather"})):
         if isinstance(choice, dict):
@@ -882,6 +886,60 @@ def test_template_variables(oai, http, files):
     body = {"model": model, "messages": hi, "chat_template_kwargs": {"messages": []}}
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and "may not set messages" in r.text, r.text
+
+
+def test_thinking(http, files):
+    """A thinking model's thoughts come apart from its answer: ollama's thinking,
+    OpenAI's reasoning_content, streamed or not; reasoning_format "none" leaves them in
+    the content; think: true on a model that cannot think is a 400."""
+    model, hi = str(files["thinker"]), [{"role": "user", "content": "Hi"}]
+    show = http.post("/api/show", json={"model": model}).json()
+    assert "thinking" in show["capabilities"]
+    assert "thinking" not in http.post("/api/show", json={"model": MODEL}).json()["capabilities"]
+    r = http.post("/api/chat", json={"model": MODEL, "messages": hi, "think": True})
+    assert r.status_code == 400 and r.json()["error"] == f"{MODEL} does not support thinking"
+
+    def openai(stream: bool, n: int = 8, **extra) -> tuple[str, str]:
+        body = {"model": model, "messages": hi, "max_tokens": n, "temperature": 0, **extra}
+        if not stream:
+            m = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+            return m.get("reasoning_content", ""), m["content"]
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        deltas = [
+            json.loads(d)["choices"][0]["delta"] for d in data[:-1] if json.loads(d)["choices"]
+        ]
+        return tuple(
+            "".join(d.get(k) or "" for d in deltas) for k in ("reasoning_content", "content")
+        )
+
+    def ollama_chat(stream: bool, n: int = 8, **extra) -> tuple[str, str]:
+        body = {"model": model, "messages": hi, "stream": stream, **extra}
+        body["options"] = {"num_predict": n, "temperature": 0}
+        lines = (
+            ollama(http, "/api/chat", body)
+            if stream
+            else [http.post("/api/chat", json=body).json()]
+        )
+        return tuple(
+            "".join(x["message"].get(k, "") for x in lines) for k in ("thinking", "content")
+        )
+
+    # The prompt opened the thought: the 8 tokens are all thought (the tiny model never
+    # writes </think>).
+    _, raw = openai(False, reasoning_format="none")
+    assert raw and "</think>" not in raw
+    for stream in (False, True):
+        assert openai(stream) == (raw.strip(), "")
+        assert ollama_chat(stream) == (raw.strip(), "")
+    # An answer made to close its thought: the schema's one string, quotes and all.
+    schema = {"type": "string", "enum": ["</think>Hello"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    for stream in (False, True):
+        assert openai(stream, 20, response_format=rf) == ('"', 'Hello"')
+        assert ollama_chat(stream, 20, format=schema) == ('"', 'Hello"')
+    # think: false writes the empty thought: nothing opens, all is the answer's text
+    assert ollama_chat(False, think=False)[0] == ""
 
 
 def test_fill_in_the_middle(oai, http, files):

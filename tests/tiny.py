@@ -37,6 +37,11 @@ HERMES = (
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
+# A template that opens the thought itself (QwQ, DeepSeek-R1): the answer begins inside it.
+THINKER = HERMES.replace(
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}",
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # Qwen2.5-Coder's spelling
 VOCAB = 320  # 256 byte tokens + specials, rounded up

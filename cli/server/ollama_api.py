@@ -1,5 +1,5 @@
-"""The ollama API: /api/chat (with tool calls), /api/generate, /api/tags, /api/ps,
-/api/show, /api/version.
+"""The ollama API: /api/chat (with tool calls, and a thinking model's thoughts in
+`thinking`), /api/generate, /api/tags, /api/ps, /api/show, /api/version.
 
 Streams are newline-delimited JSON objects, the last with `"done": true` and ollama's
 timings in nanoseconds; errors are `{"error": "message"}` with the HTTP status.
@@ -111,6 +111,7 @@ async def _answer(request: Request, chat: bool):
     name = req.model or app.pool.default_name
     think = get(body, "think", bool, None)  # Qwen3 and the like: whether to think first
     req.template_vars = None if think is None else {"enable_thinking": think}
+    req.think = think
     if chat:
         req.messages = messages_of(body) if body.get("messages") else None
         req.tools = tools_of(body)
@@ -140,41 +141,45 @@ async def _answer(request: Request, chat: bool):
     p = await prepare(app.pool, req)
     load_s = time.perf_counter() - t_load  # loading the model, if it was not, and encoding
 
-    def message(piece: str, calls: list[ToolCall] | None = None) -> dict:
+    def message(piece: str, calls: list[ToolCall] | None = None, thought: str = "") -> dict:
         out = {"model": name, "created_at": _now()}
         if chat:
             out["message"] = {"role": "assistant", "content": piece}
+            if thought:
+                out["message"]["thinking"] = thought
             if calls:  # ollama's: arguments as an object
                 out["message"]["tool_calls"] = [
                     {"function": {"name": c.name, "arguments": c.arguments}} for c in calls
                 ]
         else:
             out["response"] = piece
+            if thought:
+                out["thinking"] = thought
         return out
 
     if not req.stream:
         text, finished = await collect(p, app.metrics, request)
-        text, calls = p.calls_in(text)
+        thought, text, calls = p.parts(text)
         done = _done_fields(finished, load_s, t0, p.dropped)
         if req.logprobs is not None:
             done["logprobs"] = p.answer_logprobs(finished.answer)
-        return JSONResponse({**message(text, calls), **done})
+        return JSONResponse({**message(text, calls, thought), **done})
 
-    splitter = p.call_splitter()
+    splitter = p.splitter()
 
     async def lines():
         try:
             async for item in run(p, app.metrics):
                 if isinstance(item, Finished):
-                    rest, calls = splitter.finish() if splitter else ("", [])
-                    if rest or calls:
-                        yield json.dumps({**message(rest, calls), "done": False}) + "\n"
+                    thought, rest, calls = splitter.finish()
+                    if thought or rest or calls:
+                        yield json.dumps({**message(rest, calls, thought), "done": False}) + "\n"
                     out = {**message(""), **_done_fields(item, load_s, t0, p.dropped)}
                 else:
-                    piece = splitter.feed(item) if splitter else item
-                    if not piece:
+                    thought, piece = splitter.feed(item)
+                    if not (thought or piece):
                         continue
-                    out = {**message(piece), "done": False}
+                    out = {**message(piece, thought=thought), "done": False}
                     if req.logprobs is not None:
                         out["logprobs"] = p.take_logprobs()
                 yield json.dumps(out) + "\n"
@@ -279,7 +284,8 @@ async def show(request: Request):
             },
             "capabilities": ["completion"]
             + (["tools"] if tok.tool_format else [])
-            + (["insert"] if tok.fim_ids else []),
+            + (["insert"] if tok.fim_ids else [])
+            + (["thinking"] if tok.thinks else []),
         }
     )
 

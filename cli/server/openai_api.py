@@ -1,4 +1,5 @@
-"""The OpenAI API: /v1/chat/completions (with tool calls), /v1/completions, /v1/models.
+"""The OpenAI API: /v1/chat/completions (with tool calls, and a thinking model's thoughts
+in reasoning_content as llama-server gives them), /v1/completions, /v1/models.
 
 Streams are server-sent events (`data: {...}` chunks, then `data: [DONE]`); errors
 are `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
@@ -191,6 +192,8 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
         _tool_choice(body, req)
         # variables for the template, as vLLM and llama-server take them
         req.template_vars = get(body, "chat_template_kwargs", dict, None)
+        # llama-server's: "none" leaves a thinking model's thoughts in the content
+        req.thoughts_apart = get(body, "reasoning_format", str, "auto") != "none"
         req.logprobs = logprobs_of(body, get(body, "logprobs", bool, False))
     else:
         # the legacy API's logprobs: how many alternatives (0 or more), or null
@@ -220,7 +223,7 @@ async def _complete(request: Request, chat: bool):
     }
     if not req.stream:
         content, finished = await collect(p, app.metrics, request)
-        content, calls = p.calls_in(content)
+        thought, content, calls = p.parts(content)
         reason = _finish_reason(finished.answer.finish_reason, calls)
         logprobs = p.answer_logprobs(finished.answer)
         choice = {"index": 0, "finish_reason": reason, "logprobs": _logprobs(req, logprobs, chat)}
@@ -229,6 +232,8 @@ async def _complete(request: Request, chat: bool):
                 "role": "assistant",
                 "content": (content or None) if calls else content,
             }
+            if thought:
+                choice["message"]["reasoning_content"] = thought
             if calls:
                 choice["message"]["tool_calls"] = _tool_calls(calls)
         else:
@@ -247,7 +252,13 @@ async def _complete(request: Request, chat: bool):
             choice["text"] = piece or ""
         return json.dumps({**common, "choices": [choice]})
 
-    splitter = p.call_splitter()
+    def pieces(thought: str, text: str):
+        if thought:
+            yield {"data": chunk(thought, delta={"reasoning_content": thought})}
+        if text:
+            yield {"data": chunk(text)}
+
+    splitter = p.splitter()
 
     async def events():
         if chat:
@@ -260,9 +271,9 @@ async def _complete(request: Request, chat: bool):
         try:
             async for item in run(p, app.metrics):
                 if isinstance(item, Finished):
-                    rest, calls = splitter.finish() if splitter else ("", [])
-                    if rest:
-                        yield {"data": chunk(rest)}
+                    thought, rest, calls = splitter.finish()
+                    for event in pieces(thought, rest):
+                        yield event
                     if calls:
                         yield {
                             "data": chunk(
@@ -274,9 +285,8 @@ async def _complete(request: Request, chat: bool):
                     if include_usage:
                         yield {"data": json.dumps({**common, "choices": [], "usage": _usage(item)})}
                 else:
-                    piece = splitter.feed(item) if splitter else item
-                    if piece:
-                        yield {"data": chunk(piece)}
+                    for event in pieces(*splitter.feed(item)):
+                        yield event
         except ApiError as err:  # after the headers went out: an error event, then the end
             yield {"data": json.dumps({"error": {"message": err.message, "type": "server_error"}})}
         yield {"data": "[DONE]"}

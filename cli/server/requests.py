@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from ... import InferError
 from ...runtime.answer import Answer, answer_room, fit_chat
 from ...runtime.generate import Penalties
+from ...runtime.model.thinking import ThoughtSplitter, opens_thought, split_thoughts
 from ...runtime.model.tool_calls import CallSplitter, ToolCall, call_schema, parse_calls, tool_names
 from ...runtime.scheduler import Job, Sampling
 from ...runtime.structured import compile_format, compile_tool_call
@@ -213,6 +214,8 @@ class AnswerRequest:
     format_param: str = "format"  # the field it came from, for errors
     tools: list[dict] | None = None  # offered to the model (a chat's template lists them)
     template_vars: dict | None = None  # more for the chat template (Qwen3's enable_thinking)
+    think: bool | None = None  # asked to think first (ollama's think): the model must be able to
+    thoughts_apart: bool = True  # a thinking model's thoughts apart from its answer's text
     logprobs: int | None = None  # each token's log probability, and this many others'
     call_required: bool = False  # the answer must be a call (of call_name, if given)
     call_name: str | None = None
@@ -239,17 +242,45 @@ class Prepared:
         """Every token's of a whole answer (a response that is not streamed)."""
         return [logprob_json(self.loaded.lm.tokenizer, e) for e in answer.logprobs]
 
-    def calls_in(self, text: str) -> tuple[str, list[ToolCall]]:
-        """A whole answer's text without its tool calls, and the calls (none unless the
+    # Whether the answer's thoughts come apart from its text (a chat with a thinking
+    # model's template), and whether the prompt opened the thought already.
+    thoughts: bool = False
+    thought_open: bool = False
+
+    def parts(self, text: str) -> tuple[str, str, list[ToolCall]]:
+        """A whole answer's thoughts, its text, and its tool calls (none unless the
         request offered tools)."""
-        return (
-            parse_calls(text, tool_names(self.request.tools)) if self.request.tools else (text, [])
+        thought, text = split_thoughts(text, self.thought_open) if self.thoughts else ("", text)
+        tools = self.request.tools
+        text, calls = parse_calls(text, tool_names(tools)) if tools else (text, [])
+        return thought, text, calls
+
+    def splitter(self) -> AnswerSplitter:
+        return AnswerSplitter(
+            ThoughtSplitter(self.thought_open) if self.thoughts else None,
+            CallSplitter(tool_names(self.request.tools)) if self.request.tools else None,
         )
 
-    def call_splitter(self) -> CallSplitter | None:
-        """For a streamed answer to a request that offered tools: text that may begin a
-        call is held back until it is known to be one."""
-        return CallSplitter(tool_names(self.request.tools)) if self.request.tools else None
+
+class AnswerSplitter:
+    """An answer's text as it streams, into what both APIs send apart: `feed` gives the
+    (thoughts, text) to send now; text that may begin a tool call is held until it is
+    known to be one. `finish` gives the rest, and the calls."""
+
+    def __init__(self, thoughts: ThoughtSplitter | None, calls: CallSplitter | None):
+        self._thoughts, self._calls = thoughts, calls
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        thought, text = self._thoughts.feed(piece) if self._thoughts else ("", piece)
+        return thought, self._calls.feed(text) if self._calls and text else text
+
+    def finish(self) -> tuple[str, str, list[ToolCall]]:
+        thought, text = self._thoughts.finish() if self._thoughts else ("", "")
+        if self._calls is None:
+            return thought, text, []
+        shown = self._calls.feed(text) if text else ""
+        rest, calls = self._calls.finish()
+        return thought, shown + rest, calls
 
 
 def logprob_json(tok, e) -> dict:
@@ -270,6 +301,8 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
     """Load the model, encode the prompt and check it fits (4xx before anything streams)."""
     loaded = await pool.get(req.model, req.keep_alive)
     tok = loaded.lm.tokenizer
+    if req.think and not tok.thinks:
+        raise ApiError(400, f"{loaded.name} does not support thinking", "think")
     limit = min(req.context or loaded.context, loaded.context)
     dropped = 0
     if req.messages is not None:
@@ -316,6 +349,9 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
             raise ApiError(400, f"tools: {e}", "tools") from None
         constraint = grammar.matcher()
     prepared = Prepared(loaded, ids, req, dropped, constraint)
+    if req.messages is not None and req.thoughts_apart and tok.thinks:
+        prepared.thoughts = True
+        prepared.thought_open = opens_thought(tok.decode(ids[-16:]))
     loaded.pending.add(prepared)  # until `run` ends (or it is dropped, never run)
     return prepared
 

@@ -28,6 +28,7 @@ from ... import InferError
 from .chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, GEMMA_TURN_TOKENS, ChatTemplate
 from .pretokenizers import FALLBACK_PRE_TOKENIZER, PRE_TOKENIZERS, byte_level_pre_tokenizer
 from .spm_merges import spm_merges
+from .thinking import THINK_TAGS, template_thinks
 from .token_pieces import byte_level_piece, sentencepiece_piece
 from .tool_calls import TOOL_CALL_TAGS, CallFormat, call_format
 
@@ -103,9 +104,10 @@ class Tokenizer:
         # (spelling a 262k vocabulary up front took a third of its construction).
         self._pieces = pieces
         self._spell = spell
-        # dropped by decode(skip_special=True); not tool-call tags, even where the file
-        # marks them special: an answer's reader needs them (tool_calls.py)
-        tags = {backend.token_to_id(t) for t in TOOL_CALL_TAGS}
+        # dropped by decode(skip_special=True); not tool-call or thought tags, even where
+        # the file marks them special: an answer's reader needs them (tool_calls.py,
+        # thinking.py)
+        tags = {backend.token_to_id(t) for t in (*TOOL_CALL_TAGS, *THINK_TAGS)}
         self._special_ids = special_ids - tags
         # SentencePiece puts a space before the text; decoding a sequence takes it off.
         self._strip_leading_space = strip_leading_space
@@ -238,6 +240,11 @@ class Tokenizer:
         """How the chat template asks for tool calls (tool_calls.py); None if it lists no
         tools."""
         return call_format(self.chat_template or "")
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the chat template is a thinking model's (thinking.py)."""
+        return template_thinks(self.chat_template or "")
 
     def _fallback_template(self) -> str:
         """The template of a model that has none (see CHATML_TEMPLATE)."""

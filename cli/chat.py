@@ -79,6 +79,7 @@ class ChatSettings:
     system: str | None = None
     verbose: bool = False
     format: str | dict | None = None  # run --format: "json" or a JSON schema
+    think: bool | None = None  # run --think / --no-think: a thinking model's switch
     _sampler: object = field(default=None, init=False, repr=False)
 
     @property
@@ -114,6 +115,10 @@ class ChatSettings:
             raise ValueError(f"{name} must be {allowed}, not {value}")
         setattr(self, attr, v)
         self._sampler = None  # a new sampler for the new value
+
+    def template_vars(self) -> dict | None:
+        """What the chat template is given beyond the messages."""
+        return None if self.think is None else {"enable_thinking": self.think}
 
     def parameters(self) -> list[list[str]]:
         seed = "random" if self.seed is None else str(self.seed)
@@ -184,6 +189,42 @@ class WordWrap:
         self.col = 0 if text == "\n" else self.col + _columns(text)
 
 
+class ThoughtDisplay:
+    """A thinking model's thoughts on a terminal, dimmed before the answer as ollama's
+    chat shows them: "Thinking...", the thoughts, "...done thinking.". `show` writes
+    them (None: they are not shown); `end` closes them when the answer begins."""
+
+    DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, out, show: Callable[[str], None] | None):
+        self.out, self.show, self.open = out, show, False
+
+    def __call__(self, piece: str) -> None:
+        if self.show is None:
+            return
+        if not self.open:
+            self.out.write(self.DIM)
+            self.show("Thinking...\n")
+            self.open = True
+        self.show(piece)
+
+    def end(self) -> None:
+        if self.open:
+            self.show("\n...done thinking.\n\n")
+            self.out.write(self.PLAIN)
+            self.out.flush()
+            self.open = False
+
+    def then(self, show: Callable[[str], None]) -> Callable[[str], None]:
+        """`show` for the answer's text, closing the thoughts first."""
+
+        def answer(piece: str) -> None:
+            self.end()
+            show(piece)
+
+        return answer
+
+
 def _columns(text: str) -> int:
     """Terminal columns: East Asian wide and full-width characters take two."""
     import unicodedata
@@ -196,9 +237,12 @@ class ChatModel(Protocol):
 
     name: str
 
-    def answer(self, messages: list[dict], settings: ChatSettings, on_text) -> tuple[object, int]:
+    def answer(
+        self, messages: list[dict], settings: ChatSettings, on_text, on_thought=None
+    ) -> tuple[object, int]:
         """Stream the answer to `messages` (an Answer or RemoteAnswer) and the number of
-        oldest messages dropped to fit the context."""
+        oldest messages dropped to fit the context; a thinking model's thoughts go to
+        `on_thought` and the answer's `thinking`, apart from its text."""
 
     def complete(self, prompt: str, settings: ChatSettings, on_text) -> object:
         """Stream a raw-text continuation of `prompt`."""
@@ -219,15 +263,39 @@ class LocalModel:
         self.session = Session(lm.model, stages=lm.stages)
         self.drafter = drafter
 
-    def answer(self, messages, settings, on_text):
+    def answer(self, messages, settings, on_text, on_thought=None):
         from ..runtime.conversation import answer_turn
         from ..runtime.generate import Penalties
+        from ..runtime.model.thinking import ThoughtSplitter, opens_thought, split_thoughts
+
+        tok, variables = self.lm.tokenizer, settings.template_vars()
+        splitter = shown = None
+        if tok.thinks:  # the thoughts apart, as the server gives them
+            prompt = tok.apply_chat_template(messages, True, None, variables)
+            inside = opens_thought(prompt[-32:])
+            splitter, shown = ThoughtSplitter(inside), on_text
+
+            def on_text(piece: str) -> None:
+                thought, text = splitter.feed(piece)
+                if thought and on_thought:
+                    on_thought(thought)
+                if text:
+                    shown(text)
 
         penalties = Penalties(repeat=settings.repeat_penalty)
-        return answer_turn(
-            self.session, self.lm.tokenizer, messages, settings.sampler, settings.max_tokens,
-            on_text, penalties, constraint=self._constraint(settings), drafter=self.drafter,
+        answer, dropped = answer_turn(
+            self.session, tok, messages, settings.sampler, settings.max_tokens, on_text,
+            penalties, constraint=self._constraint(settings), drafter=self.drafter,
+            variables=variables,
         )  # fmt: skip
+        if splitter is not None:
+            thought, text = splitter.finish()
+            if thought and on_thought:
+                on_thought(thought)
+            if text:
+                shown(text)
+            answer.thinking, answer.text = split_thoughts(answer.text, inside)
+        return answer, dropped
 
     def complete(self, prompt: str, settings, on_text):
         """Continue `prompt` as raw text, no chat template."""
@@ -394,13 +462,15 @@ def chat_loop(model: ChatModel, settings: ChatSettings) -> None:
 
         messages = chat.messages
         messages.append({"role": "user", "content": text})
+        thoughts = ThoughtDisplay(out, show if out.isatty() else None)
         try:
-            answer, dropped = model.answer(messages, settings, show)
+            answer, dropped = model.answer(messages, settings, thoughts.then(show), thoughts)
         except InferError as err:  # e.g. one message longer than the context
             messages.pop()
             print(f"error: {err}", file=sys.stderr)
             continue
         finally:
+            thoughts.end()
             if wrap is not None:
                 wrap.flush()
         if dropped:

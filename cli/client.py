@@ -49,6 +49,7 @@ class RemoteAnswer:
     """What the server's last line says, in the terms `infer run` prints."""
 
     text: str = ""
+    thinking: str = ""  # a thinking model's thoughts, apart from text
     prompt_tokens: int = 0
     cached_tokens: int = 0
     n_generated: int = 0
@@ -92,9 +93,11 @@ def ask(
     chat: bool,
     on_text: Callable[[str], None],
     api_key: str | None = None,
+    on_thought: Callable[[str], None] | None = None,
 ) -> RemoteAnswer:
-    """POST the request and stream the answer into `on_text`. Ctrl-C closes the
-    connection (the server cancels the answer) and returns what came so far."""
+    """POST the request and stream the answer into `on_text` (a thinking model's
+    thoughts into `on_thought`). Ctrl-C closes the connection (the server cancels the
+    answer) and returns what came so far."""
     headers = _headers(api_key)
     path = "/api/chat" if chat else "/api/generate"
     answer = RemoteAnswer(asked=body.get("options", {}).get("num_predict", -1))
@@ -107,7 +110,12 @@ def ask(
             msg = json.loads(line)
             if "error" in msg:
                 raise InferError(str(msg["error"]), exit_code=1)
-            piece = msg["message"]["content"] if chat else msg.get("response", "")
+            part = msg["message"] if chat else msg
+            if thought := part.get("thinking"):
+                answer.thinking += thought
+                if on_thought:
+                    on_thought(thought)
+            piece = part["content"] if chat else part.get("response", "")
             if piece:
                 answer.text += piece
                 on_text(piece)
@@ -169,12 +177,16 @@ class RemoteModel:
             raise InferError(f"the server at {self.host}:{self.port} is gone", exit_code=1)
         return conn
 
-    def answer(self, messages: list[dict], settings, on_text) -> tuple[RemoteAnswer, int]:
+    def answer(
+        self, messages: list[dict], settings, on_text, on_thought=None
+    ) -> tuple[RemoteAnswer, int]:
         options = settings.options()
         if self.ctx:
             options["num_ctx"] = self.ctx
         body = request_body(self.name, options, messages, fmt=settings.format)
-        answer = ask(self._connect(), body, True, on_text, self.api_key)
+        if settings.think is not None:
+            body["think"] = settings.think
+        answer = ask(self._connect(), body, True, on_text, self.api_key, on_thought)
         first = 1 if messages and messages[0]["role"] == "system" else 0
         del messages[first : first + answer.dropped]  # as the server did
         return answer, answer.dropped

@@ -123,6 +123,15 @@ def run(
     expert_prediction: ExpertPredictionOpt = None,
     trace: TraceOut = None,
     fmt: Format = None,
+    think: Annotated[
+        bool | None,
+        typer.Option(
+            "--think/--no-think",
+            help="A thinking model (Qwen3): think before answering, or answer at once. "
+            "Default: the model's. Thoughts show dimmed on a terminal, never on a pipe.",
+            show_default=False,
+        ),
+    ] = None,
     lookup: Lookup = False,
     draft: Draft = None,
     json_out: Json = False,
@@ -193,9 +202,12 @@ def run(
     settings = ChatSettings(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         min_p=min_p, seed=seed, repeat_penalty=repeat_penalty, system=system,
-        verbose=verbose, format=schema,
+        verbose=verbose, format=schema, think=think,
     )  # fmt: skip
-    show = (lambda _: None) if json_out else _write
+    from .chat import ThoughtDisplay
+
+    thoughts = ThoughtDisplay(sys.stdout, None if json_out or not sys.stdout.isatty() else _write)
+    show = (lambda _: None) if json_out else thoughts.then(_write)
     loads_here = (
         threads, max_memory, expert_policy, expert_prediction, trace, draft, workers, kv_cache
     ) != (None,) * 8 or dtype != DType.float32 or lookup  # fmt: skip
@@ -204,7 +216,7 @@ def run(
         from .client import NotServed
 
         try:
-            answer = _answer_once(chat_model, prompt, no_chat, settings, show)
+            answer = _answer_once(chat_model, prompt, no_chat, settings, show, thoughts)
         except NotServed:
             chat_model = None  # a file the server may not read: load it here
             if verbose:
@@ -246,7 +258,7 @@ def run(
                 print(f"{chat_model.name}: /help for commands, Ctrl-D to quit", file=sys.stderr)
             chat_loop(chat_model, settings)
         else:
-            answer = _answer_once(chat_model, prompt, no_chat, settings, show)
+            answer = _answer_once(chat_model, prompt, no_chat, settings, show, thoughts)
             _finish(answer, chat_model, lm.load_seconds, json_out, verbose, drafter)
     finally:
         if lm is not None:
@@ -343,12 +355,18 @@ def _server_model(host, model, ctx, check: bool):
     return remote
 
 
-def _answer_once(chat_model, prompt: str, raw: bool, settings, show):
-    """One answer to PROMPT: completed as raw text, or as the chat's first turn."""
+def _answer_once(chat_model, prompt: str, raw: bool, settings, show, thoughts):
+    """One answer to PROMPT: completed as raw text, or as the chat's first turn (a
+    thinking model's thoughts to `thoughts`)."""
     if raw:
         return chat_model.complete(prompt, settings, show)
     messages = [{"role": "system", "content": settings.system}] if settings.system else []
-    answer, _ = chat_model.answer([*messages, {"role": "user", "content": prompt}], settings, show)
+    try:
+        answer, _ = chat_model.answer(
+            [*messages, {"role": "user", "content": prompt}], settings, show, thoughts
+        )
+    finally:
+        thoughts.end()
     return answer
 
 
@@ -363,6 +381,7 @@ def _finish(answer, chat_model, load_s, json_out: bool, verbose: bool, drafter=N
             {
                 "model": chat_model.name,
                 "text": answer.text,
+                **({"thinking": answer.thinking} if answer.thinking else {}),
                 "tokens_generated": answer.n_generated,
                 "prompt_tokens": answer.prompt_tokens,
                 "finish_reason": answer.finish_reason,

@@ -40,6 +40,7 @@ class Answer:
     n_decoded: int = 0  # tokens chosen in decode_s (after the first)
     context: int = 0  # the session's positions; a "length" answer may have filled them
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, if asked for
+    thinking: str = ""  # a thinking model's thoughts, where the caller took them out of text
 
     @property
     def n_generated(self) -> int:

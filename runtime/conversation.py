@@ -64,14 +64,16 @@ def answer_turn(
     penalties: Penalties | None = None,
     constraint: Constraint | None = None,
     drafter: Drafter | None = None,
+    variables: dict | None = None,
 ) -> tuple[ChatAnswer, int]:
     """Answer the chat `messages` (edited in place as messages are dropped) in `session`,
     streaming the text to `on_text`. Returns the answer and how many messages were
     dropped before it began (those dropped on the way are the answer's `dropped`).
     `max_tokens` < 0 stops when the context is full, as stream_answer does. `drafter`
-    guesses tokens (speculative decoding) all along."""
+    guesses tokens (speculative decoding) all along; `variables` go to the chat template
+    (Qwen3's enable_thinking)."""
     ctx = session.max_seq_len
-    ids, dropped = fit_chat(tok, messages, ctx - answer_room(ctx, max_tokens))
+    ids, dropped = fit_chat(tok, messages, ctx - answer_room(ctx, max_tokens), None, variables)
     first = stream_answer(
         session, tok, ids, sampler, max_tokens, on_text, penalties, constraint=constraint,
         drafter=drafter,
@@ -80,10 +82,10 @@ def answer_turn(
     keep = 1 if messages and messages[0]["role"] == "system" else 0
     while answer.context_full and max_tokens > 0 and len(messages) - keep > 1:
         left = max_tokens - len(answer.tokens)
-        before = len(tok.encode_chat(messages))
+        before = len(tok.encode_chat(messages, variables=variables))
         budget = ctx - answer_room(ctx, left) - len(answer.tokens)
         kept = list(messages)
-        ids, n = fit_chat(tok, kept, budget)
+        ids, n = fit_chat(tok, kept, budget, None, variables)
         if n == 0 or len(ids) + len(answer.tokens) >= ctx:
             break  # the question and the answer so far fill the context alone
         messages[:] = kept

@@ -940,6 +940,21 @@ def test_thinking(http, files):
         assert ollama_chat(stream, 20, format=schema) == ('"', 'Hello"')
     # think: false writes the empty thought: nothing opens, all is the answer's text
     assert ollama_chat(False, think=False)[0] == ""
+    # An earlier answer's thoughts, sent back, reach the template (ollama's thinking,
+    # OpenAI's reasoning_content): it writes them, one token a byte here.
+    said = {"role": "assistant", "content": "Hello"}
+    again = [*hi, said, {"role": "user", "content": "More"}]
+
+    def prompt_tokens(path: str, **thought) -> int:
+        body = {"model": model, "messages": [*again[:1], {**said, **thought}, again[2]]}
+        if path == "/api/chat":
+            r = http.post(path, json={**body, "stream": False, "options": {"num_predict": 1}})
+            return r.json()["prompt_eval_count"] + r.json()["prompt_cache_count"]
+        return http.post(path, json={**body, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+
+    written = len("<think>\nabc\n</think>\n\n")
+    for path, key in (("/api/chat", "thinking"), ("/v1/chat/completions", "reasoning_content")):
+        assert prompt_tokens(path, **{key: "abc"}) == prompt_tokens(path) + written, path
 
 
 def test_fill_in_the_middle(oai, http, files):
@@ -1236,3 +1251,26 @@ def test_chat_through_the_server(server, http, greedy, monkeypatch):
         term.send("/bye\n")
         assert term.proc.wait(30) == 0
     assert _answers(metrics(http)) == before + 1
+
+
+def test_run_shows_thoughts_apart(server, http, files, monkeypatch, tmp_path):
+    """A thinking model in `infer run`, through the server and in-process alike: --json
+    gives the thoughts apart from the text, a pipe gets the answer alone, a terminal
+    shows the thoughts dimmed before it."""
+    from test_cli import Terminal
+
+    schema = tmp_path / "closes.json"  # the answer closes its thought: '"' | 'Hello"'
+    schema.write_text(json.dumps({"type": "string", "enum": ["</think>Hello"]}))
+    ask = [files["thinker"], "Hi", "--format", schema, "--temp", "0", "-n", "20"]
+    for where in ([], ["--local"]):
+        r = run_client(server, *ask, "--json", *where)
+        assert r.returncode == 0, r.stderr
+        data = json.loads(r.stdout)
+        assert (data["thinking"], data["text"]) == ('"', 'Hello"'), where
+        r = run_client(server, *ask, *where)
+        assert r.returncode == 0 and r.stdout == 'Hello"\n', (where, r.stdout, r.stderr)
+    monkeypatch.setenv("INFER_HOST", server.url.removeprefix("http://"))
+    with Terminal("run", *ask) as term:
+        out = term.read_until('Hello"', 0).replace("\r\n", "\n")
+        assert '\x1b[2mThinking...\n"\n...done thinking.\n\n\x1b[0mHello"' in out, out
+        assert term.proc.wait(30) == 0

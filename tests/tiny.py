@@ -37,10 +37,15 @@ HERMES = (
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
-# A template that opens the thought itself (QwQ, DeepSeek-R1): the answer begins inside it.
+# A template that opens the thought itself (QwQ, DeepSeek-R1): the answer begins inside it;
+# an earlier answer's thoughts (reasoning_content) are written back, as Qwen3's does.
 THINKER = HERMES.replace(
     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}",
+).replace(
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}",
+    "{%- else %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}"
+    "{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{% endif %}{{ m.content }}",
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # Qwen2.5-Coder's spelling

@@ -109,7 +109,7 @@ def text_content(content, where: str) -> str:
 
 def messages_of(body: dict) -> list[dict]:
     """The chat as templates take it: role and text content, an assistant's tool_calls
-    (arguments as objects), a tool result's tool_call_id and name."""
+    (arguments as objects) and reasoning_content, a tool result's tool_call_id and name."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of messages", "messages")
@@ -130,6 +130,11 @@ def messages_of(body: dict) -> list[dict]:
         for key in ("tool_call_id", "name", "tool_name"):
             if isinstance(m.get(key), str):
                 msg[key] = m[key]
+        # An earlier answer's thoughts as clients send them back (ollama's thinking,
+        # OpenAI's reasoning_content): Qwen3's template writes those of a turn in progress.
+        thought = m.get("thinking") or m.get("reasoning_content")
+        if isinstance(thought, str) and thought:
+            msg["reasoning_content"] = thought
         out.append(msg)
     return out
 

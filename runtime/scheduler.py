@@ -83,6 +83,15 @@ class Job:
 
 
 @dataclass
+class Call:
+    """Work on a slot's session other than an answer (an embedding): `fn(session)` runs
+    on the scheduler's thread between two steps; `on_done` gets its result or error."""
+
+    fn: Callable[[Session], object]
+    on_done: Callable[[object], None]
+
+
+@dataclass
 class SchedulerStats:
     jobs: int = 0
     prompt_tokens: int = 0
@@ -131,6 +140,7 @@ class Scheduler:
         self.prefill_chunk = max(1, prefill_chunk)
         self._last_used = [0.0] * len(self.slots)
         self._queue: deque[Job] = deque()
+        self._calls: deque[Call] = deque()  # run first, in a free slot, one a step
         # Running jobs by slot, in order of arrival; changed by the thread, under the lock.
         self._active: dict[int, tuple[Job, Answering]] = {}
         # Decode passes begun and not yet taken, oldest first: (slots with answers, pass).
@@ -153,6 +163,15 @@ class Scheduler:
         job.cancel()
         job.on_event("done", Answer(len(job.prompt), finish_reason="cancelled"))
 
+    def call(self, call: Call) -> None:
+        """Queue `call`; once stopped, it fails at once."""
+        with self._lock:
+            if not self.stopped:
+                self._calls.append(call)
+                self._lock.notify()
+                return
+        call.on_done(_unloaded())
+
     @property
     def waiting(self) -> int:
         """Jobs queued for a slot."""
@@ -174,9 +193,12 @@ class Scheduler:
         with self._lock:
             self.stopped = True
             jobs = [*self._queue, *(job for job, _ in self._active.values())]
+            calls, self._calls = list(self._calls), deque()
             self._lock.notify()
         for job in jobs:
             job.cancel()
+        for call in calls:
+            call.on_done(_unloaded())
 
     def close(self, timeout: float | None = None) -> None:
         """Cancel everything and stop the thread; the slots' caches go with the object."""
@@ -203,6 +225,7 @@ class Scheduler:
 
     def _work(self) -> None:
         while self._admit():
+            self._call()
             self._sweep()
             self._prefill()
             self._step()
@@ -212,11 +235,13 @@ class Scheduler:
         False once closed and nothing is left."""
         ended: list[tuple[Job, Answer | Exception]] = []
         with self._lock:
-            while not (self._queue or self._active or self._closing):
+            while not (self._queue or self._active or self._calls or self._closing):
                 self._lock.wait()
-            if self._closing and not (self._queue or self._active):
+            if self._closing and not (self._queue or self._active or self._calls):
                 return False
             free = [i for i in range(len(self.slots)) if i not in self._active]
+            if self._calls:  # a slot stays free for the first call
+                free = free[:-1]
             jobs = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
             for job, i in zip(jobs, self.slots_for([j.prompt for j in jobs], free)):
                 try:
@@ -233,6 +258,24 @@ class Scheduler:
         for job, result in ended:
             self._end(job, result)
         return True
+
+    def _call(self) -> None:
+        """The first queued call, in the least recently used free slot, if one is free."""
+        with self._lock:
+            free = [i for i in range(len(self.slots)) if i not in self._active]
+            if not (self._calls and free):
+                return
+            call = self._calls.popleft()
+        i = min(free, key=lambda i: self._last_used[i])
+        self._last_used[i] = time.perf_counter()
+        try:
+            result = call.fn(self.slots[i])
+        except Exception as err:  # noqa: BLE001  (InferError: 4xx; a bug: 500)
+            result = err
+        try:
+            call.on_done(result)
+        except Exception:  # noqa: BLE001  (the caller's bug: the thread goes on)
+            traceback.print_exc()
 
     def _start(self, job: Job, i: int) -> Answering:
         job.started = time.perf_counter()
@@ -384,6 +427,14 @@ def _groups(items: list, n: int) -> list[list]:
     n = min(n, len(items))
     bounds = [len(items) * k // n for k in range(n + 1)] if n > 0 else []
     return [items[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+class Unloaded(InferError):
+    http_status = 503  # a server's answer: not the request's fault
+
+
+def _unloaded() -> Unloaded:
+    return Unloaded("the model was unloaded: the server is stopping, or its keep-alive ended")
 
 
 def _tell(job: Job, kind: str, value: object) -> None:

@@ -66,19 +66,28 @@ class Session:
         self.tokens.clear()
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], pos: int, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: list[int], pos: int, all_logits: bool = False, states: bool = False
+    ) -> torch.Tensor:
         """Logits (T or 1, vocab) of `tokens` at positions [pos, pos + T) in one torch pass
-        (a prompt's chunk); their keys and values go into the cache, and `self.tokens`
-        becomes what the cache holds."""
+        (a prompt's chunk), or with `states` the final norm's states (T, dim); their keys
+        and values go into the cache, and `self.tokens` becomes what the cache holds."""
         ids = torch.tensor([tokens])
         blocks = None
         if self.stages is not None:
             blocks = self.stages.blocks([(self.sequence, pos, len(tokens))], rows=False)
         with self.threads.forward():
-            logits = self.model(ids, pos, self.cache, all_logits, blocks=blocks)
+            out = self.model(ids, pos, self.cache, all_logits, blocks=blocks, states=states)
         del self.tokens[pos:]
         self.tokens.extend(tokens)
-        return logits[0]
+        return out[0]
+
+    @torch.inference_mode()
+    def states(self, tokens: list[int], chunk: int = 512) -> torch.Tensor:
+        """The final norm's states (T, dim) of `tokens` from position 0, `chunk` tokens a
+        pass (what an embedding pools); the cache then holds them."""
+        parts = range(0, len(tokens), chunk)
+        return torch.cat([self.forward(tokens[p : p + chunk], p, states=True) for p in parts])
 
     def prefill(self, prompt: list[int], chunk: int = 512) -> torch.Tensor:
         """Bring the cache to hold `prompt`; return the logits (vocab,) after its last token.

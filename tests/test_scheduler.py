@@ -16,6 +16,7 @@ import pytest
 import torch
 from tiny import make_hf_model
 
+from infer import InferError
 from infer.runtime.answer import Answer, stream_answer
 from infer.runtime.generate import Decoding, make_sampler
 from infer.runtime.loader import estimated_bytes, kv_cache_bytes, load_model
@@ -177,6 +178,55 @@ def test_queue_beyond_parallel_waits_its_turn(tiny):
         starts = [r.job.started for r in runs]
         assert starts == sorted(starts)
         assert scheduler.waiting == 0 and scheduler.running == 0 and not scheduler.busy
+    finally:
+        scheduler.close()
+
+
+def test_a_call_takes_the_next_free_slot_before_queued_jobs(tiny):
+    """A call (an embedding) queued while every slot answers runs in the first slot that
+    frees, before a job queued with it; its error reaches its caller; once stopped, a
+    call fails at once."""
+    from infer.runtime.embedding import embed
+    from infer.runtime.scheduler import Call
+
+    scheduler = Scheduler(tiny.model, tiny.tokenizer, parallel=1, context=CTX, prefill_chunk=16)
+    try:
+        log, results, ended = [], [], threading.Event()
+        later = Run(scheduler, prompt(5, 2), 3, log)
+
+        def done(result) -> None:
+            results.append(result)
+            log.append(("call", None))
+            ended.set()
+
+        def vector(session) -> list[float]:
+            return embed(session, prompt(9, 3), "mean")
+
+        def queue_both() -> None:
+            scheduler.call(Call(vector, done))
+            later.submit()
+
+        first = Run(scheduler, prompt(4, 1), 6, log).when(1, queue_both)
+        first.submit().wait()
+        later.wait()
+        assert ended.wait(60)
+        order = [
+            kind if run is None else ("first" if run is first else "later") for kind, run in log
+        ]
+        assert order.index("call") < order.index("later")
+        assert order.index("call") > max(i for i, o in enumerate(order) if o == "first")
+        assert results[0] == embed(Session(tiny.model, CTX), prompt(9, 3), "mean")
+
+        def fails(session):
+            raise InferError("no such thing")
+
+        ended.clear()
+        scheduler.call(Call(fails, done))
+        assert ended.wait(60) and isinstance(results[-1], InferError)
+        scheduler.cancel_all()
+        ended.clear()
+        scheduler.call(Call(vector, done))
+        assert ended.is_set() and "unloaded" in str(results[-1])
     finally:
         scheduler.close()
 

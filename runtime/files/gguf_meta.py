@@ -195,6 +195,9 @@ class GGUFMeta(GGUFHeader):
         rope_scaling = self._rope_scaling()
         if rope_scaling is not None:
             config["rope_scaling"] = rope_scaling
+        pooling = POOLING_TYPES.get(self._key("pooling_type"))
+        if pooling is not None:  # an embedding model's (llama.cpp's enum); not a config.json key
+            config["pooling"] = pooling
         if n_expert:
             config.update(self._moe_config(n_expert, n_layers))
         if self.arch == "gemma3":
@@ -368,6 +371,11 @@ class GGUFMeta(GGUFHeader):
                 else:
                     shapes[hf] = t.shape
         return shapes
+
+
+# {arch}.pooling_type -> how an embedding is pooled from the last states (llama.h's
+# llama_pooling_type; 0 "none" and 4 "rank" have no single vector).
+POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
 
 
 def _short_float(x: Any) -> Any:

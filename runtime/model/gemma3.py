@@ -158,10 +158,10 @@ class Gemma3(nn.Module):
 
     def forward(
         self, tokens: torch.Tensor, pos: int, cache: list[KVCache] | Rows,
-        all_logits: bool = False, blocks=None,
+        all_logits: bool = False, blocks=None, states: bool = False,
     ) -> torch.Tensor:  # fmt: skip
-        """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab), as
-        llama.Transformer.forward."""
+        """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab), or the
+        final norm's states, as llama.Transformer.forward."""
         x = self.embed(tokens)
         if blocks is not None:
             x = blocks(x, pos)
@@ -173,7 +173,7 @@ class Gemma3(nn.Module):
             }
             for layer, layer_cache in zip(self.layers, cache):
                 x = layer(x, pos, *rope[layer.sliding], layer_cache)
-        return self.head(x, cache, all_logits)
+        return self.norm(x) if states else self.head(x, cache, all_logits)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The states (1, T, dim) the first block takes: scaled by sqrt(dim)."""

@@ -329,13 +329,14 @@ class Transformer(nn.Module):
 
     def forward(
         self, tokens: torch.Tensor, pos: int, cache: list[KVCache] | Rows,
-        all_logits: bool = False, blocks=None,
+        all_logits: bool = False, blocks=None, states: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         """tokens (1, T) at positions [pos, pos + T) -> logits (1, T or 1, vocab); writes
         their keys and values into `cache`. With `cache` Rows, the tokens are rows of
         several sequences at the Rows' positions (`pos` unused). `blocks`, when given,
         runs every block on (x, pos) in place of the loop below, which is its definition
-        (the fused step)."""
+        (the fused step). With `states`: the final norm's states (1, T, dim) in place of
+        logits (what an embedding pools)."""
         x = self.embed(tokens)
         if blocks is not None:
             x = blocks(x, pos)
@@ -343,7 +344,7 @@ class Transformer(nn.Module):
             cos, sin = rope_rows(self.rope_cos, self.rope_sin, pos, tokens.shape[1], cache)
             for layer, layer_cache in zip(self.layers, cache):
                 x = layer(x, pos, cos, sin, layer_cache)
-        return self.head(x, cache, all_logits)
+        return self.norm(x) if states else self.head(x, cache, all_logits)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The states (1, T, dim) the first block takes, in the compute dtype."""

@@ -95,6 +95,7 @@ class Tokenizer:
         eos_id: int | None,
         add_bos: bool,
         special_ids: frozenset[int],
+        add_eos: bool = False,
         extra_stop_ids: tuple[int, ...] = (),
         chat_template: str | None = None,
         strip_leading_space: bool = False,
@@ -115,6 +116,7 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = add_bos and bos_id is not None
+        self.add_eos = add_eos and eos_id is not None  # an embedding model's: see encode_embedded
         self.chat_template = chat_template
         self._compiled_template = None
 
@@ -154,7 +156,7 @@ class Tokenizer:
             "bos_token": self._token_text(self.bos_id),
             "eos_token": self._token_text(self.eos_id),
             "add_bos_token": self.add_bos,
-            "add_eos_token": False,
+            "add_eos_token": self.add_eos,
             "clean_up_tokenization_spaces": False,
         }
         if self.chat_template is not None:
@@ -250,6 +252,12 @@ class Tokenizer:
         """The template of a model that has none (see CHATML_TEMPLATE)."""
         gemma = all(self._backend.token_to_id(t) is not None for t in GEMMA_TURN_TOKENS)
         return GEMMA_TEMPLATE if gemma else CHATML_TEMPLATE
+
+    def encode_embedded(self, text: str) -> list[int]:
+        """A text to embed: as a prompt, and EOS after it where the model asks for one
+        (an embedding model's add_eos_token: its last-token pooling reads that state).
+        Generation never appends EOS."""
+        return self.encode(text) + ([self.eos_id] if self.add_eos else [])
 
     def encode_infill(self, prefix: str, suffix: str) -> list[int]:
         """A fill-in-the-middle prompt: the code before and after the gap, for the model
@@ -403,12 +411,12 @@ def _gguf_common(md: dict, n_vocab: int, default_add_bos: bool) -> dict:
         raise InferError("GGUF tokenizer.chat_template is not a string")
     bos_id = _gguf_id(md, "bos_token_id", n_vocab)
     add_bos = md.get("tokenizer.ggml.add_bos_token")
-    # tokenizer.ggml.add_eos_token is for embedding models; generation never appends EOS.
     end_of_turn = (_gguf_id(md, k, n_vocab) for k in ("eot_token_id", "eom_token_id"))
     return {
         "bos_id": bos_id,
         "eos_id": _gguf_id(md, "eos_token_id", n_vocab),
         "add_bos": default_add_bos if add_bos is None else bool(add_bos),
+        "add_eos": bool(md.get("tokenizer.ggml.add_eos_token", False)),
         "extra_stop_ids": tuple(i for i in end_of_turn if i is not None),
         "chat_template": template,
     }
@@ -638,6 +646,7 @@ def _from_hf_dir(path: Path) -> Tokenizer:
         bos_id=bos_id,
         eos_id=eos_id,
         add_bos=bool(add_bos),
+        add_eos=bool(config.get("add_eos_token", False)),
         special_ids=special_ids,
         extra_stop_ids=tuple(gen_eos),
         chat_template=template,

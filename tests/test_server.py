@@ -957,6 +957,85 @@ def test_thinking(http, files):
         assert prompt_tokens(path, **{key: "abc"}) == prompt_tokens(path) + written, path
 
 
+def test_embeddings(oai, http, files):
+    """/api/embed, /api/embeddings and /v1/embeddings give the model's pooled states as
+    computed in-process (ollama's first endpoint not at unit length); several inputs,
+    token ids, base64, dimensions; bad input is a 400; an embedding made while answers
+    stream is the same."""
+    import base64
+    import threading
+
+    import torch
+
+    from infer.runtime.embedding import embed
+    from infer.runtime.loader import load_model
+    from infer.runtime.session import Session
+
+    model, texts = str(files["tools"]), ["The cat sat.", "A dog ran far away."]
+    lm = load_model(files["tools"])
+    ids = [lm.tokenizer.encode_embedded(t) for t in texts]
+    want = [embed(Session(lm.model), i, "mean") for i in ids]
+    raw = embed(Session(lm.model), ids[0], "mean", normalize=False)
+
+    def close(a, b) -> bool:
+        return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+
+    r = http.post("/api/embed", json={"model": model, "input": texts}).json()
+    assert all(map(close, r["embeddings"], want)) and r["prompt_eval_count"] == sum(map(len, ids))
+    r = http.post("/api/embed", json={"model": model, "input": texts[0], "dimensions": 8}).json()
+    short = torch.tensor(want[0][:8])
+    assert close(r["embeddings"][0], (short / short.norm()).tolist())
+    r = http.post("/api/embeddings", json={"model": model, "prompt": texts[0]}).json()
+    assert close(r["embedding"], raw)
+    e = oai.embeddings.create(model=model, input=texts)  # the openai package asks for base64
+    assert [d.index for d in e.data] == [0, 1] and all(
+        close(d.embedding, w) for d, w in zip(e.data, want)
+    )
+    assert e.usage.prompt_tokens == sum(map(len, ids))
+    body = {"model": model, "input": ids[1], "encoding_format": "float"}
+    assert close(http.post("/v1/embeddings", json=body).json()["data"][0]["embedding"], want[1])
+    body["encoding_format"] = "base64"
+    packed = http.post("/v1/embeddings", json=body).json()["data"][0]["embedding"]
+    assert close(
+        torch.frombuffer(bytearray(base64.b64decode(packed)), dtype=torch.float32).tolist(), want[1]
+    )
+    for path, body, words in (
+        ("/v1/embeddings", {"model": model, "input": []}, "input must be"),
+        ("/v1/embeddings", {"model": model, "input": [[10**9]]}, "past the vocabulary"),
+        ("/v1/embeddings", {"model": model, "input": "x", "encoding_format": "hex"}, "encoding_format"),
+        ("/api/embed", {"model": model, "input": [[1, 2]]}, "list of strings"),
+        ("/api/embed", {"model": model, "input": "x " * 1500, "truncate": False}, "longer than the context"),
+    ):  # fmt: skip
+        r = http.post(path, json=body)
+        assert r.status_code == 400 and words in r.text, (path, r.text)
+    long = http.post("/api/embed", json={"model": model, "input": "x " * 1500}).json()
+    assert long["prompt_eval_count"] == CTX  # cut to the context
+    # While two answers stream (every slot of the main server busy), the embedding waits
+    # for a slot and is the same.
+    stop = threading.Event()
+
+    def answer() -> None:
+        body = {
+            "model": MODEL,
+            "messages": QUESTION,
+            "stream": True,
+            "options": {"num_predict": 40},
+        }
+        with http.stream("POST", "/api/chat", json=body) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    break
+
+    threads = [threading.Thread(target=answer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    r = http.post("/api/embed", json={"model": model, "input": texts}).json()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert all(map(close, r["embeddings"], want))
+
+
 def test_fill_in_the_middle(oai, http, files):
     """`suffix` (ollama's generate, OpenAI's completions): the prompt is the model's
     fill-in-the-middle layout, FIM prefix, code before, FIM suffix, code after, FIM

@@ -1,5 +1,6 @@
 """The ollama API: /api/chat (with tool calls, and a thinking model's thoughts in
-`thinking`), /api/generate, /api/tags, /api/ps, /api/show, /api/version.
+`thinking`), /api/generate, /api/embed, /api/embeddings, /api/tags, /api/ps, /api/show,
+/api/version.
 
 Streams are newline-delimited JSON objects, the last with `"done": true` and ollama's
 timings in nanoseconds; errors are `{"error": "message"}` with the HTTP status.
@@ -24,6 +25,8 @@ from .requests import (
     AnswerRequest,
     Finished,
     collect,
+    embed_inputs,
+    embedding_inputs,
     get,
     keep_alive_of,
     logprobs_of,
@@ -32,6 +35,7 @@ from .requests import (
     read_json,
     run,
     sampling_of,
+    shortened,
     stop_of,
     tools_of,
 )
@@ -290,6 +294,53 @@ async def show(request: Request):
     )
 
 
+async def embed(request: Request):
+    """/api/embed: input (a string or strings) -> embeddings at unit length; truncate
+    (true) cuts an input to the context, dimensions keeps the first N."""
+    t0 = time.perf_counter()
+    body = await read_json(request)
+    inputs = embedding_inputs(body.get("input"), "input")
+    if not all(isinstance(x, str) for x in inputs):
+        raise ApiError(400, "input must be a string or a list of strings", "input")
+    dims = get(body, "dimensions", int, None, check=lambda v: v >= 1, must="at least 1")
+    loaded, vectors, n, load_s = await _embed(
+        request, body, inputs, get(body, "truncate", bool, True)
+    )
+    return JSONResponse(
+        {
+            "model": get(body, "model", str, None) or loaded.name,
+            "embeddings": shortened(vectors, dims),
+            "total_duration": int((time.perf_counter() - t0) * 1e9),
+            "load_duration": int(load_s * 1e9),
+            "prompt_eval_count": n,
+        }
+    )
+
+
+async def embeddings(request: Request):
+    """/api/embeddings, ollama's first: prompt -> embedding, not scaled to unit length."""
+    body = await read_json(request)
+    prompt = get(body, "prompt", str, "")
+    if not prompt:
+        return JSONResponse({"embedding": []})  # as ollama answers an empty prompt
+    _, (vector,), _, _ = await _embed(request, body, [prompt], True, normalize=False)
+    return JSONResponse({"embedding": vector})
+
+
+async def _embed(request: Request, body: dict, inputs, truncate: bool, normalize: bool = True):
+    options = get(body, "options", dict, {})
+    t0 = time.perf_counter()
+    pool = request.app.state.pool
+    model = get(body, "model", str, None)
+    loaded = await pool.get(model, keep_alive_of(body))  # loaded (and timed) first
+    load_s = time.perf_counter() - t0
+    context = get(options, "num_ctx", int, None, check=lambda v: v >= 1, must="at least 1")
+    loaded, vectors, n = await embed_inputs(
+        pool, model, inputs, truncate=truncate, normalize=normalize, context=context
+    )
+    return loaded, vectors, n, load_s
+
+
 async def version(request: Request):
     return JSONResponse({"version": __version__})
 
@@ -301,4 +352,6 @@ routes = [
     Route("/api/ps", ps, methods=["GET"]),
     Route("/api/show", show, methods=["POST"]),
     Route("/api/version", version, methods=["GET"]),
+    Route("/api/embed", embed, methods=["POST"]),
+    Route("/api/embeddings", embeddings, methods=["POST"]),
 ]

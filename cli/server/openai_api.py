@@ -1,5 +1,6 @@
 """The OpenAI API: /v1/chat/completions (with tool calls, and a thinking model's thoughts
-in reasoning_content as llama-server gives them), /v1/completions, /v1/models.
+in reasoning_content as llama-server gives them), /v1/completions, /v1/embeddings,
+/v1/models.
 
 Streams are server-sent events (`data: {...}` chunks, then `data: [DONE]`); errors
 are `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
@@ -7,6 +8,8 @@ are `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
 
 from __future__ import annotations
 
+import array
+import base64
 import json
 import time
 import uuid
@@ -24,6 +27,8 @@ from .requests import (
     AnswerRequest,
     Finished,
     collect,
+    embed_inputs,
+    embedding_inputs,
     get,
     logprobs_of,
     messages_of,
@@ -31,6 +36,7 @@ from .requests import (
     read_json,
     run,
     sampling_of,
+    shortened,
     stop_of,
     tools_of,
 )
@@ -304,6 +310,30 @@ async def completions(request: Request):
     return await _complete(request, chat=False)
 
 
+async def embeddings(request: Request):
+    """/v1/embeddings: input (a string, strings, token ids), encoding_format float or
+    base64 (the openai package asks for base64), dimensions (the first N, at unit length)."""
+    body = await read_json(request)
+    inputs = embedding_inputs(body.get("input"), "input")
+    fmt = get(body, "encoding_format", str, "float")
+    if fmt not in ("float", "base64"):
+        raise ApiError(
+            400, f"encoding_format must be float or base64, not {fmt!r}", "encoding_format"
+        )
+    dims = get(body, "dimensions", int, None, check=lambda v: v >= 1, must="at least 1")
+    model = get(body, "model", str, None)
+    loaded, vectors, n = await embed_inputs(request.app.state.pool, model, inputs)
+    data = []
+    for i, v in enumerate(shortened(vectors, dims)):
+        if fmt == "base64":
+            v = base64.b64encode(array.array("f", v).tobytes()).decode()
+        data.append({"object": "embedding", "index": i, "embedding": v})
+    usage = {"prompt_tokens": n, "total_tokens": n}
+    return JSONResponse(
+        {"object": "list", "data": data, "model": model or loaded.name, "usage": usage}
+    )
+
+
 async def models(request: Request):
     created = int(time.time())
     data = [
@@ -317,4 +347,5 @@ routes = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
 ]

@@ -82,3 +82,25 @@ def test_templates():
     assert opens_thought("<|im_start|>assistant\n<think>\n")
     assert not opens_thought("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not opens_thought("<|im_start|>assistant\n")
+
+
+def test_thoughts_then_a_tool_call():
+    """A thinking model's call after its thought (Qwen3): the server's splitter gives the
+    thought, no text, and the call, however the answer is cut."""
+    from infer.cli.server.requests import AnswerSplitter
+    from infer.runtime.model.tool_calls import CallSplitter
+
+    answer = (
+        "<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
+    for n in (1, 2, 3, 7, len(answer)):
+        splitter = AnswerSplitter(ThoughtSplitter(), CallSplitter({"get_weather"}))
+        thoughts, texts = [], []
+        for i in range(0, len(answer), n):
+            t, s = splitter.feed(answer[i : i + n])
+            thoughts.append(t), texts.append(s)
+        t, s, calls = splitter.finish()
+        assert "".join(thoughts) + t == "The user wants the weather."
+        assert "".join(texts) + s == ""
+        assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]

@@ -79,6 +79,7 @@ class ChatSettings:
     system: str | None = None
     verbose: bool = False
     format: str | dict | None = None  # run --format: "json" or a JSON schema
+    grammar: str | None = None  # run --grammar-file: a GBNF grammar's text
     think: bool | None = None  # run --think / --no-think: a thinking model's switch
     _sampler: object = field(default=None, init=False, repr=False)
 
@@ -310,12 +311,14 @@ class LocalModel:
         )  # fmt: skip
 
     def _constraint(self, settings):
-        """The grammar of settings.format for one answer, or None."""
-        if settings.format is None:
-            return None
-        from ..runtime.structured import compile_format
+        """The grammar of settings.format (or .grammar) for one answer, or None."""
+        from ..runtime.structured import compile_format, compile_grammar
 
-        return compile_format(self.lm.tokenizer, settings.format).matcher()
+        if settings.format is not None:
+            return compile_format(self.lm.tokenizer, settings.format).matcher()
+        if settings.grammar is not None:
+            return compile_grammar(self.lm.tokenizer, settings.grammar).matcher()
+        return None
 
     def info_rows(self) -> list[list[str]]:
         ctx, source = self.lm.model.max_seq_len, self.lm.source

@@ -183,7 +183,9 @@ class RemoteModel:
         options = settings.options()
         if self.ctx:
             options["num_ctx"] = self.ctx
-        body = request_body(self.name, options, messages, fmt=settings.format)
+        body = request_body(
+            self.name, options, messages, fmt=settings.format, grammar=settings.grammar
+        )
         if settings.think is not None:
             body["think"] = settings.think
         answer = ask(self._connect(), body, True, on_text, self.api_key, on_thought)
@@ -195,7 +197,9 @@ class RemoteModel:
         options = settings.options()
         if self.ctx:
             options["num_ctx"] = self.ctx
-        body = request_body(self.name, options, None, prompt, fmt=settings.format)
+        body = request_body(
+            self.name, options, None, prompt, fmt=settings.format, grammar=settings.grammar
+        )
         return ask(self._connect(), body, False, on_text, self.api_key)
 
     def info_rows(self) -> list[list[str]]:
@@ -225,13 +229,21 @@ class RemoteModel:
 
 
 def request_body(
-    model: str, options: dict, messages: list[dict] | None, prompt: str = "", fmt=None
+    model: str,
+    options: dict,
+    messages: list[dict] | None,
+    prompt: str = "",
+    fmt=None,
+    grammar: str | None = None,
 ) -> dict:
     """A streamed /api/chat body with `messages`, else an /api/generate one completing
-    `prompt` as raw text; `fmt`: "json" or a JSON schema the answer must follow."""
+    `prompt` as raw text; `fmt`: "json" or a JSON schema the answer must follow, or
+    `grammar` a GBNF grammar (llama-server's field, which `infer serve` takes too)."""
     body: dict = {"model": model, "stream": True, "options": options}
     if fmt is not None:
         body["format"] = fmt
+    if grammar is not None:
+        body["grammar"] = grammar
     if messages is not None:
         body["messages"] = messages
     else:

@@ -61,6 +61,17 @@ def read_format(value: str | None) -> str | dict | None:
     return schema
 
 
+def read_grammar(value: str | None) -> str | None:
+    """--grammar-file: the text of the GBNF grammar in the file `value` names."""
+    if value is None:
+        return None
+    try:
+        data = Path(value).read_bytes()
+    except OSError as e:
+        raise InferError(f"--grammar-file {value}: cannot read it ({e.strerror})") from None
+    return utf8_text(data, f"--grammar-file {value}")
+
+
 @contextmanager
 def quiet_broken_pipe():
     """A reader that leaves early (`infer run ... | head -n 1`) ends the command quietly

@@ -155,6 +155,15 @@ Format = Annotated[
         show_default=False,
     ),
 ]
+GrammarFile = Annotated[
+    str | None,
+    typer.Option(
+        "--grammar-file",
+        metavar="FILE",
+        help="The answer follows the llama.cpp grammar (GBNF) in FILE, by constrained decoding.",
+        show_default=False,
+    ),
+]
 Verbose = Annotated[
     bool, typer.Option("--verbose", "-v", metavar=FLAG, help="Print timing statistics on stderr.")
 ]

@@ -19,6 +19,7 @@ from .common import (
     print_json,
     quiet_broken_pipe,
     read_format,
+    read_grammar,
     set_threads,
     sigterm_unwinds,
     status,
@@ -36,6 +37,7 @@ from .options import (
     ExpertPolicyOpt,
     ExpertPredictionOpt,
     Format,
+    GrammarFile,
     Json,
     KVCacheOpt,
     Lookup,
@@ -123,6 +125,7 @@ def run(
     expert_prediction: ExpertPredictionOpt = None,
     trace: TraceOut = None,
     fmt: Format = None,
+    grammar_file: GrammarFile = None,
     think: Annotated[
         bool | None,
         typer.Option(
@@ -182,11 +185,15 @@ def run(
         raise InferError("--system needs the chat template; drop --no-chat")
     if interactive and json_out:
         raise InferError("--json needs a prompt: give PROMPT or pipe text to stdin")
-    if interactive and fmt is not None:
-        raise InferError("--format needs a prompt: give PROMPT or pipe text to stdin")
+    if interactive and (fmt is not None or grammar_file is not None):
+        which = "--format" if fmt is not None else "--grammar-file"
+        raise InferError(f"{which} needs a prompt: give PROMPT or pipe text to stdin")
+    if fmt is not None and grammar_file is not None:
+        raise InferError("give --format or --grammar-file, not both")
     if lookup and draft is not None:
         raise InferError("give --lookup or --draft, not both")
     schema = read_format(fmt)  # a bad file fails before the model loads
+    grammar = read_grammar(grammar_file)
     if workers is not None:
         if (max_memory, expert_policy, expert_prediction, trace) != (None,) * 4:
             raise InferError(
@@ -202,7 +209,7 @@ def run(
     settings = ChatSettings(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         min_p=min_p, seed=seed, repeat_penalty=repeat_penalty, system=system,
-        verbose=verbose, format=schema, think=think,
+        verbose=verbose, format=schema, grammar=grammar, think=think,
     )  # fmt: skip
     from .chat import ThoughtDisplay
 

@@ -1,8 +1,9 @@
-"""Structured output: answers that parse as JSON and validate against a schema, by
-constrained decoding. Each step a matcher says which tokens keep the text a prefix of a
+"""Structured output: answers that parse as JSON and validate against a schema, or follow
+a llama.cpp grammar (GBNF), by constrained decoding. Each step a matcher says which tokens keep the text a prefix of a
 valid document; the others' logits go to -inf before sampling.
 
     grammar = compile_format(tok, schema)     # or "json": any JSON object
+    grammar = compile_grammar(tok, gbnf)      # or a GBNF grammar's text
     constraint = grammar.matcher()            # one per answer
     logits = constraint.mask(logits)          # before sampling
     constraint.advance(token)                 # after
@@ -21,6 +22,7 @@ import weakref
 import llguidance
 import numpy as np
 import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from .. import InferError
 from .model.tokenizer import Tokenizer
@@ -52,6 +54,21 @@ def compile_format(tok: Tokenizer, fmt: str | dict) -> Grammar:
     except ValueError as err:
         raise InferError(f"invalid JSON schema: {_one_line(err)}") from None
     return _compile(tok, source, "invalid JSON schema")
+
+
+def compile_grammar(tok: Tokenizer, gbnf: str) -> Grammar:
+    """A llama.cpp grammar (GBNF: llama-cli's --grammar-file, llama-server's `grammar`),
+    compiled for `tok`'s vocabulary through llguidance's translation to Lark. A grammar
+    that does not parse raises InferError naming where."""
+    try:
+        lark = gbnf_to_lark(gbnf)
+    except Exception as err:  # noqa: BLE001  (the translator raises plain Exceptions)
+        raise InferError(f"invalid grammar: {_one_line(err)}") from None
+    try:
+        source = llguidance.LLMatcher.grammar_from_lark(lark)
+    except ValueError as err:
+        raise InferError(f"invalid grammar: {_one_line(err)}") from None
+    return _compile(tok, source, "invalid grammar")
 
 
 def compile_tool_call(tok: Tokenizer, schema: dict, tagged: bool = True) -> Grammar:

@@ -1316,6 +1316,47 @@ def test_run_format_through_the_server(server, http, tmp_path):
     assert _answers(metrics(http)) == before + 1
 
 
+DATE_GBNF = r"""
+root ::= date " " mood
+date ::= [0-9]{4} "-" [01] [0-9] "-" [0-3] [0-9]
+mood ::= "calm" | "busy" | "stormy"
+"""
+DATE = re.compile(r"[0-9]{4}-[01][0-9]-[0-3][0-9] (calm|busy|stormy)")
+
+
+def test_gbnf_grammar(http):
+    """llama-server's `grammar` (GBNF) in both APIs: the answer is a sentence of it; with
+    a format it is a 400, and so is a grammar that does not parse."""
+    ask = [{"role": "user", "content": "Today's date and mood?"}]
+    body = {"model": MODEL, "messages": ask, "grammar": DATE_GBNF, "temperature": 0}
+    r = http.post("/v1/chat/completions", json=body).json()
+    assert DATE.fullmatch(r["choices"][0]["message"]["content"]), r
+    r = http.post("/v1/completions", json={**body, "prompt": "Date:", "max_tokens": 30}).json()
+    assert DATE.fullmatch(r["choices"][0]["text"]), r
+    r = http.post("/api/chat", json={**body, "stream": False}).json()
+    assert DATE.fullmatch(r["message"]["content"]), r
+    for path, extra, words in (
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "not both"),
+        ("/api/chat", {"format": "json"}, "not both"),
+        ("/v1/chat/completions", {"grammar": "root ::= nothing"}, "grammar: invalid grammar"),
+    ):
+        r = http.post(path, json={**body, **extra})
+        assert r.status_code == 400 and words in r.text, (path, r.text)
+
+
+def test_run_grammar_file(server, http, tmp_path):
+    """`infer run --grammar-file`: through the server and in-process alike."""
+    grammar = tmp_path / "date.gbnf"
+    grammar.write_text(DATE_GBNF)
+    for where in ([], ["--local"]):
+        r = run_client(server, MODEL, "Date?", "--grammar-file", grammar, "--temp", "0", *where)
+        assert r.returncode == 0 and DATE.fullmatch(r.stdout.strip()), (where, r.stdout, r.stderr)
+    r = run_client(server, MODEL, "Date?", "--grammar-file", grammar, "--format", "json")
+    assert r.returncode == 2 and "not both" in r.stderr
+    r = run_client(server, MODEL, "Date?", "--grammar-file", tmp_path / "none.gbnf")
+    assert r.returncode == 2 and r.stderr.startswith("error: --grammar-file"), r.stderr
+
+
 def test_chat_through_the_server(server, http, greedy, monkeypatch):
     from test_cli import Terminal
 

@@ -5,6 +5,7 @@ format at all, so only the mask keeps its output valid); bad schemas are one-lin
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import weakref
@@ -20,7 +21,7 @@ from infer.runtime.generate import make_sampler
 from infer.runtime.loader import load_model
 from infer.runtime.model.tokenizer import Tokenizer
 from infer.runtime.session import Session
-from infer.runtime.structured import _ll_tokenizer, compile_format
+from infer.runtime.structured import _ll_tokenizer, compile_format, compile_grammar
 
 PERSON = {
     "type": "object",
@@ -95,6 +96,45 @@ def test_unconstrained_random_model_is_not_json(tiny):
     a = stream_answer(Session(tiny.model), tok, ids, make_sampler(0.0), 60, lambda _: None)
     with pytest.raises(json.JSONDecodeError):
         json.loads(a.text)
+
+
+# A llama.cpp grammar (GBNF): a date, then a word from a list.
+DATE_GBNF = r"""
+root ::= date " " mood
+date ::= [0-9]{4} "-" [01] [0-9] "-" [0-3] [0-9]
+mood ::= "calm" | "busy" | "stormy"
+"""
+DATE = re.compile(r"[0-9]{4}-[01][0-9]-[0-3][0-9] (calm|busy|stormy)")
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (1.0, 4)])
+def test_gbnf_grammar_answers_follow_it(tiny, smollm2, temperature, seed):
+    """An answer under a GBNF grammar (llguidance's translation) is a sentence of it,
+    ended by the grammar; the unconstrained random model's is not."""
+    for lm in (tiny, smollm2):
+        tok = lm.tokenizer
+        ids = tok.encode_chat([{"role": "user", "content": "Today's date and mood?"}])
+        constraint = compile_grammar(tok, DATE_GBNF).matcher()
+        a = stream_answer(
+            Session(lm.model), tok, ids, make_sampler(temperature, seed=seed), 40,
+            lambda _: None, constraint=constraint,
+        )  # fmt: skip
+        assert a.finish_reason == "stop" and DATE.fullmatch(a.text), a.text
+    ids = tiny.tokenizer.encode_chat([{"role": "user", "content": "Today's date and mood?"}])
+    free = stream_answer(
+        Session(tiny.model), tiny.tokenizer, ids, make_sampler(0.0), 15, lambda _: None
+    )
+    assert not DATE.fullmatch(free.text)
+
+
+@pytest.mark.parametrize(
+    "gbnf, words",
+    [("root ::= foo", "foo"), ('x ::= "a"', "root"), ('root ::= "a" (', "Expected")],
+)
+def test_bad_gbnf_grammar_names_the_problem(tiny, gbnf, words):
+    with pytest.raises(InferError, match="invalid grammar") as err:
+        compile_grammar(tiny.tokenizer, gbnf)
+    assert words in str(err.value)
 
 
 def test_mask_allows_only_stop_tokens_when_complete(smollm2):

@@ -28,6 +28,7 @@ from .requests import (
     embed_inputs,
     embedding_inputs,
     get,
+    grammar_of,
     keep_alive_of,
     logprobs_of,
     messages_of,
@@ -112,6 +113,7 @@ async def _answer(request: Request, chat: bool):
     t0 = time.perf_counter()
     body = await read_json(request)
     req = _answer_request(body)
+    grammar_of(body, req)  # not ollama's: llama-server's, for `infer run --grammar-file`
     name = req.model or app.pool.default_name
     think = get(body, "think", bool, None)  # Qwen3 and the like: whether to think first
     req.template_vars = None if think is None else {"enable_thinking": think}

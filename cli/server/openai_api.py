@@ -30,6 +30,7 @@ from .requests import (
     embed_inputs,
     embedding_inputs,
     get,
+    grammar_of,
     logprobs_of,
     messages_of,
     prepare,
@@ -91,8 +92,10 @@ def _tool_choice(body: dict, req: AnswerRequest) -> None:
             400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
             '"function": {"name": ...}}', "tool_choice",
         )  # fmt: skip
-    if req.format is not None:
-        raise ApiError(400, "give response_format or a required tool call, not both", "tool_choice")
+    if req.format is not None or req.grammar is not None:
+        raise ApiError(
+            400, "give response_format or grammar, or a required tool call, not both", "tool_choice"
+        )
 
 
 def _logprobs(req: AnswerRequest, entries: list[dict], chat: bool) -> dict | None:
@@ -192,6 +195,7 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
         format=_response_format(body),
         format_param="response_format",
     )
+    grammar_of(body, req)
     if chat:
         req.messages = messages_of(body)
         req.tools = tools_of(body)

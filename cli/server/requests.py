@@ -26,7 +26,7 @@ from ...runtime.generate import Penalties
 from ...runtime.model.thinking import ThoughtSplitter, opens_thought, split_thoughts
 from ...runtime.model.tool_calls import CallSplitter, ToolCall, call_schema, parse_calls, tool_names
 from ...runtime.scheduler import Call, Job, Sampling
-from ...runtime.structured import compile_format, compile_tool_call
+from ...runtime.structured import compile_format, compile_grammar, compile_tool_call
 from .errors import ApiError
 from .pool import Loaded, ModelPool, parse_keep_alive
 
@@ -191,6 +191,13 @@ def stop_of(value, key: str = "stop") -> tuple[str, ...]:
     raise ApiError(400, f"{key} must be a string or a list of strings", key)
 
 
+def grammar_of(body: dict, req: AnswerRequest) -> None:
+    """`grammar`: a llama.cpp grammar (GBNF), as llama-server takes it; not with a format."""
+    req.grammar = get(body, "grammar", str, None) or None
+    if req.grammar is not None and req.format is not None:
+        raise ApiError(400, f"give {req.format_param} or grammar, not both", "grammar")
+
+
 def keep_alive_of(body: dict) -> float | None | bool:
     """ollama's keep_alive in seconds (None: forever), or False when not given."""
     if body.get("keep_alive") is None:
@@ -219,6 +226,7 @@ class AnswerRequest:
     truncate: bool = False  # drop a chat's oldest messages when it does not fit (ollama)
     format: str | dict | None = None  # "json" or a JSON schema the answer must follow
     format_param: str = "format"  # the field it came from, for errors
+    grammar: str | None = None  # a llama.cpp grammar (GBNF) the answer must follow
     tools: list[dict] | None = None  # offered to the model (a chat's template lists them)
     template_vars: dict | None = None  # more for the chat template (Qwen3's enable_thinking)
     think: bool | None = None  # asked to think first (ollama's think): the model must be able to
@@ -236,7 +244,7 @@ class Prepared:
     ids: list[int]
     request: AnswerRequest
     dropped: int = 0  # oldest messages dropped to fit the context
-    constraint: object | None = None  # the format's matcher, one per answer
+    constraint: object | None = None  # the format's or grammar's matcher, one per answer
     logprobs: list = field(default_factory=list)  # TokenLogprobs of text not yet sent
 
     def take_logprobs(self) -> list[dict]:
@@ -341,19 +349,20 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
             "messages" if req.messages is not None else "prompt",
         )
     constraint = None
-    if req.format is not None:  # compiled off the event loop: the first one builds an index
-        try:
-            grammar = await anyio.to_thread.run_sync(compile_format, tok, req.format)
-        except InferError as e:
-            raise ApiError(400, f"{req.format_param}: {e}", req.format_param) from None
-        constraint = grammar.matcher()
+    compile_args, param = None, ""
+    if req.format is not None:
+        compile_args, param = (compile_format, tok, req.format), req.format_param
+    elif req.grammar is not None:
+        compile_args, param = (compile_grammar, tok, req.grammar), "grammar"
     elif req.call_required and req.tools:
         fmt = tok.tool_format
         schema = call_schema(req.tools, req.call_name, fmt.key)
+        compile_args, param = (compile_tool_call, tok, schema, fmt.tagged), "tools"
+    if compile_args is not None:  # off the event loop: the first one builds an index
         try:
-            grammar = await anyio.to_thread.run_sync(compile_tool_call, tok, schema, fmt.tagged)
+            grammar = await anyio.to_thread.run_sync(*compile_args)
         except InferError as e:
-            raise ApiError(400, f"tools: {e}", "tools") from None
+            raise ApiError(400, f"{param}: {e}", param) from None
         constraint = grammar.matcher()
     prepared = Prepared(loaded, ids, req, dropped, constraint)
     if req.messages is not None and req.thoughts_apart and tok.thinks:

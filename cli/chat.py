@@ -40,6 +40,7 @@ def stream_line(lm: LoadedModel) -> str | None:
 HELP = """\
   /set system TEXT            a new system message; the conversation restarts from it
   /set parameter NAME VALUE   a sampling setting (/show parameters lists them)
+  /set think, /set nothink    a thinking model thinks first, or answers at once
   /show info                  the model: architecture, parameters, context, quantization
   /show parameters            the sampling settings
   /show system                the system message
@@ -360,6 +361,9 @@ def _set(chat: Chat, arg: str) -> None:
         chat.settings.system = rest.strip()
         chat.restart()
         print("(system message set; conversation cleared)", file=sys.stderr)
+    elif what in ("think", "nothink") and not rest.strip():
+        chat.settings.think = what == "think"  # a thinking model's switch, as --[no-]think
+        print(f"(set {what} mode)", file=sys.stderr)
     elif what == "parameter" and len(rest.split()) == 2:
         name, value = rest.split()
         try:
@@ -368,7 +372,7 @@ def _set(chat: Chat, arg: str) -> None:
             raise CommandError(str(err)) from None
         print(f"(set {name} to {value})", file=sys.stderr)
     else:
-        raise CommandError("usage: /set system TEXT, or /set parameter NAME VALUE")
+        raise CommandError("usage: /set system TEXT, /set parameter NAME VALUE, /set [no]think")
 
 
 def _show(chat: Chat, arg: str) -> None:

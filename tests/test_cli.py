@@ -591,6 +591,25 @@ def test_chat_commands_send_nothing_to_the_model(smollm2_gguf):
         assert chat.proc.wait(timeout=30) == 0
 
 
+@pytest.mark.slow  # a child process
+def test_chat_set_think_and_nothink(tmp_path):
+    """/set nothink writes Qwen3's empty thought into the next prompt (19 tokens, one a
+    byte, on this tiny model's template), /set think takes it out again."""
+    from tiny import HERMES, make_hf_model, set_chat_template
+
+    make_hf_model("qwen2", tmp_path / "m")
+    set_chat_template(tmp_path / "m", HERMES)
+    with Chat("run", tmp_path / "m", *GREEDY, "-n", "1", "--verbose") as chat:
+        plain = _prompt_tokens(chat.say("/clear") and chat.say("Hi"))
+        assert "(set nothink mode)" in chat.say("/set nothink")
+        assert _prompt_tokens(chat.say("/clear") and chat.say("Hi")) == plain + 19
+        assert "(set think mode)" in chat.say("/set think")
+        assert _prompt_tokens(chat.say("/clear") and chat.say("Hi")) == plain
+        assert "usage: /set" in chat.say("/set think hard")
+        chat.send("/bye\n")
+        assert chat.proc.wait(timeout=30) == 0
+
+
 @pytest.mark.slow  # a child process per case
 def test_chat_set_system_parameter_and_clear(smollm2_gguf):
     with Chat("run", smollm2_gguf, *GREEDY, "-n", "2", "--verbose") as chat:

@@ -23,7 +23,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from tiny import FIM, HERMES, THINKER, make_hf_model, set_chat_template
+from tiny import FIM, HERMES, MISTRAL, MISTRAL_TOKENS, THINKER, make_hf_model, set_chat_template
 
 MODEL = "smollm2-135m"
 KEY = "sk-test-123"
@@ -127,6 +127,12 @@ def files(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
     files["thinker"] = root / "served" / "thinker"
     make_hf_model("qwen2", files["thinker"], seed=1)
     set_chat_template(files["thinker"], THINKER)
+    # Mistral's tool calls: [TOOL_CALLS] lists, call ids of 9 characters.
+    files["mistral"] = root / "served" / "mistral"
+    make_hf_model(
+        "qwen2", files["mistral"], seed=2, specials=MISTRAL_TOKENS, max_position_embeddings=1024
+    )
+    set_chat_template(files["mistral"], MISTRAL)
     return files
 
 
@@ -808,7 +814,7 @@ def test_required_tool_call(oai, http, files):
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and c.message.content is None, (c, r.usage)
         (call,) = c.message.tool_calls
-        assert call.type == "function" and call.id.startswith("call_")
+        assert call.type == "function" and re.fullmatch("[0-9a-z]{9}", call.id)
         assert call.function.name in names
         if call.function.name == "get_weather":
             jsonschema.validate(
@@ -861,6 +867,33 @@ def test_required_tool_call(oai, http, files):
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     assert http.post("/api/generate", json={"model": model, "keep_alive": 0}).status_code == 200
+
+
+def test_mistral_tool_calls(oai, http, files):
+    """A Mistral template's calls: a required call comes back with an id its template
+    takes back (9 characters); the call and its result go back through the template, and
+    another id is the template's 400."""
+    model, ask = str(files["mistral"]), [{"role": "user", "content": "Weather?"}]
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
+    r = oai.chat.completions.create(
+        model=model, messages=ask, tools=[tool], tool_choice="required", max_tokens=100,
+        temperature=0,
+    )  # fmt: skip
+    assert r.choices[0].message.tool_calls, r
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and re.fullmatch("[0-9a-z]{9}", call.id)
+    said = {"id": call.id, "type": "function", "function": call.function.model_dump()}
+    history = ask + [
+        {"role": "assistant", "content": None, "tool_calls": [said]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C"},
+    ]
+    body = {"model": model, "messages": history, "tools": [tool], "max_tokens": 2}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    history[1]["tool_calls"][0]["id"] = history[2]["tool_call_id"] = "call_1"
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "length 9" in r.text, r.text
 
 
 def test_template_variables(oai, http, files):

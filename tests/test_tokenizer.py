@@ -620,3 +620,13 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def test_tags_an_answer_is_read_by_are_never_skipped(tmp_path):
+    """Tool-call and thought tags stay in a decoded answer even where the file marks them
+    special (Qwen's <tool_call>, Mistral's [TOOL_CALLS], <think>); other specials go."""
+    tags = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<think>", "</think>")
+    write_tokenizer(tmp_path, extra=(*tags, "[INST]"))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    text = "[INST]<think>hm</think>[TOOL_CALLS] [1]<tool_call>x</tool_call>"
+    assert tok.decode(tok.encode(text), skip_special=True) == text.replace("[INST]", "")

@@ -7,7 +7,7 @@ import random
 
 import jsonschema
 import pytest
-from tiny import HERMES, make_hf_model, set_chat_template
+from tiny import HERMES, MISTRAL, MISTRAL_TOKENS, make_hf_model, set_chat_template
 
 from infer.runtime.answer import stream_answer
 from infer.runtime.generate import make_sampler
@@ -68,6 +68,15 @@ ANSWERS = [  # (answer, text without the calls, calls)
         "ok",
         [ToolCall("get_time", {"pattern": ".*\\.py$", "d": "\\d"})],
     ),
+    (f"[TOOL_CALLS] [{CALL}]", "", [PARIS]),  # Mistral's list
+    (
+        f'[TOOL_CALLS][{CALL}, {{"name": "get_time", "arguments": {{}}}}]',
+        "",
+        [PARIS, ToolCall("get_time", {})],
+    ),
+    (f"Checking.[TOOL_CALLS] [{CALL}]", "Checking.", [PARIS]),
+    (f"[{CALL}]", "", [PARIS]),  # the list alone
+    ("[1, 2] is a list.", "[1, 2] is a list.", []),
     ("", "", []),
 ]
 
@@ -95,7 +104,7 @@ def test_streamed_calls_equal_the_whole(text, rest, calls):
 
 
 FRAGMENTS = [
-    "<tool_call>", "</tool_call>", "<tool", "_call>", "```json", "```", "\n", "  ", "{", "}",
+    "<tool_call>", "</tool_call>", "<tool", "_call>", "[TOOL_CALLS]", "[TOOL", "[", "]", ", ", "```json", "```", "\n", "  ", "{", "}",
     '"name"', ": ", CALL, '{"name": "get_time", "arguments": {}}', '{"name": "x"}', "Sure.",
     "It is ", "[1, 2]", '"arguments"', "é", "🙂", "\\", '"\\.py"',
     '{"name": "get_time", "arguments": {"p": "a\\.b"}}',
@@ -128,6 +137,8 @@ def test_plain_answers_stream_at_once():
     assert splitter.feed("The weather ") == "The weather "
     assert splitter.feed("is fine <tool") == "is fine "  # may begin a tag: held
     assert splitter.feed("s>") == "<tools>"
+    assert splitter.feed(" and [TOOL") == " and "  # Mistral's tag, maybe
+    assert splitter.feed("S] too") == "[TOOLS] too"
 
 
 # Llama 3's way, imitated in ChatML's tokens: tools listed with an instruction naming
@@ -150,6 +161,7 @@ def test_call_format():
     assert call_format(HERMES) == CallFormat(tagged=True, key="arguments")
     assert call_format(LLAMA3) == CallFormat(tagged=False, key="parameters")
     assert call_format("{{ tools }}") == CallFormat(tagged=False, key="arguments")
+    assert call_format(MISTRAL) == CallFormat(tagged=False, key="arguments")
     assert call_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
 
 
@@ -165,12 +177,14 @@ def test_call_schema_names_the_tools():
 # -- templates and the grammar, on a tiny random model -----------------------------------
 
 
-@pytest.fixture(scope="module", params=["hermes", "llama3"])
+@pytest.fixture(scope="module", params=["hermes", "llama3", "mistral"])
 def tiny(request, tmp_path_factory):
-    """A random Qwen2-shaped model, one token per byte, its template HERMES or LLAMA3."""
+    """A random Qwen2-shaped model, one token per byte, its template HERMES, LLAMA3 or
+    MISTRAL (with Mistral's control tokens)."""
     path = tmp_path_factory.mktemp("tools") / "tiny"
-    make_hf_model("qwen2", path, max_position_embeddings=1024)
-    set_chat_template(path, {"hermes": HERMES, "llama3": LLAMA3}[request.param])
+    specials = MISTRAL_TOKENS if request.param == "mistral" else ()
+    make_hf_model("qwen2", path, specials=specials, max_position_embeddings=1024)
+    set_chat_template(path, {"hermes": HERMES, "llama3": LLAMA3, "mistral": MISTRAL}[request.param])
     return path
 
 
@@ -179,9 +193,9 @@ CHAT = [
     {
         "role": "assistant",
         "content": "",
-        "tool_calls": [{"type": "function", "function": json.loads(CALL)}],
+        "tool_calls": [{"type": "function", "function": json.loads(CALL), "id": "a1b2c3d4e"}],
     },
-    {"role": "tool", "content": '{"temp": 18}'},
+    {"role": "tool", "content": '{"temp": 18}', "tool_call_id": "a1b2c3d4e"},
 ]
 
 

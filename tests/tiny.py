@@ -47,6 +47,35 @@ THINKER = HERMES.replace(
     "{%- else %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}"
     "{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{% endif %}{{ m.content }}",
 )
+# Mistral 7B v0.3's way, imitated: tools listed before the last user message, calls as
+# a list after [TOOL_CALLS], results in [TOOL_RESULTS]; call ids of 9 characters or an error.
+MISTRAL_TOKENS = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                  "[TOOL_RESULTS]", "[/TOOL_RESULTS]")  # fmt: skip
+_ID_CHECK = (
+    "{%- if {0} is not defined or {0} | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{%- endif %}"
+)
+MISTRAL = (
+    "{%- set ns = namespace(last=-1) %}{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}"
+    "{%- if tools and loop.index0 == ns.last %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "[INST] {{ m.content }}[/INST]"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS] ["
+    "{%- for c in m.tool_calls %}"
+    + _ID_CHECK.replace("{0}", "c.id")
+    + '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}, '
+    '"id": "{{ c.id }}"}{{ ", " if not loop.last }}'
+    "{%- endfor %}]<|im_end|>"
+    "{%- elif m.role == 'tool' %}"
+    + _ID_CHECK.replace("{0}", "m.tool_call_id")
+    + '[TOOL_RESULTS] {"content": {{ m.content | tojson }}, "call_id": "{{ m.tool_call_id }}"}'
+    "[/TOOL_RESULTS]"
+    "{%- elif m.role == 'assistant' %} {{ m.content }}<|im_end|>"
+    "{%- endif %}{%- endfor %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # Qwen2.5-Coder's spelling
 VOCAB = 320  # 256 byte tokens + specials, rounded up

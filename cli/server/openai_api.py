@@ -63,7 +63,8 @@ def _tool_calls(calls: list[ToolCall], streamed: bool = False) -> list[dict]:
     out = []
     for i, c in enumerate(calls):
         call = {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
+            # nine letters and digits: Mistral's templates refuse any other id sent back
+            "id": uuid.uuid4().hex[:9],
             "type": "function",
             "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
         }

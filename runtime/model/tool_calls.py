@@ -9,6 +9,10 @@
 - Llama 3.1-3.3 (a template that lists tools without the tags): the answer is the object
   alone, {"name": "get_weather", "parameters": {"city": "Paris"}}.
 
+- Mistral (7B v0.3, Nemo, Small): a list after a control token,
+
+      [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]
+
 Small models often drop the tags, or put the object in a ```json fence: an answer that
 begins with an object is read as calls in either format (as llama.cpp's server reads
 them). An object is a call only if it names an offered tool.
@@ -24,13 +28,16 @@ import re
 from dataclasses import dataclass
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-TOOL_CALL_TAGS = (OPEN, CLOSE)  # single tokens in Qwen's vocabulary, marked special
+MISTRAL = "[TOOL_CALLS]"
+# Single tokens in Qwen's and Mistral's vocabularies, marked special (or control)
+TOOL_CALL_TAGS = (OPEN, CLOSE, MISTRAL)
 
-# Where a call's object starts: after its tag or fence, if any; and what may close it.
-_OPENER = re.compile(r"\s*(?:<tool_call>|```(?:json)?)?\s*(?=\{)")
-_CLOSER = re.compile(r"\s*(?:</tool_call>|```)?")
+# Where a call's object starts: after its tag or fence, if any, or in a list; and what
+# may close it.
+_OPENER = re.compile(r"\s*(?:<tool_call>|\[TOOL_CALLS\]|```(?:json)?)?\s*[\[,]?\s*(?=\{)")
+_CLOSER = re.compile(r"\s*(?:</tool_call>|```|\])?")
 # The beginnings of an answer that is calls, whitespace taken out.
-_STARTS = (OPEN, '```json{"name"', '```{"name"', '{"name"')
+_STARTS = (OPEN, MISTRAL, '```json{"name"', '```{"name"', '{"name"', '[{"name"')
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ def parse_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
 
 def _find_calls(text: str, names: set[str]) -> tuple[int, list[ToolCall], int] | None:
     """Where the calls start, the calls, where they end; None if there are none."""
-    for at in (0, text.find(OPEN)):
+    for at in (0, _tag(text)):
         if at < 0 or at == 0 and not _starts_calls(text):
             continue
         calls, end = _scan(text, at, names)
@@ -160,7 +167,7 @@ class CallSplitter:
             if any(s.startswith(squeezed) or squeezed.startswith(s) for s in _STARTS):
                 return ""  # a call, or maybe one: held
             self._at_start = False
-        tag = text.find(OPEN, self._shown)
+        tag = _tag(text, self._shown)
         end = tag if tag >= 0 else len(text) - _partial_tag(text)
         out, self._shown = text[self._shown : max(end, self._shown)], max(end, self._shown)
         return out
@@ -174,10 +181,16 @@ class CallSplitter:
         return "\n\n".join(t for t in parts if t), calls
 
 
+def _tag(text: str, start: int = 0) -> int:
+    """Where the first tag that opens calls is in `text` from `start`, or -1."""
+    found = [i for i in (text.find(OPEN, start), text.find(MISTRAL, start)) if i >= 0]
+    return min(found, default=-1)
+
+
 def _partial_tag(text: str) -> int:
-    """How many characters at the end of `text` begin OPEN."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
+    """How many characters at the end of `text` begin a tag that opens calls."""
+    for n in range(min(len(MISTRAL) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]) or MISTRAL.startswith(text[-n:]):
             return n
     return 0
 

@@ -41,6 +41,7 @@ class Answer:
     context: int = 0  # the session's positions; a "length" answer may have filled them
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, if asked for
     thinking: str = ""  # a thinking model's thoughts, where the caller took them out of text
+    stop_string: str = ""  # the stop string that ended it, if one did
 
     @property
     def n_generated(self) -> int:
@@ -84,13 +85,15 @@ class StopStrings:
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched = ""  # the stop string that ended the answer, once one has
 
     def push(self, piece: str) -> tuple[str, bool]:
         """(The text safe to show now, whether a stop string ended the answer.)"""
         self.pending += piece
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            at, self.matched = min(hits)
+            out, self.pending = self.pending[:at], ""
             return out, True
         keep = max((_overlap(self.pending, s) for s in self.stops), default=0)
         out = self.pending[: len(self.pending) - keep]
@@ -249,6 +252,7 @@ class Answering:
             shown, stopped = self.stops.push(self.decoder.push(token))
             self._emit(shown)
             if stopped:
+                self.answer.stop_string = self.stops.matched
                 return self._end("stop", flush=False)  # the rest is the stop string's
         if self.cancelled():
             self.finish("cancelled")
@@ -268,7 +272,7 @@ class Answering:
             shown, stopped = self.stops.push(self.decoder.flush())
             self._emit(shown if stopped else shown + self.stops.flush())
             if stopped:
-                a.finish_reason = "stop"
+                a.finish_reason, a.stop_string = "stop", self.stops.matched
         if self._t_first:
             a.ttft_s = self._t_first - self._t0
             a.decode_s = self._t_last - self._t_first

@@ -1069,6 +1069,46 @@ def test_embeddings(oai, http, files):
     assert all(map(close, r["embeddings"], want))
 
 
+def test_llama_server_endpoints(oai, http, files, smollm2_gguf):
+    """llama-server's /completion (text or token ids; streamed; stop types), /infill
+    and /tokenize, /detokenize: the same answers as the OpenAI API's."""
+    from infer.runtime.files.gguf import GGUFFile
+    from infer.runtime.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf_metadata(GGUFFile(smollm2_gguf).metadata)
+    prompt = "The capital of France is"
+    want = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    body = {"prompt": prompt, "n_predict": 8, "temperature": 0}
+    r = http.post("/completion", json=body).json()
+    assert r["content"] == want.choices[0].text and r["stop"] is True
+    assert (r["tokens_predicted"], r["stop_type"], r["model"]) == (8, "limit", MODEL)
+    assert r["timings"]["predicted_n"] == 8 and r["tokens_evaluated"] == want.usage.prompt_tokens
+    with http.stream("POST", "/completion", json={**body, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
+    assert "".join(e["content"] for e in events) == r["content"]
+    ids = http.post("/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"]
+    assert ids == tok.encode(prompt)
+    assert http.post("/completion", json={**body, "prompt": ids}).json()["content"] == r["content"]
+    pieces = http.post("/tokenize", json={"content": "Hi there", "with_pieces": True}).json()
+    assert "".join(t["piece"] for t in pieces["tokens"]) == "Hi there"
+    back = http.post("/detokenize", json={"tokens": tok.encode("Hi there", add_special=False)})
+    assert back.json() == {"content": "Hi there"}
+    assert http.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
+    word = r["content"].split()[1]
+    stopped = http.post("/completion", json={**body, "stop": [word]}).json()
+    assert (stopped["stop_type"], stopped["stopping_word"]) == ("word", word)
+    assert word not in stopped["content"]
+    # /infill: prefix, suffix, FIM tokens, then what is typed of the middle (a byte a token)
+    model, before, after, typed = str(files["tools"]), "def f(x):\n    ", "\n    return y\n", "y ="
+    extra = [{"filename": "util.py", "text": "def g(): pass"}]  # no repository tokens: left out
+    fim = {"model": model, "input_prefix": before, "input_suffix": after, "prompt": typed}
+    r = http.post("/infill", json={**fim, "n_predict": 3, "input_extra": extra}).json()
+    assert r["tokens_evaluated"] == 3 + len(before + after + typed), r
+    r = http.post("/infill", json={**fim, "model": MODEL})
+    assert r.status_code == 400 and "does not support insert" in r.text
+
+
 def test_fill_in_the_middle(oai, http, files):
     """`suffix` (ollama's generate, OpenAI's completions): the prompt is the model's
     fill-in-the-middle layout, FIM prefix, code before, FIM suffix, code after, FIM

@@ -285,10 +285,29 @@ def test_fill_in_the_middle(tok, tmp_path):
     fim = Tokenizer.from_hf_dir(tmp_path)
     pre, suf, mid = fim.fim_ids
     assert fim.encode_infill("ab", "c") == [pre, *fim.encode("ab"), suf, *fim.encode("c"), mid]
+    assert fim.encode_infill("ab", "c", middle="d") == fim.encode_infill("ab", "c") + fim.encode(
+        "d"
+    )
+    # other files go before it only where the vocabulary can name a repository's files
+    assert fim.encode_infill("ab", "c", [("x.py", "y")]) == fim.encode_infill("ab", "c")
     assert fim._backend.token_to_id("<|fim_pad|>") in fim.stop_ids
     assert tok.fim_ids is None
     with pytest.raises(InferError, match="no fill-in-the-middle"):
         tok.encode_infill("a", "b")
+
+
+def test_fill_in_the_middle_with_other_files(tmp_path):
+    """Other files as a repository before the FIM prompt (Qwen2.5-Coder's repo-level
+    layout, as llama.cpp's infill writes it): the repository's name, then each file's
+    name and text after a separator, then a separator for the file being edited."""
+    fim_tokens = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+    write_tokenizer(tmp_path, (*fim_tokens, "<|repo_name|>", "<|file_sep|>"))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    repo, sep = (tok._backend.token_to_id(t) for t in ("<|repo_name|>", "<|file_sep|>"))
+    files = [("a.py", "x = 1"), ("b.py", "y = 2")]
+    want = [repo, *tok.encode("project\n"), sep, *tok.encode("a.py\nx = 1"), sep]
+    want += [*tok.encode("b.py\ny = 2"), sep, *tok.encode("current\n")]
+    assert tok.encode_infill("p", "s", files) == want + tok.encode_infill("p", "s")
 
 
 def test_save_hf_round_trip(tok, tmp_path):

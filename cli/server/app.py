@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ... import __version__
-from . import ollama_api, openai_api
+from . import llamacpp_api, ollama_api, openai_api
 from .errors import ApiError
 from .metrics import Metrics
 from .pool import ModelPool, ServeSettings
@@ -131,6 +131,7 @@ def create_app(settings: ServeSettings, api_key: str | None = None, on_ready=Non
         Route("/metrics", metrics_text, methods=["GET"]),
         *openai_api.routes,
         *ollama_api.routes,
+        *llamacpp_api.routes,
     ]
     app = Starlette(
         routes=routes,

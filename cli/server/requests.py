@@ -216,6 +216,9 @@ class AnswerRequest:
     messages: list[dict] | None = None  # a chat, or
     prompt: str | None = None  # raw text to complete
     suffix: str | None = None  # the code after the gap: the prompt is the code before it
+    files: list[tuple[str, str]] = field(default_factory=list)  # (name, text): FIM context
+    middle: str = ""  # the start of the middle, already written (llama.cpp's infill prompt)
+    prompt_ids: list[int] | None = None  # a prompt given as token ids (llama-server's)
     max_tokens: int = -1  # < 0: until the model stops or the context is full
     sampling: Sampling = field(default_factory=Sampling)
     penalties: Penalties | None = None
@@ -333,7 +336,11 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
     elif req.suffix is not None:  # fill in the middle
         if tok.fim_ids is None:
             raise ApiError(400, f"{loaded.name} does not support insert", "suffix")
-        ids = tok.encode_infill(req.prompt or "", req.suffix)
+        ids = tok.encode_infill(req.prompt or "", req.suffix, req.files, req.middle)
+    elif req.prompt_ids is not None:
+        if any(not 0 <= t < tok.vocab_size for t in req.prompt_ids):
+            raise ApiError(400, "prompt has a token id past the vocabulary", "prompt")
+        ids = list(req.prompt_ids)
     else:
         ids = tok.encode(req.prompt or "")
     if not ids:

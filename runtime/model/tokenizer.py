@@ -16,7 +16,7 @@ Two GGUF tokenizer models are supported:
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -62,9 +62,14 @@ FIM_TOKENS = (
 )
 
 
-def _fim_ids(backend: _HFTokenizer) -> tuple[int, int, int] | None:
-    """The ids of the first of FIM_TOKENS the vocabulary has all of, else None."""
-    for names in FIM_TOKENS:
+# Repository-level context before a FIM prompt: the repository's name, then each file
+# after a separator (Qwen2.5-Coder; StarCoder2).
+FIM_REPO_TOKENS = (("<|repo_name|>", "<|file_sep|>"), ("<reponame>", "<file_sep>"))
+
+
+def _first_ids(backend: _HFTokenizer, spellings) -> tuple[int, ...] | None:
+    """The ids of the first of `spellings` the vocabulary has all of, else None."""
+    for names in spellings:
         ids = tuple(backend.token_to_id(t) for t in names)
         if None not in ids:
             return ids
@@ -123,7 +128,8 @@ class Tokenizer:
         stop = {backend.token_to_id(t) for t in END_OF_TURN_TOKENS}
         stop.update((eos_id, *extra_stop_ids))
         self.stop_ids = frozenset(i for i in stop if i is not None and 0 <= i < self.vocab_size)
-        self.fim_ids = _fim_ids(backend)  # (prefix, suffix, middle), or None
+        self.fim_ids = _first_ids(backend, FIM_TOKENS)  # (prefix, suffix, middle), or None
+        self._repo_ids = _first_ids(backend, FIM_REPO_TOKENS)  # (repository, file), or None
 
     # -- construction -------------------------------------------------------------------
 
@@ -259,14 +265,27 @@ class Tokenizer:
         Generation never appends EOS."""
         return self.encode(text) + ([self.eos_id] if self.add_eos else [])
 
-    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+    def encode_infill(
+        self, prefix: str, suffix: str, files: Sequence[tuple[str, str]] = (), middle: str = ""
+    ) -> list[int]:
         """A fill-in-the-middle prompt: the code before and after the gap, for the model
-        to write the middle (prefix, suffix, middle order: PSM)."""
+        to write the middle (prefix, suffix, middle order: PSM), whose start `middle` may
+        already be. `files`, (name, text) of other files for context, go before it as a
+        repository, where the vocabulary has the tokens for one (as llama.cpp's infill
+        lays them out); else they are left out."""
         if self.fim_ids is None:
             raise InferError("the model has no fill-in-the-middle tokens")
         pre, suf, mid = self.fim_ids
         bos = [self.bos_id] if self.add_bos else []
-        return [*bos, pre, *self.encode(prefix, False), suf, *self.encode(suffix, False), mid]
+        repo = []
+        if files and self._repo_ids is not None:
+            name, sep = self._repo_ids
+            repo = [name, *self.encode("project\n", False)]
+            for filename, text in files:
+                repo += [sep, *self.encode(f"{filename}\n{text}", False)]
+            repo += [sep, *self.encode("current\n", False)]  # the file being edited
+        body = [pre, *self.encode(prefix, False), suf, *self.encode(suffix, False), mid]
+        return [*bos, *repo, *body, *self.encode(middle, False)]
 
     def encode_chat(
         self,

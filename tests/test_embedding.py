@@ -59,3 +59,30 @@ def test_gguf_pooling_and_eos(tmp_path, smollm2_gguf):
     assert not tok.add_eos and tok.encode_embedded("Hi") == tok.encode("Hi")
     tok = Tokenizer.from_gguf_metadata({**md, "tokenizer.ggml.add_eos_token": True})
     assert tok.encode_embedded("Hi") == tok.encode("Hi") + [tok.eos_id]
+
+
+def test_sentence_transformers_directory(hf, tmp_path):
+    """A sentence-transformers model directory says how it pools (1_Pooling/config.json);
+    a tokenizer.json whose post-processor appends EOS makes encode_embedded append it."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.processors import TemplateProcessing
+
+    path = tmp_path / "st"
+    shutil.copytree(hf[0], path)
+    assert pooling_of(open_model_file(path).config) == "mean"
+    (path / "1_Pooling").mkdir()
+    modes = {"pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(modes))
+    assert pooling_of(open_model_file(path).config) == "last"
+    assert not Tokenizer.from_hf_dir(path).add_eos
+    backend = Backend.from_file(str(path / "tokenizer.json"))
+    eos = "<|im_end|>"
+    backend.post_processor = TemplateProcessing(
+        single=f"$A {eos}", special_tokens=[(eos, backend.token_to_id(eos))]
+    )
+    backend.save(str(path / "tokenizer.json"))
+    tok = Tokenizer.from_hf_dir(path)
+    assert tok.encode_embedded("Hi") == tok.encode("Hi") + [tok.eos_id]

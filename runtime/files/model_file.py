@@ -165,6 +165,9 @@ class HFModelFile(ModelFile):
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise InferError(f"{file}: invalid JSON ({e})") from None
         self.args = model_args(self.config, str(file))
+        pooling = _sentence_pooling(self.path)
+        if pooling is not None:  # an embedding model's (gguf_meta.POOLING_TYPES' names)
+            self.config["pooling"] = pooling
         self.files = _safetensors_files(self.path)
         self.headers = {f: read_header(f) for f in self.files}  # (header, data start)
         entries = {
@@ -174,6 +177,26 @@ class HFModelFile(ModelFile):
         self.quantization = _most_common(Counter(v["dtype"] for v in entries.values()), "?")
         self.file_bytes = sum(f.stat().st_size for f in self.files)
         self.check_shapes()
+
+
+# sentence-transformers' pooling modes -> how an embedding is pooled (runtime/embedding.py)
+_POOLING_MODES = {
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+}
+
+
+def _sentence_pooling(path: Path) -> str | None:
+    """How a sentence-transformers model directory pools (1_Pooling/config.json), if it
+    says; an unreadable file says nothing."""
+    try:
+        modes = json.loads((path / "1_Pooling" / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(modes, dict):
+        return None
+    return next((name for mode, name in _POOLING_MODES.items() if modes.get(mode) is True), None)
 
 
 def _safetensors_files(path: Path) -> list[Path]:

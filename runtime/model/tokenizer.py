@@ -643,11 +643,15 @@ def _from_hf_dir(path: Path) -> Tokenizer:
         i if i is not None and 0 <= i < len(pieces) else None for i in (bos_id, eos_id)
     )
 
+    # Without a flag, the tokenizer.json's post-processor says whether it adds BOS (or
+    # EOS: an embedding model's, Qwen3-Embedding's).
+    with_special = backend.encode("a", add_special_tokens=True).ids
     add_bos = config.get("add_bos_token")
     if add_bos is None:
-        # No flag: the tokenizer.json's post-processor says whether it adds BOS.
-        with_special = backend.encode("a", add_special_tokens=True).ids
         add_bos = bos_id is not None and with_special[:1] == [bos_id]
+    add_eos = config.get("add_eos_token")
+    if add_eos is None:
+        add_eos = eos_id is not None and with_special[-1:] == [eos_id]
 
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
@@ -665,7 +669,7 @@ def _from_hf_dir(path: Path) -> Tokenizer:
         bos_id=bos_id,
         eos_id=eos_id,
         add_bos=bool(add_bos),
-        add_eos=bool(config.get("add_eos_token", False)),
+        add_eos=bool(add_eos),
         special_ids=special_ids,
         extra_stop_ids=tuple(gen_eos),
         chat_template=template,

@@ -921,6 +921,9 @@ def test_template_variables(oai, http, files):
     assert r.status_code == 400 and "may not set messages" in r.text, r.text
 
 
+SEEDED = {"temperature": 1.0, "seed": 1}
+
+
 def test_thinking(http, files):
     """A thinking model's thoughts come apart from its answer: ollama's thinking,
     OpenAI's reasoning_content, streamed or not; reasoning_format "none" leaves them in
@@ -933,7 +936,7 @@ def test_thinking(http, files):
     assert r.status_code == 400 and r.json()["error"] == f"{MODEL} does not support thinking"
 
     def openai(stream: bool, n: int = 8, **extra) -> tuple[str, str]:
-        body = {"model": model, "messages": hi, "max_tokens": n, "temperature": 0, **extra}
+        body = {"model": model, "messages": hi, "max_tokens": n, **SEEDED, **extra}
         if not stream:
             m = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
             return m.get("reasoning_content", ""), m["content"]
@@ -948,7 +951,7 @@ def test_thinking(http, files):
 
     def ollama_chat(stream: bool, n: int = 8, **extra) -> tuple[str, str]:
         body = {"model": model, "messages": hi, "stream": stream, **extra}
-        body["options"] = {"num_predict": n, "temperature": 0}
+        body["options"] = {"num_predict": n, **SEEDED}
         lines = (
             ollama(http, "/api/chat", body)
             if stream
@@ -959,9 +962,9 @@ def test_thinking(http, files):
         )
 
     # The prompt opened the thought: the 8 tokens are all thought (the tiny model never
-    # writes </think>).
+    # writes </think>). Greedy, it writes 8 newlines: sampled, with a seed, some text.
     _, raw = openai(False, reasoning_format="none")
-    assert raw and "</think>" not in raw
+    assert raw.strip() and raw != raw.strip() and "</think>" not in raw  # space to drop, too
     for stream in (False, True):
         assert openai(stream) == (raw.strip(), "")
         assert ollama_chat(stream) == (raw.strip(), "")
@@ -1107,6 +1110,101 @@ def test_llama_server_endpoints(oai, http, files, smollm2_gguf):
     assert r["tokens_evaluated"] == 3 + len(before + after + typed), r
     r = http.post("/infill", json={**fim, "model": MODEL})
     assert r.status_code == 400 and "does not support insert" in r.text
+
+
+def test_responses_api(oai, http, greedy, files):
+    """OpenAI's Responses API: the answer the chat API gives, as an output_text message,
+    whole or streamed (its events in order); instructions as the system message; tool
+    calls as function_call items, taken back as input items; a thinking model's thoughts
+    as a reasoning item; text.format; what it cannot do is a 400."""
+    import jsonschema
+
+    q = QUESTION[0]["content"]
+    r = oai.responses.create(model=MODEL, input=q, temperature=0, max_output_tokens=12)
+    assert r.output_text == greedy(QUESTION, 12) and r.status == "completed"
+    r = oai.responses.create(model=MODEL, input=q, temperature=0, max_output_tokens=3)
+    assert r.output_text == greedy(QUESTION, 3) and r.usage.output_tokens == 3
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    system = "Answer in French."
+    r = oai.responses.create(
+        model=MODEL, input=q, instructions=system, temperature=0, max_output_tokens=6
+    )
+    assert r.output_text == greedy([{"role": "system", "content": system}, *QUESTION], 6)
+    stream = oai.responses.create(
+        model=MODEL, input=q, temperature=0, max_output_tokens=12, stream=True
+    )
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == greedy(QUESTION, 12)
+    # tools, on the tiny code model: a required call, then the call and its output back
+    coder = str(files["tools"])
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}
+    tool = {"type": "function", "name": "get_weather", "parameters": city}
+    r = oai.responses.create(
+        model=coder,
+        input="Weather?",
+        tools=[tool],
+        tool_choice="required",
+        max_output_tokens=100,
+        temperature=0,
+    )
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments), dict)
+    back = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"},
+    ]
+    r = oai.responses.create(model=coder, input=back, tools=[tool], max_output_tokens=2)
+    assert r.usage.input_tokens > 0
+    # a thinking model: its thoughts as a reasoning item, before the (empty) message
+    thinker, hi = str(files["thinker"]), [{"role": "user", "content": "Hi"}]
+    body = {"model": thinker, "messages": hi, "max_tokens": 8, **SEEDED}
+    want = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    body = {"model": thinker, "input": "Hi", "max_output_tokens": 8, **SEEDED}
+    r = http.post("/v1/responses", json=body).json()
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message"], json.dumps(r["output"])
+    assert r["output"][0]["content"][0]["text"] == want["reasoning_content"] != ""
+    assert r["output"][1]["content"][0]["text"] == ""
+    with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as stream:
+        events = [json.loads(x[6:]) for x in stream.iter_lines() if x.startswith("data: ")]
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert thought == want["reasoning_content"]
+    done = events[-1]["response"]["output"]
+    assert [(o["type"], o["content"]) for o in done] == [
+        (o["type"], o["content"]) for o in r["output"]
+    ]
+    # text.format: a JSON schema
+    fmt = {"format": {"type": "json_schema", "name": "person", "schema": PERSON}}
+    r = oai.responses.create(model=MODEL, input=ASK[0]["content"], text=fmt, temperature=0)
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    for extra, words in (
+        ({"previous_response_id": "resp_1"}, "not supported"),
+        ({"tools": [{"type": "web_search"}]}, "only function tools"),
+        ({"input": [{"type": "image", "url": "x"}]}, "not supported"),
+        ({"input": []}, "input must be"),
+    ):
+        r = http.post("/v1/responses", json={"model": MODEL, "input": q, **extra})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
 def test_fill_in_the_middle(oai, http, files):

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ... import __version__
-from . import llamacpp_api, ollama_api, openai_api
+from . import llamacpp_api, ollama_api, openai_api, responses_api
 from .errors import ApiError
 from .metrics import Metrics
 from .pool import ModelPool, ServeSettings
@@ -130,6 +130,7 @@ def create_app(settings: ServeSettings, api_key: str | None = None, on_ready=Non
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
         *openai_api.routes,
+        *responses_api.routes,
         *ollama_api.routes,
         *llamacpp_api.routes,
     ]

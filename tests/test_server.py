@@ -613,6 +613,50 @@ BAD_OLLAMA = {  # id: (path, body, status)
 }
 
 
+BAD_OTHER = {  # id: (path, body, status): embeddings, responses, llama-server's
+    "embeddings malformed": ("/v1/embeddings", b"{not json", 400),
+    "embeddings input 5": ("/v1/embeddings", {"input": 5}, 400),
+    "embeddings ids empty": ("/v1/embeddings", {"input": [[]]}, 400),
+    "embeddings dimensions 0": ("/v1/embeddings", {"input": "x", "dimensions": 0}, 400),
+    "embeddings unknown model": ("/v1/embeddings", {"model": "no-such-model", "input": "x"}, 404),
+    "embed input []": ("/api/embed", {"input": []}, 400),
+    "embed num_ctx x": ("/api/embed", {"input": "x", "options": {"num_ctx": "x"}}, 400),
+    "embeddings prompt 5": ("/api/embeddings", {"prompt": 5}, 400),
+    "responses input 5": ("/v1/responses", {"input": 5}, 400),
+    "responses max 0": ("/v1/responses", {"input": "Hi", "max_output_tokens": 0}, 400),
+    "responses tools x": ("/v1/responses", {"input": "Hi", "tools": "x"}, 400),
+    "responses format xml": ("/v1/responses", {"input": "Hi", "text": {"format": {"type": "xml"}}}, 400),
+    "responses call args object": ("/v1/responses", {"input": [{"type": "function_call", "name": "f", "arguments": {}}]}, 400),
+    "responses output missing": ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "a"}]}, 400),
+    "responses content image": ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400),
+    "responses unknown model": ("/v1/responses", {"model": "no-such-model", "input": "Hi"}, 404),
+    "responses too long": ("/v1/responses", {"input": LONG}, 400),
+    "completion prompt 5": ("/completion", {"prompt": 5}, 400),
+    "completion prompt floats": ("/completion", {"prompt": [1.5]}, 400),
+    "completion prompts": ("/completion", {"prompt": [[1, 2], [3]]}, 400),
+    "completion n_predict 0": ("/completion", {"prompt": "Hi", "n_predict": 0}, 400),
+    "completion n_probs 50": ("/completion", {"prompt": "Hi", "n_probs": 50}, 400),
+    "completion grammar 5": ("/completion", {"prompt": "Hi", "grammar": 5}, 400),
+    "completion json_schema x": ("/completion", {"prompt": "Hi", "json_schema": "x"}, 400),
+    "completion ids past vocab": ("/completion", {"prompt": [10**9]}, 400),
+    "infill extra x": ("/infill", {"input_prefix": "a", "input_extra": "x"}, 400),
+    "infill extra [5]": ("/infill", {"input_prefix": "a", "input_extra": [5]}, 400),
+    "tokenize content 5": ("/tokenize", {"content": 5}, 400),
+    "detokenize tokens x": ("/detokenize", {"tokens": "x"}, 400),
+    "detokenize tokens -1": ("/detokenize", {"tokens": [-1]}, 400),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path,body,status", BAD_OTHER.values(), ids=BAD_OTHER.keys())
+def test_other_bad_requests(http, path, body, status):
+    """Each endpoint's bad input is its API's error with a 4xx, never a 500."""
+    r = _post(http, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err if path.startswith("/api/") else err["message"], r.text
+    assert generates(http)
+
+
 def _post(http: httpx.Client, path: str, body) -> httpx.Response:
     if isinstance(body, bytes):
         return http.post(path, content=body, headers={"content-type": "application/json"})

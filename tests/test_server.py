@@ -1251,6 +1251,118 @@ def test_responses_api(oai, http, greedy, files):
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
+def test_anthropic_messages(server, http, greedy, files):
+    """Anthropic's Messages API through its own client: the answer the chat API gives,
+    whole or streamed, with its stop reasons; tool_use blocks, taken back with their
+    tool_result; a thinking model's thinking block and switch; count_tokens; its errors'
+    shape."""
+    import anthropic
+
+    GREEDY = {"temperature": 0}  # the client sends no sampling settings of its own
+
+    client = anthropic.Anthropic(
+        base_url=server.url, api_key="unused", max_retries=0, timeout=TIMEOUT
+    )
+    q = [{"role": "user", "content": QUESTION[0]["content"]}]
+    r = client.messages.create(model=MODEL, max_tokens=12, messages=q, extra_body=GREEDY)
+    assert [b.type for b in r.content] == ["text"] and r.content[0].text == greedy(QUESTION, 12)
+    assert r.stop_reason == "end_turn"
+    r = client.messages.create(model=MODEL, max_tokens=3, messages=q, extra_body=GREEDY)
+    assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 3
+    word = greedy(QUESTION, 12).split()[2]
+    r = client.messages.create(
+        model=MODEL, max_tokens=12, messages=q, extra_body=GREEDY, stop_sequences=[word]
+    )
+    assert (r.stop_reason, r.stop_sequence) == ("stop_sequence", word)
+    system = "Answer in French."
+    r = client.messages.create(
+        model=MODEL, max_tokens=6, messages=q, system=system, extra_body=GREEDY
+    )
+    assert r.content[0].text == greedy([{"role": "system", "content": system}, *QUESTION], 6)
+    count = client.messages.count_tokens(model=MODEL, messages=q, system=system).input_tokens
+    assert count == r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0)
+    with client.messages.stream(
+        model=MODEL, max_tokens=12, messages=q, extra_body=GREEDY
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == final.content[0].text == greedy(QUESTION, 12)
+    assert final.stop_reason == "end_turn"
+    # tools, on the tiny code model: a call, then the call and its result taken back
+    coder = str(files["tools"])
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}
+    tools = [{"name": "get_weather", "description": "The weather", "input_schema": city}]
+    ask = [{"role": "user", "content": "Weather?"}]
+    for any_stream in (False, True):
+        kwargs = {"model": coder, "max_tokens": 100, "messages": ask, "tools": tools}
+        kwargs.update(tool_choice={"type": "any"}, extra_body=GREEDY)
+        if any_stream:
+            with client.messages.stream(**kwargs) as stream:
+                r = stream.get_final_message()
+        else:
+            r = client.messages.create(**kwargs)
+        (use,) = [b for b in r.content if b.type == "tool_use"]
+        assert (
+            r.stop_reason == "tool_use"
+            and use.name == "get_weather"
+            and isinstance(use.input, dict)
+        )
+    back = ask + [
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}],
+        },
+    ]
+    r = client.messages.create(model=coder, max_tokens=2, messages=back, tools=tools)
+    prompt = r.usage.input_tokens + r.usage.cache_read_input_tokens
+    assert prompt > count_tokens_of(client, coder, ask, tools) + len("18 C")
+    # a thinking model: its thoughts as a thinking block; thinking disabled: Qwen3's switch
+    thinker, hi = str(files["thinker"]), [{"role": "user", "content": "Hi"}]
+    body = {"model": thinker, "messages": hi, "max_tokens": 8, **SEEDED}
+    want = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    r = client.messages.create(model=thinker, max_tokens=8, messages=hi, extra_body=SEEDED)
+    assert [b.type for b in r.content] == ["thinking", "text"]
+    assert r.content[0].thinking == want["reasoning_content"] != ""
+    with client.messages.stream(
+        model=thinker, max_tokens=8, messages=hi, extra_body=SEEDED
+    ) as stream:
+        assert stream.get_final_message().content[0].thinking == want["reasoning_content"]
+    off = count_tokens_of(client, thinker, hi, None, thinking={"type": "disabled"})
+    assert off == count_tokens_of(client, thinker, hi, None) + len("\n</think>\n\n")
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(
+            model=MODEL,
+            max_tokens=2,
+            messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}],
+        )
+    assert "not supported" in err.value.body["error"]["message"]
+    r = http.post(
+        "/v1/messages",
+        json={
+            "model": MODEL,
+            "max_tokens": 2,
+            "messages": q,
+            "tools": [{"type": "web_search_20250305", "name": "w"}],
+        },
+    )
+    assert (
+        r.status_code == 400
+        and r.json()["type"] == "error"
+        and r.json()["error"]["type"] == "invalid_request_error"
+    )
+
+
+def count_tokens_of(client, model, messages, tools, **extra) -> int:
+    kwargs = {"tools": tools} if tools else {}
+    return client.messages.count_tokens(
+        model=model, messages=messages, **kwargs, **extra
+    ).input_tokens
+
+
 def test_fill_in_the_middle(oai, http, files):
     """`suffix` (ollama's generate, OpenAI's completions): the prompt is the model's
     fill-in-the-middle layout, FIM prefix, code before, FIM suffix, code after, FIM
@@ -1363,6 +1475,11 @@ def test_api_key_and_sigterm_mid_stream(launched):
         client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
         r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
         assert r.usage.completion_tokens == 2
+        # Anthropic's clients send the key as x-api-key
+        body = {"messages": HI, "max_tokens": 2}
+        assert http.post("/v1/messages", json=body, headers={"x-api-key": KEY}).status_code == 200
+        r = http.post("/v1/messages", json=body, headers={"x-api-key": "wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         with pytest.raises(openai.AuthenticationError):
             wrong = openai.OpenAI(
                 base_url=s.url + "/v1", api_key="x", timeout=TIMEOUT, max_retries=0

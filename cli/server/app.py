@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ... import __version__
-from . import llamacpp_api, ollama_api, openai_api, responses_api
+from . import anthropic_api, llamacpp_api, ollama_api, openai_api, responses_api
 from .errors import ApiError
 from .metrics import Metrics
 from .pool import ModelPool, ServeSettings
@@ -29,6 +29,8 @@ def _error_response(path: str, err: ApiError):
     """Each API's own error shape; OpenAI's for the rest."""
     if path.startswith("/api/"):
         return ollama_api.error_response(err)
+    if path.startswith("/v1/messages"):
+        return anthropic_api.error_response(err)
     return openai_api.error_response(err)
 
 
@@ -66,8 +68,13 @@ class Guard:
             self.metrics.request(path if path in self.paths else "other", status)
 
     def _authorized(self, scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+        """`Authorization: Bearer KEY`, or Anthropic's clients' `x-api-key: KEY`."""
+        headers = dict(scope["headers"])
+        bearer = headers.get(b"authorization", b"")
+        key = headers.get(b"x-api-key")
+        if key is not None:
+            return hmac.compare_digest(key, self.api_key.encode())
+        return hmac.compare_digest(bearer, f"Bearer {self.api_key}".encode())
 
 
 def _limited(receive):
@@ -131,6 +138,7 @@ def create_app(settings: ServeSettings, api_key: str | None = None, on_ready=Non
         Route("/metrics", metrics_text, methods=["GET"]),
         *openai_api.routes,
         *responses_api.routes,
+        *anthropic_api.routes,
         *ollama_api.routes,
         *llamacpp_api.routes,
     ]

@@ -18,11 +18,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ...runtime.model.tool_calls import ToolCall, tool_names
+from ...runtime.model.tool_calls import ToolCall
 from .errors import ApiError
 from .requests import (
     AnswerRequest,
     Finished,
+    call_id,
+    choose_tools,
     collect,
     get,
     prepare,
@@ -148,23 +150,14 @@ def _tools(body: dict) -> list[dict] | None:
 def _tool_choice(body: dict, req: AnswerRequest) -> None:
     """tool_choice: {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}."""
     choice = get(body, "tool_choice", dict, {"type": "auto"})
-    kind = choice.get("type")
-    if kind == "auto" or req.tools is None:
-        return
-    if kind == "none":
-        req.tools = None
-    elif kind == "any":
-        req.call_required = True
-    elif kind == "tool" and isinstance(choice.get("name"), str):
-        if choice["name"] not in tool_names(req.tools):
-            raise ApiError(
-                400, f"tool_choice names {choice['name']!r}, which is not in tools", "tool_choice"
-            )
-        req.call_required, req.call_name = True, choice["name"]
-    else:
+    kind, name = choice.get("type"), choice.get("name")
+    if kind in ("auto", "none", "any"):
+        return choose_tools(req, "required" if kind == "any" else kind)
+    if kind != "tool" or not isinstance(name, str):
         raise ApiError(
             400, "tool_choice type must be auto, any, none or tool (with a name)", "tool_choice"
         )
+    choose_tools(req, "required", name)
 
 
 def _answer_request(body: dict) -> AnswerRequest:
@@ -214,10 +207,9 @@ def _usage(f: Finished | None) -> dict:
 
 
 def _tool_use_block(call: ToolCall) -> dict:
-    # nine letters and digits, as the OpenAI API's: Mistral's templates take no other id
     return {
         "type": "tool_use",
-        "id": uuid.uuid4().hex[:9],
+        "id": call_id(),
         "name": call.name,
         "input": call.arguments,
     }

@@ -20,12 +20,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ...runtime.generate import Penalties
-from ...runtime.model.tool_calls import ToolCall, tool_names
+from ...runtime.model.tool_calls import ToolCall
 from .errors import ApiError
 from .requests import (
     NUMBER,
     AnswerRequest,
     Finished,
+    call_id,
+    choose_tools,
     collect,
     embed_inputs,
     embedding_inputs,
@@ -63,8 +65,7 @@ def _tool_calls(calls: list[ToolCall], streamed: bool = False) -> list[dict]:
     out = []
     for i, c in enumerate(calls):
         call = {
-            # nine letters and digits: Mistral's templates refuse any other id sent back
-            "id": uuid.uuid4().hex[:9],
+            "id": call_id(),
             "type": "function",
             "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
         }
@@ -73,30 +74,18 @@ def _tool_calls(calls: list[ToolCall], streamed: bool = False) -> list[dict]:
 
 
 def _tool_choice(body: dict, req: AnswerRequest) -> None:
-    """tool_choice: "auto" (the default), "none" (no tools offered), "required" (the
-    answer is a call), or {"type": "function", "function": {"name": NAME}} (a call of it)."""
-    choice = body.get("tool_choice")
-    if choice in (None, "auto") or req.tools is None:
-        return
-    if choice == "none":
-        req.tools = None
-        return
-    if choice == "required":
-        req.call_required = True
-    elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
-        name = choice["function"]["name"]
-        if name not in tool_names(req.tools):
-            raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-        req.call_required, req.call_name = True, name
-    else:
+    """tool_choice: "auto" (the default), "none", "required", or {"type": "function",
+    "function": {"name": NAME}}."""
+    choice = body.get("tool_choice", "auto")
+    if choice in ("auto", "none", "required"):
+        return choose_tools(req, choice)
+    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
         raise ApiError(
             400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
             '"function": {"name": ...}}', "tool_choice",
         )  # fmt: skip
-    if req.format is not None or req.grammar is not None:
-        raise ApiError(
-            400, "give response_format or grammar, or a required tool call, not both", "tool_choice"
-        )
+    choose_tools(req, "required", name)
 
 
 def _logprobs(req: AnswerRequest, entries: list[dict], chat: bool) -> dict | None:

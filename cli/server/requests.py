@@ -13,6 +13,7 @@ import json
 import math
 import sys
 import traceback
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -189,6 +190,30 @@ def stop_of(value, key: str = "stop") -> tuple[str, ...]:
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return tuple(value)
     raise ApiError(400, f"{key} must be a string or a list of strings", key)
+
+
+def call_id() -> str:
+    """A new tool call's id: nine letters and digits, the only ids Mistral's templates
+    take back (others raise in the template: the next turn would be a 400)."""
+    return uuid.uuid4().hex[:9]
+
+
+def choose_tools(req: AnswerRequest, mode: str, name: str | None = None) -> None:
+    """Each API's tool_choice, read: "auto" (the model may call a tool), "none" (no tools
+    offered), "required" (the answer is a call: of `name`, if given)."""
+    if mode == "auto" or req.tools is None:
+        return
+    if mode == "none":
+        req.tools = None
+        return
+    if name is not None and name not in tool_names(req.tools):
+        raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+    req.call_required, req.call_name = True, name
+    if req.format is not None or req.grammar is not None:
+        raise ApiError(
+            400, f"give {req.format_param} or grammar, or a required tool call, not both",
+            "tool_choice",
+        )  # fmt: skip
 
 
 def grammar_of(body: dict, req: AnswerRequest) -> None:

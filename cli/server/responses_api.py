@@ -19,11 +19,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ...runtime.model.tool_calls import ToolCall, tool_names
+from ...runtime.model.tool_calls import ToolCall
 from .errors import ApiError
 from .requests import (
     AnswerRequest,
     Finished,
+    call_id,
+    choose_tools,
     collect,
     get,
     grammar_of,
@@ -132,30 +134,18 @@ def _tools(body: dict) -> list[dict] | None:
 
 
 def _tool_choice(body: dict, req: AnswerRequest) -> None:
-    choice = body.get("tool_choice")
-    if choice in (None, "auto") or req.tools is None:
-        return
-    if choice == "none":
-        req.tools = None
-    elif choice == "required":
-        req.call_required = True
-    elif (
-        isinstance(choice, dict)
-        and choice.get("type") == "function"
-        and isinstance(choice.get("name"), str)
-    ):
-        if choice["name"] not in tool_names(req.tools):
-            raise ApiError(
-                400, f"tool_choice names {choice['name']!r}, which is not in tools", "tool_choice"
-            )
-        req.call_required, req.call_name = True, choice["name"]
-    else:
+    """tool_choice: "auto" (the default), "none", "required", or {"type": "function",
+    "name": NAME}."""
+    choice = body.get("tool_choice", "auto")
+    if choice in ("auto", "none", "required"):
+        return choose_tools(req, choice)
+    name = choice.get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str) or choice.get("type") != "function":
         raise ApiError(
             400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
             "tool_choice",
         )  # fmt: skip
-    if req.call_required and (req.format is not None or req.grammar is not None):
-        raise ApiError(400, "give text.format or a required tool call, not both", "tool_choice")
+    choose_tools(req, "required", name)
 
 
 def _format(body: dict) -> str | dict | None:
@@ -228,7 +218,7 @@ class Output:
         return self.message, False
 
     def call_item(self, call: ToolCall) -> dict:
-        item = {"type": "function_call", "id": _id("fc"), "call_id": uuid.uuid4().hex[:9],
+        item = {"type": "function_call", "id": _id("fc"), "call_id": call_id(),
                 "name": call.name, "arguments": json.dumps(call.arguments),
                 "status": "completed"}  # fmt: skip
         self.items.append(item)

@@ -1369,6 +1369,7 @@ def test_fill_in_the_middle(oai, http, files):
     middle (one token a byte here); a model without those tokens is a 400."""
     model, before, after = str(files["tools"]), "def f(x):\n    ", "\n    return y\n"
     body = {"model": model, "prompt": before, "suffix": after, "stream": False}
+
     def prompt(r: httpx.Response) -> int:  # computed or found in the prefix cache
         assert r.status_code == 200, r.text
         return r.json()["prompt_eval_count"] + r.json()["prompt_cache_count"]
@@ -1384,6 +1385,56 @@ def test_fill_in_the_middle(oai, http, files):
     )
     assert prompt(r) == len(before)  # "": none
     assert http.post("/api/generate", json={"model": model, "keep_alive": 0}).status_code == 200
+
+
+def test_pull_and_delete(http, home, smollm2_gguf):
+    """/api/pull runs `infer pull` and streams its lines, ending in success (the default
+    model is in the cache: nothing to fetch) or the error; /api/delete removes a model
+    from the cache, and /api/tags no longer lists it."""
+    lines = ollama_lines(http, "/api/pull", {"model": MODEL})
+    assert lines[0] == {"status": f"pulling {MODEL}"} and lines[-1] == {"status": "success"}
+    r = http.post("/api/pull", json={"model": MODEL, "stream": False})
+    assert r.json() == {"status": "success"}
+    lines = ollama_lines(http, "/api/pull", {"model": "no-such-model"})
+    assert lines[-1] == {"error": "unknown model 'no-such-model' (see `infer list`)"}
+    assert not any("error" in x.get("status", "") for x in lines)  # said once
+    r = http.post("/api/pull", json={"model": "no-such-model", "stream": False})
+    assert r.status_code == 400 and "unknown model" in r.json()["error"]
+    assert http.post("/api/pull", json={}).status_code == 400
+    # a second model in the cache (the same file), deleted
+    folder = home / "models" / "smollm2-360m"
+    _same_file(smollm2_gguf, folder / "SmolLM2-360M-Instruct.Q8_0.gguf")
+
+    def names() -> list[str]:
+        return [m["name"] for m in http.get("/api/tags").json()["models"]]
+
+    assert "smollm2-360m" in names()
+    assert http.request("DELETE", "/api/delete", json={"model": "smollm2-360m"}).status_code == 200
+    assert "smollm2-360m" not in names() and not folder.exists() and MODEL in names()
+    r = http.request("DELETE", "/api/delete", json={"model": "smollm2-360m"})
+    assert r.status_code == 404 and "not on disk" in r.json()["error"]
+
+
+def ollama_lines(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        return ndjson(r)
+
+
+def test_pull_status_lines():
+    """Progress lines as ollama's status objects: bars' glyphs gone, bytes read off."""
+    from infer.cli.server.ollama_models import _status
+
+    joined = _status("joining part 1/4 \u2501\u2501\u2578    64.0/253.1 MB 218.6 MB/s")
+    assert joined == {
+        "status": "joining part 1/4 64.0/253.1 MB 218.6 MB/s",
+        "completed": 64_000_000,
+        "total": 253_100_000,
+    }
+    hub = _status("model.safetensors:  45%|####5     | 1.13G/2.50G [00:10<00:12, 110MB/s]")
+    assert (hub["completed"], hub["total"]) == (1_130_000_000, 2_500_000_000)
+    assert _status("fetching x from PyPI") == {"status": "fetching x from PyPI"}
+    assert _status("Looking in links: /opt/wheels") is None
 
 
 def test_keep_alive_zero_unloads(http):

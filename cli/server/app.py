@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ... import __version__
-from . import anthropic_api, llamacpp_api, ollama_api, openai_api, responses_api
+from . import anthropic_api, llamacpp_api, ollama_api, ollama_models, openai_api, responses_api
 from .errors import ApiError
 from .metrics import Metrics
 from .pool import ModelPool, ServeSettings
@@ -140,6 +140,7 @@ def create_app(settings: ServeSettings, api_key: str | None = None, on_ready=Non
         *responses_api.routes,
         *anthropic_api.routes,
         *ollama_api.routes,
+        *ollama_models.routes,
         *llamacpp_api.routes,
     ]
     app = Starlette(

@@ -19,14 +19,13 @@ from starlette.routing import Route
 from ... import __version__
 from ...runtime.generate import Penalties
 from ...runtime.model.tool_calls import ToolCall
+from .embeddings import embed_inputs, embedding_inputs, shortened
 from .errors import ApiError
 from .requests import (
     NUMBER,
     AnswerRequest,
     Finished,
     collect,
-    embed_inputs,
-    embedding_inputs,
     get,
     grammar_of,
     keep_alive_of,
@@ -36,7 +35,6 @@ from .requests import (
     read_json,
     run,
     sampling_of,
-    shortened,
     stop_of,
     tools_of,
 )

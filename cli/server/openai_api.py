@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from ...runtime.generate import Penalties
 from ...runtime.model.tool_calls import ToolCall
+from .embeddings import embed_inputs, embedding_inputs, shortened
 from .errors import ApiError
 from .requests import (
     NUMBER,
@@ -29,8 +30,6 @@ from .requests import (
     call_id,
     choose_tools,
     collect,
-    embed_inputs,
-    embedding_inputs,
     get,
     grammar_of,
     logprobs_of,
@@ -39,7 +38,6 @@ from .requests import (
     read_json,
     run,
     sampling_of,
-    shortened,
     stop_of,
     tools_of,
 )

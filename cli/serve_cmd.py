@@ -1,5 +1,5 @@
-"""`infer serve`: keep models loaded behind the OpenAI and ollama HTTP APIs
-(cli/server/). Registered by main.py as `app.command()(serve)`.
+"""`infer serve`: keep models loaded behind the OpenAI, ollama, Anthropic and
+llama-server HTTP APIs (cli/server/). Registered by main.py as `app.command()(serve)`.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def serve(
     token_file: TokenFile = None,
     debug: Debug = False,
 ) -> None:
-    """Serve models over HTTP: the OpenAI API (/v1/...) and the ollama API (/api/...).
+    """Serve models over HTTP: the OpenAI API (/v1/...), the ollama API (/api/...),
+    Anthropic's Messages API (/v1/messages) and llama-server's (/completion, /infill).
 
     `infer run` uses a running server when it finds one (INFER_HOST, default
     127.0.0.1:11435). Stop with Ctrl-C or SIGTERM.

@@ -180,15 +180,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_llama_server(binary: str, model: str | None, args, log: Path):
-    """`binary -m MODEL.gguf` with as many slots as the most streams, each of --ctx."""
+def start_llama_server(binary: str, model: str | None, flags: list[str], log: Path):
+    """`binary -m MODEL.gguf FLAGS...` on a free loopback port, once its /health answers."""
     from infer.runtime.registry import DEFAULT_MODEL, resolve
 
     path = resolve(model or DEFAULT_MODEL, download=False).path
-    port, n = free_port(), max(args.streams)
-    cmd = [binary, "-m", str(path), "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["-np", str(n), "-c", str(n * args.ctx)]
-    cmd += ["-t", str(args.threads)] if args.threads else []
+    port = free_port()
+    cmd = [binary, "-m", str(path), "--host", "127.0.0.1", "--port", str(port), *flags]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -226,7 +224,10 @@ def main() -> None:
                 check_loopback(args.url)
                 url, server = args.url.rstrip("/"), args.url
             elif args.llama_server:
-                proc, url = start_llama_server(args.llama_server, args.model, args, log)
+                n = max(args.streams)  # as many slots as the most streams, each of --ctx
+                flags = ["-np", str(n), "-c", str(n * args.ctx)]
+                flags += ["-t", str(args.threads)] if args.threads else []
+                proc, url = start_llama_server(args.llama_server, args.model, flags, log)
                 server = "llama-server"
             else:
                 extra = ["--parallel", str(max(args.streams)), "--ctx", str(args.ctx)]

@@ -274,7 +274,9 @@ class LocalModel:
         splitter = shown = None
         if tok.thinks:  # the thoughts apart, as the server gives them
             prompt = tok.apply_chat_template(messages, True, None, variables)
-            inside = opens_thought(prompt[-32:])
+            # a constrained answer is the grammar's from its first token: no thought open
+            constrained = settings.format is not None or settings.grammar is not None
+            inside = not constrained and opens_thought(prompt[-32:])
             splitter, shown = ThoughtSplitter(inside), on_text
 
             def on_text(piece: str) -> None:

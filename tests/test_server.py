@@ -966,6 +966,7 @@ def test_template_variables(oai, http, files):
 
 
 SEEDED = {"temperature": 1.0, "seed": 1}
+THOUGHT_GBNF = 'root ::= "<think>\\n" "hm" "\\n</think>\\n\\n" "Hello"'
 
 
 def test_thinking(http, files):
@@ -1012,12 +1013,16 @@ def test_thinking(http, files):
     for stream in (False, True):
         assert openai(stream) == (raw.strip(), "")
         assert ollama_chat(stream) == (raw.strip(), "")
-    # An answer made to close its thought: the schema's one string, quotes and all.
+    # A constrained answer is the grammar's from its first token, its thought closed
+    # only where the grammar writes the tags: a JSON string that holds </think> is all
+    # answer; a GBNF sentence that begins with a thought is split.
     schema = {"type": "string", "enum": ["</think>Hello"]}
     rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
     for stream in (False, True):
-        assert openai(stream, 20, response_format=rf) == ('"', 'Hello"')
-        assert ollama_chat(stream, 20, format=schema) == ('"', 'Hello"')
+        assert openai(stream, 20, response_format=rf) == ("", '"</think>Hello"')
+        assert ollama_chat(stream, 20, format=schema) == ("", '"</think>Hello"')
+        assert openai(stream, 30, grammar=THOUGHT_GBNF) == ("hm", "Hello")
+        assert ollama_chat(stream, 30, grammar=THOUGHT_GBNF) == ("hm", "Hello")
     # think: false writes the empty thought: nothing opens, all is the answer's text
     assert ollama_chat(False, think=False)[0] == ""
     # An earlier answer's thoughts, sent back, reach the template (ollama's thinking,
@@ -1766,18 +1771,18 @@ def test_run_shows_thoughts_apart(server, http, files, monkeypatch, tmp_path):
     shows the thoughts dimmed before it."""
     from test_cli import Terminal
 
-    schema = tmp_path / "closes.json"  # the answer closes its thought: '"' | 'Hello"'
-    schema.write_text(json.dumps({"type": "string", "enum": ["</think>Hello"]}))
-    ask = [files["thinker"], "Hi", "--format", schema, "--temp", "0", "-n", "20"]
+    grammar = tmp_path / "thought.gbnf"  # the answer: a thought "hm", then "Hello"
+    grammar.write_text(THOUGHT_GBNF)
+    ask = [files["thinker"], "Hi", "--grammar-file", grammar, "--temp", "0", "-n", "30"]
     for where in ([], ["--local"]):
         r = run_client(server, *ask, "--json", *where)
         assert r.returncode == 0, r.stderr
         data = json.loads(r.stdout)
-        assert (data["thinking"], data["text"]) == ('"', 'Hello"'), where
+        assert (data["thinking"], data["text"]) == ("hm", "Hello"), where
         r = run_client(server, *ask, *where)
-        assert r.returncode == 0 and r.stdout == 'Hello"\n', (where, r.stdout, r.stderr)
+        assert r.returncode == 0 and r.stdout == "Hello\n", (where, r.stdout, r.stderr)
     monkeypatch.setenv("INFER_HOST", server.url.removeprefix("http://"))
     with Terminal("run", *ask) as term:
-        out = term.read_until('Hello"', 0).replace("\r\n", "\n")
-        assert '\x1b[2mThinking...\n"\n...done thinking.\n\n\x1b[0mHello"' in out, out
+        out = term.read_until("Hello", 0).replace("\r\n", "\n")
+        assert "\x1b[2mThinking...\nhm\n...done thinking.\n\n\x1b[0mHello" in out, out
         assert term.proc.wait(30) == 0

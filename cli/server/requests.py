@@ -255,7 +255,7 @@ class AnswerRequest:
     grammar: str | None = None  # a llama.cpp grammar (GBNF) the answer must follow
     tools: list[dict] | None = None  # offered to the model (a chat's template lists them)
     template_vars: dict | None = None  # more for the chat template (Qwen3's enable_thinking)
-    think: bool | None = None  # asked to think first (ollama's think): the model must be able to
+    think: bool | None = None  # ollama's think: true is a 400 for a model that cannot
     thoughts_apart: bool = True  # a thinking model's thoughts apart from its answer's text
     logprobs: int | None = None  # each token's log probability, and this many others'
     call_required: bool = False  # the answer must be a call (of call_name, if given)
@@ -397,7 +397,9 @@ async def prepare(pool: ModelPool, req: AnswerRequest) -> Prepared:
     prepared = Prepared(loaded, ids, req, dropped, constraint)
     if req.messages is not None and req.thoughts_apart and tok.thinks:
         prepared.thoughts = True
-        prepared.thought_open = opens_thought(tok.decode(ids[-16:]))
+        # A constrained answer is the grammar's from its first token: no thought is open
+        # (it has one only where the grammar writes the tags)
+        prepared.thought_open = constraint is None and opens_thought(tok.decode(ids[-16:]))
     loaded.pending.add(prepared)  # until `run` ends (or it is dropped, never run)
     return prepared
 

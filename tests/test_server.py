@@ -385,8 +385,14 @@ def test_logprobs(oai, http, greedy):
     assert r.choices[0].logprobs is None  # not asked for
 
 
-def test_models_list(oai):
+def test_models_list(oai, files):
     assert MODEL in [m.id for m in oai.models.list()]
+    assert oai.models.retrieve(MODEL).id == MODEL
+    assert oai.models.retrieve(str(files["tools"])).id == str(files["tools"])  # by path
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve(str(files["outside"]))  # a file the server may not read
 
 
 def test_stop_string_never_shown(oai, http, greedy):

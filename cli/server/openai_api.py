@@ -335,9 +335,19 @@ async def models(request: Request):
     return JSONResponse({"object": "list", "data": data})
 
 
+async def model(request: Request):
+    """/v1/models/{name}: a model this server would serve (404 for any other)."""
+    name = request.path_params["name"]
+    request.app.state.pool.resolve(name)
+    return JSONResponse(
+        {"id": name, "object": "model", "created": int(time.time()), "owned_by": "infer"}
+    )
+
+
 routes = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{name:path}", model, methods=["GET"]),
     Route("/v1/embeddings", embeddings, methods=["POST"]),
 ]

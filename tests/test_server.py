@@ -1165,6 +1165,9 @@ def test_llama_server_endpoints(oai, http, files, smollm2_gguf):
     assert r["tokens_evaluated"] == 3 + len(before + after + typed), r
     r = http.post("/infill", json={**fim, "model": MODEL})
     assert r.status_code == 400 and "does not support insert" in r.text
+    props = http.get("/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == CTX and props["total_slots"] == 2
+    assert props["model_path"].endswith(".gguf") and "im_start" in props["chat_template"]
 
 
 def test_responses_api(oai, http, greedy, files):

@@ -1,5 +1,5 @@
 """llama-server's own endpoints, for clients written against it: /completion, /infill
-(llama.vim and llama.vscode complete code through it), /tokenize and /detokenize.
+(llama.vim and llama.vscode complete code through it), /tokenize, /detokenize, /props.
 
 Their fields are llama-server's (n_predict, n_probs, input_prefix...); a stream is
 server-sent events of {"content", "stop"}, the last with "stop": true and the timings.
@@ -176,6 +176,24 @@ async def detokenize(request: Request):
     return JSONResponse({"content": tok.decode(ids)})
 
 
+async def props(request: Request):
+    """/props: what llama-server's clients read of it, for a model (?model=NAME; default
+    the server's): its context a slot, slots, template and file."""
+    from ... import __version__
+
+    loaded = await request.app.state.pool.get(request.query_params.get("model"), False)
+    loaded.touch()
+    return JSONResponse(
+        {
+            "default_generation_settings": {"n_ctx": loaded.context},
+            "total_slots": len(loaded.scheduler.slots),
+            "model_path": str(loaded.resolved.path),
+            "chat_template": loaded.lm.tokenizer.chat_template or "",
+            "build_info": f"infer {__version__}",
+        }
+    )
+
+
 async def _tokenizer(request: Request, body: dict):
     loaded = await request.app.state.pool.get(get(body, "model", str, None), False)
     loaded.touch()
@@ -188,4 +206,5 @@ routes = [
     Route("/infill", infill, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/props", props, methods=["GET"]),
 ]

@@ -969,6 +969,23 @@ def test_template_variables(oai, http, files):
     body = {"model": model, "messages": hi, "chat_template_kwargs": {"messages": []}}
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and "may not set messages" in r.text, r.text
+    # OpenAI's reasoning effort: "none" answers at once, any other thinks first
+
+    def prompt_tokens(path: str, **extra) -> int:
+        if path == "/v1/responses":
+            body = {"model": model, "input": "Hi", "max_output_tokens": 1, **extra}
+            usage = http.post(path, json=body).json()["usage"]
+            return usage["input_tokens"]
+        body = {"model": model, "messages": hi, "max_tokens": 1, **extra}
+        return http.post(path, json=body).json()["usage"]["prompt_tokens"]
+
+    chat = "/v1/chat/completions"
+    assert prompt_tokens(chat, reasoning_effort="none") == plain + empty_thought
+    assert prompt_tokens(chat, reasoning_effort="high") == plain
+    assert prompt_tokens("/v1/responses", reasoning={"effort": "none"}) == plain + empty_thought
+    assert prompt_tokens("/v1/responses", reasoning={"effort": "low"}) == plain
+    r = http.post(chat, json={"model": model, "messages": hi, "reasoning_effort": "max"})
+    assert r.status_code == 400 and "reasoning_effort must be one of" in r.text
 
 
 SEEDED = {"temperature": 1.0, "seed": 1}

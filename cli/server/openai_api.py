@@ -30,6 +30,7 @@ from .requests import (
     call_id,
     choose_tools,
     collect,
+    effort_of,
     get,
     grammar_of,
     logprobs_of,
@@ -190,6 +191,7 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
         _tool_choice(body, req)
         # variables for the template, as vLLM and llama-server take them
         req.template_vars = get(body, "chat_template_kwargs", dict, None)
+        effort_of(get(body, "reasoning_effort", str, None), req, "reasoning_effort")
         # llama-server's: "none" leaves a thinking model's thoughts in the content
         req.thoughts_apart = get(body, "reasoning_format", str, "auto") != "none"
         req.logprobs = logprobs_of(body, get(body, "logprobs", bool, False))

@@ -214,6 +214,19 @@ def choose_tools(req: AnswerRequest, mode: str, name: str | None = None) -> None
         )  # fmt: skip
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def effort_of(effort: str | None, req: AnswerRequest, key: str) -> None:
+    """OpenAI's reasoning effort as a thinking template's switch: "none" answers at once,
+    any other thinks first (Qwen3's enable_thinking); nothing when not given."""
+    if effort is None:
+        return
+    if effort not in EFFORTS:
+        raise ApiError(400, f"{key} must be one of {', '.join(EFFORTS)}, not {effort!r}", key)
+    req.template_vars = {"enable_thinking": effort != "none", **(req.template_vars or {})}
+
+
 def grammar_of(body: dict, req: AnswerRequest) -> None:
     """`grammar`: a llama.cpp grammar (GBNF), as llama-server takes it; not with a format."""
     req.grammar = get(body, "grammar", str, None) or None

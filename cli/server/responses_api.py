@@ -27,6 +27,7 @@ from .requests import (
     call_id,
     choose_tools,
     collect,
+    effort_of,
     get,
     grammar_of,
     prepare,
@@ -185,6 +186,7 @@ def _answer_request(body: dict) -> AnswerRequest:
     )
     grammar_of(body, req)
     _tool_choice(body, req)
+    effort_of(get(get(body, "reasoning", dict, {}), "effort", str, None), req, "reasoning.effort")
     return req
 
 

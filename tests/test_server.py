@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -660,6 +661,64 @@ def test_other_bad_requests(http, path, body, status):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err if path.startswith("/api/") else err["message"], r.text
+    assert generates(http)
+
+
+FUZZ_BODIES = {  # a valid body of each endpoint, its length fields kept small
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+    "/v1/completions": {"prompt": "Hi", "max_tokens": 1},
+    "/v1/responses": {"input": [{"role": "user", "content": "Hi"}], "max_output_tokens": 1},
+    "/v1/messages": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+    "/v1/embeddings": {"input": ["Hi", "there"]},
+    "/api/chat": {"messages": [{"role": "user", "content": "Hi"}], "stream": False, "options": {"num_predict": 1}},
+    "/api/generate": {"prompt": "Hi", "stream": False, "options": {"num_predict": 1}},
+    "/api/embed": {"input": "Hi"},
+    "/completion": {"prompt": "Hi", "n_predict": 1},
+    "/tokenize": {"content": "Hi"},
+    "/detokenize": {"tokens": [1, 2]},
+}  # fmt: skip
+KEPT = {"max_tokens", "max_output_tokens", "n_predict", "num_predict", "model", "stream"}
+ODD = [None, 0, -1, 1.5, "", "x", [], {}, [1], [[1]], {"a": 1}, True, 10**30, "\x00",
+       [{"type": "x"}], [{"role": "user"}], [{"role": "user", "content": [{"type": "x"}]}]]  # fmt: skip
+
+
+def _odd(rng):
+    return json.loads(json.dumps(rng.choice(ODD)))  # a copy: later mutations may change it
+
+
+def _mutated(body, rng) -> dict:
+    """`body` with a few of its fields (at any depth, length fields kept) replaced by odd
+    values, removed, or joined by unknown ones."""
+    body = json.loads(json.dumps(body))
+    for _ in range(rng.randint(1, 3)):
+        holder, key = body, rng.choice([k for k in body if k not in KEPT] or ["x"])
+        while isinstance(holder.get(key), (dict, list)) and holder[key] and rng.random() < 0.5:
+            inner = holder[key]
+            holder = inner if isinstance(inner, dict) else inner[0]
+            if not isinstance(holder, dict) or not [k for k in holder if k not in KEPT]:
+                break
+            key = rng.choice([k for k in holder if k not in KEPT])
+        if not isinstance(holder, dict):
+            continue
+        roll = rng.random()
+        if roll < 0.2:
+            holder.pop(key, None)
+        elif roll < 0.3:
+            holder[f"unknown_{rng.randint(0, 9)}"] = _odd(rng)
+        else:
+            holder[key] = _odd(rng)
+    return body
+
+
+def test_random_bodies_never_fail_the_server(http):
+    """Seeded random mutations of each endpoint's valid body: a 4xx or an answer, never a
+    500, and the server answers after them all."""
+    rng = random.Random(7)
+    for path, body in FUZZ_BODIES.items():
+        for _ in range(15):
+            sent = _mutated(body, rng)
+            r = http.post(path, json=sent)
+            assert r.status_code < 500, (path, sent, r.text)
     assert generates(http)
 
 

@@ -27,54 +27,14 @@ from tokenizers.processors import TemplateProcessing
 from ... import InferError
 from .chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, GEMMA_TURN_TOKENS, ChatTemplate
 from .pretokenizers import FALLBACK_PRE_TOKENIZER, PRE_TOKENIZERS, byte_level_pre_tokenizer
+from .special_tokens import FIM_REPO_TOKENS, FIM_TOKENS, end_ids, first_ids, kept_ids
 from .spm_merges import spm_merges
-from .thinking import THINK_TAGS, template_thinks
+from .thinking import template_thinks
 from .token_pieces import byte_level_piece, sentencepiece_piece
-from .tool_calls import TOOL_CALL_TAGS, CallFormat, call_format
+from .tool_calls import CallFormat, call_format
 
 # GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-# Tokens that end a turn or the text, found by name as llama.cpp does (its special_eog_ids).
-# llama.cpp also stops on FIM tokens such as <reponame>; we leave those out, since in chat
-# and completion they are ordinary text the model may write.
-END_OF_TURN_TOKENS = (
-    "<|im_end|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|end_of_text|>",
-    "<|endoftext|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "</s>",
-    # a fill-in-the-middle answer's other ends (llama.cpp's end-of-generation tokens too)
-    "<|fim_pad|>",
-    "<|file_sep|>",
-    "<|repo_name|>",
-)
-
-# Fill-in-the-middle: the tokens before the prefix, the suffix and the middle to write,
-# as code models spell them (Qwen2.5-Coder; StarCoder; DeepSeek-Coder).
-FIM_TOKENS = (
-    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
-    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
-    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
-)
-
-
-# Repository-level context before a FIM prompt: the repository's name, then each file
-# after a separator (Qwen2.5-Coder; StarCoder2).
-FIM_REPO_TOKENS = (("<|repo_name|>", "<|file_sep|>"), ("<reponame>", "<file_sep>"))
-
-
-def _first_ids(backend: _HFTokenizer, spellings) -> tuple[int, ...] | None:
-    """The ids of the first of `spellings` the vocabulary has all of, else None."""
-    for names in spellings:
-        ids = tuple(backend.token_to_id(t) for t in names)
-        if None not in ids:
-            return ids
-    return None
-
 
 # ---------------------------------------------------------------------------------------
 # Tokenizer
@@ -110,11 +70,7 @@ class Tokenizer:
         # (spelling a 262k vocabulary up front took a third of its construction).
         self._pieces = pieces
         self._spell = spell
-        # dropped by decode(skip_special=True); not tool-call or thought tags, even where
-        # the file marks them special: an answer's reader needs them (tool_calls.py,
-        # thinking.py)
-        tags = {backend.token_to_id(t) for t in (*TOOL_CALL_TAGS, *THINK_TAGS)}
-        self._special_ids = special_ids - tags
+        self._special_ids = special_ids - kept_ids(backend)  # decode(skip_special) drops them
         # SentencePiece puts a space before the text; decoding a sequence takes it off.
         self._strip_leading_space = strip_leading_space
         self.vocab_size = len(pieces)
@@ -125,11 +81,10 @@ class Tokenizer:
         self.chat_template = chat_template
         self._compiled_template = None
 
-        stop = {backend.token_to_id(t) for t in END_OF_TURN_TOKENS}
-        stop.update((eos_id, *extra_stop_ids))
+        stop = {*end_ids(backend), eos_id, *extra_stop_ids}
         self.stop_ids = frozenset(i for i in stop if i is not None and 0 <= i < self.vocab_size)
-        self.fim_ids = _first_ids(backend, FIM_TOKENS)  # (prefix, suffix, middle), or None
-        self._repo_ids = _first_ids(backend, FIM_REPO_TOKENS)  # (repository, file), or None
+        self.fim_ids = first_ids(backend, FIM_TOKENS)  # (prefix, suffix, middle), or None
+        self._repo_ids = first_ids(backend, FIM_REPO_TOKENS)  # (repository, file), or None
 
     # -- construction -------------------------------------------------------------------
 

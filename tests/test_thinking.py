@@ -23,6 +23,8 @@ CASES = [
     ("\n Paris <think>x</think>", False, "", "\n Paris <think>x</think>"),  # not at the start
     ("<thin", False, "", "<thin"),  # a tag begun, never finished: the answer's text
     ("Let me see.\n</think>\n\nParis.", True, "Let me see.", "Paris."),  # DeepSeek-R1
+    ("<think>\nagain</think>Paris.", True, "again", "Paris."),  # the opened tag written again
+    ("<thin", True, "<thin", ""),  # an opened thought's text that only looked like the tag
     ("still thinking when it stopped ", True, "still thinking when it stopped", ""),
     ("<think>unclosed", False, "unclosed", ""),
     ("<think>a</think>b</think>c", False, "a", "b</think>c"),  # one thought only

@@ -39,7 +39,10 @@ class ThoughtSplitter:
     begins otherwise is all answer, as it came."""
 
     def __init__(self, inside: bool = False):
-        self._state = "thought" if inside else "start"
+        self._state = "start"
+        # what an answer that does not begin with <think> is: its thought when the prompt
+        # opened one (a model may still write the tag again: it is dropped)
+        self._otherwise = "thought" if inside else "answer"
         self._held = ""  # text not shown yet
         self._shown_thought = False  # the thought's text has begun (its leading space is gone)
 
@@ -55,7 +58,7 @@ class ThoughtSplitter:
                     continue
                 if OPEN.startswith(lead):
                     break  # nothing yet, or maybe the tag: held
-                self._state = "answer"
+                self._state = self._otherwise
             elif state == "thought":
                 end = held.find(CLOSE)
                 if end >= 0:
@@ -83,6 +86,8 @@ class ThoughtSplitter:
     def finish(self) -> tuple[str, str]:
         """What is still held: an unclosed thought's end, or an answer's."""
         held, self._held = self._held, ""
+        if self._state == "start":
+            self._state = self._otherwise
         if self._state == "thought":
             return self._thought(held.rstrip()), ""
         if self._state == "after":

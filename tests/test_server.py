@@ -1871,3 +1871,12 @@ def test_run_shows_thoughts_apart(server, http, files, monkeypatch, tmp_path):
         out = term.read_until("Hello", 0).replace("\r\n", "\n")
         assert "\x1b[2mThinking...\nhm\n...done thinking.\n\n\x1b[0mHello" in out, out
         assert term.proc.wait(30) == 0
+    # the chat, through the server: a sampled thought of 8 tokens, cut unclosed, is shown
+    # dimmed and closed, and the next prompt comes
+    chat = [files["thinker"], "--temp", "1", "--seed", "1", "-n", "8"]
+    with Terminal("run", *chat) as term:
+        term.read_until(">>> ", 0)
+        out = term.read_until(">>> ", term.send("Hi\n")).replace("\r\n", "\n")
+        assert "\x1b[2mThinking...\n" in out and "\n...done thinking.\n\n\x1b[0m" in out, out
+        term.send("/bye\n")
+        assert term.proc.wait(30) == 0

@@ -202,6 +202,24 @@ class RemoteModel:
         )
         return ask(self._connect(), body, False, on_text, self.api_key)
 
+    def embed(self, texts: list[str]) -> tuple[list[list[float]], int]:
+        """Each text's embedding from the server's /api/embed, and the tokens it read."""
+        body: dict = {"model": self.name, "input": texts}
+        if self.ctx:
+            body["options"] = {"num_ctx": self.ctx}
+        conn = self._connect()
+        try:
+            conn.request("POST", "/api/embed", json.dumps(body), _headers(self.api_key))
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise _error(resp, self.name)
+            out = json.loads(resp.read())
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise InferError(f"the server's answer broke off: {e}", exit_code=1) from None
+        finally:
+            conn.close()
+        return out["embeddings"], int(out.get("prompt_eval_count", 0))
+
     def info_rows(self) -> list[list[str]]:
         conn = self._connect()
         try:

@@ -34,6 +34,7 @@ from .common import (
     utf8_arg,
     utf8_text,
 )
+from .embed_cmd import embed
 from .eval_cmd import eval_model
 from .options import (
     FLAG,
@@ -91,6 +92,7 @@ def _root(
 
 
 app.command()(run)
+app.command()(embed)
 
 
 @app.command()

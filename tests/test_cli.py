@@ -630,3 +630,28 @@ def test_chat_set_system_parameter_and_clear(smollm2_gguf):
         assert "generated 1 tok" in chat.say("Tell me a story.")
         chat.send("\x04")  # Ctrl-D
         assert chat.proc.wait(timeout=30) == 0
+
+
+@pytest.mark.slow  # child processes
+def test_embed(smollm2_gguf):
+    """`infer embed`: one JSON array a line, each text's pooled state at unit length (the
+    runtime's embedding); stdin lines when no TEXT; --json; no text is a one-line error."""
+    from infer.runtime.embedding import embed
+    from infer.runtime.loader import load_model
+    from infer.runtime.session import Session
+
+    lm = load_model(smollm2_gguf)
+    want = [
+        embed(Session(lm.model), lm.tokenizer.encode_embedded(t), "mean")
+        for t in ("a cat", "a dog")
+    ]
+    r = infer("embed", smollm2_gguf, "a cat", "a dog")
+    assert r.returncode == 0, r.stderr
+    got = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(got) == 2 and all(
+        max(abs(x - y) for x, y in zip(g, w)) < 1e-5 for g, w in zip(got, want)
+    )
+    r = infer("embed", smollm2_gguf, "--json", stdin="a cat\n\na dog\n")
+    data = json.loads(r.stdout)
+    assert len(data["embeddings"]) == 2 and data["prompt_tokens"] > 0
+    assert_one_line_error(infer("embed", smollm2_gguf), 2, "no text")

@@ -1880,3 +1880,24 @@ def test_run_shows_thoughts_apart(server, http, files, monkeypatch, tmp_path):
         assert "\x1b[2mThinking...\n" in out and "\n...done thinking.\n\n\x1b[0m" in out, out
         term.send("/bye\n")
         assert term.proc.wait(30) == 0
+
+
+def test_embed_asks_the_server(server, http, smollm2_gguf):
+    """`infer embed` through a running server: the server computes the vectors (its
+    /api/embed count moves), the same as in-process."""
+    key = 'infer_requests_total{path="/api/embed",status="200"}'
+    before = metrics(http).get(key, 0)
+    base = {k: v for k, v in os.environ.items() if k not in ("INFER_DEBUG", "INFER_API_KEY")}
+    env = {**base, "HF_HUB_OFFLINE": "1", "INFER_HOST": server.url.removeprefix("http://")}
+
+    def embed(*args) -> list[list[float]]:
+        r = subprocess.run(
+            [sys.executable, "-m", "infer.cli.main", "embed", MODEL, "a cat", "a dog", *args],
+            capture_output=True, text=True, env=env, timeout=120, check=False,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return [json.loads(line) for line in r.stdout.splitlines()]
+
+    served, here = embed(), embed("--local")
+    assert metrics(http)[key] == before + 1
+    assert all(max(abs(x - y) for x, y in zip(a, b)) < 1e-5 for a, b in zip(served, here))

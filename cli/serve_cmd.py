@@ -59,6 +59,16 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    cors_origins: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--cors-origin",
+            metavar="ORIGIN",
+            help="Also let web pages from ORIGIN (https://app.example, or * for any) call the "
+            "server from a browser; local pages, apps and browser extensions always may.",
+            show_default=False,
+        ),
+    ] = None,
     keep_alive: Annotated[
         str,
         typer.Option(
@@ -167,6 +177,7 @@ def serve(
         threads=n_threads,
         workers=addresses,
         token=token,
+        cors_origins=list(cors_origins or []),
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_server(settings, host, port, api_key)

@@ -158,7 +158,8 @@ def launched(home, files, tmp_path_factory):
         ),
         # Two slots of int8 KV caches.
         "int8": Server(
-            [MODEL, "--ctx", str(CTX), "--parallel", "2", "--kv-cache", "int8"],
+            [MODEL, "--ctx", str(CTX), "--parallel", "2", "--kv-cache", "int8"]
+            + ["--cors-origin", "https://app.example"],
             home,
             log / "int8.log",
         ),
@@ -384,6 +385,48 @@ def test_logprobs(oai, http, greedy):
     assert r.status_code == 400 and "top_logprobs" in r.text
     r = oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
     assert r.choices[0].logprobs is None  # not asked for
+
+
+def test_cors(http, launched):
+    """Web pages served from this machine, apps' webviews and browser extensions may call
+    the server from a browser (preflight and answers carry their origin); other sites
+    may not, unless --cors-origin names them; a preflight needs no API key."""
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type",
+    }
+
+    def allowed(client: httpx.Client, origin: str, headers=None) -> bool:
+        r = client.options(
+            "/v1/chat/completions", headers={"Origin": origin, **preflight, **(headers or {})}
+        )
+        ok = r.headers.get("access-control-allow-origin") == origin
+        assert ok == (r.status_code == 200), (origin, r.status_code, r.text)
+        got = client.get("/api/version", headers={"Origin": origin})
+        assert (
+            got.status_code == 200
+            and (got.headers.get("access-control-allow-origin") == origin) == ok
+        )
+        return ok
+
+    for origin in (
+        "http://localhost:3000",
+        "http://127.0.0.1:8080",
+        "chrome-extension://abcdef",
+        "app://obsidian.md",
+    ):
+        assert allowed(http, origin), origin
+    assert not allowed(http, "https://evil.example")
+    assert not allowed(http, "https://app.example")
+    with httpx.Client(base_url=launched["int8"].ready().url, timeout=TIMEOUT) as other:
+        assert allowed(other, "https://app.example")  # --cors-origin
+        assert not allowed(other, "https://evil.example")
+    with httpx.Client(base_url=launched["keyed"].ready().url, timeout=TIMEOUT) as keyed:
+        origin = {"Origin": "http://localhost:3000"}
+        r = keyed.options("/v1/chat/completions", headers={**origin, **preflight})  # no key
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin["Origin"]
+        r = keyed.get("/v1/models", headers=origin)  # refused, and the page can read why
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == origin["Origin"]
 
 
 def test_models_list(oai, files):

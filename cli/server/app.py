@@ -12,6 +12,7 @@ import sys
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
@@ -23,6 +24,15 @@ from .metrics import Metrics
 from .pool import ModelPool, ServeSettings
 
 MAX_BODY = 16 * 1024 * 1024  # bytes: far beyond any context's worth of text
+
+# Origins whose web pages may call the server from a browser, as ollama lets them by
+# default: pages served from this machine, desktop apps' and editors' webviews, browser
+# extensions. Any other site the user visits may not read its answers.
+LOCAL_ORIGINS = (
+    r"https?://(localhost|127\.0\.0\.1|\[::1\]|0\.0\.0\.0)(:\d+)?"
+    r"|(app|file|tauri|vscode-webview|vscode-file)://.*"
+    r"|(chrome-extension|moz-extension|safari-web-extension)://.*"
+)
 
 
 def _error_response(path: str, err: ApiError):
@@ -93,8 +103,10 @@ def _limited(receive):
     return receive_limited
 
 
-def create_app(settings: ServeSettings, api_key: str | None = None, on_ready=None) -> Guard:
-    """The app; `.app.state.pool` holds the models once it has started. `on_ready()` is
+def create_app(
+    settings: ServeSettings, api_key: str | None = None, on_ready=None
+) -> CORSMiddleware:
+    """The app; `.state.pool` holds the models once it has started. `on_ready()` is
     called when the command line's models are loaded."""
     metrics = Metrics()
 
@@ -155,7 +167,16 @@ def create_app(settings: ServeSettings, api_key: str | None = None, on_ready=Non
     app.state.metrics = metrics
     app.state.model_names = lambda: _model_names(app.state.pool)
     paths = {r.path for r in routes}
-    return Guard(app, api_key, metrics, paths)
+    # outermost, so that a browser's preflight (which carries no key) is answered here,
+    # and even a refusal reaches the page that asked
+    extra = settings.cors_origins
+    cors = CORSMiddleware(
+        Guard(app, api_key, metrics, paths), allow_origins=extra,
+        allow_origin_regex=None if "*" in extra else LOCAL_ORIGINS,
+        allow_methods=["*"], allow_headers=["*"],
+    )  # fmt: skip
+    cors.state = app.state
+    return cors
 
 
 def _model_names(pool: ModelPool) -> list[str]:
@@ -185,7 +206,7 @@ def serve(settings: ServeSettings, host: str, port: int, api_key: str | None) ->
         print(f"infer {__version__}: serving on http://{_url_host(host)}:{bound}", file=sys.stderr)
 
     guarded = create_app(settings, api_key, on_ready=ready)
-    state = guarded.app.state
+    state = guarded.state
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -49,6 +49,9 @@ class ServeSettings:
     # The blocks on these `infer worker`s (runtime/pipeline/), proving `token`: one model
     workers: list[tuple[str, int]] | None = None
     token: bytes | None = None
+    cors_origins: list[str] = field(
+        default_factory=list
+    )  # web pages' origins let in besides local ones
 
 
 @dataclass

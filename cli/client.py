@@ -98,14 +98,14 @@ def ask(
     """POST the request and stream the answer into `on_text` (a thinking model's
     thoughts into `on_thought`). Ctrl-C closes the connection (the server cancels the
     answer) and returns what came so far."""
-    headers = _headers(api_key)
+    headers = auth_headers(api_key)
     path = "/api/chat" if chat else "/api/generate"
     answer = RemoteAnswer(asked=body.get("options", {}).get("num_predict", -1))
     try:
         conn.request("POST", path, json.dumps(body).encode(), headers)
         resp = conn.getresponse()
         if resp.status != 200:
-            raise _error(resp, body.get("model"))
+            raise response_error(resp, body.get("model"))
         while line := resp.readline():
             msg = json.loads(line)
             if "error" in msg:
@@ -131,7 +131,7 @@ def ask(
     return answer
 
 
-def _error(resp: http.client.HTTPResponse, model) -> Exception:
+def response_error(resp: http.client.HTTPResponse, model) -> Exception:
     try:
         message = json.loads(resp.read()).get("error", "")
     except ValueError:
@@ -157,7 +157,7 @@ def _read_done(answer: RemoteAnswer, msg: dict) -> None:
     answer.dropped = int(msg.get("messages_dropped", 0))
 
 
-def _headers(api_key: str | None) -> dict:
+def auth_headers(api_key: str | None) -> dict:
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -209,10 +209,10 @@ class RemoteModel:
             body["options"] = {"num_ctx": self.ctx}
         conn = self._connect()
         try:
-            conn.request("POST", "/api/embed", json.dumps(body), _headers(self.api_key))
+            conn.request("POST", "/api/embed", json.dumps(body), auth_headers(self.api_key))
             resp = conn.getresponse()
             if resp.status != 200:
-                raise _error(resp, self.name)
+                raise response_error(resp, self.name)
             out = json.loads(resp.read())
         except (OSError, http.client.HTTPException, ValueError) as e:
             raise InferError(f"the server's answer broke off: {e}", exit_code=1) from None
@@ -224,11 +224,11 @@ class RemoteModel:
         conn = self._connect()
         try:
             conn.request(
-                "POST", "/api/show", json.dumps({"model": self.name}), _headers(self.api_key)
+                "POST", "/api/show", json.dumps({"model": self.name}), auth_headers(self.api_key)
             )
             resp = conn.getresponse()
             if resp.status != 200:
-                raise _error(resp, None)
+                raise response_error(resp, None)
             show = json.loads(resp.read())
         finally:
             conn.close()

@@ -53,6 +53,7 @@ from .options import (
     Threads,
     TraceOut,
 )
+from .ps_cmd import ps, stop
 from .quantize_cmd import quantize
 from .run_cmd import run
 from .serve_cmd import serve
@@ -497,6 +498,8 @@ def _replay(path: Path, json_out: bool) -> None:
 app.command("eval")(eval_model)
 app.command()(quantize)
 app.command()(serve)
+app.command()(ps)
+app.command()(stop)
 app.command()(worker)
 
 

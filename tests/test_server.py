@@ -1944,3 +1944,41 @@ def test_embed_asks_the_server(server, http, smollm2_gguf):
     served, here = embed(), embed("--local")
     assert metrics(http)[key] == before + 1
     assert all(max(abs(x - y) for x, y in zip(a, b)) < 1e-5 for a, b in zip(served, here))
+
+
+def test_ps_and_stop(server, http, files):
+    """`infer ps` lists what the server holds; `infer stop MODEL` unloads it; a model not
+    loaded, or no server, is an error (exit 1)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("INFER_DEBUG", "INFER_API_KEY")}
+    env = {**base, "INFER_HOST": server.url.removeprefix("http://")}
+
+    def infer(*args, host_env=env) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "infer.cli.main", *map(str, args)],
+            capture_output=True, text=True, env=host_env, timeout=120, check=False,
+        )  # fmt: skip
+
+    coder = str(files["tools"])
+    body = {
+        "model": coder,
+        "prompt": "x",
+        "raw": True,
+        "stream": False,
+        "options": {"num_predict": 1},
+    }
+    assert http.post("/api/generate", json=body).status_code == 200  # loaded
+    listed = json.loads(infer("ps", "--json").stdout)
+    assert coder in [m["name"] for m in listed]
+    r = infer("ps")
+    assert r.returncode == 0 and r.stdout.splitlines()[0].split() == [
+        "NAME",
+        "SIZE",
+        "CONTEXT",
+        "UNTIL",
+    ]
+    assert infer("stop", coder).returncode == 0
+    assert coder not in [m["name"] for m in http.get("/api/ps").json()["models"]]
+    r = infer("stop", coder)
+    assert r.returncode == 1 and "is not loaded" in r.stderr
+    r = infer("ps", host_env={**base, "INFER_HOST": "127.0.0.1:9"})
+    assert r.returncode == 1 and r.stderr.startswith("error: no server at 127.0.0.1:9")

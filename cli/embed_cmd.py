@@ -12,7 +12,7 @@ import typer
 
 from .. import InferError
 from .common import print_json, sigterm_unwinds, utf8_arg, utf8_text
-from .options import FLAG, Ctx, Debug, Json, RequiredModelArg, Threads
+from .options import FLAG, Ctx, Debug, Json, RequiredModelArg, ServerHost, Threads
 
 
 def embed(
@@ -33,15 +33,7 @@ def embed(
             "--local", metavar=FLAG, help="Load the model here even when a server is running."
         ),
     ] = False,
-    host: Annotated[
-        str | None,
-        typer.Option(
-            "--host",
-            metavar="HOST:PORT",
-            help="The `infer serve` to ask (or INFER_HOST).",
-            show_default=False,
-        ),
-    ] = None,
+    host: ServerHost = None,
     json_out: Json = False,
     debug: Debug = False,
 ) -> None:

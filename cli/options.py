@@ -155,6 +155,15 @@ Format = Annotated[
         show_default=False,
     ),
 ]
+ServerHost = Annotated[
+    str | None,
+    typer.Option(
+        "--host",
+        metavar="HOST:PORT",
+        help="The `infer serve` to ask (or INFER_HOST). Default: 127.0.0.1:11435.",
+        show_default=False,
+    ),
+]
 GrammarFile = Annotated[
     str | None,
     typer.Option(

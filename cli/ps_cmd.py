@@ -13,18 +13,10 @@ import typer
 
 from .. import InferError
 from .common import human_bytes, print_json, print_table
-from .options import Debug, Json
-
-Host = Annotated[
-    str | None,
-    typer.Option(
-        "--host", metavar="HOST:PORT", help="The `infer serve` to ask (or INFER_HOST).",
-        show_default=False,
-    ),
-]  # fmt: skip
+from .options import Debug, Json, ServerHost
 
 
-def ps(host: Host = None, json_out: Json = False, debug: Debug = False) -> None:
+def ps(host: ServerHost = None, json_out: Json = False, debug: Debug = False) -> None:
     """List the models a running server holds: name, size, context, until when."""
     models = _request(host, "GET", "/api/ps")["models"]
     if json_out:
@@ -44,7 +36,7 @@ def ps(host: Host = None, json_out: Json = False, debug: Debug = False) -> None:
 
 def stop(
     model: Annotated[str, typer.Argument(help="The loaded model to unload.", metavar="MODEL")],
-    host: Host = None,
+    host: ServerHost = None,
     debug: Debug = False,
 ) -> None:
     """Unload a model from a running server now (its answers in flight finish first)."""

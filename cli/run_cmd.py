@@ -47,6 +47,7 @@ from .options import (
     ModelArg,
     RepeatPenalty,
     Seed,
+    ServerHost,
     Temperature,
     Threads,
     TokenFile,
@@ -149,16 +150,7 @@ def run(
             "--lookup and --draft.",
         ),
     ] = False,
-    host: Annotated[
-        str | None,
-        typer.Option(
-            "--host",
-            metavar="HOST:PORT",
-            help="The `infer serve` to ask (or INFER_HOST). Default: 127.0.0.1:11435, "
-            "if one runs there.",
-            show_default=False,
-        ),
-    ] = None,
+    host: ServerHost = None,
     workers: Workers = None,
     token_file: TokenFile = None,
     debug: Debug = False,

@@ -80,6 +80,10 @@ def test_random_answers():
 def test_templates():
     assert template_thinks("{{ '<think>\\n' }}")  # DeepSeek-R1's generation prompt
     assert template_thinks("{% if enable_thinking is false %}...{% endif %}")  # Qwen3's switch
+    # DeepSeek-R1-Distill's GGUF template (PyPI's part 0 of its 7B) only cuts earlier
+    # answers at </think>; the model writes <think> itself
+    r1 = "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}"
+    assert template_thinks(r1 + "{% endif %}")
     assert not template_thinks("{{ messages }} <|im_start|>assistant")
     assert opens_thought("<|im_start|>assistant\n<think>\n")
     assert not opens_thought("<|im_start|>assistant\n<think>\n\n</think>\n\n")

@@ -14,8 +14,9 @@ import re
 OPEN, CLOSE = "<think>", "</think>"
 THINK_TAGS = (OPEN, CLOSE)  # single tokens in Qwen3's vocabulary
 
-# A template that thinks writes the tags, or takes Qwen3's switch.
-_THINKING_TEMPLATE = re.compile(r"<think>|\benable_thinking\b|\breasoning_content\b")
+# A template that thinks writes or reads the tags (DeepSeek-R1's only cuts earlier answers
+# at </think>), or takes Qwen3's switch.
+_THINKING_TEMPLATE = re.compile(r"</?think>|\benable_thinking\b|\breasoning_content\b")
 
 
 def template_thinks(template: str) -> bool:

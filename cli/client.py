@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -275,3 +276,25 @@ def model_reference(model: str) -> str:
     if os.path.exists(os.path.expanduser(model)):
         return os.path.abspath(os.path.expanduser(model))
     return model
+
+
+def served_model(host: str | None, model: str | None, ctx: int | None, check: bool = False):
+    """The model behind a running `infer serve` (a RemoteModel), or None when no server
+    listens (or, with `check`, when it does not serve this model)."""
+    from ..runtime.registry import DEFAULT_MODEL
+
+    address, port, named = server_address(host)
+    conn = connect(address, port)
+    if conn is None:
+        if named:
+            print(f"note: no server at {address}:{port}; running here", file=sys.stderr)
+        return None
+    conn.close()
+    name = model_reference(model) if model else DEFAULT_MODEL
+    remote = RemoteModel(address, port, name, ctx, os.environ.get("INFER_API_KEY"))
+    if check:
+        try:
+            remote.info_rows()  # an unknown name fails here, before the chat starts
+        except NotServed:
+            return None
+    return remote

@@ -4,7 +4,6 @@ model, else in this process. Registered by main.py as `app.command()(embed)`."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Annotated
 
@@ -46,10 +45,10 @@ def embed(
         texts = [line for line in lines if line.strip()]
     if not texts:
         raise InferError("no text: give TEXT or pipe lines to stdin")
-    remote = None if local or threads is not None else _server(host, model, ctx)
-    if remote is not None:
-        from .client import NotServed
+    from .client import NotServed, served_model
 
+    remote = None if local or threads is not None else served_model(host, model, ctx)
+    if remote is not None:
         try:
             vectors, tokens = remote.embed(texts)
         except NotServed:
@@ -61,18 +60,6 @@ def embed(
         return
     for v in vectors:
         print(json.dumps(v))
-
-
-def _server(host: str | None, model: str, ctx: int | None):
-    """The model behind a running `infer serve`, or None when none listens."""
-    from .client import RemoteModel, connect, model_reference, server_address
-
-    address, port, _ = server_address(host)
-    conn = connect(address, port)
-    if conn is None:
-        return None
-    conn.close()
-    return RemoteModel(address, port, model_reference(model), ctx, os.environ.get("INFER_API_KEY"))
 
 
 def _embed_here(model: str, texts: list[str], ctx: int | None, threads: int | None):

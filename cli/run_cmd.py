@@ -4,7 +4,6 @@ running `infer serve` (cli/client.py). Registered by main.py as `app.command()(r
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from dataclasses import asdict
@@ -210,7 +209,9 @@ def run(
     loads_here = (
         threads, max_memory, expert_policy, expert_prediction, trace, draft, workers, kv_cache
     ) != (None,) * 8 or dtype != DType.float32 or lookup  # fmt: skip
-    chat_model = None if local or loads_here else _server_model(host, model, ctx, interactive)
+    from .client import served_model
+
+    chat_model = None if local or loads_here else served_model(host, model, ctx, interactive)
     if chat_model is not None and not interactive:
         from .client import NotServed
 
@@ -329,29 +330,6 @@ def _drafter(lm, resolved, lookup: bool, drafts, dtype, ctx, threads, kv_cache):
 def _write(piece: str) -> None:
     sys.stdout.write(piece)
     sys.stdout.flush()
-
-
-def _server_model(host, model, ctx, check: bool):
-    """The model behind a running `infer serve` (cli/client.py RemoteModel), or None when
-    no server listens (or, with `check`, when it does not serve this model)."""
-    from ..runtime.registry import DEFAULT_MODEL
-    from .client import NotServed, RemoteModel, connect, model_reference, server_address
-
-    address, port, named = server_address(host)
-    conn = connect(address, port)
-    if conn is None:
-        if named:
-            print(f"note: no server at {address}:{port}; running here", file=sys.stderr)
-        return None
-    conn.close()
-    name = model_reference(model) if model else DEFAULT_MODEL
-    remote = RemoteModel(address, port, name, ctx, os.environ.get("INFER_API_KEY"))
-    if check:
-        try:
-            remote.info_rows()  # an unknown name fails here, before the chat starts
-        except NotServed:
-            return None
-    return remote
 
 
 def _answer_once(chat_model, prompt: str, raw: bool, settings, show, thoughts):

@@ -1245,6 +1245,12 @@ def test_embeddings(oai, http, files):
         t.join()
     assert all(map(close, r["embeddings"], want))
 
+    def settled() -> bool:  # the answers left behind end (and are counted) before the next test
+        m = metrics(http)
+        return not any(v for k, v in m.items() if k.startswith("infer_answers_running"))
+
+    wait_for(settled, what="the cancelled answers to end")
+
 
 def test_llama_server_endpoints(oai, http, files, smollm2_gguf):
     """llama-server's /completion (text or token ids; streamed; stop types), /infill

@@ -36,9 +36,10 @@ def embed(
     json_out: Json = False,
     debug: Debug = False,
 ) -> None:
-    """Embed each TEXT (or each line of stdin): one JSON array a line, at unit length,
-    pooled as the model's file says (the mean for a chat model). Texts longer than the
-    context are cut to it."""
+    """Embed each TEXT, or each line of stdin: one JSON array a line.
+
+    Vectors are at unit length, pooled as the model's file says (the mean for a chat
+    model). Texts longer than the context are cut to it."""
     texts = [utf8_arg(t, "TEXT") for t in texts or []]
     if not texts and not sys.stdin.isatty():
         lines = utf8_text(sys.stdin.buffer.read(), "stdin").splitlines()

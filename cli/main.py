@@ -374,8 +374,9 @@ def bench(
     json_out: Json = False,
     debug: Debug = False,
 ) -> None:
-    """Measure load time, prefill and decode speed, memory and bandwidth; or, with
-    --lookup or --draft, what speculative decoding gains."""
+    """Measure load time, prefill and decode speed, memory and bandwidth.
+
+    With --lookup or --draft: what speculative decoding gains."""
     from dataclasses import asdict
 
     if lookup or draft is not None:

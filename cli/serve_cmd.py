@@ -119,8 +119,10 @@ def serve(
     token_file: TokenFile = None,
     debug: Debug = False,
 ) -> None:
-    """Serve models over HTTP: the OpenAI API (/v1/...), the ollama API (/api/...),
-    Anthropic's Messages API (/v1/messages) and llama-server's (/completion, /infill).
+    """Serve models over HTTP: the OpenAI, ollama, Anthropic and llama-server APIs.
+
+    The OpenAI API under /v1/..., ollama's under /api/..., Anthropic's Messages API at
+    /v1/messages and llama-server's /completion and /infill.
 
     `infer run` uses a running server when it finds one (INFER_HOST, default
     127.0.0.1:11435). Stop with Ctrl-C or SIGTERM.

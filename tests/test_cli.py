@@ -81,6 +81,15 @@ def test_help_is_fast_and_lists_commands():
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
+def test_each_command_has_a_one_line_summary():
+    # `infer --help` lists each command by its docstring's first paragraph, line breaks kept
+    from infer.cli.main import app
+
+    for info in app.registered_commands:
+        doc = (info.callback.__doc__ or "").strip()
+        assert doc and "\n" not in doc.split("\n\n")[0], info.callback.__name__
+
+
 def test_version():
     r = infer("--version")
     assert r.returncode == 0 and r.stdout.startswith("infer ")

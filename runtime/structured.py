@@ -112,8 +112,13 @@ class Constraint:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self._matcher = matcher
+        self.vocab_size = vocab_size
         self._words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)  # the bitmask
         self._out: torch.Tensor | None = None  # the masked logits, reused
+
+    def copy(self) -> Constraint:
+        """Another answer's constraint at this one's position (before any token: the start)."""
+        return Constraint(self._matcher.deep_copy(), self.vocab_size)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` (vocab,) with the tokens the grammar forbids now at -inf; ids past the

@@ -289,6 +289,57 @@ def test_chat_stream(oai, greedy):
     assert usage.choices == [] and usage.usage.completion_tokens == 4
 
 
+def test_n_answers(oai, greedy):
+    # Three answers to one prompt on two slots: decoded together, the third after a slot frees.
+    r = oai.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=6, temperature=0, n=3
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [greedy(QUESTION, 6)] * 3
+    one = oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
+    # Sampled with a seed, answer i is the answer a request with seed + i gives alone.
+    ask = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "temperature": 1.5}
+    many = oai.chat.completions.create(**ask, seed=11, n=3)
+    alone = [oai.chat.completions.create(**ask, seed=11 + i) for i in range(3)]
+    assert [c.message.content for c in many.choices] == [
+        a.choices[0].message.content for a in alone
+    ]
+    assert len({c.message.content for c in many.choices}) > 1
+
+
+def test_n_answers_streamed(oai, greedy):
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=5, temperature=0, n=2, stream=True,
+            stream_options={"include_usage": True}, logprobs=True,
+        )
+    )  # fmt: skip
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == greedy(QUESTION, 5)
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+        assert sum(len(c.logprobs.content) for c in mine if c.logprobs) == 5
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_n_answers_completions_and_formats(oai):
+    r = oai.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, n=2
+    )
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == r.choices[1].text
+    # each answer keeps to the schema on its own
+    r = oai.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0.7, seed=5, max_tokens=200, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+    )  # fmt: skip
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+
+
 def test_chat_stream_without_usage(oai):
     chunks = list(
         oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, stream=True)
@@ -642,7 +693,8 @@ BAD_OPENAI = {  # id: (body, status)
     "stop 5": ({"messages": HI, "stop": 5}, 400),
     "seed 2**70": ({"messages": HI, "seed": 2**70}, 400),
     "repeat_penalty 0": ({"messages": HI, "repeat_penalty": 0}, 400),
-    "n 2": ({"messages": HI, "n": 2}, 400),
+    "n 0": ({"messages": HI, "n": 0}, 400),
+    "n 17": ({"messages": HI, "n": 17}, 400),
     "unknown model": ({"model": "no-such-model", "messages": HI}, 404),
     "longer than the context": ({"messages": [{"role": "user", "content": LONG}]}, 400),
 }
@@ -860,30 +912,36 @@ def _finished(http: httpx.Client, reason: str) -> float:
     return metrics(http).get(f'infer_answers_total{{finish_reason="{reason}"}}', 0)
 
 
-@pytest.mark.parametrize("api", ["openai", "ollama", "openai-no-stream"])
-def test_disconnect_frees_the_slot(http, server, api):
-    """A client gone mid-answer cancels it: the answer ends "cancelled", nothing runs or
-    waits any more, and the next request is served."""
+@pytest.mark.parametrize(
+    "api, n", [("openai", 1), ("ollama", 1), ("openai-no-stream", 1), ("openai", 2),
+               ("openai-no-stream", 2)],
+)  # fmt: skip
+def test_disconnect_frees_the_slot(http, server, api, n):
+    """A client gone mid-answer cancels it (all n of them): the answers end "cancelled",
+    nothing runs or waits any more, and the next request is served."""
     prompt = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
     cancelled = _finished(http, "cancelled")
     running = f'infer_answers_running{{model="{MODEL}"}}'
     # Greedy, it counts on for 400 tokens; sampled, it may stop before the client goes.
     if api == "openai":
-        body = {"messages": prompt, "max_tokens": 400, "stream": True, "temperature": 0}
+        body = {"messages": prompt, "max_tokens": 400, "stream": True, "temperature": 0, "n": n}
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
             data = (line for line in r.iter_lines() if line.startswith("data: "))
-            next(data), next(data)  # the role, then the first token
+            for _ in range(n + 1):  # the roles, then a first token
+                next(data)
+            wait_for(lambda: metrics(http)[running] == n, what="the answers to start")
     elif api == "ollama":
         body = {"messages": prompt, "options": {"num_predict": 400, "temperature": 0}}
         with http.stream("POST", "/api/chat", json=body) as r:
             assert json.loads(next(r.iter_lines()))["done"] is False
     else:  # not streamed: the connection closes once the answer is running
-        body = json.dumps({"messages": prompt, "max_tokens": 400, "temperature": 0}).encode()
+        body = {"messages": prompt, "max_tokens": 400, "temperature": 0, "n": n}
+        body = json.dumps(body).encode()
         head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}"
         with socket.create_connection(_address(server.url), timeout=TIMEOUT) as s:
             s.sendall(head.encode() + b"\r\nContent-Type: application/json\r\n\r\n" + body)
-            wait_for(lambda: metrics(http)[running] == 1, what="the answer to start")
-    wait_for(lambda: _finished(http, "cancelled") == cancelled + 1, what="the cancelled answer")
+            wait_for(lambda: metrics(http)[running] == n, what="the answers to start")
+    wait_for(lambda: _finished(http, "cancelled") == cancelled + n, what="the cancelled answers")
     m = metrics(http)
     assert m[running] == 0 and m[f'infer_queue_depth{{model="{MODEL}"}}'] == 0
     assert generates(http)

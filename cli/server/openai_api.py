@@ -29,7 +29,7 @@ from .requests import (
     Finished,
     call_id,
     choose_tools,
-    collect,
+    collect_all,
     effort_of,
     get,
     grammar_of,
@@ -37,12 +37,13 @@ from .requests import (
     messages_of,
     prepare,
     read_json,
-    run,
+    run_all,
     sampling_of,
     stop_of,
     tools_of,
 )
 
+MAX_CHOICES = 16  # answers a request may ask for (n)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
 
 
@@ -120,12 +121,14 @@ def _logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def _usage(f: Finished) -> dict:
-    a = f.answer
+def _usage(finished: list[Finished]) -> dict:
+    """The prompt counted once, every answer's tokens (n of them) added up."""
+    a = finished[0].answer
+    completion = sum(len(f.answer.tokens) for f in finished)
     return {
         "prompt_tokens": a.prompt_tokens,
-        "completion_tokens": len(a.tokens),
-        "total_tokens": a.prompt_tokens + len(a.tokens),
+        "completion_tokens": completion,
+        "total_tokens": a.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": a.cached_tokens},
     }
 
@@ -157,8 +160,6 @@ def _response_format(body: dict) -> str | dict | None:
 
 
 def _answer_request(body: dict, chat: bool) -> AnswerRequest:
-    if get(body, "n", int, 1) != 1:
-        raise ApiError(400, "n must be 1: one answer per request", "n")
     max_tokens = get(body, "max_completion_tokens", int, None) if chat else None
     if max_tokens is None:
         max_tokens = get(body, "max_tokens", int, None)
@@ -211,8 +212,14 @@ def _answer_request(body: dict, chat: bool) -> AnswerRequest:
 async def _complete(request: Request, chat: bool):
     app = request.app.state
     body = await read_json(request)
+    n = get(
+        body, "n", int, 1, check=lambda v: 1 <= v <= MAX_CHOICES, must=f"from 1 to {MAX_CHOICES}"
+    )
     req = _answer_request(body, chat)
     p = await prepare(app.pool, req)
+    # n answers to one prompt, decoded together; with a seed, answer i samples with seed + i
+    seed = req.sampling.seed
+    ps = [p, *(p.another(None if seed is None else seed + i) for i in range(1, n))]
     kind = "chat.completion" if chat else "text_completion"
     common = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
@@ -222,77 +229,85 @@ async def _complete(request: Request, chat: bool):
         "system_fingerprint": "infer",
     }
     if not req.stream:
-        content, finished = await collect(p, app.metrics, request)
-        thought, content, calls = p.parts(content)
-        reason = _finish_reason(finished.answer.finish_reason, calls)
-        logprobs = p.answer_logprobs(finished.answer)
-        choice = {"index": 0, "finish_reason": reason, "logprobs": _logprobs(req, logprobs, chat)}
-        if chat:
-            choice["message"] = {
-                "role": "assistant",
-                "content": (content or None) if calls else content,
-            }
-            if thought:
-                choice["message"]["reasoning_content"] = thought
-            if calls:
-                choice["message"]["tool_calls"] = _tool_calls(calls)
-        else:
-            choice["text"] = content
-        return JSONResponse({**common, "choices": [choice], "usage": _usage(finished)})
+        choices = []
+        results = await collect_all(ps, app.metrics, request)
+        for i, (q, (content, finished)) in enumerate(zip(ps, results)):
+            thought, content, calls = q.parts(content)
+            reason = _finish_reason(finished.answer.finish_reason, calls)
+            logprobs = _logprobs(req, q.answer_logprobs(finished.answer), chat)
+            choice = {"index": i, "finish_reason": reason, "logprobs": logprobs}
+            if chat:
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": (content or None) if calls else content,
+                }
+                if thought:
+                    choice["message"]["reasoning_content"] = thought
+                if calls:
+                    choice["message"]["tool_calls"] = _tool_calls(calls)
+            else:
+                choice["text"] = content
+            choices.append(choice)
+        usage = _usage([f for _, f in results])
+        return JSONResponse({**common, "choices": choices, "usage": usage})
 
     include_usage = bool(get(body, "stream_options", dict, {}).get("include_usage"))
     common["object"] = "chat.completion.chunk" if chat else "text_completion"
+    unsent: list[list[dict]] = [[] for _ in ps]  # each answer's logprobs not yet sent
 
-    def chunk(piece: str | None, reason: str | None = None, delta: dict | None = None) -> str:
-        logprobs = _logprobs(req, p.take_logprobs(), chat) if piece else None
-        choice: dict = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
+    def chunk(i: int, piece: str | None, reason: str | None = None, delta: dict | None = None):
+        logprobs = None
+        if piece:
+            logprobs, unsent[i] = _logprobs(req, unsent[i], chat), []
+        choice: dict = {"index": i, "finish_reason": reason, "logprobs": logprobs}
         if chat:
             choice["delta"] = delta or ({} if piece is None else {"content": piece})
         else:
             choice["text"] = piece or ""
         return json.dumps({**common, "choices": [choice]})
 
-    def pieces(thought: str, text: str):
+    def pieces(i: int, thought: str, text: str):
         if thought:
-            yield {"data": chunk(thought, delta={"reasoning_content": thought})}
+            yield {"data": chunk(i, thought, delta={"reasoning_content": thought})}
         if text:
-            yield {"data": chunk(text)}
+            yield {"data": chunk(i, text)}
 
-    splitter = p.splitter()
+    splitters = [q.splitter() for q in ps]
 
     async def events():
         if chat:
-            first = {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "finish_reason": None,
-            }
-            yield {"data": json.dumps({**common, "choices": [first]})}
+            for i in range(n):
+                first = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "finish_reason": None,
+                }
+                yield {"data": json.dumps({**common, "choices": [first]})}
+        finished: list[Finished] = []
         try:
-            async for item in run(p, app.metrics):
+            async for i, item, entries in run_all(ps, app.metrics):
+                unsent[i].extend(entries)
                 if isinstance(item, Finished):
-                    thought, rest, calls = splitter.finish()
-                    for event in pieces(thought, rest):
+                    thought, rest, calls = splitters[i].finish()
+                    for event in pieces(i, thought, rest):
                         yield event
                     if calls:
-                        yield {
-                            "data": chunk(
-                                None, delta={"tool_calls": _tool_calls(calls, streamed=True)}
-                            )
-                        }
-                    reason = _finish_reason(item.answer.finish_reason, calls)
-                    yield {"data": chunk(None, reason)}
-                    if include_usage:
-                        yield {"data": json.dumps({**common, "choices": [], "usage": _usage(item)})}
+                        delta = {"tool_calls": _tool_calls(calls, streamed=True)}
+                        yield {"data": chunk(i, None, delta=delta)}
+                    yield {"data": chunk(i, None, _finish_reason(item.answer.finish_reason, calls))}
+                    finished.append(item)
                 else:
-                    for event in pieces(*splitter.feed(item)):
+                    for event in pieces(i, *splitters[i].feed(item)):
                         yield event
+            if include_usage:
+                yield {"data": json.dumps({**common, "choices": [], "usage": _usage(finished)})}
         except ApiError as err:  # after the headers went out: an error event, then the end
             yield {"data": json.dumps({"error": {"message": err.message, "type": "server_error"}})}
         yield {"data": "[DONE]"}
 
-    # On SIGTERM the answer is cancelled and ends its stream itself: give it the time to
-    # send its last chunks, rather than cutting the response off (less than uvicorn's 5 s).
+    # On SIGTERM the answers are cancelled and end their stream themselves: give them the
+    # time to send their last chunks, rather than cutting the response off (less than
+    # uvicorn's 5 s).
     return EventSourceResponse(events(), ping=15, shutdown_grace_period=3)
 
 

@@ -14,7 +14,7 @@ import sys
 import traceback
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
@@ -309,6 +309,15 @@ class Prepared:
         text, calls = parse_calls(text, tool_names(tools)) if tools else (text, [])
         return thought, text, calls
 
+    def another(self, seed: int | None) -> Prepared:
+        """A further answer to the same prompt (OpenAI's n), sampled with `seed`: its own
+        job, grammar position and log probabilities. Call it before this one runs."""
+        req = replace(self.request, sampling=replace(self.request.sampling, seed=seed))
+        constraint = self.constraint.copy() if self.constraint is not None else None
+        other = replace(self, request=req, constraint=constraint, logprobs=[])
+        self.loaded.pending.add(other)
+        return other
+
     def splitter(self) -> AnswerSplitter:
         return AnswerSplitter(
             ThoughtSplitter(self.thought_open) if self.thoughts else None,
@@ -479,12 +488,43 @@ async def run(p: Prepared, metrics) -> AsyncIterator[str | Finished]:
         p.loaded.pending.discard(p)
 
 
-async def collect(p: Prepared, metrics, request: Request) -> tuple[str, Finished]:
-    """The whole answer, for a response that is not streamed. Starlette does not tell a
-    handler that its client went away, so this listens for the disconnect itself and
-    cancels the answer then, freeing the slot (as a stream's end does)."""
+async def run_all(ps: list[Prepared], metrics) -> AsyncIterator[tuple[int, str | Finished, list]]:
+    """Several answers run at once (OpenAI's n), merged as they come: (index, item, the
+    logprobs of a text piece's tokens). Closing it early cancels them all."""
+    queue: asyncio.Queue = asyncio.Queue()
 
-    async def answer() -> tuple[str, Finished]:
+    async def pump(i: int, p: Prepared) -> None:
+        try:
+            async for item in run(p, metrics):
+                queue.put_nowait((i, item, p.take_logprobs() if isinstance(item, str) else []))
+        except Exception as e:  # noqa: BLE001  (raised where the answers are read)
+            queue.put_nowait((i, e, []))
+
+    tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(ps)]
+    try:
+        left = len(ps)
+        while left:
+            i, item, entries = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            left -= isinstance(item, Finished)
+            yield i, item, entries
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def collect(p: Prepared, metrics, request: Request) -> tuple[str, Finished]:
+    """The whole answer, for a response that is not streamed."""
+    return (await collect_all([p], metrics, request))[0]
+
+
+async def collect_all(ps: list[Prepared], metrics, request: Request) -> list[tuple[str, Finished]]:
+    """Whole answers (OpenAI's n: several at once). Starlette does not tell a handler that
+    its client went away, so this listens for the disconnect itself and cancels the
+    answers then, freeing their slots (as a stream's end does)."""
+
+    async def answer(p: Prepared) -> tuple[str, Finished]:
         text, finished = [], None
         async for item in run(p, metrics):
             if isinstance(item, Finished):
@@ -496,15 +536,18 @@ async def collect(p: Prepared, metrics, request: Request) -> tuple[str, Finished
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        task.cancel()
+        for t in tasks:
+            t.cancel()
 
-    task = asyncio.ensure_future(answer())
+    tasks = [asyncio.ensure_future(answer(p)) for p in ps]
     watcher = asyncio.ensure_future(watch())
     try:
-        return await task
+        return list(await asyncio.gather(*tasks))
     except asyncio.CancelledError:
         if not watcher.done():
             raise  # the server is cancelling this handler
         raise ApiError(499, "the client closed the connection") from None
     finally:
         watcher.cancel()
+        for t in tasks:  # one answer failed: the others stop too
+            t.cancel()

@@ -4,7 +4,9 @@ A `Job` is one answer to produce (prompt ids, sampling, limits); the `Scheduler`
 loaded model runs jobs on its own thread over `parallel` `Session` slots, each slot a
 KV cache that keeps the tokens of its last conversation. A job takes the free slot
 that already holds the longest prefix of its prompt (the same system prompt, the
-earlier turns of a chat), so only the rest is prefilled: that is the prefix cache.
+earlier turns of a chat), so only the rest is prefilled: that is the prefix cache. A
+start of it that another slot holds, busy or not, is copied from there; prompts that
+arrive together with one start (OpenAI's n, a long shared system prompt) compute it once.
 
 Continuous batching: every running job advances in the same decode pass
 (session.decode), one pass a step. Between two steps one chunk of new jobs' prompts is
@@ -36,6 +38,9 @@ from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
 from .session import DecodePass, Session, start_decode
 from .speculative import Drafter, LookupDrafter, ModelDrafter
+
+# Tokens of a prompt's start worth copying from another slot's cache rather than computing
+SHARED = 16
 
 if TYPE_CHECKING:
     from .pipeline.coordinator import Pipeline
@@ -104,6 +109,7 @@ class SchedulerStats:
     batched: int = 0  # answers those passes advanced, summed: / steps is the mean batch
     guessed: int = 0  # tokens guessed (prompt lookup or a draft model) and checked
     accepted: int = 0  # of those, kept
+    shared_tokens: int = 0  # prompt tokens copied from another slot's cache (also cached)
 
 
 class Scheduler:
@@ -329,15 +335,21 @@ class Scheduler:
     def _prefill(self) -> None:
         """The next chunk of the earliest job still prefilling, in one pass with those of
         the jobs after it while their rows fit in one chunk's (prompts that arrive
-        together start together)."""
-        group, rows = [], 0
+        together start together). A prompt whose start another slot holds copies it
+        from there, or waits while an earlier prompt computes it (_borrow)."""
+        group, rows, earlier = [], 0, []
         for i, (_, a) in self._active.items():
-            if a.prefilling:
-                n = min(a.session.missing(a.prompt), self.prefill_chunk)
-                if group and rows + n > self.prefill_chunk:
-                    break
-                group.append((i, a))
-                rows += n
+            if not a.prefilling:
+                continue
+            waits = self._borrow(i, a, earlier)
+            earlier.append(a)
+            if waits:
+                continue
+            n = min(a.session.missing(a.prompt), self.prefill_chunk)
+            if group and rows + n > self.prefill_chunk:
+                break
+            group.append((i, a))
+            rows += n
         if not group:
             return
         out = self._pass(group, prefill_answers, [a for _, a in group], self.prefill_chunk)
@@ -347,6 +359,39 @@ class Scheduler:
         self.stats.prefilled += len(group)
         for (i, a), logits in zip(group, out):
             self._run(i, lambda a=a, logits=logits: a.prefilled(logits))
+
+    def _borrow(self, i: int, a: Answering, earlier: list[Answering]) -> bool:
+        """Before slot i computes more of its prompt. True when it should wait: an earlier
+        prompt still computes a start they share that is at least half of what this one
+        has left (answers to one prompt, OpenAI's n; requests with one long system
+        prompt). Else, where another slot's cache holds a longer start of it (by SHARED
+        tokens or more), copy those keys and values (and the draft model's) rather than
+        compute them; they count as cached."""
+        session = a.session
+        if session.stages is not None:  # the workers hold the caches
+            return False
+        have = session.reused_prefix(a.prompt)
+        left = len(a.prompt) - have
+        for b in earlier:
+            common = _common_prefix(a.prompt, b.prompt)
+            if (
+                common - have >= max(SHARED, left / 2)
+                and b.session.reused_prefix(b.prompt) < common
+            ):
+                return True
+        flying = {j for group, _ in self._flying for j, _ in group}
+        reuse = [(s.reused_prefix(a.prompt), j) for j, s in enumerate(self.slots) if j != i]
+        best, j = max((r for r in reuse if r[1] not in flying), default=(0, -1))
+        if best >= have + SHARED:
+            session.copy_prefix(self.slots[j], best)
+            if self.draft_slots:
+                draft, source = self.draft_slots[i], self.draft_slots[j]
+                n = source.reused_prefix(a.prompt)
+                if n > draft.reused_prefix(a.prompt):
+                    draft.copy_prefix(source, n)
+            a.answer.cached_tokens += best - have
+            self.stats.shared_tokens += best - have
+        return False
 
     def _step(self) -> None:
         """Start a decode pass over the answers past their prefill that no pass holds,
@@ -415,6 +460,14 @@ class Scheduler:
         st.prefix_hits += result.cached_tokens > 0
         st.generated_tokens += len(result.tokens)
         _tell(job, "done", result)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens `a` and `b` share, short of `a`'s last (always computed)."""
+    n, limit = 0, min(len(a) - 1, len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _start_pass(group: list[tuple[int, Answering]]) -> DecodePass:

@@ -116,6 +116,15 @@ class Session:
             n += 1
         return n
 
+    def copy_prefix(self, source: Session, n: int) -> None:
+        """Hold `source`'s first `n` tokens, their keys and values copied from its cache:
+        another sequence of the same model (and cache format) that computed a prefix this
+        one needs. Not over pipeline stages, whose workers hold the caches."""
+        for mine, theirs in zip(self.cache, source.cache, strict=True):
+            for name, buf in mine.named_buffers():  # keys, values (and their scales)
+                buf[:, :, :n] = getattr(theirs, name)[:, :, :n]
+        self.tokens[:] = source.tokens[:n]
+
     def step(self, token: int) -> torch.Tensor:
         """Logits (vocab,) after appending `token` to the sequence."""
         return decode([self], [[token]])[0][-1]

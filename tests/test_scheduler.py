@@ -279,6 +279,63 @@ def test_prefix_cache_takes_the_free_slot_holding_the_prefix(tiny):
         scheduler.close()
 
 
+def test_a_start_another_slot_holds_is_copied(tiny):
+    """A prompt's start held by another slot, busy answering, is copied from there (and
+    counts as cached); the answer is the one a session that held it would give."""
+    scheduler = Scheduler(tiny.model, tiny.tokenizer, parallel=2, context=CTX, prefill_chunk=8)
+    try:
+        shared = prompt(40, 7)
+        Run(scheduler, shared, 4).submit().wait()
+        busy = Run(scheduler, shared + [9, 9], 30)  # slot 0 again: it holds `shared`
+        other = Run(scheduler, shared + [5, 6, 7], 8)  # slot 1 copies it from slot 0
+        busy.when(2, other.submit).submit()
+        got = other.wait()
+        busy.wait()
+        assert got.cached_tokens == len(shared) and scheduler.stats.shared_tokens == len(shared)
+        session = Session(tiny.model, CTX)
+        alone(tiny, shared, 4, chunk=8, session=session)
+        want = alone(tiny, shared + [5, 6, 7], 8, chunk=8, session=session)
+        assert got.tokens == want.tokens
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_answers_to_one_prompt_compute_it_once(tiny, tmp_path, with_draft):
+    """Three answers to one prompt arriving together (OpenAI's n): the first computes it,
+    the others wait, copy all but its last token (and the draft slots theirs), and give
+    the same greedy answer. Two prompts with one long start and different ends: the
+    second waits for the start, then computes only its end."""
+    draft = None
+    if with_draft:
+        make_hf_model("smollm2", tmp_path / "draft", seed=1, num_hidden_layers=1)
+        draft = load_model(tmp_path / "draft", max_seq_len=CTX).model
+    scheduler = Scheduler(
+        tiny.model, tiny.tokenizer, parallel=3, context=CTX, prefill_chunk=8, draft=draft
+    )
+    try:
+        same = prompt(40, 3)
+        runs = [Run(scheduler, same, 10) for _ in range(3)]
+        Run(scheduler, [3], 1).when(1, lambda: [r.submit() for r in runs]).submit().wait()
+        answers = [r.wait() for r in runs]
+        assert [a.cached_tokens for a in answers] == [0, 39, 39]
+        want = alone(tiny, same, 10, chunk=8)
+        assert all(a.tokens == want.tokens for a in answers)
+        if with_draft:  # each draft slot holds the prompt too, copied or computed
+            assert all(d.tokens[:40] == same for d in scheduler.draft_slots)
+
+        start = prompt(40, 4)
+        a, b = Run(scheduler, start + [7] * 6, 6), Run(scheduler, start + [8] * 6, 6)
+        Run(scheduler, [3], 1).when(1, lambda: (a.submit(), b.submit())).submit().wait()
+        got_a, got_b = a.wait(), b.wait()
+        assert got_a.cached_tokens == 0 and got_b.cached_tokens == 40
+        session = Session(tiny.model, CTX)
+        alone(tiny, a.ids, 6, chunk=8, session=session)
+        assert got_b.tokens == alone(tiny, b.ids, 6, chunk=8, session=session).tokens
+    finally:
+        scheduler.close()
+
+
 class Guessing(Decoding):
     """Greedy, feeding a guessed next token after the last one, as speculative decoding
     does: right on even steps, wrong on odd ones (from a known answer), so a pass keeps

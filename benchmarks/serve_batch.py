@@ -58,9 +58,10 @@ async def stream(client: httpx.AsyncClient, messages: list[dict], max_tokens: in
     return {"sent": sent, "first": first, "last": last, "tokens": tokens}
 
 
-async def chunks_of(client: httpx.AsyncClient, messages: list[dict], max_tokens: int):
-    """The JSON chunks of a streamed greedy chat completion."""
+async def chunks_of(client: httpx.AsyncClient, messages: list[dict], max_tokens: int, **fields):
+    """The JSON chunks of a streamed greedy chat completion (`fields`: more of its body)."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body.update(fields)
     body["stream_options"] = {"include_usage": True}
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:

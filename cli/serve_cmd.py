@@ -108,6 +108,16 @@ def serve(
             "together: their prompts pause the running answers for one chunk at a time.",
         ),
     ] = 256,
+    cache_ram: Annotated[
+        str,
+        typer.Option(
+            "--cache-ram",
+            metavar="SIZE",
+            help="Memory each model keeps the conversations its slots gave up in (their "
+            "KV caches), so that a prompt that starts as one did is not computed again; "
+            "counted in the model's memory. 0: none.",
+        ),
+    ] = "1GiB",
     lookup: Lookup = False,
     draft: Draft = None,
     ctx: Ctx = None,
@@ -142,6 +152,10 @@ def serve(
             file=sys.stderr,
         )
     budget = parse_size(max_memory) if max_memory is not None else None
+    try:
+        cache_bytes = 0 if cache_ram.strip() == "0" else parse_size(cache_ram)
+    except InferError as e:
+        raise InferError(f"--cache-ram: {e}") from None
 
     from ..runtime.registry import resolve
     from .common import set_threads
@@ -173,6 +187,7 @@ def serve(
         max_memory=budget,
         parallel=parallel,
         prefill_chunk=prefill_chunk,
+        cache_bytes=cache_bytes,
         lookup=lookup,
         draft=draft,
         keep_alive=keep,

@@ -36,7 +36,8 @@ from .answer import Answer, Answering, prefill_answers
 from .generate import Penalties, Sampler, make_sampler
 from .model.llama import Transformer
 from .model.tokenizer import Tokenizer
-from .session import DecodePass, Session, start_decode
+from .prompt_cache import PromptCache
+from .session import DecodePass, Session, common_prefix, start_decode
 from .speculative import Drafter, LookupDrafter, ModelDrafter
 
 # Tokens of a prompt's start worth copying from another slot's cache rather than computing
@@ -110,6 +111,7 @@ class SchedulerStats:
     guessed: int = 0  # tokens guessed (prompt lookup or a draft model) and checked
     accepted: int = 0  # of those, kept
     shared_tokens: int = 0  # prompt tokens copied from another slot's cache (also cached)
+    restored_tokens: int = 0  # prompt tokens copied back from the prompt cache (also cached)
 
 
 class Scheduler:
@@ -129,12 +131,15 @@ class Scheduler:
         lookup: bool = False,
         draft: Transformer | None = None,
         stages: Pipeline | None = None,
+        cache_bytes: int = 0,
     ):
         """Speculative decoding: every answer guesses tokens, checked in the same pass as
         the other answers' tokens: from its prompt and text (`lookup`), or from the
         `draft` model (of the same vocabulary), which then keeps a cache of its own
         beside each slot. `stages`: the model's blocks run on workers (pipeline/), which
-        keep the slots' caches; each pass of the batched step goes through them."""
+        keep the slots' caches; each pass of the batched step goes through them.
+        `cache_bytes`: conversations a slot gives up are kept in memory up to this size
+        (prompt_cache.py), so that a prompt that starts as one did need not compute it."""
         self.model, self.tokenizer = model, tokenizer
         self.lookup = lookup
         slots = range(max(1, parallel))
@@ -143,6 +148,7 @@ class Scheduler:
         self.draft_slots = (
             [Session(draft, self.context, threads) for _ in self.slots] if draft else []
         )
+        self.prompt_cache = PromptCache(cache_bytes, SHARED) if cache_bytes and not stages else None
         self.prefill_chunk = max(1, prefill_chunk)
         self._last_used = [0.0] * len(self.slots)
         self._queue: deque[Job] = deque()
@@ -274,6 +280,8 @@ class Scheduler:
             call = self._calls.popleft()
         i = min(free, key=lambda i: self._last_used[i])
         self._last_used[i] = time.perf_counter()
+        if self.prompt_cache is not None:  # the call overwrites the slot's conversation
+            self.prompt_cache.save(self.slots[i])
         try:
             result = call.fn(self.slots[i])
         except Exception as err:  # noqa: BLE001  (InferError: 4xx; a bug: 500)
@@ -361,19 +369,25 @@ class Scheduler:
             self._run(i, lambda a=a, logits=logits: a.prefilled(logits))
 
     def _borrow(self, i: int, a: Answering, earlier: list[Answering]) -> bool:
-        """Before slot i computes more of its prompt. True when it should wait: an earlier
-        prompt still computes a start they share that is at least half of what this one
-        has left (answers to one prompt, OpenAI's n; requests with one long system
-        prompt). Else, where another slot's cache holds a longer start of it (by SHARED
-        tokens or more), copy those keys and values (and the draft model's) rather than
-        compute them; they count as cached."""
+        """Before slot i computes more of its prompt. The conversation the slot held, if
+        the prompt does not continue it, goes to the prompt cache. True when the prompt
+        should wait: an earlier prompt still computes a start they share that is at least
+        half of what this one has left (answers to one prompt, OpenAI's n; requests with
+        one long system prompt). Else, where another slot or the prompt cache holds a
+        longer start of it (by SHARED tokens or more), copy those keys and values (a
+        slot's draft model's too) rather than compute them; they count as cached."""
         session = a.session
         if session.stages is not None:  # the workers hold the caches
             return False
+        cache = self.prompt_cache
+        kept, entry = cache.longest(a.prompt) if cache is not None else (0, None)
+        held = common_prefix(session.tokens, a.prompt, len(session.tokens))
+        if cache is not None and len(session.tokens) - held >= SHARED:
+            cache.save(session, keep=entry)
         have = session.reused_prefix(a.prompt)
         left = len(a.prompt) - have
         for b in earlier:
-            common = _common_prefix(a.prompt, b.prompt)
+            common = common_prefix(a.prompt, b.prompt, len(a.prompt) - 1)
             if (
                 common - have >= max(SHARED, left / 2)
                 and b.session.reused_prefix(b.prompt) < common
@@ -382,15 +396,20 @@ class Scheduler:
         flying = {j for group, _ in self._flying for j, _ in group}
         reuse = [(s.reused_prefix(a.prompt), j) for j, s in enumerate(self.slots) if j != i]
         best, j = max((r for r in reuse if r[1] not in flying), default=(0, -1))
-        if best >= have + SHARED:
+        if max(best, kept) < have + SHARED:
+            return False
+        if kept > best:
+            cache.restore(session, entry, kept)
+            self.stats.restored_tokens += kept - have
+        else:
             session.copy_prefix(self.slots[j], best)
             if self.draft_slots:
                 draft, source = self.draft_slots[i], self.draft_slots[j]
                 n = source.reused_prefix(a.prompt)
                 if n > draft.reused_prefix(a.prompt):
                     draft.copy_prefix(source, n)
-            a.answer.cached_tokens += best - have
             self.stats.shared_tokens += best - have
+        a.answer.cached_tokens += max(best, kept) - have
         return False
 
     def _step(self) -> None:
@@ -460,14 +479,6 @@ class Scheduler:
         st.prefix_hits += result.cached_tokens > 0
         st.generated_tokens += len(result.tokens)
         _tell(job, "done", result)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many first tokens `a` and `b` share, short of `a`'s last (always computed)."""
-    n, limit = 0, min(len(a) - 1, len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _start_pass(group: list[tuple[int, Answering]]) -> DecodePass:

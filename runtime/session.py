@@ -111,19 +111,26 @@ class Session:
     def reused_prefix(self, prompt: list[int]) -> int:
         """How many of `prompt`'s first tokens the cache already holds (at least one token
         is always computed again, for its logits)."""
-        n, limit = 0, min(len(self.tokens), len(prompt) - 1)
-        while n < limit and self.tokens[n] == prompt[n]:
-            n += 1
-        return n
+        return common_prefix(self.tokens, prompt, len(prompt) - 1)
+
+    def prefix_state(self, n: int) -> list[dict[str, torch.Tensor]]:
+        """The keys and values (and their scales) of the first `n` positions, per layer,
+        as views of the cache. Not over pipeline stages, whose workers hold the caches."""
+        return [{name: b[:, :, :n] for name, b in layer.named_buffers()} for layer in self.cache]
+
+    def load_prefix(self, state: list[dict[str, torch.Tensor]], tokens: list[int]) -> None:
+        """Hold `tokens`, their keys and values copied from `state` (prefix_state's form,
+        of this model and cache format, at least as many positions)."""
+        n = len(tokens)
+        for layer, saved in zip(self.cache, state, strict=True):
+            for name, buf in layer.named_buffers():
+                buf[:, :, :n] = saved[name][:, :, :n]
+        self.tokens[:] = tokens
 
     def copy_prefix(self, source: Session, n: int) -> None:
-        """Hold `source`'s first `n` tokens, their keys and values copied from its cache:
-        another sequence of the same model (and cache format) that computed a prefix this
-        one needs. Not over pipeline stages, whose workers hold the caches."""
-        for mine, theirs in zip(self.cache, source.cache, strict=True):
-            for name, buf in mine.named_buffers():  # keys, values (and their scales)
-                buf[:, :, :n] = getattr(theirs, name)[:, :, :n]
-        self.tokens[:] = source.tokens[:n]
+        """Hold `source`'s first `n` tokens, copied from its cache: another sequence of
+        the same model that computed a prefix this one needs."""
+        self.load_prefix(source.prefix_state(n), source.tokens[:n])
 
     def step(self, token: int) -> torch.Tensor:
         """Logits (vocab,) after appending `token` to the sequence."""
@@ -133,6 +140,19 @@ class Session:
         """Keep the sequence's first `n` tokens (guessed tokens that were not accepted go;
         their cache positions are written again by the next pass)."""
         del self.tokens[n:]
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many first tokens `a` and `b` share, at most `limit`: by halving, each step a
+    comparison of list slices (C speed), for prompts of thousands of tokens."""
+    lo, hi = 0, max(0, min(limit, len(a), len(b)))  # a[:lo] == b[:lo]; no match past hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @torch.inference_mode()

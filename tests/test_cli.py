@@ -90,6 +90,10 @@ def test_each_command_has_a_one_line_summary():
         assert doc and "\n" not in doc.split("\n\n")[0], info.callback.__name__
 
 
+def test_serve_refuses_a_bad_cache_size():
+    assert_one_line_error(infer("serve", "--cache-ram", "lots"), 2, "--cache-ram")
+
+
 def test_version():
     r = infer("--version")
     assert r.returncode == 0 and r.stdout.startswith("infer ")

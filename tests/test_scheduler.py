@@ -279,6 +279,24 @@ def test_prefix_cache_takes_the_free_slot_holding_the_prefix(tiny):
         scheduler.close()
 
 
+def test_common_prefix_is_the_plain_count():
+    from infer.runtime.session import common_prefix
+
+    def plain(a, b, limit):
+        n = 0
+        while n < min(limit, len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        a = torch.randint(0, 3, (int(torch.randint(0, 40, (1,), generator=g)),), generator=g)
+        cut = int(torch.randint(0, len(a) + 1, (1,), generator=g))
+        b = a[:cut].tolist() + torch.randint(0, 3, (5,), generator=g).tolist()
+        limit = int(torch.randint(-1, 50, (1,), generator=g))
+        assert common_prefix(a.tolist(), b, limit) == plain(a.tolist(), b, limit)
+
+
 def test_a_start_another_slot_holds_is_copied(tiny):
     """A prompt's start held by another slot, busy answering, is copied from there (and
     counts as cached); the answer is the one a session that held it would give."""
@@ -332,6 +350,40 @@ def test_answers_to_one_prompt_compute_it_once(tiny, tmp_path, with_draft):
         session = Session(tiny.model, CTX)
         alone(tiny, a.ids, 6, chunk=8, session=session)
         assert got_b.tokens == alone(tiny, b.ids, 6, chunk=8, session=session).tokens
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("kv_cache", [None, "int8"])
+def test_a_conversation_a_slot_gave_up_comes_back_from_the_prompt_cache(tmp_path, kv_cache):
+    """One slot, three conversations: the first, given up for the second, is kept in the
+    prompt cache and copied back when it goes on (keys, values and the int8 cache's
+    scales); the answer is the one its own session would give. Under a limit that holds
+    one conversation, the oldest goes."""
+    make_hf_model("smollm2", tmp_path / "m")
+    lm = load_model(tmp_path / "m", max_seq_len=CTX, kv_cache=kv_cache)
+    per_token = sum(t[:, :, :1].nbytes for layer in Session(lm.model, CTX).prefix_state(1)
+                    for t in layer.values())  # fmt: skip
+    scheduler = Scheduler(lm.model, lm.tokenizer, parallel=1, context=CTX, prefill_chunk=8,
+                          cache_bytes=per_token * 60)  # fmt: skip
+    try:
+        first = prompt(40, 20)
+        a = Run(scheduler, first, 6).submit().wait()
+        Run(scheduler, prompt(30, 21), 4).submit().wait()  # the slot gives `first` up
+        assert scheduler.prompt_cache.nbytes == per_token * (40 + 5)  # the last token is not fed
+        more = first + a.tokens + [9, 9, 9]
+        got = Run(scheduler, more, 6).submit().wait()
+        assert got.cached_tokens == 45 and scheduler.stats.restored_tokens == 45
+        session = Session(lm.model, CTX)
+        alone(lm, first, 6, chunk=8, session=session)
+        assert got.tokens == alone(lm, more, 6, chunk=8, session=session).tokens
+        # 60 positions' worth: the second conversation (33) was not kept beside the first
+        # (45) about to come back; the first, gone on, replaces its shorter self.
+        Run(scheduler, prompt(30, 22), 4).submit().wait()
+        assert [len(e.tokens) for e in scheduler.prompt_cache.entries] == [len(more) + 5]
+        assert Run(scheduler, prompt(30, 21), 4).submit().wait().cached_tokens == 0
+        # and the third (33) pushes it out
+        assert [len(e.tokens) for e in scheduler.prompt_cache.entries] == [33]
     finally:
         scheduler.close()
 

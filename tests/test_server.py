@@ -547,6 +547,31 @@ def test_prefix_cache(oai, http, greedy):
     assert after[hits] == before[hits] + 1
 
 
+def test_prompt_cache_keeps_conversations_beyond_the_slots(oai, http, greedy):
+    """Three conversations on two slots: the first, given up for the third, is kept in the
+    prompt cache, and its next turn computes only its own part."""
+
+    def messages(rules: str, question: str) -> list[dict]:
+        system = " ".join(f"Rule {rules}{i}: answer briefly." for i in range(12))
+        return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+    def ask(rules: str, question: str):
+        return oai.chat.completions.create(
+            model=MODEL, messages=messages(rules, question), max_tokens=4, temperature=0
+        )
+
+    restored = f'infer_prompt_restored_tokens_total{{model="{MODEL}"}}'
+    first = ask("A", "What is 2 + 2?")
+    ask("B", "Name a colour."), ask("C", "Name a fruit.")
+    before = metrics(http)
+    again = ask("A", "Name a city.")
+    gained = metrics(http)[restored] - before[restored]
+    system_tokens = first.usage.prompt_tokens - 20  # less the question and the template
+    assert again.usage.prompt_tokens_details.cached_tokens >= gained >= system_tokens
+    assert again.choices[0].message.content == greedy(messages("A", "Name a city."), 4)
+    assert before[f'infer_prompt_cache_bytes{{model="{MODEL}"}}'] > 0
+
+
 def test_concurrent_requests(oai, greedy):
     """Answers decoded together on the two slots, and one queued behind them, do not
     mix: each is the answer alone."""
@@ -1706,9 +1731,10 @@ def test_int8_kv_cache_on_parallel_slots(launched, smollm2_gguf):
             assert metrics(http)[running] == 2
             texts = [t + "".join(piece(x) for x in it if x) for t, it in zip(texts, lines)]
         ps = http.get("/api/ps").json()["models"]
+        kept = metrics(http)[f'infer_prompt_cache_bytes{{model="{MODEL}"}}']
     assert texts == [alone(m, n) for m, n in asks]
     caches = 2 * kv_cache_bytes(lm.model.args, torch.float32, CTX, "int8")
-    assert ps[0]["size"] == lm.source.held_bytes(torch.float32) + caches
+    assert ps[0]["size"] == lm.source.held_bytes(torch.float32) + caches + kept
     float_caches = 2 * kv_cache_bytes(lm.model.args, torch.float32, CTX)
     assert float_caches / caches == pytest.approx(4 * 32 / 34)  # 34 bytes per 32 values
     code, _ = s.stop()

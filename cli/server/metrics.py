@@ -122,13 +122,22 @@ class Metrics:
              lambda m: m.scheduler.stats.guessed),
             ("speculative_accepted_tokens_total", "counter", "Of those, the tokens kept.",
              lambda m: m.scheduler.stats.accepted),
+            ("prompt_shared_tokens_total", "counter",
+             "Prompt tokens copied from another slot's KV cache, by model.",
+             lambda m: m.scheduler.stats.shared_tokens),
+            ("prompt_restored_tokens_total", "counter",
+             "Prompt tokens copied back from the prompt cache (--cache-ram), by model.",
+             lambda m: m.scheduler.stats.restored_tokens),
+            ("prompt_cache_bytes", "gauge",
+             "Bytes of conversations kept in the prompt cache, by model.",
+             lambda m: m.scheduler.prompt_cache.nbytes if m.scheduler.prompt_cache else 0),
         ):  # fmt: skip
             metric(name, kind, text, by_model(value))
         metric("models_loaded", "gauge", "Models in memory.", [("", len(models))])
         metric(
             "model_memory_bytes",
             "gauge",
-            "Estimated bytes a loaded model holds (weights and KV caches).",
+            "Estimated bytes a loaded model holds (weights, KV caches, prompt cache).",
             by_model(lambda m: m.size),
         )
         import psutil

@@ -42,6 +42,7 @@ class ServeSettings:
     max_memory: int | None = None  # the process's budget (loader.load_model)
     parallel: int = 4  # answers a model runs at once: its KV caches (slots), kept for reuse
     prefill_chunk: int = 256  # prompt tokens prefilled between two decode passes
+    cache_bytes: int = 0  # conversations slots gave up, kept in memory (prompt_cache.py)
     lookup: bool = False  # answers guess tokens from their prompts (speculative decoding)
     draft: str | None = None  # or from this model, for the models of its vocabulary
     keep_alive: float | None = 300.0  # seconds idle before unloading; None: never
@@ -60,13 +61,19 @@ class Loaded:
     resolved: ResolvedModel
     lm: LoadedModel
     scheduler: Scheduler
-    size: int  # bytes: the weights' estimate plus the slots' KV caches
+    held: int  # bytes: the weights' estimate and the slots' KV caches
     keep_alive: float | None
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     # Requests prepared for this model that have not ended: from the moment a request
     # gets the model, before its job reaches the scheduler, it must not be unloaded.
     pending: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False)
+
+    @property
+    def size(self) -> int:
+        """Bytes held: the weights' estimate, the slots' KV caches, the prompt cache's."""
+        cache = self.scheduler.prompt_cache
+        return self.held + (cache.nbytes if cache is not None else 0)
 
     @property
     def context(self) -> int:
@@ -213,6 +220,7 @@ class ModelPool:
             draft_source, s.dtype, s.ctx, s.parallel, s.kv_cache
         )
         need = estimated_bytes(source, s.dtype, s.ctx, s.parallel, s.kv_cache)
+        need += s.cache_bytes if s.workers is None else 0  # the prompt cache's limit
         await self._make_room(need + (draft_bytes or 0))
 
         def load() -> Loaded:
@@ -220,7 +228,7 @@ class ModelPool:
             if budget is not None:  # the loader plans for one KV cache: room for the others
                 ctx = min(s.ctx, args.max_seq_len)
                 one = kv_cache_bytes(args, s.dtype, ctx, s.kv_cache)
-                budget -= (s.parallel - 1) * one + (draft_bytes or 0)
+                budget -= (s.parallel - 1) * one + (draft_bytes or 0) + s.cache_bytes
             if s.workers is not None:
                 from ...runtime.pipeline.coordinator import load_pipelined
 
@@ -236,7 +244,7 @@ class ModelPool:
             draft_lm = self._load_draft(lm, name, draft_source)
             scheduler = Scheduler(
                 lm.model, lm.tokenizer, s.parallel, s.ctx, s.threads, s.prefill_chunk,
-                s.lookup, draft_lm and draft_lm.model, lm.stages,
+                s.lookup, draft_lm and draft_lm.model, lm.stages, s.cache_bytes,
             )  # fmt: skip
             slots = scheduler.slots + scheduler.draft_slots
             kv = sum(c.nbytes for slot in slots for c in slot.cache or ())

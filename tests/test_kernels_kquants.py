@@ -23,7 +23,7 @@ from infer.quant.formats.base import FORMATS
 T = gguf.GGMLQuantizationType
 needs_c = pytest.mark.skipif(not ops.available(), reason="C extension not built")
 ISAS = ops.supported_isas() or ["none"]
-SMALL_M, WIDE_M, WIDE_K = 4, 8, 768  # matmul.c: M rows that run one GEMV each
+SMALL_M, WIDE_M, WIDE_K = 4, 15, 768  # matmul.c: M rows that run one GEMV each
 IGEMM_MIN_M = 16  # matmul.c: from this many rows the GEMM is the integer one, if any
 
 

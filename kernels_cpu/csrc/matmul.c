@@ -17,8 +17,9 @@ enum { GEMV_TASK_BYTES = 1024 * 1024 };
 /* A GEMM of at most SMALL_M rows, or WIDE_M rows of at least WIDE_K, runs one GEMV per row
  * over tasks of SMALL_TASK_BYTES of weights (q_gemv_many; see kernels.h).
  * A row's GEMV has work per output element besides the K-long dot product, so it pays
- * for more rows when rows are long. */
-enum { SMALL_M = 4, WIDE_M = 8, WIDE_K = 768, SMALL_TASK_BYTES = 128 * 1024 };
+ * for more rows when rows are long: up to the integer GEMM's first size, as the float
+ * GEMM between took twice as long (a chat turn's 9 to 15 new tokens). */
+enum { SMALL_M = 4, WIDE_M = 15, WIDE_K = 768, SMALL_TASK_BYTES = 128 * 1024 };
 /* The GEMM of at least IGEMM_MIN_M rows takes the integer GEMM where the path has one
  * (igemm.c). Below, its fixed work (x's digits, each panel's widening, tiles of 16 rows)
  * costs more than its faster dot products save, on narrow rows (512, 576) most. */

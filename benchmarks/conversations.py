@@ -19,14 +19,11 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
-from serve_batch import chunks_of, start_llama_server
-from serve_load import SENTENCE, check_loopback, start_server
+from serve_batch import a_server, chunks_of
+from serve_load import SENTENCE
 
 QUESTIONS = ["Summarise the rules.", "Which rule is the oldest?", "Name three rules."]
 
@@ -89,29 +86,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int)
     args = ap.parse_args()
 
-    proc, server = None, "infer"
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "server.log"
-        try:
-            if args.url:
-                check_loopback(args.url)
-                url, server = args.url.rstrip("/"), args.url
-            elif args.llama_server:
-                flags = ["-np", str(args.slots), "-c", str(args.slots * args.ctx)]
-                flags += ["-t", str(args.threads)] if args.threads else []
-                proc, url = start_llama_server(args.llama_server, args.model, flags, log)
-                server = "llama-server"
-            else:
-                extra = ["--parallel", str(args.slots), "--ctx", str(args.ctx)]
-                extra += ["--threads", str(args.threads)] if args.threads else []
-                extra += ["--cache-ram", args.cache_ram] if args.cache_ram else []
-                proc, url = start_server(args.model, log, extra)
-            report = asyncio.run(run(url, args))
-        finally:
-            if proc is not None:
-                proc.terminate()
-                if (code := proc.wait(30)) != 0:
-                    print(f"the server exited {code}:\n{log.read_text()[-3000:]}", file=sys.stderr)
+    extra = ("--cache-ram", args.cache_ram) if args.cache_ram else ()
+    with a_server(args, slots=args.slots, ctx=args.ctx, extra=extra) as (server, url):
+        report = asyncio.run(run(url, args))
     cache = f", --cache-ram {args.cache_ram}" if args.cache_ram and not args.llama_server else ""
     print(f"{server}{cache}: {args.chats} chats on {args.slots} slots, {args.turns} turns")
     print(json.dumps(report))

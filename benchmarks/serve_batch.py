@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import socket
 import statistics
@@ -203,6 +204,32 @@ def start_llama_server(binary: str, model: str | None, flags: list[str], log: Pa
     sys.exit(f"llama-server did not start:\n{log.read_text()[-3000:]}")
 
 
+@contextlib.contextmanager
+def a_server(args, slots: int, ctx: int, extra: tuple[str, ...] = ()):
+    """(name, URL) of the server to measure: --url's (loopback only), or one started here
+    and stopped at the end: --llama-server BIN's, else `infer serve MODEL` (with `extra`
+    options), each with `slots` slots of `ctx` positions and --threads."""
+    if args.url:
+        check_loopback(args.url)
+        yield args.url, args.url.rstrip("/")
+        return
+    threads = ["-t", str(args.threads)] if args.threads else []
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "server.log"
+        if args.llama_server:
+            flags = ["-np", str(slots), "-c", str(slots * ctx), *threads]
+            proc, url = start_llama_server(args.llama_server, args.model, flags, log)
+        else:
+            flags = ["--parallel", str(slots), "--ctx", str(ctx), *threads, *extra]
+            proc, url = start_server(args.model, log, flags)
+        try:
+            yield "llama-server" if args.llama_server else "infer", url
+        finally:
+            proc.terminate()
+            if (code := proc.wait(30)) != 0:
+                print(f"the server exited {code}:\n{log.read_text()[-3000:]}", file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", nargs="?", help="the model (default: the registry's default)")
@@ -217,29 +244,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    proc, server = None, "infer"
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "server.log"
-        try:
-            if args.url:
-                check_loopback(args.url)
-                url, server = args.url.rstrip("/"), args.url
-            elif args.llama_server:
-                n = max(args.streams)  # as many slots as the most streams, each of --ctx
-                flags = ["-np", str(n), "-c", str(n * args.ctx)]
-                flags += ["-t", str(args.threads)] if args.threads else []
-                proc, url = start_llama_server(args.llama_server, args.model, flags, log)
-                server = "llama-server"
-            else:
-                extra = ["--parallel", str(max(args.streams)), "--ctx", str(args.ctx)]
-                extra += ["--threads", str(args.threads)] if args.threads else []
-                proc, url = start_server(args.model, log, extra)
-            report = {"server": server, "url": url, **asyncio.run(measure(url, args))}
-        finally:
-            if proc is not None:
-                proc.terminate()
-                if (code := proc.wait(30)) != 0:
-                    print(f"the server exited {code}:\n{log.read_text()[-3000:]}", file=sys.stderr)
+    with a_server(args, slots=max(args.streams), ctx=args.ctx) as (server, url):
+        report = {"server": server, "url": url, **asyncio.run(measure(url, args))}
     if args.json:
         print(json.dumps(report, indent=2))
         return

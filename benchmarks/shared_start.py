@@ -21,14 +21,11 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
-from serve_batch import chunks_of, start_llama_server
-from serve_load import SENTENCE, check_loopback, start_server
+from serve_batch import a_server, chunks_of
+from serve_load import SENTENCE
 
 QUESTIONS = ["Summarise the rules.", "Which rule is the oldest?", "Name three rules."]
 QUESTIONS += ["What is rule 5 about?", "Is any rule repeated?", "Which rule matters most?"]
@@ -91,29 +88,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int)
     args = ap.parse_args()
 
-    proc, server = None, "infer"
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "server.log"
-        try:
-            if args.url:
-                check_loopback(args.url)
-                url, server = args.url.rstrip("/"), args.url
-            elif args.llama_server:
-                flags = ["-np", str(args.requests), "-c", str(args.requests * args.ctx)]
-                flags += ["-t", str(args.threads)] if args.threads else []
-                proc, url = start_llama_server(args.llama_server, args.model, flags, log)
-                server = "llama-server"
-            else:
-                extra = ["--parallel", str(args.requests), "--ctx", str(args.ctx)]
-                extra += ["--threads", str(args.threads)] if args.threads else []
-                proc, url = start_server(args.model, log, extra)
-            salt = int(time.time()) % 100000
-            rounds = [asyncio.run(round_of(url, args, salt + r)) for r in range(args.rounds)]
-        finally:
-            if proc is not None:
-                proc.terminate()
-                if (code := proc.wait(30)) != 0:
-                    print(f"the server exited {code}:\n{log.read_text()[-3000:]}", file=sys.stderr)
+    with a_server(args, slots=args.requests, ctx=args.ctx) as (server, url):
+        salt = int(time.time()) % 100000
+        rounds = [asyncio.run(round_of(url, args, salt + r)) for r in range(args.rounds)]
     what = f"one request, n={args.requests}" if args.n else f"{args.requests} requests"
     print(f"{server}: {what}, a system prompt of ~{args.system_tokens} tokens")
     for r in rounds:

@@ -104,6 +104,13 @@ def integer_gemm(isa: str | None = None, fmt: str | None = None) -> bool:
     return bool(kinds) if fmt is None else bool(kinds >> _IG_KINDS[fmt] & 1)
 
 
+def matmul_paths() -> tuple[int, int, int, int]:
+    """(SMALL_M, WIDE_M, WIDE_K, IGEMM_MIN_M), csrc/kernels.h: at most SMALL_M rows of x,
+    or WIDE_M rows of at least WIDE_K, run the GEMVs a row each; from IGEMM_MIN_M rows the
+    integer GEMM runs where the path has one; else the float GEMM. Zeros without C."""
+    return _C.matmul_paths() if _C is not None else (0, 0, 0, 0)
+
+
 def int4_gemv_fifteen_bits(isa: str | None = None) -> bool:
     """Whether a path (default: the default one) multiplies decode's x by int4 weights
     as the integer GEMM's two int8 digits: 15 significant bits per block of 32, x exactly

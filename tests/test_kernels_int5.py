@@ -13,8 +13,8 @@ from infer.kernels_cpu import ops, reference
 
 needs_c = pytest.mark.skipif(not ops.available(), reason="C extension not built")
 ISAS = ops.supported_isas() or ["none"]
-SMALL_M, WIDE_M, WIDE_K = 4, 15, 768  # matmul.c: M rows that run one GEMV each
-IGEMM_MIN_M = 16  # matmul.c: from this many rows the GEMM is the integer one, if any
+# which rows of x run a GEMV each, and from how many the GEMM is the integer one, if any
+SMALL_M, WIDE_M, WIDE_K, IGEMM_MIN_M = ops.matmul_paths()
 
 
 def packed(sym: bool, N: int, K: int, seed: int = 0) -> dict:

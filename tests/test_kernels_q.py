@@ -34,9 +34,8 @@ INT8 = [(8, 0, True), (8, 32, True), (8, 64, True), (8, 128, True)]
 INT4 = [(4, g, s) for g in (32, 64, 128) for s in (True, False)]
 INT6 = [(6, 256, True)]  # GGUF Q6_K's blocks of 256
 KINDS = INT8 + INT4 + INT6
-SMALL_M = 4  # matmul.c: up to this many rows of x run one GEMV each (8 when K >= 768)
-WIDE_M, WIDE_K = 8, 768
-IGEMM_MIN_M = 16  # matmul.c: from this many rows the GEMM is the integer one, if any
+# which rows of x run a GEMV each, and from how many the GEMM is the integer one, if any
+SMALL_M, WIDE_M, WIDE_K, IGEMM_MIN_M = ops.matmul_paths()
 IG_XMAX = ops.IG_XMAX  # the integer GEMM's digits of x, |X| <= IG_XMAX per block of 32
 KIND_IDS = [f"int{b}-g{g}-{'sym' if s else 'asym'}" for b, g, s in KINDS]
 

@@ -569,6 +569,15 @@ int q_igemm(int bits, const qmat *a, const kernel_table *kt, int nthreads);
 #define Q_GEMV_MANY_MAX 16
 #define GEMV_ROWS_MAX 16
 int q_gemv_many(int n, const int *bits, const qmat *const *a, int isa, int nthreads);
+/* q_matmul's path for M rows of x of width K (the tests read them, ops.matmul_paths):
+ * at most SMALL_M rows, or WIDE_M rows of at least WIDE_K, run the GEMVs a row each
+ * (q_gemv_many). A row's GEMV has work per output element besides its K-long dot
+ * product, so it pays for more rows when rows are long: up to the integer GEMM's first
+ * size, as the float GEMM between took twice as long (a chat turn's 9 to 15 new tokens).
+ * From IGEMM_MIN_M rows the integer GEMM runs where the path has one (igemm.c); below,
+ * its fixed work (x's digits, each panel's widening, tiles of 16 rows) costs more than
+ * its faster dot products save, on narrow rows (512, 576) most. Else the float GEMM. */
+enum { SMALL_M = 4, WIDE_M = 15, WIDE_K = 768, IGEMM_MIN_M = 16 };
 
 /* lut.c: y (M, N) = x (M, K) W^T for W in `bits` one-bit planes (see lut.c).
  * Returns 0, or -1 when out of memory. */

@@ -14,16 +14,9 @@ enum { TILE_N = 16, TILE_K = 512 };
  * thread (kernels.h). Each task is one sequential stream, long enough for the threads to
  * read at the full bandwidth (streams broken every 64 KiB fall well short of it). */
 enum { GEMV_TASK_BYTES = 1024 * 1024 };
-/* A GEMM of at most SMALL_M rows, or WIDE_M rows of at least WIDE_K, runs one GEMV per row
- * over tasks of SMALL_TASK_BYTES of weights (q_gemv_many; see kernels.h).
- * A row's GEMV has work per output element besides the K-long dot product, so it pays
- * for more rows when rows are long: up to the integer GEMM's first size, as the float
- * GEMM between took twice as long (a chat turn's 9 to 15 new tokens). */
-enum { SMALL_M = 4, WIDE_M = 15, WIDE_K = 768, SMALL_TASK_BYTES = 128 * 1024 };
-/* The GEMM of at least IGEMM_MIN_M rows takes the integer GEMM where the path has one
- * (igemm.c). Below, its fixed work (x's digits, each panel's widening, tiles of 16 rows)
- * costs more than its faster dot products save, on narrow rows (512, 576) most. */
-enum { IGEMM_MIN_M = 16 };
+/* q_gemv_many's tasks for several rows (q_matmul: SMALL_M, WIDE_M in kernels.h): weights
+ * of about SMALL_TASK_BYTES, which stay in L2 while the rows pass. */
+enum { SMALL_TASK_BYTES = 128 * 1024 };
 
 /* The kernels of super-block kind `bits` on the path, or NULL for the other formats. */
 static const sb_kernels *sb_for(int bits, const kernel_table *kt) {

@@ -216,6 +216,11 @@ static PyObject *py_isa_best(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(isa_best());
 }
 
+static PyObject *py_matmul_paths(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return Py_BuildValue("(iiii)", (int)SMALL_M, (int)WIDE_M, (int)WIDE_K, (int)IGEMM_MIN_M);
+}
+
 static PyObject *py_cpu_has(PyObject *self, PyObject *arg) {
     (void)self;
     const char *f = PyUnicode_AsUTF8(arg);
@@ -260,6 +265,9 @@ static PyMethodDef methods[] = {
     {"isa_q4k_digits", py_isa_q4k_digits, METH_O,
      "whether path `isa`'s q4_k GEMV takes x as two int8 digits per block of 256"},
     {"cpu_has", py_cpu_has, METH_O, "whether the CPU has a feature (e.g. 'avx512vnni')"},
+    {"matmul_paths", py_matmul_paths, METH_NOARGS,
+     "(SMALL_M, WIDE_M, WIDE_K, IGEMM_MIN_M): which rows run the GEMVs, which the integer "
+     "GEMM (kernels.h)"},
     {NULL, NULL, 0, NULL},
 };
 

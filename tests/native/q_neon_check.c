@@ -10,9 +10,9 @@
          -lm -o q_neon
      qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max ./q_neon   (or -cpu cortex-a53)
 
-   Awkward shapes as tests/test_kernels_q.py's: M = 1 and 3 (a GEMV per row), 7 (a GEMV per
-   row when K >= 768, else the GEMM), 12 (the float GEMM), 16 and 41 (neondot's integer
-   GEMM: one tile, and two with a part); N odd; K = 32 x odd (256 x 1, 3, 6 for the blocks
+   Awkward shapes as tests/test_kernels_q.py's: M = 1 and 3 (a GEMV per row), 7 and 12 (a
+   GEMV per row when K >= 768, else the float GEMM; kernels.h's SMALL_M, WIDE_M), 16 and 41
+   (neondot's integer GEMM: one tile, and two with a part); N odd; K = 32 x odd (256 x 1, 3, 6 for the blocks
    of 256). Each result must equal the scalar path's up to float summation order (1e-5 of
    sum |x| |w|) and, where the rows run one of the digit GEMVs or the integer GEMM, what x's
    two int8 digits lose: half a step, amax / IG_XMAX per block of 32 (kernels.h), and
@@ -28,9 +28,6 @@
 
 #include "kernels.h"
 #include "random_inputs.h"
-
-/* matmul.c: which rows run a GEMV each, and from how many the integer GEMM runs */
-enum { SMALL_M = 4, WIDE_M = 8, WIDE_K = 768, IGEMM_MIN_M = 16 };
 
 /* W[n, k] as the format defines it (kernels.h, "Quantized matmul") */
 static double weight(const qmat *a, int bits, int64_t n, int64_t k) {

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import InferError
-from ..offload.budget import Plan
+from ..offload.budget import Plan, format_size
 from ..offload.expert_cache import DEFAULT_POLICY
 from ..offload.expert_plan import stores_experts_apart
 from ..offload.expert_store import ExpertStore
@@ -163,19 +163,26 @@ def _budget(
     kv_cache: str | None,
 ) -> tuple[int | None, bool]:
     """(The footprint budget, or None to load resident; whether it was chosen for a
-    model that does not fit). Only our checkpoints stream."""
+    model that does not fit). Only our checkpoints stream; another file loads resident
+    under a budget it fits in."""
     budget, auto = max_memory, False
     if budget is None:
         budget = _auto_budget(source, dtype, ctx, process, kv_cache)
         auto = budget is not None
     if budget is not None and not isinstance(source, CheckpointSource):
+        resident = process + estimated_bytes(source, dtype, ctx, 1, kv_cache)
+        if not auto and resident <= budget:
+            return None, False
         what = "a GGUF file" if source.format == "gguf" else "a Hugging Face directory"
         advice = (
             f"streaming layers from disk needs infer's own format; convert it first: "
             f"infer quantize {source.path} -o DIR --to int8 (or int4)"
         )
         if not auto:
-            raise InferError(f"{source.path} is {what}: {advice}")
+            raise InferError(
+                f"{source.path} is {what} that needs about {format_size(resident)} resident, "
+                f"over the budget of {format_size(budget)}: {advice}"
+            )
         print(f"note: {source.path} may not fit in available memory; {advice}", file=sys.stderr)
         budget = None
     return budget, auto

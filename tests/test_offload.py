@@ -540,8 +540,13 @@ def test_cli_max_memory_end_to_end(wide):
 
 
 def test_other_formats_must_be_converted_to_stream(hf):
-    with pytest.raises(InferError, match="Hugging Face directory: .* convert it first: infer"):
-        load_model(hf, torch.float32, 64, max_memory=10**9)
+    """A Hugging Face directory (or a GGUF file) loads resident under a budget it fits in;
+    under one it does not fit in, it cannot stream, and says what to do."""
+    with pytest.raises(InferError, match="directory that needs about .* over the budget of "
+                       "1.00 MB: .* convert it first: infer"):  # fmt: skip
+        load_model(hf, torch.float32, 64, max_memory=10**6)
+    lm = load_model(hf, torch.float32, 64, max_memory=100 * 10**9)
+    assert lm.stream is None and lm.plan is None
 
 
 def test_budget_module_is_torch_free():

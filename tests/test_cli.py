@@ -90,6 +90,20 @@ def test_each_command_has_a_one_line_summary():
         assert doc and "\n" not in doc.split("\n\n")[0], info.callback.__name__
 
 
+def test_serve_says_in_one_line_why_a_model_did_not_load(home_env, smollm2_gguf):
+    # the server stops before it listens: a GGUF file over the budget cannot stream
+    r = infer("serve", smollm2_gguf, "--max-memory", "100MB", "-np", "1", "--port", "0",
+              env=home_env)  # fmt: skip
+    assert_one_line_error(r, 2, "over the budget of 100.00 MB", "infer quantize")
+    r = infer("serve", smollm2_gguf, "--max-memory", "1MB", "--port", "0", env=home_env)
+    assert_one_line_error(r, 2, "--max-memory 1.00 MB does not hold its 4 slots'")
+    # under a budget it fits in, it loads resident and answers as without one
+    plain = infer("run", smollm2_gguf, "Say hi.", *GREEDY, "-n", "4", env=home_env)
+    budgeted = infer("run", smollm2_gguf, "Say hi.", *GREEDY, "-n", "4", "--max-memory", "8GB",
+                     env=home_env)  # fmt: skip
+    assert budgeted.returncode == 0 and budgeted.stdout == plain.stdout, budgeted.stderr
+
+
 def test_serve_refuses_a_bad_cache_size():
     assert_one_line_error(infer("serve", "--cache-ram", "lots"), 2, "--cache-ram")
 

@@ -104,10 +104,11 @@ def _limited(receive):
 
 
 def create_app(
-    settings: ServeSettings, api_key: str | None = None, on_ready=None
+    settings: ServeSettings, api_key: str | None = None, on_ready=None, on_fail=None
 ) -> CORSMiddleware:
     """The app; `.state.pool` holds the models once it has started. `on_ready()` is
-    called when the command line's models are loaded."""
+    called when the command line's models are loaded; `on_fail(message)`, if given, when
+    one of them cannot be (else the start fails with the error)."""
     metrics = Metrics()
 
     async def health(request: Request):
@@ -133,15 +134,23 @@ def create_app(
     async def lifespan(app: Starlette):
         pool = ModelPool(settings)
         app.state.pool = pool
-        for name in settings.models:  # the command line's models are ready at start
-            await pool.get(name)
-        reaper = asyncio.ensure_future(pool.reap())
-        if on_ready is not None:
-            on_ready()
+        reaper = None
         try:
+            try:
+                for name in settings.models:  # the command line's models are ready at start
+                    await pool.get(name)
+            except ApiError as err:
+                if on_fail is None:
+                    raise
+                on_fail(err.message)  # the server stops at once, and says why
+            else:
+                reaper = asyncio.ensure_future(pool.reap())
+                if on_ready is not None:
+                    on_ready()
             yield
         finally:
-            reaper.cancel()
+            if reaper is not None:
+                reaper.cancel()
             pool.cancel_all()
             pool.close()
 
@@ -205,7 +214,13 @@ def serve(settings: ServeSettings, host: str, port: int, api_key: str | None) ->
     def ready() -> None:
         print(f"infer {__version__}: serving on http://{_url_host(host)}:{bound}", file=sys.stderr)
 
-    guarded = create_app(settings, api_key, on_ready=ready)
+    failed: list[str] = []
+
+    def fail(message: str) -> None:
+        failed.append(message)
+        server.should_exit = True
+
+    guarded = create_app(settings, api_key, on_ready=ready, on_fail=fail)
     state = guarded.state
 
     class Server(uvicorn.Server):
@@ -218,7 +233,10 @@ def serve(settings: ServeSettings, host: str, port: int, api_key: str | None) ->
     config = uvicorn.Config(
         guarded, log_level="warning", timeout_graceful_shutdown=5, server_header=False
     )
-    Server(config).run(sockets=[sock])
+    server = Server(config)
+    server.run(sockets=[sock])
+    if failed:  # a model of the command line did not load: one line, exit 2
+        raise InferError(failed[0])
 
 
 def _family(host: str) -> int:

@@ -20,6 +20,7 @@ import anyio
 import torch
 
 from ... import InferError
+from ...offload.budget import format_size
 from ...runtime.loader import (
     FITS_SHARE,
     LoadedModel,
@@ -220,15 +221,20 @@ class ModelPool:
             draft_source, s.dtype, s.ctx, s.parallel, s.kv_cache
         )
         need = estimated_bytes(source, s.dtype, s.ctx, s.parallel, s.kv_cache)
-        need += s.cache_bytes if s.workers is None else 0  # the prompt cache's limit
-        await self._make_room(need + (draft_bytes or 0))
+        await self._make_room(need + (draft_bytes or 0) + s.cache_bytes)
 
         def load() -> Loaded:
             budget = s.max_memory
             if budget is not None:  # the loader plans for one KV cache: room for the others
                 ctx = min(s.ctx, args.max_seq_len)
                 one = kv_cache_bytes(args, s.dtype, ctx, s.kv_cache)
-                budget -= (s.parallel - 1) * one + (draft_bytes or 0) + s.cache_bytes
+                budget -= (s.parallel - 1) * one + (draft_bytes or 0)
+                if budget <= 0:
+                    raise InferError(
+                        f"--max-memory {format_size(s.max_memory)} does not hold its "
+                        f"{s.parallel} slots' KV caches of {format_size(one)} each: lower "
+                        "--parallel or --ctx, or raise --max-memory"
+                    )
             if s.workers is not None:
                 from ...runtime.pipeline.coordinator import load_pipelined
 
@@ -248,6 +254,12 @@ class ModelPool:
             )  # fmt: skip
             slots = scheduler.slots + scheduler.draft_slots
             kv = sum(c.nbytes for slot in slots for c in slot.cache or ())
+            if s.max_memory is not None and scheduler.prompt_cache is not None:
+                from ...offload.stream import process_rss
+
+                # the prompt cache gets what the budget leaves, the slots filled
+                room = s.max_memory - process_rss() - kv
+                scheduler.prompt_cache.max_bytes = max(0, min(s.cache_bytes, room))
             size = lm.source.held_bytes(s.dtype) + kv
             if draft_lm is not None and draft_lm is not lm:
                 size += draft_lm.source.held_bytes(s.dtype)

@@ -394,8 +394,8 @@ class Scheduler:
             ):
                 return True
         flying = {j for group, _ in self._flying for j, _ in group}
-        reuse = [(s.reused_prefix(a.prompt), j) for j, s in enumerate(self.slots) if j != i]
-        best, j = max((r for r in reuse if r[1] not in flying), default=(0, -1))
+        others = [j for j in range(len(self.slots)) if j != i and j not in flying]
+        best, j = max(((self.slots[j].reused_prefix(a.prompt), j) for j in others), default=(0, -1))
         if max(best, kept) < have + SHARED:
             return False
         if kept > best:

@@ -221,7 +221,8 @@ class ModelPool:
             draft_source, s.dtype, s.ctx, s.parallel, s.kv_cache
         )
         need = estimated_bytes(source, s.dtype, s.ctx, s.parallel, s.kv_cache)
-        await self._make_room(need + (draft_bytes or 0) + s.cache_bytes)
+        kept = s.cache_bytes if s.workers is None else 0  # no prompt cache over workers
+        await self._make_room(need + (draft_bytes or 0) + kept)
 
         def load() -> Loaded:
             budget = s.max_memory
